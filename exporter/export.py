@@ -1,0 +1,259 @@
+"""`kvforge export`: local HF folder -> prefill.onnx + decode.onnx (+ shared weights) + manifest.
+
+HF model --(wrapper: attention routed through the kvforge op)--> canonical graphs (torch.onnx,
+dynamo) --(lowering per target)--> saved graphs. Everything is written to a temporary sibling
+folder and renamed into place at the end, so a failed export leaves nothing that looks valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kvforge import __version__
+from kvforge.errors import ExportError, InputError, KvforgeError
+from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
+from kvforge.exporter.weights import save_with_shared_weights
+from kvforge.models.families import family_for
+
+DTYPES = {"fp32": "float32", "fp16": "float16"}
+WEIGHTS_NAME = "model.weights"
+OPSET = 24
+COPIED_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json",
+)
+# Example sizes for tracing; every one of these dimensions is dynamic in the graphs.
+_EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY = 2, 8, 32
+
+
+def load_hf_config(model_dir: str | Path):
+    """AutoConfig for a local HF folder, with errors that say what is wrong."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise InputError(f"{model_dir} is not a folder; pass a local Hugging Face model folder")
+    if not (model_dir / "config.json").is_file():
+        raise InputError(f"{model_dir} has no config.json: not a Hugging Face model folder")
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        raise InputError(f"{model_dir}/config.json could not be read by transformers: {err}") from err
+
+
+def load_hf_model(model_dir: str | Path, dtype: str = "fp32"):
+    """The local HF model with its eager attention, in eval mode (also the parity reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_hf_config(model_dir)
+    family_for(config)
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True
+        )
+    except (OSError, ValueError) as err:
+        raise InputError(f"could not load the weights of {model_dir}: {err}") from err
+    return model.eval()
+
+
+def graph_io_names(num_layers: int, phase: str) -> tuple[list[str], list[str]]:
+    cache_in = [f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    cache_out = [f"present_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    inputs = ["input_ids", "past_lens"] + (["logits_index"] if phase == "prefill" else []) + cache_in
+    return inputs, ["logits"] + cache_out
+
+
+def _export_phase(model, phase: str, num_layers: int, kv_heads: int, head_dim: int, torch_dtype):
+    import torch
+    from torch.export import Dim
+
+    from kvforge.exporter.wrapper import GraphWrapper
+    from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
+
+    batch_dim, seq_dim, capacity_dim = Dim("batch"), Dim("seq"), Dim("capacity")
+    seq = _EXAMPLE_SEQ if phase == "prefill" else 1
+    b = _EXAMPLE_BATCH
+    cache = [torch.zeros(b, kv_heads, _EXAMPLE_CAPACITY, head_dim, dtype=torch_dtype) for _ in range(2 * num_layers)]
+    args: list[torch.Tensor] = [torch.ones(b, seq, dtype=torch.int64), torch.zeros(b, dtype=torch.int32)]
+    rest_shapes: list[dict] = []
+    if phase == "prefill":
+        args.append(torch.full((b,), seq - 1, dtype=torch.int64))
+        rest_shapes.append({0: batch_dim})
+    rest_shapes += [{0: batch_dim, 2: capacity_dim} for _ in cache]
+    ids_shape = {0: batch_dim, 1: seq_dim} if phase == "prefill" else {0: batch_dim}
+    input_names, output_names = graph_io_names(num_layers, phase)
+    # torch.onnx prints its steps to stdout and warns about torchvision; keep stdout for --json.
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            GraphWrapper(model, phase),
+            tuple(args + cache),
+            dynamo=True,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_shapes=(ids_shape, {0: batch_dim}, tuple(rest_shapes)),
+            custom_translation_table=CUSTOM_TRANSLATION_TABLE,
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    return program.model
+
+
+def _io_spec(values) -> list[dict[str, Any]]:
+    spec = []
+    for value in values:
+        shape = [dim if isinstance(dim, int) else str(dim) for dim in value.shape]
+        spec.append({"name": value.name, "dtype": value.dtype.numpy().name, "shape": shape})
+    return spec
+
+
+def _tool_versions() -> dict[str, str]:
+    versions = {}
+    for package in ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def export_model(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    target: str = "ort",
+    dtype: str = "fp32",
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Export a local HF causal LM. Returns the manifest that was written to `out_dir`."""
+    from kvforge.exporter.lowering import TARGETS, lower
+
+    say = progress or (lambda _msg: None)
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).resolve()
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if out_dir.exists() and not force:
+        raise InputError(f"{out_dir} already exists; pass --force to replace it")
+    if out_dir == model_dir or model_dir in out_dir.parents:
+        raise InputError("the output folder must not be the model folder or inside it")
+    config = load_hf_config(model_dir)
+    family = family_for(config)
+
+    import torch
+
+    started = time.perf_counter()
+    say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
+    model = load_hf_model(model_dir, dtype)
+    num_layers = config.num_hidden_layers
+    kv_heads = config.num_key_value_heads
+    head_dim = family.head_dim(config)
+    torch_dtype = getattr(torch, DTYPES[dtype])
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial.", dir=out_dir.parent))
+    try:
+        graphs = {}
+        for phase in ("prefill", "decode"):
+            say(f"exporting {phase} graph (torch.onnx, dynamo)")
+            graph = _export_phase(model, phase, num_layers, kv_heads, head_dim, torch_dtype)
+            say(f"lowering {phase} attention for target {target}")
+            lower(graph, target)
+            graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
+            graphs[phase] = graph
+        say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
+        sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
+        for name in COPIED_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, staging / name)
+        if not (staging / "tokenizer.json").is_file():
+            say("warning: no tokenizer.json in the model folder; generate will take token ids only")
+        manifest = _manifest(config, model_dir, target, dtype, graphs, staging, head_dim, sizes)
+        write_manifest(staging, manifest)
+        staging.chmod(0o755)  # mkdtemp makes it private; an export folder is an ordinary folder
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    except KvforgeError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except Exception as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {err}") from err
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    say(f"exported to {out_dir} in {time.perf_counter() - started:.1f}s")
+    return manifest
+
+
+def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes) -> dict[str, Any]:
+    eos = config.eos_token_id
+    generation: dict[str, Any] = {}
+    generation_file = folder / "generation_config.json"
+    if generation_file.is_file():
+        generation = json.loads(generation_file.read_text())
+        eos = generation.get("eos_token_id", eos)
+    eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST_NAME:
+            files[path.name] = file_record(path)
+    return {
+        "format": FORMAT,
+        "kvforge_version": __version__,
+        "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "model": {
+            "source": str(model_dir),
+            "architecture": (config.architectures or [None])[0],
+            "model_type": config.model_type,
+            "vocab_size": config.vocab_size,
+            "num_layers": config.num_hidden_layers,
+            "num_heads": config.num_attention_heads,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": head_dim,
+            "hidden_size": config.hidden_size,
+            "max_position_embeddings": config.max_position_embeddings,
+            "bos_token_id": getattr(config, "bos_token_id", None),
+            "eos_token_id": eos_list,
+            "pad_token_id": getattr(config, "pad_token_id", None),
+            "sliding_window": getattr(config, "sliding_window", None),
+        },
+        "target": target,
+        "dtype": dtype,
+        "kv_cache": {
+            "layout": "BNSH",
+            "dtype": DTYPES[dtype],
+            "num_layers": config.num_hidden_layers,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": head_dim,
+            "max_capacity": config.max_position_embeddings,
+        },
+        "graphs": {
+            phase: {"file": f"{phase}.onnx", "inputs": _io_spec(graph.graph.inputs), "outputs": _io_spec(graph.graph.outputs)}
+            for phase, graph in graphs.items()
+        },
+        "weights": WEIGHTS_NAME,
+        "weights_sharing": sizes,
+        "files": files,
+        "generation": generation,
+        "tools": _tool_versions(),
+    }

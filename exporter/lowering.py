@@ -1,0 +1,148 @@
+"""Lowering passes: rewrite each canonical `kvforge::KVCacheAttention` node for a target.
+
+- `ort`:  com.microsoft.GroupQueryAttention (in place when past/present share one OrtValue).
+- `onnx`: standard ONNX Attention (opset 24) + TensorScatter for the in-place cache update.
+
+Values that depend only on `past_lens` and the shapes (lengths, causal mask) are built once per
+graph and shared by every layer's node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+from kvforge.errors import ExportError
+from kvforge.plugins.torch_op import DOMAIN, OP_TYPE
+
+TARGETS = ("ort", "onnx")
+
+
+def _const(tape: ir.tape.Tape, array: np.ndarray, name: str) -> ir.Value:
+    return tape.op("Constant", [], attributes={"value": ir.tensor(array, name=name)})
+
+
+def _attrs(node: ir.Node) -> dict:
+    return {name: attr.value for name, attr in node.attributes.items()}
+
+
+def _canonical_nodes(graph: ir.Graph) -> list[ir.Node]:
+    return [node for node in graph if node.domain == DOMAIN and node.op_type == OP_TYPE]
+
+
+def _replace(graph: ir.Graph, node: ir.Node, tape: ir.tape.Tape, new_outputs: list[ir.Value]) -> None:
+    ir.convenience.replace_nodes_and_values(
+        graph, node, [node], tape.nodes, list(node.outputs), new_outputs
+    )
+
+
+def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node]) -> None:
+    first = canonical[0]
+    q0, past_lens = first.inputs[0], first.inputs[5]
+    shared = ir.tape.Tape()
+    seq = shared.op("Shape", [q0], attributes={"start": 1, "end": 2})
+    seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
+    total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
+    # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
+    # written too, but real tokens never attend them (causal) and decode overwrites them later.
+    seqlens_k = shared.op("Sub", [total, _const(shared, np.array([1], np.int32), "kvforge_one")])
+    total_len = shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+    graph.insert_before(first, shared.nodes)
+
+    for node in canonical:
+        attrs = _attrs(node)
+        q, k, v, past_key, past_value, _ = node.inputs
+        tape = ir.tape.Tape()
+        out, present_key, present_value = tape.op_multi_out(
+            "GroupQueryAttention",
+            [q, k, v, past_key, past_value, seqlens_k, total_len],
+            attributes={
+                "num_heads": attrs["num_heads"],
+                "kv_num_heads": attrs["kv_num_heads"],
+                "scale": attrs["scale"],
+                "softcap": attrs["softcap"],
+                # Same W as HF's sliding_window (a query sees itself and W-1 earlier positions);
+                # tests check it against HF eager with a window shorter than the sequence.
+                "local_window_size": attrs["sliding_window"] if attrs["sliding_window"] > 0 else -1,
+                "do_rotary": 0,
+            },
+            domain="com.microsoft",
+            num_outputs=3,
+        )
+        _replace(graph, node, tape, [out, present_key, present_value])
+    graph.opset_imports["com.microsoft"] = 1
+
+
+def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
+    first = canonical[0]
+    q0, past_key0, past_lens = first.inputs[0], first.inputs[3], first.inputs[5]
+    shared = ir.tape.Tape()
+    zero = _const(shared, np.array(0, np.int64), "kvforge_zero")
+    one = _const(shared, np.array(1, np.int64), "kvforge_one")
+    seq = shared.op("Squeeze", [shared.op("Shape", [q0], attributes={"start": 1, "end": 2})])
+    capacity = shared.op("Squeeze", [shared.op("Shape", [past_key0], attributes={"start": 2, "end": 3})])
+    write_index = shared.op("Cast", [past_lens], attributes={"to": ir.DataType.INT64})  # [B]
+    # positions[b, t] = past_lens[b] + t ; cache_pos[c] = c
+    positions = shared.op(
+        "Add",
+        [
+            shared.op("Unsqueeze", [write_index, _const(shared, np.array([1], np.int64), "kvforge_axis1")]),
+            shared.op("Range", [zero, seq, one]),
+        ],
+    )
+    query_pos = shared.op("Unsqueeze", [positions, _const(shared, np.array([1, 3], np.int64), "kvforge_axes13")])
+    cache_pos = shared.op("Range", [zero, capacity, one])  # broadcasts as [1, 1, 1, C]
+    causal = shared.op("LessOrEqual", [cache_pos, query_pos])  # [B, 1, S, C]
+    graph.insert_before(first, shared.nodes)
+
+    masks: dict[int, ir.Value] = {0: causal}
+    for node in canonical:
+        attrs = _attrs(node)
+        q, k, v, past_key, past_value, _ = node.inputs
+        heads, kv_heads, window = attrs["num_heads"], attrs["kv_num_heads"], attrs["sliding_window"]
+        tape = ir.tape.Tape()
+        if window not in masks:
+            lower = tape.op("Sub", [query_pos, _const(tape, np.array(window, np.int64), f"kvforge_window{window}")])
+            masks[window] = tape.op("And", [causal, tape.op("Greater", [cache_pos, lower])])
+
+        def heads_first(x: ir.Value, n: int, tape: ir.tape.Tape = tape) -> ir.Value:
+            shape = _const(tape, np.array([0, 0, n, -1], np.int64), None)
+            return tape.op("Transpose", [tape.op("Reshape", [x, shape])], attributes={"perm": [0, 2, 1, 3]})
+
+        present_key = tape.op("TensorScatter", [past_key, heads_first(k, kv_heads), write_index], attributes={"axis": 2})
+        present_value = tape.op(
+            "TensorScatter", [past_value, heads_first(v, kv_heads), write_index], attributes={"axis": 2}
+        )
+        attention = {"scale": attrs["scale"]}
+        if attrs["softcap"] > 0:
+            attention["softcap"] = attrs["softcap"]
+        y = tape.op("Attention", [heads_first(q, heads), present_key, present_value, masks[window]], attributes=attention)
+        out = tape.op(
+            "Reshape",
+            [
+                tape.op("Transpose", [y], attributes={"perm": [0, 2, 1, 3]}),
+                _const(tape, np.array([0, 0, -1], np.int64), None),
+            ],
+        )
+        _replace(graph, node, tape, [out, present_key, present_value])
+    if graph.opset_imports.get("", 0) < 24:
+        raise ExportError("the `onnx` target needs the graph exported at opset >= 24 (Attention + TensorScatter)")
+
+
+_PASSES: dict[str, Callable[[ir.Graph, list[ir.Node]], None]] = {"ort": lower_to_ort, "onnx": lower_to_onnx}
+
+
+def lower(model: ir.Model, target: str) -> ir.Model:
+    """Rewrite every canonical attention node of `model` in place for `target`."""
+    if target not in _PASSES:
+        raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    graph = model.graph
+    canonical = _canonical_nodes(graph)
+    if not canonical:
+        raise ExportError("the exported graph has no kvforge attention node; attention was not routed through the op")
+    _PASSES[target](graph, canonical)
+    graph.opset_imports.pop(DOMAIN, None)
+    model.opset_imports.pop(DOMAIN, None) if hasattr(model, "opset_imports") else None
+    return model

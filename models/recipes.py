@@ -1,0 +1,134 @@
+"""Small built-in model recipes: HF configs + seeded random weights + a locally built tokenizer.
+
+Nothing is downloaded. `materialize(name, folder)` writes an ordinary Hugging Face folder
+(config.json, model.safetensors, tokenizer.json, generation_config.json) that `from_pretrained`
+loads like any other. THE WEIGHTS ARE RANDOM: the text they produce is noise; they exist so that
+export, runtime and parity can be exercised (and compared against HF eager) without a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvforge.errors import InputError
+from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model_type: str
+    description: str
+    config: dict[str, Any]
+    tokenizer_vocab: int = 512
+    # Random weights make residual branches tiny next to the embeddings, so a broken attention
+    # could still reproduce HF's tokens. Scaling the projections that write into the residual
+    # stream makes every layer (and the KV cache) matter for the logits.
+    residual_scale: float = 2.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+    # Larger than HF's 0.02 so greedy decoding does not collapse into one repeated token.
+    initializer_range=0.2,
+    bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+)
+
+RECIPES: dict[str, Recipe] = {
+    "llama-tiny": Recipe("llama", "Llama, GQA 4/2 heads, untied embeddings", {**_TINY, "tie_word_embeddings": False}),
+    "llama3-tiny": Recipe(
+        "llama", "Llama 3.x: llama3 rope scaling, tied embeddings",
+        {**_TINY, "tie_word_embeddings": True, "rope_theta": 500000.0,
+         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
+    "mistral-tiny": Recipe(
+        "mistral", "Mistral with a 16-token sliding window (so the window is exercised)",
+        {**_TINY, "sliding_window": 16, "tie_word_embeddings": False},
+    ),
+    "qwen2-tiny": Recipe("qwen2", "Qwen2: q/k/v bias, tied embeddings", {**_TINY, "tie_word_embeddings": True}),
+    "qwen3-tiny": Recipe(
+        "qwen3", "Qwen3: q/k norm, head_dim 32 != hidden/heads 16",
+        {**_TINY, "head_dim": 32, "tie_word_embeddings": False},
+    ),
+    "demo-llama": Recipe(
+        "llama", "the demo: a ~4M-parameter Llama (random weights)",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=True,
+             initializer_range=0.1),
+        tokenizer_vocab=2048, residual_scale=2.0,
+    ),
+    "smollm2-135m-shape": Recipe(
+        "llama", "SmolLM2-135M's shape (30 layers, 576 hidden, 9/3 heads, 49152 vocab), random weights",
+        dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+             rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+        tokenizer_vocab=2048, residual_scale=1.0,
+    ),
+}
+
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
+
+def build_model(name: str, seed: int = 0, dtype: str = "float32"):
+    """The recipe's HF model with seeded random weights (needs the `export` extra)."""
+    import torch
+    import transformers
+
+    recipe = _recipe(name)
+    config = getattr(transformers, _CONFIG_CLASSES[recipe.model_type])(**recipe.config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for module_name, param in model.named_parameters():
+            if module_name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.mul_(recipe.residual_scale)
+    return model.eval()
+
+
+def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = False) -> Path:
+    """Write the recipe as a Hugging Face folder. Written to a temporary sibling, renamed into place."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    recipe = _recipe(name)
+    folder = Path(folder)
+    if folder.exists() and not force:
+        raise InputError(f"{folder} already exists; pass --force to overwrite it")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        model = build_model(name, seed=seed)
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=build_tokenizer(recipe.tokenizer_vocab),
+            bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token=None,
+        )
+        tokenizer.save_pretrained(staging)
+        GenerationConfig(
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+        ).save_pretrained(staging)
+        (staging / "kvforge_recipe.json").write_text(
+            json.dumps({"recipe": name, "seed": seed, "random_weights": True, "description": recipe.description}, indent=2)
+        )
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise InputError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    return RECIPES[name]

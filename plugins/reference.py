@@ -1,0 +1,55 @@
+"""The fused attention op's semantics, in torch: the reference every lowering is checked against.
+
+Inputs (canonical node, domain `kvforge`, op `KVCacheAttention`):
+  q [B, S, H*D], k [B, S, Hkv*D], v [B, S, Hkv*D]   (after RoPE / q-k norms)
+  past_key, past_value [B, Hkv, C, D]                (the cache, capacity C)
+  past_lens [B] int32                                (cached tokens per row before this call)
+Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
+New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
+0 .. past_lens[b] + t (and, with a sliding window W, only those > past_lens[b] + t - W).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_cache_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    past_lens: torch.Tensor,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
+    softcap: float = 0.0,
+    sliding_window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, seq, _ = q.shape
+    head_dim = past_key.shape[-1]
+    capacity = past_key.shape[2]
+    q4 = q.reshape(batch, seq, num_heads, head_dim).transpose(1, 2)
+    k4 = k.reshape(batch, seq, kv_num_heads, head_dim).transpose(1, 2)
+    v4 = v.reshape(batch, seq, kv_num_heads, head_dim).transpose(1, 2)
+
+    positions = past_lens.to(torch.int64)[:, None] + torch.arange(seq, device=q.device)  # [B, S]
+    index = positions[:, None, :, None].expand(batch, kv_num_heads, seq, head_dim)
+    present_key = past_key.scatter(2, index, k4)
+    present_value = past_value.scatter(2, index, v4)
+
+    group = num_heads // kv_num_heads
+    keys = present_key.repeat_interleave(group, dim=1).float()
+    values = present_value.repeat_interleave(group, dim=1).float()
+    scores = torch.matmul(q4.float(), keys.transpose(-1, -2)) * scale  # [B, H, S, C]
+    if softcap > 0.0:
+        scores = softcap * torch.tanh(scores / softcap)
+    cache_pos = torch.arange(capacity, device=q.device)
+    allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
+    if sliding_window > 0:
+        allowed &= cache_pos[None, None, :] > positions[:, :, None] - sliding_window
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), values).to(q.dtype)
+    out = out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
+    return out, present_key, present_value
