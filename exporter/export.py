@@ -16,6 +16,7 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
@@ -24,8 +25,8 @@ from typing import Any
 
 from kvforge import __version__
 from kvforge.errors import ExportError, InputError, KvforgeError
-from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.exporter.weights import save_with_shared_weights
+from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.models.families import family_for
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
@@ -122,6 +123,12 @@ def _io_spec(values) -> list[dict[str, Any]]:
         shape = [dim if isinstance(dim, int) else str(dim) for dim in value.shape]
         spec.append({"name": value.name, "dtype": value.dtype.numpy().name, "shape": shape})
     return spec
+
+
+def _graph_summary(model) -> dict[str, Any]:
+    counts = Counter(f"{node.domain}.{node.op_type}" if node.domain else node.op_type for node in model.graph)
+    attention = {op: n for op, n in counts.items() if op.endswith(("GroupQueryAttention", "Attention"))}
+    return {"nodes": sum(counts.values()), "attention": attention, "op_counts": dict(sorted(counts.items()))}
 
 
 def _tool_versions() -> dict[str, str]:
@@ -248,7 +255,8 @@ def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes)
             "max_capacity": config.max_position_embeddings,
         },
         "graphs": {
-            phase: {"file": f"{phase}.onnx", "inputs": _io_spec(graph.graph.inputs), "outputs": _io_spec(graph.graph.outputs)}
+            phase: {"file": f"{phase}.onnx", **_graph_summary(graph),
+                    "inputs": _io_spec(graph.graph.inputs), "outputs": _io_spec(graph.graph.outputs)}
             for phase, graph in graphs.items()
         },
         "weights": WEIGHTS_NAME,

@@ -1,0 +1,156 @@
+"""`kvforge parity`: the same prompts through Hugging Face eager and through an export.
+
+For every prompt the export generates `new_tokens` greedy tokens (EOS ignored, so every run is
+the same length). Hugging Face eager then scores prompt + those tokens in one forward pass: at
+each step we compare the export's logits with HF's (max abs error) and the export's token with
+HF's argmax (greedy agreement, teacher-forced so one early flip does not hide later steps).
+HF's own cached `generate` must also produce exactly the export's tokens.
+
+Tolerances (max abs logit error per step): fp32 1e-3, fp16 0.15. A token mismatch fails the gate
+unless HF's own top-2 margin at that step is below 2 x atol (a numerical tie, reported as such).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import InputError
+
+DEFAULT_PROMPTS = (
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog. Attention lets every token look back",
+    "def main(): return 42",
+)
+DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 0.15}
+
+
+@dataclass
+class PromptParity:
+    prompt: str
+    prompt_tokens: int
+    export_tokens: list[int]
+    hf_generate_tokens: list[int]
+    step_max_abs_err: list[float]
+    step_hf_margin: list[float]
+    mismatched_steps: list[int]
+    tie_steps: list[int]
+
+    @property
+    def max_abs_err(self) -> float:
+        return max(self.step_max_abs_err)
+
+    @property
+    def generate_equal(self) -> bool:
+        return self.hf_generate_tokens == self.export_tokens
+
+
+@dataclass
+class ParityReport:
+    export_dir: str
+    target: str
+    dtype: str
+    backend: str
+    atol: float
+    new_tokens: int
+    prompts: list[PromptParity] = field(default_factory=list)
+
+    @property
+    def max_abs_err(self) -> float:
+        return max(p.max_abs_err for p in self.prompts)
+
+    @property
+    def passed(self) -> bool:
+        return self.failure_reason() == ""
+
+    def failure_reason(self) -> str:
+        reasons = []
+        for i, p in enumerate(self.prompts):
+            if p.max_abs_err > self.atol:
+                step = int(np.argmax(p.step_max_abs_err))
+                reasons.append(f"prompt {i}: max logit error {p.max_abs_err:.3g} > atol {self.atol:g} (step {step})")
+            if p.mismatched_steps:
+                reasons.append(f"prompt {i}: greedy token differs from HF at steps {p.mismatched_steps}")
+            elif not p.generate_equal and not p.tie_steps:
+                reasons.append(f"prompt {i}: HF generate() tokens differ from the export's")
+        return "; ".join(reasons)
+
+    def summary(self) -> str:
+        lines = [f"parity {self.export_dir} (target {self.target}, {self.dtype}, {self.backend}, "
+                 f"{self.new_tokens} new tokens, atol {self.atol:g})"]
+        for i, p in enumerate(self.prompts):
+            agree = self.new_tokens - len(p.mismatched_steps) - len(p.tie_steps)
+            lines.append(
+                f"  prompt {i} ({p.prompt_tokens} tokens): max logit err {p.max_abs_err:.3g}, "
+                f"greedy agreement {agree}/{self.new_tokens}"
+                + (f" (+{len(p.tie_steps)} numerical ties)" if p.tie_steps else "")
+                + f", HF generate equal: {'yes' if p.generate_equal else 'no'}"
+            )
+        lines.append("PASS" if self.passed else f"FAIL: {self.failure_reason()}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["max_abs_err"] = self.max_abs_err
+        data["failure"] = self.failure_reason() or None
+        return data
+
+
+def run_parity(
+    model_dir: str | Path,
+    export_dir: str | Path,
+    prompts: list[str] | None = None,
+    new_tokens: int = 32,
+    atol: float | None = None,
+    backend: str = "ort-cpu",
+    progress: Callable[[str], None] | None = None,
+) -> ParityReport:
+    import torch
+    from transformers import GenerationConfig
+
+    from kvforge.exporter.export import load_hf_model
+    from kvforge.runtime import Generator
+
+    say = progress or (lambda _msg: None)
+    if new_tokens < 1:
+        raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
+    generator = Generator(export_dir, backend=backend)
+    manifest = generator.manifest
+    if generator.tokenizer is None:
+        raise InputError(f"{export_dir} has no tokenizer.json; parity needs text prompts it can tokenize")
+    dtype = manifest["dtype"]
+    atol = DEFAULT_ATOL[dtype] if atol is None else atol
+    say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
+    model = load_hf_model(model_dir, dtype)
+    report = ParityReport(str(export_dir), manifest["target"], dtype, backend, atol, new_tokens)
+    no_eos = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
+        pad_token_id=manifest["model"].get("pad_token_id") or 0,
+    )
+    for text in prompts or list(DEFAULT_PROMPTS):
+        ids = generator.tokenizer.encode(text)
+        say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
+        result = generator.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True, keep_logits=True)
+        tokens = result.tokens[0]
+        export_logits = np.stack([step[0] for step in result.logits]).astype(np.float32)  # [N, V]
+        with torch.no_grad():
+            full = torch.tensor([ids + tokens[:-1]])
+            ref = model(full).logits[0, len(ids) - 1 :].float().numpy()  # [N, V]
+            generated = model.generate(torch.tensor([ids]), generation_config=no_eos)[0, len(ids):].tolist()
+        err = np.abs(export_logits - ref).max(axis=-1)
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        margin = top2[:, 1] - top2[:, 0]
+        hf_argmax = ref.argmax(axis=-1)
+        mismatched, ties = [], []
+        for step, token in enumerate(tokens):
+            if token != int(hf_argmax[step]):
+                (ties if margin[step] < 2 * atol else mismatched).append(step)
+        report.prompts.append(
+            PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(), mismatched, ties)
+        )
+    return report

@@ -1,0 +1,246 @@
+"""The `kvforge` command line: demo | export | generate | parity | inspect.
+
+Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate);
+`--debug` shows the traceback. Every command has `--json` (one JSON object on stdout).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvforge import __version__
+from kvforge.errors import KvforgeError, ParityError
+
+DEFAULT_PROMPT = "Once upon a time"
+
+
+class _Group(click.Group):
+    """Turns kvforge errors into one line and an exit code, unless --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ParityError as err:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"kvforge: parity failed: {err}", err=True)
+            sys.exit(1)
+        except KvforgeError as err:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"kvforge: error: {err}", err=True)
+            sys.exit(2)
+
+
+def _progress(quiet: bool):
+    def say(message: str) -> None:
+        if not quiet:
+            click.echo(f"[kvforge] {message}", err=True)
+
+    return say
+
+
+def _emit_json(payload: dict[str, Any]) -> None:
+    click.echo(json.dumps(payload, indent=2, default=str))
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="kvforge")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Turn a Hugging Face causal LM into prefill/decode graphs and run them fast."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
+@click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
+              help="Attention lowering: ONNX Runtime GroupQueryAttention, or standard ONNX Attention + TensorScatter.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, as_json: bool) -> None:
+    """Export MODEL_DIR (a local Hugging Face folder) to prefill.onnx + decode.onnx."""
+    from kvforge.exporter.export import export_model
+
+    manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=_progress(False))
+    if as_json:
+        _emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
+    else:
+        click.echo(f"exported {manifest['model']['architecture']} ({target}, {dtype}) to {out_dir}")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError as err:
+        raise click.BadParameter(f"expected comma-separated token ids, got {text!r}") from err
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says.")
+@click.option("--temperature", type=float)
+@click.option("--top-k", type=int)
+@click.option("--top-p", type=float)
+@click.option("--seed", type=int)
+@click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
+@click.option("--backend", default="ort-cpu", show_default=True, help="ort-cpu | ort-cuda")
+@click.option("--threads", type=int, help="Intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--json", "as_json", is_flag=True)
+def generate(
+    export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
+    temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
+    backend: str, threads: int | None, stream: bool, as_json: bool,
+) -> None:
+    """Generate from an export folder."""
+    from kvforge.errors import InputError
+    from kvforge.runtime import Generator
+
+    if bool(prompts) == bool(prompt_ids):
+        raise InputError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable for a batch)")
+    batch: Any = list(prompts) if prompts else [_parse_ids(ids) for ids in prompt_ids]
+    generator = Generator(export_dir, backend=backend, threads=threads)
+    options = dict(
+        max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
+    )
+    if stream and not as_json:
+        events = generator.stream(batch, **options)
+        for event in events:
+            if len(batch) == 1:
+                piece = event.text[0] if event.text is not None else f"{event.token_ids[0]} "
+                click.echo(piece or "", nl=False)
+        click.echo()
+        result = events.result
+    else:
+        result = generator.generate(batch, **options)
+    payload = {
+        "tokens": result.tokens,
+        "text": result.text,
+        "prompt_tokens": result.prompt_tokens,
+        "finish_reason": result.finish_reason,
+        "ttft_ms": round(result.ttft_ms, 3),
+        "prefill_ms": round(result.prefill_ms, 3),
+        "decode_ms": round(result.decode_ms, 3),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        "steps": result.steps,
+        "backend": backend,
+    }
+    if as_json:
+        _emit_json(payload)
+        return
+    if not stream:
+        for i, tokens in enumerate(result.tokens):
+            prefix = f"[{i}] " if len(result.tokens) > 1 else ""
+            click.echo(prefix + (result.text[i] if result.text is not None else ",".join(map(str, tokens))))
+    click.echo(
+        f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
+        f"{sum(map(len, result.tokens))} tokens",
+        err=True,
+    )
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--new-tokens", default=32, show_default=True, type=int)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
+@click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
+@click.option("--backend", default="ort-cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
+           backend: str, as_json: bool) -> None:
+    """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
+    from kvforge.exporter.parity import run_parity
+
+    report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
+                        atol=atol, backend=backend, progress=_progress(as_json))
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        click.echo(report.summary())
+    if not report.passed:
+        raise ParityError(report.failure_reason())
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def inspect(export_dir: Path, as_json: bool) -> None:
+    """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
+    from kvforge.inspect import describe
+
+    info = describe(export_dir)
+    if as_json:
+        _emit_json(info)
+        return
+    model = info["manifest"]["model"]
+    click.echo(f"{export_dir}: {model['architecture']} target={info['manifest']['target']} dtype={info['manifest']['dtype']}")
+    click.echo(f"  layers {model['num_layers']}, heads {model['num_heads']}/{model['num_kv_heads']} (q/kv), "
+               f"head_dim {model['head_dim']}, vocab {model['vocab_size']}, max capacity {info['manifest']['kv_cache']['max_capacity']}")
+    for phase, graph in info["graphs"].items():
+        click.echo(f"  {phase}: {graph['file']} ({graph['nodes']} nodes; attention: {graph['attention_nodes']})")
+        for kind in ("inputs", "outputs"):
+            shown = graph[kind][:4]
+            more = len(graph[kind]) - len(shown)
+            items = ", ".join(f"{io['name']} {io['dtype']}{io['shape']}" for io in shown)
+            click.echo(f"    {kind}: {items}" + (f", ... (+{more})" if more > 0 else ""))
+    for name, record in info["files"].items():
+        click.echo(f"  {name}: {record['bytes'] / 1e6:.2f} MB")
+
+
+@main.command()
+@click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path))
+@click.option("--recipe", default="demo-llama", show_default=True, help="Built-in model recipe.")
+@click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True)
+@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True)
+def demo(out_dir: Path, recipe: str, target: str, prompt: str, max_new_tokens: int, as_json: bool) -> None:
+    """Build a small built-in model (random weights), export it and generate from it."""
+    from kvforge.exporter.export import export_model
+    from kvforge.models.recipes import RECIPES, materialize
+    from kvforge.runtime import Generator
+
+    say = _progress(as_json)
+    model_dir, export_dir = out_dir / "model", out_dir / "export"
+    t0 = time.perf_counter()
+    say(f"building built-in model {recipe!r} ({RECIPES[recipe].description if recipe in RECIPES else '?'}) "
+        f"in {model_dir} -- its weights are RANDOM, so its text is noise")
+    materialize(recipe, model_dir, force=True)
+    t1 = time.perf_counter()
+    export_model(model_dir, export_dir, target=target, force=True, progress=say)
+    t2 = time.perf_counter()
+    generator = Generator(export_dir)
+    result = generator.generate(prompt, max_new_tokens=max_new_tokens, greedy=True)
+    timings = {
+        "build_s": round(t1 - t0, 2), "export_s": round(t2 - t1, 2), "ttft_ms": round(result.ttft_ms, 2),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
+    }
+    if as_json:
+        _emit_json({"model_dir": str(model_dir), "export_dir": str(export_dir), "prompt": prompt,
+                    "text": result.text[0], "tokens": result.tokens[0], "random_weights": True, **timings})
+        return
+    click.echo(f"prompt:    {prompt!r}")
+    click.echo(f"generated: {result.text[0]!r}   (random weights: noise is expected)")
+    click.echo(f"timings:   build {timings['build_s']} s, export {timings['export_s']} s, "
+               f"time to first token {timings['ttft_ms']} ms, decode {timings['decode_tokens_per_s']} tokens/s")
+    click.echo(f"next:      kvforge generate {export_dir} --prompt 'Hello' --stream")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""`kvforge inspect`: what an export folder holds, from its manifest (no onnx import needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvforge.manifest import load_manifest
+
+
+def describe(export_dir: str | Path) -> dict[str, Any]:
+    manifest = load_manifest(export_dir)
+    graphs = {}
+    for phase, graph in manifest["graphs"].items():
+        graphs[phase] = {
+            "file": graph["file"],
+            "nodes": graph.get("nodes"),
+            "attention_nodes": graph.get("attention"),
+            "op_counts": graph.get("op_counts", {}),
+            "inputs": graph["inputs"],
+            "outputs": graph["outputs"],
+        }
+    return {"folder": str(Path(export_dir).resolve()), "graphs": graphs, "files": manifest["files"], "manifest": manifest}

@@ -1,0 +1,142 @@
+"""Preallocated KV cache: per layer one key and one value buffer [B, H_kv, C, D], bound in place.
+
+The buffers are allocated once per (batch, capacity) and the graphs write new rows into them
+(past_* and present_* are bound to the same OrtValue). `past_lens` tracks how many positions each
+row holds; nothing may write past the capacity C, so every run is checked first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from kvforge.errors import CapacityError, InputError, ManifestError
+
+KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def needed_positions(prompt_lens: list[int], max_new_tokens: int) -> int:
+    """Cache positions a request writes: the longest prompt plus every generated token but the
+    last, which is returned and never fed back."""
+    return max(prompt_lens) + max_new_tokens - 1
+
+
+def choose_capacity(needed: int, max_capacity: int, requested: int | None = None) -> int:
+    """The capacity C to allocate: `requested` if given, else exactly what the request needs."""
+    if needed > max_capacity:
+        raise CapacityError(
+            f"the request needs {needed} positions (longest prompt + max_new_tokens - 1) but the export "
+            f"allows at most {max_capacity}; shorten the prompt or lower max_new_tokens"
+        )
+    if requested is None:
+        return needed
+    if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 1:
+        raise InputError(f"capacity must be a positive integer, got {requested!r}")
+    if requested > max_capacity:
+        raise CapacityError(
+            f"capacity {requested} exceeds the export's max_capacity {max_capacity}; pass at most {max_capacity}"
+        )
+    if needed > requested:
+        raise CapacityError(
+            f"the request needs {needed} positions but the KV cache holds {requested}; "
+            f"raise capacity (max {max_capacity})"
+        )
+    return int(requested)
+
+
+class KVCache:
+    """Key/value buffers for every layer plus per-row fill levels."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: str = "float32",
+        device: str = "cpu",
+        device_id: int = 0,
+        max_capacity: int | None = None,
+    ) -> None:
+        if dtype not in KV_DTYPES:
+            raise ManifestError(f"KV cache dtype {dtype!r} is not supported; expected one of {sorted(KV_DTYPES)}")
+        self.shape = (batch, num_kv_heads, capacity, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self.capacity = capacity
+        self.max_capacity = max_capacity if max_capacity is not None else capacity
+        self.past_lens = np.zeros(batch, dtype=np.int32)
+        np_dtype = KV_DTYPES[dtype]
+        # On CPU the OrtValues wrap these numpy arrays (no copy); keep them alive as long as the cache.
+        self._host: list[np.ndarray] = []
+        self.keys: list[ort.OrtValue] = []
+        self.values: list[ort.OrtValue] = []
+        for _ in range(num_layers):
+            for store in (self.keys, self.values):
+                if device == "cpu":
+                    array = np.zeros(self.shape, dtype=np_dtype)
+                    self._host.append(array)
+                    store.append(ort.OrtValue.ortvalue_from_numpy(array))
+                else:
+                    value = ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np_dtype, device, device_id)
+                    # Zero once so that reads of never-written rows are deterministic (debugging only:
+                    # the graphs never attend them).
+                    value.update_inplace(np.zeros(self.shape, dtype=np_dtype))
+                    store.append(value)
+
+    @classmethod
+    def from_manifest(
+        cls, manifest: dict[str, Any], batch: int, capacity: int, device: str = "cpu", device_id: int = 0
+    ) -> KVCache:
+        kv = manifest["kv_cache"]
+        return cls(
+            num_layers=kv["num_layers"],
+            batch=batch,
+            num_kv_heads=kv["num_kv_heads"],
+            capacity=capacity,
+            head_dim=kv["head_dim"],
+            dtype=kv["dtype"],
+            device=device,
+            device_id=device_id,
+            max_capacity=kv.get("max_capacity"),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
+
+    def reset(self) -> None:
+        """Forget the contents (stale rows are overwritten before they are ever attended)."""
+        self.past_lens[:] = 0
+
+    def check_fits(self, new_tokens: int, rows: np.ndarray | None = None) -> None:
+        """Raise CapacityError if writing `new_tokens` more positions would pass the capacity
+        for any row (or for the rows selected by the boolean mask `rows`)."""
+        lens = self.past_lens if rows is None else self.past_lens[rows]
+        if lens.size == 0:
+            return
+        needed = int(lens.max()) + int(new_tokens)
+        if needed > self.capacity:
+            raise CapacityError(
+                f"this step needs {needed} positions but the KV cache holds {self.capacity}; "
+                f"raise capacity (max {self.max_capacity})"
+            )
+
+    def addresses(self) -> dict[str, int]:
+        """Device address of every buffer, by graph input name."""
+        out = {}
+        for i, (key, value) in enumerate(zip(self.keys, self.values, strict=True)):
+            out[f"past_key.{i}"] = key.data_ptr()
+            out[f"past_value.{i}"] = value.data_ptr()
+        return out
+
+    def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of layer `layer`'s key and value buffers as numpy arrays (for tests and debugging)."""
+        return self.keys[layer].numpy().copy(), self.values[layer].numpy().copy()

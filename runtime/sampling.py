@@ -1,0 +1,123 @@
+"""Next-token selection on a [B, V] logits array: greedy, or temperature / top-k / top-p sampling.
+
+numpy only (the runtime stands alone). Filtering follows Hugging Face's warpers so that a
+generation_config.json means the same thing here: top-k keeps every token tied with the k-th,
+top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import InputError
+
+# Hugging Face's GenerationConfig defaults, used when a generation dict leaves a key out.
+HF_DEFAULT_TEMPERATURE = 1.0
+HF_DEFAULT_TOP_K = 50
+HF_DEFAULT_TOP_P = 1.0
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick the next token. top_k=0 and top_p=1.0 disable those filters."""
+
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise InputError(f"temperature must be a number > 0, got {self.temperature!r}")
+        if not self.temperature > 0:
+            raise InputError(
+                f"temperature must be > 0, got {self.temperature}; use greedy=True for deterministic decoding"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            raise InputError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @classmethod
+    def from_generation(cls, generation: dict[str, Any] | None) -> SamplingConfig:
+        """Defaults from a generation_config.json-style dict (the manifest's "generation")."""
+        generation = generation or {}
+        if not generation.get("do_sample", False):
+            # Greedy: the sampling keys are unused, and HF files sometimes hold values (temperature 0)
+            # that would not validate; ignore them rather than refuse a valid export.
+            return cls(greedy=True)
+        return cls(
+            greedy=False,
+            temperature=float(generation.get("temperature") or HF_DEFAULT_TEMPERATURE),
+            top_k=int(generation.get("top_k", HF_DEFAULT_TOP_K) or 0),
+            top_p=float(generation.get("top_p", HF_DEFAULT_TOP_P) or HF_DEFAULT_TOP_P),
+        )
+
+    def with_overrides(self, **overrides: Any) -> SamplingConfig:
+        """A copy with the non-None keyword arguments replaced (validated again)."""
+        given = {key: value for key, value in overrides.items() if value is not None}
+        return dataclasses.replace(self, **given)
+
+
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """Argmax per row of [B, V] logits -> [B] int64."""
+    return np.argmax(logits, axis=-1).astype(np.int64)
+
+
+def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """Return a float32 copy of [B, V] logits with the tokens outside top-k / top-p set to -inf."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    vocab = out.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(out, vocab - top_k, axis=-1)[:, vocab - top_k : vocab - top_k + 1]
+        out[out < kth] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-out, axis=-1, kind="stable")
+        sorted_logits = np.take_along_axis(out, order, axis=-1)
+        probs = _softmax(sorted_logits)
+        mass_before = np.cumsum(probs, axis=-1) - probs
+        # Keep a token while the mass of the more likely ones has not reached top_p; the first always stays.
+        remove_sorted = mass_before >= top_p
+        remove_sorted[:, 0] = False
+        remove = np.zeros_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        out[remove] = -np.inf
+    return out
+
+
+def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator) -> np.ndarray:
+    """Pick one token per row of [B, V] logits according to `config` -> [B] int64."""
+    if config.greedy:
+        return greedy(logits)
+    scaled = np.asarray(logits, dtype=np.float32) / np.float32(config.temperature)
+    probs = _softmax(filter_logits(scaled, config.top_k, config.top_p))
+    cdf = np.cumsum(probs, axis=-1)
+    # u in (0, 1]: the chosen index i satisfies cdf[i-1] < u*total <= cdf[i], so zero-probability
+    # tokens (flat cdf) can never be drawn.
+    u = (1.0 - rng.random(cdf.shape[0])) * cdf[:, -1]
+    picks = (cdf < u[:, None]).sum(axis=-1)
+    return np.minimum(picks, cdf.shape[-1] - 1).astype(np.int64)
+
+
+class Sampler:
+    """A SamplingConfig with its own random generator, so a seed reproduces a whole generation."""
+
+    def __init__(self, config: SamplingConfig) -> None:
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        return sample(logits, self.config, self.rng)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)

@@ -1,0 +1,76 @@
+"""The export folder's tokenizer, read from `tokenizer.json` with the `tokenizers` library (no transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvforge.errors import InputError, ManifestError
+
+TOKENIZER_FILE = "tokenizer.json"
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """encode/decode plus incremental detokenizers for streaming."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise ManifestError(
+                f"{path} does not exist: the export folder has no tokenizer; pass token ids instead of text"
+            )
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception on bad files
+            raise ManifestError(f"{path} is not a readable tokenizers file ({err}); re-run the export") from err
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids for `text`. Special tokens (BOS) are added by the tokenizer's own post-processor,
+        as Hugging Face does with add_special_tokens=True."""
+        if not isinstance(text, str):
+            raise InputError(f"a text prompt must be a str, got {type(text).__name__}")
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never need to be taken back.
+
+    Decoding token by token breaks multi-byte characters split over tokens and loses the spacing some
+    decoders add between tokens. So decode a short window twice, without and with the new tokens,
+    emit the difference, and hold it back while it ends in U+FFFD (an incomplete UTF-8 sequence).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # start of the window decoded for context
+        self._read_offset = 0  # end of the text already emitted
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the newly stable text (possibly "")."""
+        self._ids.append(int(token_id))
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""

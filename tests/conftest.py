@@ -1,0 +1,43 @@
+"""Shared fixtures: built-in recipes materialised and exported once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory):
+    """hf_folder(recipe) -> a materialised HF folder for that built-in recipe (cached)."""
+    pytest.importorskip("torch")
+    from kvforge.models.recipes import materialize
+
+    root = tmp_path_factory.mktemp("hf")
+    made: dict[str, Path] = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in made:
+            made[recipe] = materialize(recipe, root / recipe)
+        return made[recipe]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
+    """exported(recipe, target="ort", dtype="fp32") -> an export folder (cached per session)."""
+    from kvforge.exporter.export import export_model
+
+    root = tmp_path_factory.mktemp("exports")
+    made: dict[tuple[str, str, str], Path] = {}
+
+    def get(recipe: str, target: str = "ort", dtype: str = "fp32") -> Path:
+        key = (recipe, target, dtype)
+        if key not in made:
+            out = root / f"{recipe}-{target}-{dtype}"
+            export_model(hf_folder(recipe), out, target=target, dtype=dtype)
+            made[key] = out
+        return made[key]
+
+    return get

@@ -1,0 +1,97 @@
+"""The CLI as a user meets it: one-line errors with non-zero exits, --json on stdout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvforge.cli import main
+
+pytest.importorskip("torch")
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_generate_json_has_the_documented_fields(exported) -> None:
+    code, out, _ = run("generate", str(exported("llama-tiny")), "--prompt-ids", "1,50,60", "--prompt-ids", "1,7",
+                       "--max-new-tokens", "6", "--greedy", "--json")
+    assert code == 0
+    payload = json.loads(out)
+    for key in ("tokens", "text", "prompt_tokens", "ttft_ms", "decode_tokens_per_s"):
+        assert key in payload
+    assert payload["prompt_tokens"] == [3, 2]
+    assert [len(t) for t in payload["tokens"]] == [6, 6] or "eos" in payload["finish_reason"]
+
+
+def test_generate_text_prompt_prints_text(exported) -> None:
+    code, out, err = run("generate", str(exported("llama-tiny")), "--prompt", "Hello world", "--max-new-tokens", "5")
+    assert code == 0
+    assert out.strip() != ""
+    assert "tokens/s" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "empty"),
+        (["--prompt-ids", "1,999999"], "outside"),
+        (["--prompt-ids", "1,2", "--max-new-tokens", "5000"], "positions"),
+        (["--prompt-ids", "1,2", "--capacity", "3", "--max-new-tokens", "8"], "raise capacity"),
+        ([], "give --prompt TEXT or --prompt-ids"),
+    ],
+)
+def test_generate_bad_input_is_one_line_and_exit_2(exported, args, message) -> None:
+    code, out, err = run("generate", str(exported("llama-tiny")), *args)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("kvforge: error:")
+    assert message in err
+    assert out == ""
+
+
+def test_export_errors(tmp_path, hf_folder) -> None:
+    code, _, err = run("export", str(tmp_path / "missing"), "-o", str(tmp_path / "out"))
+    assert code == 2 and "is not a folder" in err and "Traceback" not in err
+    (tmp_path / "out").mkdir()
+    code, _, err = run("export", str(hf_folder("llama-tiny")), "-o", str(tmp_path / "out"))
+    assert code == 2 and "pass --force" in err
+
+
+def test_debug_shows_the_traceback(tmp_path) -> None:
+    result = CliRunner().invoke(main, ["--debug", "export", str(tmp_path / "missing"), "-o", str(tmp_path / "o")])
+    assert result.exit_code != 0 and result.exception is not None
+
+
+def test_generate_on_a_folder_that_is_not_an_export(tmp_path) -> None:
+    code, _, err = run("generate", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and "not a kvforge export" in err
+
+
+def test_inspect_json(exported) -> None:
+    code, out, _ = run("inspect", str(exported("llama-tiny")), "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert info["graphs"]["decode"]["attention_nodes"] == {"com.microsoft.GroupQueryAttention": 2}
+    assert "model.weights" in info["files"]
+
+
+def test_parity_passes_and_fails_with_exit_codes(hf_folder, exported) -> None:
+    code, out, _ = run("parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny")), "--new-tokens", "8", "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["passed"] is True and report["max_abs_err"] < 1e-3
+    code, _, err = run("parity", str(hf_folder("llama-tiny")), str(exported("qwen2-tiny")), "--new-tokens", "4")
+    assert code == 1 and "parity failed" in err
+
+
+def test_demo_builds_exports_and_generates(tmp_path) -> None:
+    code, out, _ = run("demo", "-o", str(tmp_path / "demo"), "--max-new-tokens", "8", "--json")
+    assert code == 0
+    payload = json.loads(out)
+    assert payload["random_weights"] is True
+    assert len(payload["tokens"]) >= 1 and payload["decode_tokens_per_s"] >= 0
+    assert (tmp_path / "demo" / "export" / "kvforge.json").is_file()

@@ -1,0 +1,138 @@
+"""What the export writes: graph structure, shared weights, chunked prefill, manifest, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+from kvforge.errors import ExportError, InputError, UnsupportedModelError  # noqa: E402
+from kvforge.exporter.export import export_model  # noqa: E402
+from kvforge.manifest import load_manifest  # noqa: E402
+
+ATTENTION_OP = {"ort": ("com.microsoft", "GroupQueryAttention"), "onnx": ("", "Attention")}
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_one_fused_attention_node_per_layer_and_no_softmax(target: str, exported) -> None:
+    folder = exported("qwen3-tiny", target)
+    manifest = load_manifest(folder, verify_hashes=True)
+    layers = manifest["model"]["num_layers"]
+    for phase in ("prefill", "decode"):
+        graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
+        ops = [(node.domain, node.op_type) for node in graph.node]
+        assert ops.count(ATTENTION_OP[target]) == layers
+        assert not any(op in ("Softmax", "KVCacheAttention") for _, op in ops)
+        assert not any(domain == "kvforge" for domain, _ in ops)
+        if target == "onnx":
+            assert ops.count(("", "TensorScatter")) == 2 * layers
+
+
+def test_both_graphs_share_one_weights_file(exported) -> None:
+    folder = exported("llama-tiny", "ort")
+    locations = {}
+    for phase in ("prefill", "decode"):
+        graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
+        for init in graph.initializer:
+            if init.data_location == onnx.TensorProto.EXTERNAL:
+                entry = {item.key: item.value for item in init.external_data}
+                locations.setdefault(phase, {})[init.name] = (entry["location"], entry["offset"])
+    assert {loc for loc, _ in locations["prefill"].values()} == {"model.weights"}
+    assert {loc for loc, _ in locations["decode"].values()} == {"model.weights"}
+    # The embedding (largest tensor) is referenced by both graphs at the same offset: one copy.
+    shared = set(locations["prefill"].values()) & set(locations["decode"].values())
+    assert len(shared) >= len(locations["decode"]) - 2
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    assert manifest["files"]["model.weights"]["bytes"] <= manifest["weights_sharing"]["unshared_bytes"] / 2 + 4096
+
+
+def _session(folder, phase):
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(folder / f"{phase}.onnx"), options, providers=["CPUExecutionProvider"])
+
+
+def _empty_cache(manifest, batch, capacity):
+    kv = manifest["kv_cache"]
+    shape = (batch, kv["num_kv_heads"], capacity, kv["head_dim"])
+    return {f"past_{kind}.{i}": np.zeros(shape, np.float32) for i in range(kv["num_layers"]) for kind in ("key", "value")}
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_chunked_prefill_equals_one_prefill(target: str, exported) -> None:
+    # Prefill with past_lens > 0 is legal (chunked prefill / multi-turn): two chunks of the prompt
+    # must give the same last logits and the same cache as one prefill of the whole prompt.
+    folder = exported("mistral-tiny", target)
+    manifest = load_manifest(folder)
+    prefill = _session(folder, "prefill")
+    names = [o.name for o in prefill.get_outputs()]
+    prompt = np.array([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58]])
+    capacity = 32
+    whole = prefill.run(None, {"input_ids": prompt, "past_lens": np.array([0], np.int32),
+                               "logits_index": np.array([prompt.shape[1] - 1]), **_empty_cache(manifest, 1, capacity)})
+    first = prefill.run(None, {"input_ids": prompt[:, :12], "past_lens": np.array([0], np.int32),
+                               "logits_index": np.array([11]), **_empty_cache(manifest, 1, capacity)})
+    cache = {name.replace("present", "past"): value for name, value in zip(names[1:], first[1:], strict=True)}
+    second = prefill.run(None, {"input_ids": prompt[:, 12:], "past_lens": np.array([12], np.int32),
+                                "logits_index": np.array([prompt.shape[1] - 13]), **cache})
+    np.testing.assert_allclose(second[0], whole[0], atol=1e-4)
+    np.testing.assert_allclose(second[1][:, :, : prompt.shape[1]], whole[1][:, :, : prompt.shape[1]], atol=1e-5)
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"unsupported architecture GPT2LMHeadModel; kvforge supports .*LlamaForCausalLM"):
+        export_model(tmp_path / "gpt2", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_and_non_hf_folders(tmp_path) -> None:
+    with pytest.raises(InputError, match="is not a folder"):
+        export_model(tmp_path / "nope", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no config.json"):
+        export_model(tmp_path / "empty", tmp_path / "out")
+
+
+def test_existing_output_needs_force(tmp_path, hf_folder) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(InputError, match="already exists; pass --force"):
+        export_model(hf_folder("llama-tiny"), out)
+    assert (out / "keep.txt").read_text() == "user data"
+
+
+def test_failed_export_leaves_nothing_behind(tmp_path, hf_folder, monkeypatch) -> None:
+    import kvforge.exporter.export as export_module
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export_module, "save_with_shared_weights", broken)
+    out = tmp_path / "out"
+    with pytest.raises(ExportError, match="export of .* failed: RuntimeError: disk full"):
+        export_model(hf_folder("llama-tiny"), out)
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor a staging sibling
+
+
+def test_tampered_export_is_refused(tmp_path, exported) -> None:
+    from kvforge.errors import ManifestError
+
+    folder = tmp_path / "copy"
+    shutil.copytree(exported("llama-tiny", "ort"), folder)
+    with open(folder / "model.weights", "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(ManifestError, match="truncated or replaced"):
+        load_manifest(folder)
+    (folder / "kvforge.json").unlink()
+    with pytest.raises(ManifestError, match="not a kvforge export"):
+        load_manifest(folder)

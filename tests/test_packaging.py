@@ -1,0 +1,50 @@
+"""The folders map into one `kvforge` namespace, installed or editable; no stray top-level packages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ["kvforge.exporter", "kvforge.runtime", "kvforge.plugins", "kvforge.models"]
+MODULES = ["kvforge", *SUBPACKAGES]
+PROBE = f"import importlib, json; print(json.dumps({{m: importlib.import_module(m).__file__ for m in {MODULES!r}}}))"
+
+
+def _imported_from(cwd: Path, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    import json
+    import os
+
+    env = {**os.environ, **(env_extra or {})}
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_regular_install_maps_folders_into_kvforge(tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(REPO)],
+        check=True, capture_output=True, text=True,
+    )
+    top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin")
+    assert top_level == ["kvforge"]  # never `exporter`, `runtime`, `plugins`, `models` at top level
+    files = _imported_from(tmp_path, {"PYTHONPATH": str(target)})
+    for module, file in files.items():
+        assert file.startswith(str(target)), (module, file)
+    assert Path(files["kvforge.exporter"]).parent == target / "kvforge" / "exporter"
+    assert (target / "kvforge" / "runtime" / "generator.py").is_file()
+
+
+def test_this_environment_imports_the_checkout_from_elsewhere(tmp_path: Path) -> None:
+    # The test environment is an editable install (README's command): from another directory the
+    # subpackages resolve to the design's folders in the checkout.
+    files = _imported_from(tmp_path)
+    if not files["kvforge"].startswith(str(REPO)):
+        pytest.skip("kvforge is not installed editable from this checkout (README installs with -e)")
+    assert Path(files["kvforge.exporter"]).parent == REPO / "exporter"
+    assert Path(files["kvforge.runtime"]).parent == REPO / "runtime"
+    assert Path(files["kvforge.plugins"]).parent == REPO / "plugins"
+    assert Path(files["kvforge.models"]).parent == REPO / "models"
