@@ -136,3 +136,30 @@ def test_tampered_export_is_refused(tmp_path, exported) -> None:
     (folder / "kvforge.json").unlink()
     with pytest.raises(ManifestError, match="not a kvforge export"):
         load_manifest(folder)
+
+
+def test_onnx_target_updates_the_cache_in_place_on_every_step(exported) -> None:
+    # ONNX Runtime's TensorScatter warns "in-place optimization not activated" whenever it copies
+    # the cache. The runtime binds past and present to one buffer, so no step may warn. Control:
+    # a plain session.run (separate output buffers) does warn, so the probe can see a copy.
+    import subprocess
+    import sys
+
+    folder = exported("llama-tiny", "onnx")
+    script = f"""
+import numpy as np, onnxruntime as ort
+from kvforge.runtime import Generator
+import sys
+Generator({str(folder)!r}).generate([[1, 5, 6, 7], [1, 9]], max_new_tokens=12, greedy=True, ignore_eos=True)
+sys.stderr.write("--- control ---\\n"); sys.stderr.flush()
+s = ort.InferenceSession({str(folder / "decode.onnx")!r}, providers=["CPUExecutionProvider"])
+feeds = {{"input_ids": np.ones((1, 1), np.int64), "past_lens": np.zeros(1, np.int32)}}
+for i in range(2):
+    for kind in ("key", "value"):
+        feeds[f"past_{{kind}}.{{i}}"] = np.zeros((1, 2, 8, 16), np.float32)
+s.run(None, feeds)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    generate_log, control_log = out.stderr.split("--- control ---")
+    assert "in-place optimization not activated" not in generate_log
+    assert "in-place optimization not activated" in control_log

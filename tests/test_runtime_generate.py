@@ -20,23 +20,13 @@ PROMPTS = [[1, 50, 60, 70, 80, 90, 100, 110, 120], [1, 33, 44], [1, 7, 300, 301,
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from kvforge.exporter.export import export_model
-    from kvforge.models.recipes import materialize
-
-    root = tmp_path_factory.mktemp("generate")
-    model_dir = materialize(RECIPE, root / "hf")
-    export_model(model_dir, root / "export", target="ort", dtype="fp32")
-    return model_dir, root / "export"
+def folders(hf_folder, exported) -> tuple[Path, Path]:
+    return hf_folder(RECIPE), exported(RECIPE, "ort", "fp32")
 
 
 @pytest.fixture(scope="module")
-def fp16_export(folders, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvforge.exporter.export import export_model
-
-    out = tmp_path_factory.mktemp("generate_fp16") / "export"
-    export_model(folders[0], out, target="ort", dtype="fp16")
-    return out
+def fp16_export(exported) -> Path:
+    return exported(RECIPE, "ort", "fp16")
 
 
 @pytest.fixture(scope="module")
