@@ -99,7 +99,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
 @click.option("--backend", default="ort-cpu", show_default=True, help="ort-cpu | ort-cuda")
 @click.option("--threads", type=int, help="Intra-op threads (default: ONNX Runtime's choice).")
-@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--json", "as_json", is_flag=True)
 def generate(
     export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
@@ -118,12 +118,13 @@ def generate(
         max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
     )
-    if stream and not as_json:
+    # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
+    streaming = stream and not as_json and len(batch) == 1
+    if streaming:
         events = generator.stream(batch, **options)
         for event in events:
-            if len(batch) == 1:
-                piece = event.text[0] if event.text is not None else f"{event.token_ids[0]} "
-                click.echo(piece or "", nl=False)
+            piece = event.text[0] if event.text is not None else f"{event.token_ids[0]} "
+            click.echo(piece or "", nl=False)
         click.echo()
         result = events.result
     else:
@@ -143,7 +144,7 @@ def generate(
     if as_json:
         _emit_json(payload)
         return
-    if not stream:
+    if not streaming:
         for i, tokens in enumerate(result.tokens):
             prefix = f"[{i}] " if len(result.tokens) > 1 else ""
             click.echo(prefix + (result.text[i] if result.text is not None else ",".join(map(str, tokens))))

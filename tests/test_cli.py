@@ -95,3 +95,12 @@ def test_demo_builds_exports_and_generates(tmp_path) -> None:
     assert payload["random_weights"] is True
     assert len(payload["tokens"]) >= 1 and payload["decode_tokens_per_s"] >= 0
     assert (tmp_path / "demo" / "export" / "kvforge.json").is_file()
+
+
+def test_generate_stream_prints_the_same_text_as_without(exported) -> None:
+    folder = str(exported("llama-tiny"))
+    code, streamed, _ = run("generate", folder, "--prompt", "Hello world", "--max-new-tokens", "12", "--greedy", "--stream")
+    assert code == 0
+    code, plain, _ = run("generate", folder, "--prompt", "Hello world", "--max-new-tokens", "12", "--greedy")
+    assert code == 0
+    assert streamed.strip() == plain.strip() != ""
