@@ -227,7 +227,8 @@ def demo(out_dir: Path, recipe: str, target: str, prompt: str, max_new_tokens: i
     export_model(model_dir, export_dir, target=target, force=True, progress=say)
     t2 = time.perf_counter()
     generator = Generator(export_dir)
-    result = generator.generate(prompt, max_new_tokens=max_new_tokens, greedy=True)
+    # Random weights hit EOS at arbitrary points; run to --max-new-tokens so the timings mean something.
+    result = generator.generate(prompt, max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
     timings = {
         "build_s": round(t1 - t0, 2), "export_s": round(t2 - t1, 2), "ttft_ms": round(result.ttft_ms, 2),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
@@ -237,7 +238,8 @@ def demo(out_dir: Path, recipe: str, target: str, prompt: str, max_new_tokens: i
                     "text": result.text[0], "tokens": result.tokens[0], "random_weights": True, **timings})
         return
     click.echo(f"prompt:    {prompt!r}")
-    click.echo(f"generated: {result.text[0]!r}   (random weights: noise is expected)")
+    click.echo(f"generated: {result.text[0]!r}")
+    click.echo(f"           ({len(result.tokens[0])} tokens, greedy, EOS ignored; random weights: noise is expected)")
     click.echo(f"timings:   build {timings['build_s']} s, export {timings['export_s']} s, "
                f"time to first token {timings['ttft_ms']} ms, decode {timings['decode_tokens_per_s']} tokens/s")
     click.echo(f"next:      kvforge generate {export_dir} --prompt 'Hello' --stream")
