@@ -42,10 +42,10 @@ def hf_eager(model_dir: Path, prompt: list[int], new_tokens: int, threads: int) 
     return {"ttft_ms": ttft * 1e3, "decode_tokens_per_s": (new_tokens - 1) / decode, "tokens": tokens}
 
 
-def kvforge_ort(export_dir: Path, prompt: list[int], new_tokens: int, threads: int) -> dict:
+def kvforge_ort(export_dir: Path, prompt: list[int], new_tokens: int, threads: int, sessions: str) -> dict:
     from kvforge.runtime import Generator
 
-    generator = Generator(export_dir, threads=threads)
+    generator = Generator(export_dir, threads=threads, sessions=sessions)
     generator.generate([prompt], max_new_tokens=4, greedy=True, ignore_eos=True)  # warm-up
     result = generator.generate([prompt], max_new_tokens=new_tokens, greedy=True, ignore_eos=True)
     return {"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s, "tokens": result.tokens[0]}
@@ -74,19 +74,24 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompt = [1] + rng.integers(4, 2000, size=args.prompt_tokens - 1).tolist()
 
-    runs: dict[str, list[dict]] = {"hf_eager": [], "kvforge_ort": []}
-    for _ in range(args.repeats):  # interleaved so that machine noise hits both sides alike
+    # The runtime's three ways of holding the weights (Generator(sessions=...)), see README.
+    modes = {"kvforge_single": "single", "kvforge_shared": "shared", "kvforge_separate": "separate"}
+    runs: dict[str, list[dict]] = {"hf_eager": [], **{name: [] for name in modes}}
+    for _ in range(args.repeats):  # interleaved so that machine noise hits every side alike
         runs["hf_eager"].append(hf_eager(model_dir, prompt, args.new_tokens, args.threads))
-        runs["kvforge_ort"].append(kvforge_ort(export_dir, prompt, args.new_tokens, args.threads))
+        for name, mode in modes.items():
+            runs[name].append(kvforge_ort(export_dir, prompt, args.new_tokens, args.threads, mode))
     summary = {}
     for name, items in runs.items():
         summary[name] = {
             "ttft_ms": round(statistics.median(r["ttft_ms"] for r in items), 2),
             "decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in items), 2),
         }
-    summary["decode_speedup"] = round(summary["kvforge_ort"]["decode_tokens_per_s"] / summary["hf_eager"]["decode_tokens_per_s"], 2)
-    summary["ttft_speedup"] = round(summary["hf_eager"]["ttft_ms"] / summary["kvforge_ort"]["ttft_ms"], 2)
-    summary["greedy_tokens_equal"] = runs["hf_eager"][0]["tokens"] == runs["kvforge_ort"][0]["tokens"]
+    hf = summary["hf_eager"]
+    for name in modes:
+        summary[name]["decode_speedup_vs_hf"] = round(summary[name]["decode_tokens_per_s"] / hf["decode_tokens_per_s"], 2)
+        summary[name]["ttft_speedup_vs_hf"] = round(hf["ttft_ms"] / summary[name]["ttft_ms"], 2)
+        summary[name]["greedy_tokens_equal_hf"] = runs[name][0]["tokens"] == runs["hf_eager"][0]["tokens"]
     summary["setup"] = {k: v for k, v in vars(args).items() if k != "workdir"}
     print(json.dumps(summary, indent=2))
 

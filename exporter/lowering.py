@@ -76,6 +76,8 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node]) -> None:
 
 
 def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
+    if graph.opset_imports.get("", 0) < 24:
+        raise ExportError("the `onnx` target needs the graph exported at opset >= 24 (Attention + TensorScatter)")
     first = canonical[0]
     q0, past_key0, past_lens = first.inputs[0], first.inputs[3], first.inputs[5]
     shared = ir.tape.Tape()
@@ -127,8 +129,6 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
             ],
         )
         _replace(graph, node, tape, [out, present_key, present_value])
-    if graph.opset_imports.get("", 0) < 24:
-        raise ExportError("the `onnx` target needs the graph exported at opset >= 24 (Attention + TensorScatter)")
 
 
 _PASSES: dict[str, Callable[[ir.Graph, list[ir.Node]], None]] = {"ort": lower_to_ort, "onnx": lower_to_onnx}
@@ -144,5 +144,4 @@ def lower(model: ir.Model, target: str) -> ir.Model:
         raise ExportError("the exported graph has no kvforge attention node; attention was not routed through the op")
     _PASSES[target](graph, canonical)
     graph.opset_imports.pop(DOMAIN, None)
-    model.opset_imports.pop(DOMAIN, None) if hasattr(model, "opset_imports") else None
     return model

@@ -55,6 +55,7 @@ class ParityReport:
     target: str
     dtype: str
     backend: str
+    sessions: str
     atol: float
     new_tokens: int
     prompts: list[PromptParity] = field(default_factory=list)
@@ -80,7 +81,7 @@ class ParityReport:
         return "; ".join(reasons)
 
     def summary(self) -> str:
-        lines = [f"parity {self.export_dir} (target {self.target}, {self.dtype}, {self.backend}, "
+        lines = [f"parity {self.export_dir} (target {self.target}, {self.dtype}, {self.backend}, sessions {self.sessions}, "
                  f"{self.new_tokens} new tokens, atol {self.atol:g})"]
         for i, p in enumerate(self.prompts):
             agree = self.new_tokens - len(p.mismatched_steps) - len(p.tie_steps)
@@ -109,7 +110,10 @@ def run_parity(
     atol: float | None = None,
     backend: str = "ort-cpu",
     progress: Callable[[str], None] | None = None,
+    sessions: str = "shared",
 ) -> ParityReport:
+    """`sessions` defaults to "shared" so that both graphs run (prefill.onnx, then decode.onnx);
+    "single" checks the runtime's default, decode steps through the prefill graph."""
     import torch
     from transformers import GenerationConfig
 
@@ -119,7 +123,7 @@ def run_parity(
     say = progress or (lambda _msg: None)
     if new_tokens < 1:
         raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
-    generator = Generator(export_dir, backend=backend)
+    generator = Generator(export_dir, backend=backend, sessions=sessions)
     manifest = generator.manifest
     if generator.tokenizer is None:
         raise InputError(f"{export_dir} has no tokenizer.json; parity needs text prompts it can tokenize")
@@ -127,7 +131,7 @@ def run_parity(
     atol = DEFAULT_ATOL[dtype] if atol is None else atol
     say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
     model = load_hf_model(model_dir, dtype)
-    report = ParityReport(str(export_dir), manifest["target"], dtype, backend, atol, new_tokens)
+    report = ParityReport(str(export_dir), manifest["target"], dtype, backend, sessions, atol, new_tokens)
     no_eos = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
         pad_token_id=manifest["model"].get("pad_token_id") or 0,

@@ -99,12 +99,15 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
 @click.option("--backend", default="ort-cpu", show_default=True, help="ort-cpu | ort-cuda")
 @click.option("--threads", type=int, help="Intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default="single", show_default=True,
+              help="single: one session runs both phases (one weight copy, fastest on CPU); shared: both graphs "
+                   "over one weight copy; separate: both graphs, two copies.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--json", "as_json", is_flag=True)
 def generate(
     export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
     temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
-    backend: str, threads: int | None, stream: bool, as_json: bool,
+    backend: str, threads: int | None, sessions: str, stream: bool, as_json: bool,
 ) -> None:
     """Generate from an export folder."""
     from kvforge.errors import InputError
@@ -113,7 +116,7 @@ def generate(
     if bool(prompts) == bool(prompt_ids):
         raise InputError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable for a batch)")
     batch: Any = list(prompts) if prompts else [_parse_ids(ids) for ids in prompt_ids]
-    generator = Generator(export_dir, backend=backend, threads=threads)
+    generator = Generator(export_dir, backend=backend, threads=threads, sessions=sessions)
     options = dict(
         max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
@@ -140,6 +143,7 @@ def generate(
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
         "steps": result.steps,
         "backend": backend,
+        "sessions": sessions,
     }
     if as_json:
         _emit_json(payload)
@@ -162,14 +166,16 @@ def generate(
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
 @click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
 @click.option("--backend", default="ort-cpu", show_default=True)
+@click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default="shared", show_default=True,
+              help="shared/separate run both graphs; single runs decode steps through the prefill graph.")
 @click.option("--json", "as_json", is_flag=True)
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
-           backend: str, as_json: bool) -> None:
+           backend: str, sessions: str, as_json: bool) -> None:
     """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
     from kvforge.exporter.parity import run_parity
 
     report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
-                        atol=atol, backend=backend, progress=_progress(as_json))
+                        atol=atol, backend=backend, progress=_progress(as_json), sessions=sessions)
     if as_json:
         _emit_json(report.to_dict())
     else:

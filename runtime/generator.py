@@ -85,10 +85,13 @@ class Generator:
         threads: int | None = None,
         verify_hashes: bool = False,
         device_id: int = 0,
-        share_weights: bool = True,
+        sessions: str = "single",
     ) -> None:
-        """`share_weights`: one in-memory copy of the weights for both graphs (ORT's weight
-        prepacking off); False lets ORT prepack per session: faster CPU matmuls, two copies."""
+        """`sessions` picks how the two phases share the weights in memory:
+        "single" (default): one session of the prefill graph runs prefill and decode steps (S=1);
+        one weight copy, prepacked by ORT for its fastest CPU matmuls.
+        "shared": prefill.onnx and decode.onnx sessions over one memory-mapped copy, prepacking off.
+        "separate": both graphs, each session prepacks its own copy (twice the memory)."""
         if backend not in BACKENDS:
             raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.folder = Path(export_dir)
@@ -103,7 +106,7 @@ class Generator:
         self.tokenizer = Tokenizer(self.folder) if (self.folder / TOKENIZER_FILE).is_file() else None
         self.backend = OrtBackend(
             self.folder, self.manifest, device=BACKENDS[backend], device_id=device_id, threads=threads,
-            share_weights=share_weights,
+            sessions=sessions,
         )
         self.cache: KVCache | None = None
 

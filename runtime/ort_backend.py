@@ -18,6 +18,10 @@ from kvforge.errors import BackendUnavailableError, InputError, ManifestError
 from kvforge.runtime.kv_cache import KVCache
 
 DEVICES = ("cpu", "cuda")
+# "single": the prefill graph serves decode steps too (one session, one weight copy, prepacked);
+# "shared": prefill.onnx + decode.onnx over one memory-mapped weight copy, prepacking off;
+# "separate": prefill.onnx + decode.onnx, each session prepacks its own copy (two copies).
+SESSION_MODES = ("single", "shared", "separate")
 LOGITS_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
@@ -55,7 +59,7 @@ class OrtBackend:
         device: str = "cpu",
         device_id: int = 0,
         threads: int | None = None,
-        share_weights: bool = True,
+        sessions: str = "single",
     ) -> None:
         self.folder = Path(folder)
         self.manifest = manifest
@@ -65,16 +69,22 @@ class OrtBackend:
         providers = providers_for(device, device_id)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InputError(f"threads must be a positive integer, got {threads!r}")
-        self.share_weights = share_weights
+        if sessions not in SESSION_MODES:
+            raise InputError(f"unknown sessions mode {sessions!r}; choose one of {', '.join(SESSION_MODES)}")
+        self.session_mode = sessions
         self.sessions: dict[str, ort.InferenceSession] = {}
         for phase in ("prefill", "decode"):
-            graph = manifest["graphs"][phase]
-            path = self.folder / graph["file"]
-            self._check_manifest_io(phase, graph)
+            self._check_manifest_io(phase, self.manifest["graphs"][phase])
+            if sessions == "single" and phase == "decode":
+                # The prefill graph takes any S, so S=1 is a decode step: one session, one copy of
+                # the weights, and ORT may prepack them (its CPU matmuls are faster packed).
+                self.sessions["decode"] = self.sessions["prefill"]
+                continue
+            path = self.folder / self.manifest["graphs"][phase]["file"]
             options = ort.SessionOptions()
             if threads is not None:
                 options.intra_op_num_threads = threads
-            if share_weights:
+            if sessions == "shared":
                 # ORT memory-maps the external weights file, so both sessions read the same page-cache
                 # copy. The CPU kernels' prepacking would make a private packed copy per session (two
                 # copies of the weights); turning it off keeps one, at some decode speed.
@@ -130,10 +140,12 @@ class OrtBackend:
         # Decode inputs live in these arrays; the OrtValues wrap them, so a step only writes numpy.
         self._decode_ids = np.zeros((batch, 1), dtype=np.int64)
         self._logits = np.zeros((batch, self.vocab_size), dtype=self.logits_dtype)
+        self._decode_index = np.zeros(batch, dtype=np.int64)  # single mode: logits of the one new token
         self._host_values = {
             "decode_ids": ort.OrtValue.ortvalue_from_numpy(self._decode_ids),
             "past_lens": ort.OrtValue.ortvalue_from_numpy(cache.past_lens),
             "logits": ort.OrtValue.ortvalue_from_numpy(self._logits),
+            "decode_index": ort.OrtValue.ortvalue_from_numpy(self._decode_index),
         }
         for phase, session in self.sessions.items():
             binding = session.io_binding()
@@ -141,6 +153,8 @@ class OrtBackend:
             binding.bind_ortvalue_input("past_lens", self._host_values["past_lens"])
             if phase == "decode":
                 binding.bind_ortvalue_input("input_ids", self._host_values["decode_ids"])
+                if self.session_mode == "single":
+                    binding.bind_ortvalue_input("logits_index", self._host_values["decode_index"])
             binding.bind_ortvalue_output("logits", self._host_values["logits"])
             order.append("logits")
             for i in range(cache.num_layers):

@@ -16,10 +16,11 @@ FAMILY_RECIPES = ["llama-tiny", "llama3-tiny", "mistral-tiny", "qwen2-tiny", "qw
 ATOL_FP32 = 1e-3
 
 
+@pytest.mark.parametrize("sessions", ["shared", "single"])  # decode.onnx; decode steps via prefill.onnx
 @pytest.mark.parametrize("target", ["ort", "onnx"])
 @pytest.mark.parametrize("recipe", FAMILY_RECIPES)
-def test_family_matches_hf_eager(recipe: str, target: str, hf_folder, exported) -> None:
-    report = run_parity(hf_folder(recipe), exported(recipe, target), new_tokens=32, atol=ATOL_FP32)
+def test_family_matches_hf_eager(recipe: str, target: str, sessions: str, hf_folder, exported) -> None:
+    report = run_parity(hf_folder(recipe), exported(recipe, target), new_tokens=32, atol=ATOL_FP32, sessions=sessions)
     for prompt in report.prompts:
         assert len(prompt.export_tokens) == 32
         assert prompt.max_abs_err <= ATOL_FP32, (recipe, target, prompt.step_max_abs_err)

@@ -409,17 +409,25 @@ def test_manifest_io_mismatch_is_refused(tmp_path) -> None:
         Generator(folder)
 
 
-def test_share_weights_keeps_one_copy_and_same_tokens(toy, expected) -> None:
-    # One copy = ORT's memory map of the weights file, read by both sessions; prepacking would give
-    # each session a private packed copy. The memory itself is measured in benchmarks, not here.
-    shared, private = Generator(toy[0]), Generator(toy[0], share_weights=False)
+def test_session_modes_give_the_same_tokens(toy, expected) -> None:
+    # "single": one session (the prefill graph) serves both phases, so one weight copy whatever ORT
+    # prepacks. "shared": two sessions over ORT's memory map of the weights file, prepacking off.
+    # "separate": two sessions, each free to prepack its own copy. Memory is measured in benchmarks.
+    single, shared, separate = (Generator(toy[0], sessions=mode) for mode in ("single", "shared", "separate"))
+    assert single.backend.sessions["prefill"] is single.backend.sessions["decode"]
+    assert shared.backend.sessions["prefill"] is not shared.backend.sessions["decode"]
     for session in shared.backend.sessions.values():
         assert session.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
-    for session in private.backend.sessions.values():
+    for session in separate.backend.sessions.values():
         with pytest.raises(RuntimeError, match="does not have configuration"):  # ORT's default: prepack
             session.get_session_options().get_session_config_entry("session.disable_prepacking")
-    for gen in (shared, private):
+    for gen in (single, shared, separate):
         assert gen.generate(PROMPTS, max_new_tokens=12, greedy=True).tokens == expected
+
+
+def test_unknown_session_mode(toy) -> None:
+    with pytest.raises(InputError, match="unknown sessions mode 'both'; choose one of single, shared, separate"):
+        Generator(toy[0], sessions="both")
 
 
 def test_graph_writes_only_new_rows_in_place(toy) -> None:
