@@ -140,3 +140,22 @@ def test_fp16_export_runs_with_float16_cache(fp16_export, hf_greedy) -> None:
     assert gen16.read_kv_cache(0)[0].dtype == np.float16
     # fp16 rounding may flip a near-tie late in a sequence; the first tokens must agree with fp32 HF.
     assert [tokens[:4] for tokens in result.tokens] == [tokens[:4] for tokens in hf_greedy]
+
+
+def test_cache_fills_to_exact_capacity_in_place_with_hf_keys(gen, hf_model) -> None:
+    # Capacity is exactly prompt + new - 1 positions: every decode step must write its row into the
+    # same preallocated buffer (per-step concatenation would outgrow it on the first step). At the
+    # end, every row holds what HF's own cache holds for the same tokens.
+    prompt, new = PROMPTS[1], 20
+    capacity = len(prompt) + new - 1
+    result = gen.generate([prompt], max_new_tokens=new, greedy=True, ignore_eos=True, capacity=capacity)
+    assert result.steps == new - 1 and len(result.tokens[0]) == new
+    tokens = prompt + result.tokens[0][:-1]
+    with torch.no_grad():
+        hf_cache = hf_model(torch.tensor([tokens]), use_cache=True).past_key_values
+    for layer in range(gen.manifest["kv_cache"]["num_layers"]):
+        key, value = gen.read_kv_cache(layer)
+        assert key.shape[2] == capacity
+        hf_key, hf_value = hf_cache.layers[layer].keys[0].numpy(), hf_cache.layers[layer].values[0].numpy()
+        np.testing.assert_allclose(key[0], hf_key, atol=1e-4)
+        np.testing.assert_allclose(value[0], hf_value, atol=1e-4)
