@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from kvforge import __version__
-from kvforge.errors import KvforgeError, ParityError
+from kvforge.errors import BackendUnavailableError, KvforgeError, ParityError
 
 DEFAULT_PROMPT = "Once upon a time"
 
@@ -36,6 +36,19 @@ class _Group(click.Group):
                 raise
             click.echo(f"kvforge: error: {err}", err=True)
             sys.exit(2)
+
+
+def _require_export_extra(command: str) -> None:
+    """The base install is the runtime; export/parity/demo need torch, transformers, onnxscript."""
+    import importlib.util
+
+    missing = [name for name in ("torch", "transformers", "onnx", "onnxscript", "onnx_ir")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BackendUnavailableError(
+            f"`kvforge {command}` needs the export extra ({', '.join(missing)} missing): "
+            "pip install torch==2.13.0 && pip install 'kvforge[export]'"
+        )
 
 
 def _progress(quiet: bool):
@@ -70,6 +83,7 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder) to prefill.onnx + decode.onnx."""
+    _require_export_extra("export")
     from kvforge.exporter.export import export_model
 
     manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=_progress(False))
@@ -97,7 +111,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-p", type=float)
 @click.option("--seed", type=int)
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
-@click.option("--backend", default="ort-cpu", show_default=True, help="ort-cpu | ort-cuda")
+@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda"]), default="ort-cpu", show_default=True)
 @click.option("--threads", type=int, help="Intra-op threads (default: ONNX Runtime's choice).")
 @click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default="single", show_default=True,
               help="single: one session runs both phases (one weight copy, fastest on CPU); shared: both graphs "
@@ -165,13 +179,14 @@ def generate(
 @click.option("--new-tokens", default=32, show_default=True, type=int)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
 @click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
-@click.option("--backend", default="ort-cpu", show_default=True)
+@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda"]), default="ort-cpu", show_default=True)
 @click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default="shared", show_default=True,
               help="shared/separate run both graphs; single runs decode steps through the prefill graph.")
 @click.option("--json", "as_json", is_flag=True)
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
            backend: str, sessions: str, as_json: bool) -> None:
     """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
+    _require_export_extra("parity")
     from kvforge.exporter.parity import run_parity
 
     report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
@@ -219,6 +234,7 @@ def inspect(export_dir: Path, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def demo(out_dir: Path, recipe: str, target: str, prompt: str, max_new_tokens: int, as_json: bool) -> None:
     """Build a small built-in model (random weights), export it and generate from it."""
+    _require_export_extra("demo")
     from kvforge.exporter.export import export_model
     from kvforge.models.recipes import RECIPES, materialize
     from kvforge.runtime import Generator

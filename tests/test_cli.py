@@ -104,3 +104,13 @@ def test_generate_stream_prints_the_same_text_as_without(exported) -> None:
     code, plain, _ = run("generate", folder, "--prompt", "Hello world", "--max-new-tokens", "12", "--greedy")
     assert code == 0
     assert streamed.strip() == plain.strip() != ""
+
+
+def test_export_without_the_export_extra_says_what_to_install(tmp_path, monkeypatch) -> None:
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+    code, _, err = run("export", str(tmp_path), "-o", str(tmp_path / "out"))
+    assert code == 2
+    assert "needs the export extra (torch missing): pip install torch==2.13.0 && pip install 'kvforge[export]'" in err
