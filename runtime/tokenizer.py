@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from kvforge.errors import InputError, ManifestError
 
 TOKENIZER_FILE = "tokenizer.json"
-REPLACEMENT_CHAR = "\ufffd"
 
 
 class Tokenizer:
@@ -45,32 +45,29 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never need to be taken back.
 
-    Decoding token by token breaks multi-byte characters split over tokens and loses the spacing some
-    decoders add between tokens. So decode a short window twice, without and with the new tokens,
-    emit the difference, and hold it back while it ends in U+FFFD (an incomplete UTF-8 sequence).
+    `tokenizers`' DecodeStream does the work (it holds back incomplete UTF-8 sequences and keeps
+    the decoder's spacing); `flush` returns whatever it still holds at the end of a generation.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
-        self._prefix_offset = 0  # start of the window decoded for context
-        self._read_offset = 0  # end of the text already emitted
+        self._emitted = 0  # characters of the full decode already returned
 
     def add(self, token_id: int) -> str:
         """Feed one token; return the newly stable text (possibly "")."""
         self._ids.append(int(token_id))
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return full[len(prefix) :]
-        return ""
+        chunk = self._stream.step(self._tokenizer._tok, int(token_id))
+        if not chunk:
+            return ""
+        self._emitted += len(chunk)
+        return chunk
 
     def flush(self) -> str:
         """Text held back at the end of the stream (an incomplete character decodes as U+FFFD)."""
-        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tokenizer.decode(self._ids[self._prefix_offset :], self._skip)
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
+        full = self._tokenizer.decode(self._ids, self._skip)
+        tail = full[self._emitted :]
+        self._emitted = len(full)
+        return tail
