@@ -11,9 +11,7 @@ import contextlib
 import io
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -21,6 +19,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from kvforge import __version__
@@ -28,6 +27,7 @@ from kvforge.errors import ExportError, InputError, KvforgeError
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.models.families import family_for
+from kvforge.output_folder import StagedFolder, check_output, fault_point
 
 DTYPES = {"fp32": "float32", "fp16": "float16"}
 WEIGHTS_NAME = "model.weights"
@@ -39,36 +39,74 @@ COPIED_FILES = (
 _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY = 2, 8, 32
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def load_hf_config(model_dir: str | Path):
-    """AutoConfig for a local HF folder, with errors that say what is wrong."""
+    """AutoConfig for a local HF folder, with errors that say what is wrong. The family is checked
+    on the raw config.json first, so an unknown model_type is named as such."""
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(f"{model_dir} is not a folder; pass a local Hugging Face model folder")
-    if not (model_dir / "config.json").is_file():
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
         raise InputError(f"{model_dir} has no config.json: not a Hugging Face model folder")
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except (ValueError, OSError, KeyError) as err:
-        raise InputError(f"{model_dir}/config.json could not be read by transformers: {err}") from err
+        raw = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as err:
+        raise InputError(f"{config_file} is not valid JSON ({_one_line(err)}); fix or re-save the model folder") from err
+    if not isinstance(raw, dict):
+        raise InputError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: not a model config")
+    family_for(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        raise InputError(f"{config_file} could not be read by transformers: {_one_line(err)}") from err
+
+
+def _check_weight_files(model_dir: Path) -> None:
+    """kvforge reads safetensors only: pickle checkpoints can run code when loaded."""
+    if any(model_dir.glob("*.safetensors")) or (model_dir / "model.safetensors.index.json").is_file():
+        return
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise InputError(
+            f"{model_dir} holds only pickle weights ({', '.join(pickles)}); kvforge loads safetensors only, "
+            "because unpickling can run code: convert them (e.g. load in transformers and save_pretrained "
+            "with safe_serialization=True) and export again"
+        )
+    raise InputError(f"{model_dir} has no weights (*.safetensors); pass a complete Hugging Face model folder")
 
 
 def load_hf_model(model_dir: str | Path, dtype: str = "fp32"):
     """The local HF model with its eager attention, in eval mode (also the parity reference)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # kvforge prints its own progress; keep stderr readable
+    model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
     family_for(config)
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    _check_weight_files(model_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True
+            model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True,
+            use_safetensors=True, trust_remote_code=False,
         )
-    except (OSError, ValueError) as err:
-        raise InputError(f"could not load the weights of {model_dir}: {err}") from err
+    except Exception as err:  # safetensors, transformers and torch each raise their own types
+        raise InputError(
+            f"could not load the weights of {model_dir}: {type(err).__name__}: {_one_line(err)}; "
+            "the files may be truncated or corrupted"
+        ) from err
     return model.eval()
 
 
@@ -153,61 +191,62 @@ def export_model(
     from kvforge.exporter.lowering import TARGETS, lower
 
     say = progress or (lambda _msg: None)
-    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).resolve()
+    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).absolute()
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if out_dir.exists() and not force:
-        raise InputError(f"{out_dir} already exists; pass --force to replace it")
-    if out_dir == model_dir or model_dir in out_dir.parents:
-        raise InputError("the output folder must not be the model folder or inside it")
+    # Before any work: never replace something that is not an export, or that holds the model.
+    check_output(out_dir, [model_dir], force=force, marker=MANIFEST_NAME)
     config = load_hf_config(model_dir)
     family = family_for(config)
 
     import torch
 
     started = time.perf_counter()
-    say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
-    model = load_hf_model(model_dir, dtype)
     num_layers = config.num_hidden_layers
     kv_heads = config.num_key_value_heads
     head_dim = family.head_dim(config)
     torch_dtype = getattr(torch, DTYPES[dtype])
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial.", dir=out_dir.parent))
-    try:
-        graphs = {}
-        for phase in ("prefill", "decode"):
-            say(f"exporting {phase} graph (torch.onnx, dynamo)")
-            graph = _export_phase(model, phase, num_layers, kv_heads, head_dim, torch_dtype)
-            say(f"lowering {phase} attention for target {target}")
-            lower(graph, target)
-            graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
-            graphs[phase] = graph
-        say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
-        sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
-        for name in COPIED_FILES:
-            if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, staging / name)
-        if not (staging / "tokenizer.json").is_file():
-            say("warning: no tokenizer.json in the model folder; generate will take token ids only")
-        manifest = _manifest(config, model_dir, target, dtype, graphs, staging, head_dim, sizes)
-        write_manifest(staging, manifest)
-        staging.chmod(0o755)  # mkdtemp makes it private; an export folder is an ordinary folder
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    except KvforgeError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    except Exception as err:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {err}") from err
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    # The staging folder comes first, so an unwritable output fails before the slow work.
+    with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say) as staged:
+        staging = staged.path
+        assert staging is not None
+        say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
+        model = load_hf_model(model_dir, dtype)
+        fault_point("export:model-loaded")
+        try:
+            graphs = {}
+            for phase in ("prefill", "decode"):
+                say(f"exporting {phase} graph (torch.onnx, dynamo)")
+                graph = _export_phase(model, phase, num_layers, kv_heads, head_dim, torch_dtype)
+                say(f"lowering {phase} attention for target {target}")
+                lower(graph, target)
+                graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
+                graphs[phase] = graph
+            fault_point("export:graphs-built")
+            say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
+            sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
+            fault_point("export:weights-written")
+            for name in COPIED_FILES:
+                if (model_dir / name).is_file():
+                    shutil.copy2(model_dir / name, staging / name)
+            if not (staging / "tokenizer.json").is_file():
+                say("warning: no tokenizer.json in the model folder; generate will take token ids only")
+            manifest = _manifest(config, model_dir, target, dtype, graphs, staging, head_dim, sizes)
+            write_manifest(staging, manifest)
+            fault_point("export:manifest-written")
+            staged.publish()
+        except KvforgeError:
+            raise
+        except OSError as err:
+            raise ExportError(
+                f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
+                "nothing was changed at the output"
+            ) from err
+        except Exception as err:
+            raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {_one_line(err)}") from err
     say(f"exported to {out_dir} in {time.perf_counter() - started:.1f}s")
     return manifest
 

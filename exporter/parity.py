@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import InputError
+from kvforge.errors import InputError, NumericalError
 
 DEFAULT_PROMPTS = (
     "Once upon a time",
@@ -39,10 +39,11 @@ class PromptParity:
     step_hf_margin: list[float]
     mismatched_steps: list[int]
     tie_steps: list[int]
+    error: str | None = None  # the export could not produce this prompt's logits (NaN, ...)
 
     @property
     def max_abs_err(self) -> float:
-        return max(self.step_max_abs_err)
+        return max(self.step_max_abs_err) if self.step_max_abs_err else float("nan")
 
     @property
     def generate_equal(self) -> bool:
@@ -62,7 +63,8 @@ class ParityReport:
 
     @property
     def max_abs_err(self) -> float:
-        return max(p.max_abs_err for p in self.prompts)
+        errors = [p.max_abs_err for p in self.prompts]
+        return float("nan") if any(np.isnan(e) for e in errors) else max(errors)
 
     @property
     def passed(self) -> bool:
@@ -70,20 +72,34 @@ class ParityReport:
 
     def failure_reason(self) -> str:
         reasons = []
+        nan = False
         for i, p in enumerate(self.prompts):
-            if p.max_abs_err > self.atol:
+            nan_steps = [step for step, err in enumerate(p.step_max_abs_err) if np.isnan(err)]
+            if p.error is not None:
+                reasons.append(f"prompt {i}: {p.error}")
+                nan = nan or "NaN" in p.error
+            elif nan_steps:
+                reasons.append(f"prompt {i}: the export's logits are NaN at steps {nan_steps}")
+                nan = True
+            elif p.max_abs_err > self.atol:
                 step = int(np.argmax(p.step_max_abs_err))
                 reasons.append(f"prompt {i}: max logit error {p.max_abs_err:.3g} > atol {self.atol:g} (step {step})")
-            if p.mismatched_steps:
+            if p.error is None and p.mismatched_steps:
                 reasons.append(f"prompt {i}: greedy token differs from HF at steps {p.mismatched_steps}")
-            elif not p.generate_equal and not p.tie_steps:
+            elif p.error is None and not p.generate_equal and not p.tie_steps:
                 reasons.append(f"prompt {i}: HF generate() tokens differ from the export's")
+        if nan:
+            reasons.append("NaN logits mean corrupted weights or an overflow in a low-precision export: "
+                           f"check the folder with `kvforge inspect {self.export_dir} --verify`")
         return "; ".join(reasons)
 
     def summary(self) -> str:
         lines = [f"parity {self.export_dir} (target {self.target}, {self.dtype}, {self.backend}, sessions {self.sessions}, "
                  f"{self.new_tokens} new tokens, atol {self.atol:g})"]
         for i, p in enumerate(self.prompts):
+            if p.error is not None:
+                lines.append(f"  prompt {i} ({p.prompt_tokens} tokens): {p.error}")
+                continue
             agree = self.new_tokens - len(p.mismatched_steps) - len(p.tie_steps)
             lines.append(
                 f"  prompt {i} ({p.prompt_tokens} tokens): max logit err {p.max_abs_err:.3g}, "
@@ -96,8 +112,10 @@ class ParityReport:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        for prompt in data["prompts"]:  # JSON has no NaN: a NaN error is reported as null
+            prompt["step_max_abs_err"] = [None if np.isnan(e) else e for e in prompt["step_max_abs_err"]]
         data["passed"] = self.passed
-        data["max_abs_err"] = self.max_abs_err
+        data["max_abs_err"] = None if np.isnan(self.max_abs_err) else self.max_abs_err
         data["failure"] = self.failure_reason() or None
         return data
 
@@ -123,6 +141,8 @@ def run_parity(
     say = progress or (lambda _msg: None)
     if new_tokens < 1:
         raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if atol is not None and not atol > 0:
+        raise InputError(f"--atol must be > 0, got {atol}")
     generator = Generator(export_dir, backend=backend, sessions=sessions)
     manifest = generator.manifest
     if generator.tokenizer is None:
@@ -139,7 +159,13 @@ def run_parity(
     for text in prompts or list(DEFAULT_PROMPTS):
         ids = generator.tokenizer.encode(text)
         say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
-        result = generator.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True, keep_logits=True)
+        try:
+            result = generator.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True,
+                                        keep_logits=True)
+        except NumericalError as err:
+            report.prompts.append(PromptParity(text, len(ids), [], [], [], [], [], [],
+                                               error=f"the export's logits are NaN at step {err.step}"))
+            continue
         tokens = result.tokens[0]
         export_logits = np.stack([step[0] for step in result.logits]).astype(np.float32)  # [N, V]
         with torch.no_grad():

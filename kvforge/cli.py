@@ -15,27 +15,57 @@ from typing import Any
 import click
 
 from kvforge import __version__
-from kvforge.errors import BackendUnavailableError, KvforgeError, ParityError
+from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ParityError
 
 DEFAULT_PROMPT = "Once upon a time"
 
 
-class _Group(click.Group):
-    """Turns kvforge errors into one line and an exit code, unless --debug."""
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
-    def invoke(self, ctx: click.Context) -> Any:
+
+class _Group(click.Group):
+    """Every failure becomes one line on stderr and an exit code, unless --debug: 2 for anything
+    wrong (bad input, bad folder, a crash), 1 for a failed parity gate, 130 for Ctrl-C."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]
         try:
-            return super().invoke(ctx)
+            result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
         except ParityError as err:
-            if ctx.obj and ctx.obj.get("debug"):
+            if debug:
                 raise
-            click.echo(f"kvforge: parity failed: {err}", err=True)
+            click.echo(f"kvforge: parity failed: {_one_line(str(err))}", err=True)
             sys.exit(1)
-        except KvforgeError as err:
-            if ctx.obj and ctx.obj.get("debug"):
+        except click.exceptions.Exit as err:
+            sys.exit(err.exit_code)
+        except click.ClickException as err:  # usage errors: one line, not click's usage block
+            if debug:
                 raise
-            click.echo(f"kvforge: error: {err}", err=True)
+            click.echo(f"kvforge: error: {_one_line(err.format_message())}", err=True)
             sys.exit(2)
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            click.echo("kvforge: interrupted", err=True)
+            sys.exit(130)
+        except KvforgeError as err:
+            if debug:
+                raise
+            click.echo(f"kvforge: error: {_one_line(str(err))}", err=True)
+            sys.exit(2)
+        except Exception as err:  # a bug or an unexpected environment: still one line
+            if debug:
+                raise
+            click.echo(
+                f"kvforge: error: unexpected {type(err).__name__}: {_one_line(str(err))} "
+                "(run `kvforge --debug ...` for the traceback)",
+                err=True,
+            )
+            sys.exit(2)
+        if standalone_mode:
+            sys.exit(result if isinstance(result, int) else 0)
+        return result
 
 
 def _require_export_extra(command: str) -> None:
@@ -97,7 +127,7 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
     except ValueError as err:
-        raise click.BadParameter(f"expected comma-separated token ids, got {text!r}") from err
+        raise InputError(f"--prompt-ids expects comma-separated integer token ids, got {text!r}") from err
 
 
 @main.command()
@@ -117,20 +147,20 @@ def _parse_ids(text: str) -> list[int]:
               help="single: one session runs both phases (one weight copy, fastest on CPU); shared: both graphs "
                    "over one weight copy; separate: both graphs, two copies.")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
+@click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--json", "as_json", is_flag=True)
 def generate(
     export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
     temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
-    backend: str, threads: int | None, sessions: str, stream: bool, as_json: bool,
+    backend: str, threads: int | None, sessions: str, stream: bool, verify: bool, as_json: bool,
 ) -> None:
     """Generate from an export folder."""
-    from kvforge.errors import InputError
     from kvforge.runtime import Generator
 
     if bool(prompts) == bool(prompt_ids):
         raise InputError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable for a batch)")
     batch: Any = list(prompts) if prompts else [_parse_ids(ids) for ids in prompt_ids]
-    generator = Generator(export_dir, backend=backend, threads=threads, sessions=sessions)
+    generator = Generator(export_dir, backend=backend, threads=threads, sessions=sessions, verify_hashes=verify)
     options = dict(
         max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
@@ -201,28 +231,33 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest.")
 @click.option("--json", "as_json", is_flag=True)
-def inspect(export_dir: Path, as_json: bool) -> None:
+def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
     """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
     from kvforge.inspect import describe
 
-    info = describe(export_dir)
+    info = describe(export_dir, verify=verify)
     if as_json:
         _emit_json(info)
         return
-    model = info["manifest"]["model"]
-    click.echo(f"{export_dir}: {model['architecture']} target={info['manifest']['target']} dtype={info['manifest']['dtype']}")
+    manifest = info["manifest"]
+    model = manifest["model"]
+    click.echo(f"{export_dir}: {model.get('architecture')} target={manifest['target']} dtype={manifest['dtype']}")
     click.echo(f"  layers {model['num_layers']}, heads {model['num_heads']}/{model['num_kv_heads']} (q/kv), "
-               f"head_dim {model['head_dim']}, vocab {model['vocab_size']}, max capacity {info['manifest']['kv_cache']['max_capacity']}")
+               f"head_dim {model['head_dim']}, vocab {model['vocab_size']}, "
+               f"max capacity {manifest['kv_cache']['max_capacity']}")
     for phase, graph in info["graphs"].items():
         click.echo(f"  {phase}: {graph['file']} ({graph['nodes']} nodes; attention: {graph['attention_nodes']})")
         for kind in ("inputs", "outputs"):
             shown = graph[kind][:4]
             more = len(graph[kind]) - len(shown)
-            items = ", ".join(f"{io['name']} {io['dtype']}{io['shape']}" for io in shown)
+            items = ", ".join(f"{io['name']} {io.get('dtype', '?')}{io.get('shape', '')}" for io in shown)
             click.echo(f"    {kind}: {items}" + (f", ... (+{more})" if more > 0 else ""))
     for name, record in info["files"].items():
         click.echo(f"  {name}: {record['bytes'] / 1e6:.2f} MB")
+    click.echo("  verified: every file matches its sha256" if verify else
+               "  checked: file sizes, and sha256 of the small files (--verify re-hashes the weights too)")
 
 
 @main.command()
@@ -236,13 +271,20 @@ def demo(out_dir: Path, recipe: str, target: str, prompt: str, max_new_tokens: i
     """Build a small built-in model (random weights), export it and generate from it."""
     _require_export_extra("demo")
     from kvforge.exporter.export import export_model
-    from kvforge.models.recipes import RECIPES, materialize
+    from kvforge.manifest import MANIFEST_NAME
+    from kvforge.models.recipes import RECIPE_MARKER, RECIPES, materialize
+    from kvforge.output_folder import check_output
     from kvforge.runtime import Generator
 
     say = _progress(as_json)
     model_dir, export_dir = out_dir / "model", out_dir / "export"
+    if recipe not in RECIPES:
+        raise InputError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    # The demo replaces its own two folders only; check both before writing either.
+    check_output(model_dir, [], force=True, marker=RECIPE_MARKER, what="kvforge recipe folder")
+    check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
     t0 = time.perf_counter()
-    say(f"building built-in model {recipe!r} ({RECIPES[recipe].description if recipe in RECIPES else '?'}) "
+    say(f"building built-in model {recipe!r} ({RECIPES[recipe].description}) "
         f"in {model_dir} -- its weights are RANDOM, so its text is noise")
     materialize(recipe, model_dir, force=True)
     t1 = time.perf_counter()

@@ -31,3 +31,11 @@ class BackendUnavailableError(KvforgeError):
 
 class ParityError(KvforgeError):
     """Outputs diverged from the reference beyond the stated tolerances."""
+
+
+class NumericalError(KvforgeError):
+    """The model produced NaN logits: corrupted weights, or an overflow in a low-precision export."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step

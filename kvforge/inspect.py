@@ -8,8 +8,10 @@ from typing import Any
 from kvforge.manifest import load_manifest
 
 
-def describe(export_dir: str | Path) -> dict[str, Any]:
-    manifest = load_manifest(export_dir)
+def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
+    """The manifest's view of an export folder, checked as a loader checks it; `verify` re-hashes
+    every file (weights included), so `verified` says whether that was done."""
+    manifest = load_manifest(export_dir, verify_hashes=verify)
     graphs = {}
     for phase, graph in manifest["graphs"].items():
         graphs[phase] = {
@@ -20,4 +22,5 @@ def describe(export_dir: str | Path) -> dict[str, Any]:
             "inputs": graph["inputs"],
             "outputs": graph["outputs"],
         }
-    return {"folder": str(Path(export_dir).resolve()), "graphs": graphs, "files": manifest["files"], "manifest": manifest}
+    return {"folder": str(Path(export_dir).resolve()), "verified": verify, "graphs": graphs,
+            "files": manifest["files"], "manifest": manifest}

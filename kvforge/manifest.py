@@ -33,13 +33,19 @@ Graph IO contract (DESIGN.md, KV cache): `input_ids [B,S] int64`, `past_lens [B]
 prefill only `logits_index [B] int64` (which position of S to return logits for),
 `past_key.{i}` / `past_value.{i}` `[B, H_kv, C, D]`; outputs `logits [B, V]` and
 `present_key.{i}` / `present_value.{i}` (same shape, bound to the same buffers as the past).
+
+What a load checks (see README, "Safety and guarantees"): the structure above; that every file
+the manifest names is a plain name inside the folder (no absolute paths, no `..`, no symlink out
+of it) and is listed in `files`; every listed file's size; the sha256 of every file under
+SMALL_FILE_BYTES (the graphs, tokenizer, configs); and with `verify_hashes` the sha256 of every
+file, weights included. The graph bytes the runtime hands to ONNX Runtime are the bytes it hashed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from kvforge.errors import ManifestError
@@ -47,6 +53,12 @@ from kvforge.errors import ManifestError
 FORMAT = "kvforge/1"
 MANIFEST_NAME = "kvforge.json"
 PHASES = ("prefill", "decode")
+# Files smaller than this are always hashed on load (cheap); larger ones (weights) with verify.
+SMALL_FILE_BYTES = 64 << 20
+_REQUIRED = {
+    "model": ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"),
+    "kv_cache": ("dtype", "num_layers", "num_kv_heads", "head_dim", "max_capacity"),
+}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -67,9 +79,91 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
+def is_export_folder(folder: str | Path) -> bool:
+    """True if `folder` holds a kvforge.json that names a kvforge format (content not checked)."""
+    path = Path(folder) / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("kvforge/")
+
+
+def resolve_in_folder(folder: Path, name: Any, what: str) -> Path:
+    """`folder / name` for a plain relative file name of the manifest, or ManifestError if the name
+    would leave the folder (absolute, `..`, or a symlink pointing outside)."""
+    if not isinstance(name, str) or name == "":
+        raise ManifestError(f"{folder / MANIFEST_NAME} names {what} {name!r}, which is not a file name; re-run the export")
+    pure = PurePosixPath(name.replace("\\", "/"))
+    if pure.is_absolute() or ".." in pure.parts or name.startswith(("/", "\\")) or ":" in name:
+        raise ManifestError(
+            f"{folder / MANIFEST_NAME} names {what} {name!r} outside the export folder; refusing to open it "
+            "(the manifest was crafted or corrupted): re-run the export"
+        )
+    path = folder / pure
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ManifestError(
+            f"{path} is a link that leads outside the export folder; refusing to open it: re-run the export"
+        )
+    return path
+
+
+def _validate(manifest: Any, path: Path) -> None:
+    """Structure checks with messages that name the entry, so a bad file never ends in a KeyError."""
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{path} holds a JSON {type(manifest).__name__}, not an object; re-run the export")
+    if manifest.get("format") != FORMAT:
+        raise ManifestError(
+            f"{path} has format {manifest.get('format')!r}, this kvforge reads {FORMAT!r}; re-export with this version"
+        )
+    for key in ("model", "target", "dtype", "kv_cache", "graphs", "files"):
+        if key not in manifest:
+            raise ManifestError(f"{path} lacks the {key!r} entry; re-run the export")
+    for section, keys in _REQUIRED.items():
+        if not isinstance(manifest[section], dict):
+            raise ManifestError(f"{path}: {section!r} must be an object; re-run the export")
+        for key in keys:
+            value = manifest[section].get(key)
+            if key == "dtype":
+                if not isinstance(value, str):
+                    raise ManifestError(f"{path}: {section}.{key} must be a string, got {value!r}; re-run the export")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ManifestError(f"{path}: {section}.{key} must be a positive integer, got {value!r}; re-run the export")
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise ManifestError(f"{path}: 'files' must be an object of file records; re-run the export")
+    for name, record in files.items():
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("sha256"), str)
+            or isinstance(record.get("bytes"), bool)
+            or not isinstance(record.get("bytes"), int)
+        ):
+            raise ManifestError(f"{path}: files[{name!r}] must hold 'sha256' and 'bytes'; re-run the export")
+    graphs = manifest["graphs"]
+    if not isinstance(graphs, dict):
+        raise ManifestError(f"{path}: 'graphs' must be an object; re-run the export")
+    for phase in PHASES:
+        graph = graphs.get(phase)
+        if not isinstance(graph, dict):
+            raise ManifestError(f"{path} lists no {phase!r} graph; re-run the export")
+        if graph.get("file") not in files:
+            raise ManifestError(
+                f"{path}: the {phase} graph file {graph.get('file')!r} is not listed in 'files', so it could not "
+                "be verified; re-run the export"
+            )
+        for kind in ("inputs", "outputs"):
+            entries = graph.get(kind)
+            if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
+                raise ManifestError(f"{path}: graphs.{phase}.{kind} must be a list of {{'name': ...}}; re-run the export")
+    weights = manifest.get("weights")
+    if weights is not None and weights not in files:
+        raise ManifestError(f"{path}: the weights file {weights!r} is not listed in 'files'; re-run the export")
+
+
 def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, Any]:
-    """Read and check `kvforge.json`. `verify_hashes` re-hashes every file (slow for big weights);
-    sizes are always checked, which catches truncated copies cheaply."""
+    """Read and check `kvforge.json` (see the module docstring for what is checked).
+    `verify_hashes` also re-hashes the large files (the weights), which reads them once."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ManifestError(f"{folder} is not a folder; pass the output folder of `kvforge export`")
@@ -79,27 +173,37 @@ def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, 
             f"{folder} has no {MANIFEST_NAME}: it is not a kvforge export (run `kvforge export MODEL_DIR -o {folder}`)"
         )
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
         raise ManifestError(f"{path} is not valid JSON ({err}); re-run the export") from err
-    if manifest.get("format") != FORMAT:
-        raise ManifestError(
-            f"{path} has format {manifest.get('format')!r}, this kvforge reads {FORMAT!r}; re-export with this version"
-        )
-    for key in ("model", "target", "dtype", "kv_cache", "graphs", "files"):
-        if key not in manifest:
-            raise ManifestError(f"{path} lacks the {key!r} entry; re-run the export")
-    for phase in PHASES:
-        if phase not in manifest["graphs"]:
-            raise ManifestError(f"{path} lists no {phase!r} graph; re-run the export")
+    _validate(manifest, path)
     for name, record in manifest["files"].items():
-        file = folder / name
+        file = resolve_in_folder(folder, name, "the file")
         if not file.is_file():
             raise ManifestError(f"{folder} is missing {name}, which its manifest lists; re-run the export")
-        if file.stat().st_size != record["bytes"]:
+        size = file.stat().st_size
+        if size != record["bytes"]:
+            raise ManifestError(f"{file} has {size} bytes, the manifest says {record['bytes']}: truncated or replaced; re-run the export")
+        if (verify_hashes or size < SMALL_FILE_BYTES) and sha256_file(file) != record["sha256"]:
             raise ManifestError(
-                f"{file} has {file.stat().st_size} bytes, the manifest says {record['bytes']}: truncated or replaced"
+                f"{file} does not match the sha256 in {MANIFEST_NAME}: the file was modified or corrupted; re-run the export"
             )
-        if verify_hashes and sha256_file(file) != record["sha256"]:
-            raise ManifestError(f"{file} does not match the sha256 in {MANIFEST_NAME}: the folder was modified")
     return manifest
+
+
+def read_graph(folder: str | Path, manifest: dict[str, Any], phase: str) -> bytes:
+    """The bytes of a phase's graph file, checked against the manifest's sha256: the runtime
+    hands these very bytes to ONNX Runtime, so what is verified is what is loaded."""
+    folder = Path(folder)
+    name = manifest["graphs"][phase]["file"]
+    path = resolve_in_folder(folder, name, f"the {phase} graph")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ManifestError(f"could not read {path}: {err.strerror or err}; re-run the export") from err
+    record = manifest["files"].get(name)
+    if record is None or hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise ManifestError(
+            f"{path} does not match the sha256 in {MANIFEST_NAME}: the file was modified or corrupted; re-run the export"
+        )
+    return data

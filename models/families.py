@@ -44,11 +44,19 @@ def supported_architectures() -> list[str]:
 def family_for(config: Any) -> Family:
     """The family adapter for a transformers config, or a clear error naming what is supported."""
     model_type = getattr(config, "model_type", None)
-    architectures = list(getattr(config, "architectures", None) or [])
-    family = FAMILIES.get(model_type)
-    if family is None or (architectures and not set(architectures) & set(family.architectures)):
-        found = ", ".join(architectures) or f"model_type {model_type!r}"
+    architectures = getattr(config, "architectures", None) or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    supported = ", ".join(supported_architectures())
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        named = f" ({', '.join(map(str, architectures))})" if architectures else ""
         raise UnsupportedModelError(
-            f"unsupported architecture {found}; kvforge supports {', '.join(supported_architectures())}"
+            f"unsupported model_type {model_type!r}{named}; kvforge supports {supported}"
+        )
+    if architectures and not set(architectures) & set(family.architectures):
+        raise UnsupportedModelError(
+            f"unsupported architecture {', '.join(map(str, architectures))} for model_type {model_type!r}; "
+            f"kvforge supports {supported}"
         )
     return family

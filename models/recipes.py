@@ -9,15 +9,13 @@ export, runtime and parity can be exercised (and compared against HF eager) with
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvforge.errors import InputError
 from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+from kvforge.output_folder import StagedFolder, check_output
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,8 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 
+RECIPE_MARKER = "kvforge_recipe.json"
+
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
@@ -100,14 +100,17 @@ def build_model(name: str, seed: int = 0, dtype: str = "float32"):
 def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = False) -> Path:
     """Write the recipe as a Hugging Face folder. Written to a temporary sibling, renamed into place."""
     from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     recipe = _recipe(name)
-    folder = Path(folder)
-    if folder.exists() and not force:
-        raise InputError(f"{folder} already exists; pass --force to overwrite it")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    folder = Path(folder).absolute()
+    # Only a folder this function wrote (it has the recipe marker) is ever replaced.
+    check_output(folder, [], force=force, marker=RECIPE_MARKER, what="kvforge recipe folder")
+    with StagedFolder(folder, RECIPE_MARKER, what="kvforge recipe folder") as staged:
+        staging = staged.path
+        assert staging is not None
         model = build_model(name, seed=seed)
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer = PreTrainedTokenizerFast(
@@ -118,15 +121,10 @@ def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = Fals
         GenerationConfig(
             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
         ).save_pretrained(staging)
-        (staging / "kvforge_recipe.json").write_text(
+        (staging / RECIPE_MARKER).write_text(
             json.dumps({"recipe": name, "seed": seed, "random_weights": True, "description": recipe.description}, indent=2)
         )
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        staged.publish()
     return folder
 
 

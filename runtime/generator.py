@@ -8,6 +8,7 @@ Finished rows are frozen: they are fed the pad token at an unchanged `past_lens[
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator
@@ -17,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import InputError
+from kvforge.errors import InputError, NumericalError
 from kvforge.manifest import load_manifest
 from kvforge.runtime.kv_cache import KVCache, choose_capacity, needed_positions
-from kvforge.runtime.ort_backend import OrtBackend
+from kvforge.runtime.ort_backend import OrtBackend, OrtSlot
 from kvforge.runtime.sampling import Sampler, SamplingConfig
 from kvforge.runtime.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
@@ -108,7 +109,13 @@ class Generator:
             self.folder, self.manifest, device=BACKENDS[backend], device_id=device_id, threads=threads,
             sessions=sessions,
         )
-        self.cache: KVCache | None = None
+        # Thread safety: the sessions are shared, each request runs on its own slot (KV cache + IO
+        # bindings) taken from this pool and given back when it ends, so requests from several
+        # threads, or several open streams, never share a cache. Idle slots are kept for reuse.
+        self.max_idle_slots = 4
+        self._idle: list[OrtSlot] = []
+        self._pool_lock = threading.Lock()
+        self._last_slot: OrtSlot | None = None
 
     # -- public API -----------------------------------------------------------------------------
     def generate(
@@ -159,13 +166,22 @@ class Generator:
                            stop_token_ids, capacity, ignore_eos, keep_logits, stream_text=True)
         return GenerationStream(events)
 
+    @property
+    def cache(self) -> KVCache | None:
+        """The KV cache of the most recently started request (tests, debugging)."""
+        return self._last_slot.cache if self._last_slot is not None else None
+
     def kv_buffer_addresses(self) -> dict[str, int]:
-        """Address of every KV buffer of the current cache, by graph input name ({} before any request)."""
+        """Address of every KV buffer of the most recent request's cache, by graph input name
+        ({} before any request)."""
         return self.cache.addresses() if self.cache is not None else {}
 
     def bound_output_addresses(self, phase: str) -> dict[str, int]:
-        """Addresses the last `phase` run wrote its outputs to (KV outputs must equal the cache's)."""
-        return self.backend.bound_output_addresses(phase)
+        """Addresses the last `phase` run of the most recent request wrote its outputs to (KV outputs
+        must equal the cache's)."""
+        if self._last_slot is None:
+            return {}
+        return self.backend.bound_output_addresses(self._last_slot, phase)
 
     @property
     def runs(self) -> dict[str, int]:
@@ -205,19 +221,27 @@ class Generator:
         lens = [len(row) for row in ids]
         needed = needed_positions(lens, int(max_new_tokens))
         cap = choose_capacity(needed, self.max_capacity, capacity)
-        cache = self._cache_for(len(ids), cap)
+        slot = self._acquire(len(ids), cap)
         eos_ids = frozenset() if ignore_eos else self.eos_token_ids
-        return self._steps(ids, int(max_new_tokens), Sampler(config), eos_ids, stop_ids, cache,
-                           text_mode, stream_text, keep_logits, start)
+        loop = self._loop(ids, int(max_new_tokens), Sampler(config), eos_ids, stop_ids, slot,
+                          text_mode, stream_text, keep_logits, start)
+        return self._owning(slot, loop)
 
-    def _steps(
+    def _owning(self, slot: OrtSlot, loop: Steps) -> Steps:
+        """Run `loop` and give its slot back to the pool when it ends, fails or is closed."""
+        try:
+            return (yield from loop)
+        finally:
+            self._release(slot)
+
+    def _loop(
         self,
         ids: list[list[int]],
         max_new_tokens: int,
         sampler: Sampler,
         eos_ids: frozenset[int],
         stop_ids: frozenset[int],
-        cache: KVCache,
+        slot: OrtSlot,
         text_mode: bool,
         stream_text: bool,
         keep_logits: bool,
@@ -257,9 +281,10 @@ class Generator:
                     deltas[b] = detoks[b].add(token) + (detoks[b].flush() if reasons[b] else "")
             return StepEvent(step=step, token_ids=new, text=deltas, finished=[r is not None for r in reasons])
 
+        cache = slot.cache
         cache.reset()
         t_prefill = time.perf_counter()
-        logits = self.backend.run_prefill(input_ids, lens - 1)
+        logits = self._checked(self.backend.run_prefill(slot, input_ids, lens - 1), 0)
         cache.past_lens[:] = lens
         prefill_ms = (time.perf_counter() - t_prefill) * 1e3
         if keep_logits:
@@ -278,7 +303,7 @@ class Generator:
             feed[:] = self.pad_token_id
             for b in np.flatnonzero(running):
                 feed[b] = tokens[b][-1]
-            logits = self.backend.run_decode(feed, running)
+            logits = self._checked(self.backend.run_decode(slot, feed, running), steps + 1)
             cache.past_lens[running] += 1
             steps += 1
             decoded_tokens += int(running.sum())
@@ -304,7 +329,6 @@ class Generator:
             steps=steps,
             logits=kept_logits if keep_logits else None,
         )
-
     def _sampling_config(
         self,
         sampling: SamplingConfig | None,
@@ -334,8 +358,13 @@ class Generator:
             prompts = [prompts]
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
+        if isinstance(prompts, (bytes, bytearray)):
+            prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
             raise InputError("no prompts given: pass a str, a list of str, or a list of token-id lists")
+        for i, p in enumerate(prompts):
+            if isinstance(p, (bytes, bytearray)):
+                raise InputError(f"prompt {i} is bytes; pass text as str (decode it from UTF-8 first)")
         if all(isinstance(p, str) for p in prompts):
             if self.tokenizer is None:
                 raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so prompts must be token ids, not text")
@@ -343,6 +372,13 @@ class Generator:
             for i, text in enumerate(prompts):
                 if text == "":
                     raise InputError(f"prompt {i} is empty; give at least one character")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as err:  # lone surrogates: bytes that were not UTF-8
+                    raise InputError(
+                        f"prompt {i} is not valid UTF-8 text (undecodable bytes at character {err.start}); "
+                        "pass UTF-8 text"
+                    ) from err
                 rows.append(self.tokenizer.encode(text))
             text_mode = True
         elif all(_is_int(p) for p in prompts):
@@ -366,19 +402,37 @@ class Generator:
                     )
         return [[int(t) for t in row] for row in rows], text_mode
 
-    def _cache_for(self, batch: int, capacity: int) -> KVCache:
-        """Reuse the cache (and the bindings on it) when the request has the same shape."""
-        if (
-            self.cache is None
-            or self.cache.batch != batch
-            or self.cache.capacity != capacity
-            or self.backend.cache is not self.cache
-        ):
-            self.cache = KVCache.from_manifest(
-                self.manifest, batch, capacity, device=self.backend.device, device_id=self.backend.device_id
+    def _acquire(self, batch: int, capacity: int) -> OrtSlot:
+        """An idle slot of this shape from the pool (its buffers and bindings are reused), or a new one."""
+        with self._pool_lock:
+            for i in range(len(self._idle) - 1, -1, -1):
+                slot = self._idle[i]
+                if slot.cache.batch == batch and slot.cache.capacity == capacity:
+                    del self._idle[i]
+                    self._last_slot = slot
+                    return slot
+        cache = KVCache.from_manifest(
+            self.manifest, batch, capacity, device=self.backend.device, device_id=self.backend.device_id
+        )
+        slot = self.backend.bind(cache)
+        with self._pool_lock:
+            self._last_slot = slot
+        return slot
+
+    def _release(self, slot: OrtSlot) -> None:
+        with self._pool_lock:
+            self._idle.append(slot)
+            del self._idle[: max(0, len(self._idle) - self.max_idle_slots)]
+
+    def _checked(self, logits: np.ndarray, step: int) -> np.ndarray:
+        # NaN logits mean garbage tokens; say so instead of sampling token 0 forever.
+        if np.isnan(logits).any():
+            raise NumericalError(
+                f"the model produced NaN logits at step {step}; the export may be corrupted: check it with "
+                f"`kvforge inspect {self.folder} --verify` (or an fp16 export overflowed: try --dtype fp32)",
+                step=step,
             )
-            self.backend.attach(self.cache)
-        return self.cache
+        return logits
 
 
 def _is_int(value: Any) -> bool:

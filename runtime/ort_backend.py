@@ -1,20 +1,25 @@
-"""ONNX Runtime backend: one session per phase, IO binding over the preallocated KV cache.
+"""ONNX Runtime backend: one session per phase, IO binding over preallocated KV caches.
 
 Every `past_*` input and its `present_*` output are bound to the very same OrtValue, so the fused
 attention node writes the new rows in place (ORT's GroupQueryAttention compares the pointers).
-The decode inputs and the logits output are preallocated and bound once per cache: a decode step
-writes into those numpy arrays and runs, nothing else is allocated or rebound.
+The backend's sessions are shared; the per-request state lives in an `OrtSlot` (a KV cache plus its
+IO bindings, logits buffer and decode inputs), so several slots can run at once from different
+threads: ONNX Runtime allows concurrent `run` calls on one session, each with its own binding.
+A slot is bound once; a decode step writes into its numpy arrays and runs, nothing is rebound.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.errors import BackendUnavailableError, InputError, ManifestError
+from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ManifestError
+from kvforge.manifest import read_graph
 from kvforge.runtime.kv_cache import KVCache
 
 DEVICES = ("cpu", "cuda")
@@ -23,6 +28,8 @@ DEVICES = ("cpu", "cuda")
 # "separate": prefill.onnx + decode.onnx, each session prepacks its own copy (two copies).
 SESSION_MODES = ("single", "shared", "separate")
 LOGITS_DTYPES = {"float32": np.float32, "float16": np.float16}
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
+               "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16"}
 
 
 def expected_io(phase: str, num_layers: int) -> tuple[list[str], list[str]]:
@@ -47,6 +54,20 @@ def providers_for(device: str, device_id: int = 0) -> list[Any]:
             )
         return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
     raise InputError(f"unknown ONNX Runtime device {device!r}; expected one of {DEVICES}")
+
+
+@dataclass
+class OrtSlot:
+    """A KV cache bound to the backend's sessions: what one request (or one thread) runs on."""
+
+    cache: KVCache
+    bindings: dict[str, ort.IOBinding]
+    output_order: dict[str, list[str]]
+    logits: np.ndarray  # [B, V], bound as the logits output of both phases
+    decode_ids: np.ndarray  # [B, 1], bound as the decode input_ids
+    decode_index: np.ndarray  # [B] zeros: single mode's logits_index for S=1
+    host_values: dict[str, ort.OrtValue] = field(default_factory=dict)
+    prefill_inputs: tuple[np.ndarray, ...] = ()  # kept alive until the run (bind_cpu_input does not copy)
 
 
 class OrtBackend:
@@ -80,7 +101,6 @@ class OrtBackend:
                 # the weights, and ORT may prepack them (its CPU matmuls are faster packed).
                 self.sessions["decode"] = self.sessions["prefill"]
                 continue
-            path = self.folder / self.manifest["graphs"][phase]["file"]
             options = ort.SessionOptions()
             if threads is not None:
                 options.intra_op_num_threads = threads
@@ -89,17 +109,20 @@ class OrtBackend:
                 # copy. The CPU kernels' prepacking would make a private packed copy per session (two
                 # copies of the weights); turning it off keeps one, at some decode speed.
                 options.add_session_config_entry("session.disable_prepacking", "1")
+            # The graph is loaded from the bytes that were checked against the manifest's sha256;
+            # its external weights are resolved in the export folder (ORT refuses paths leaving it).
+            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.folder))
+            graph_bytes = read_graph(self.folder, manifest, phase)
+            file = self.folder / self.manifest["graphs"][phase]["file"]
             try:
-                self.sessions[phase] = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+                self.sessions[phase] = ort.InferenceSession(graph_bytes, sess_options=options, providers=providers)
             except Exception as err:  # onnxruntime raises its own Fail/InvalidGraph types
-                raise ManifestError(f"ONNX Runtime could not load {path}: {err}") from err
+                raise ManifestError(f"ONNX Runtime could not load {file}: {_one_line(err)}; re-run the export") from err
             self._check_session_io(phase, self.sessions[phase])
         self.logits_dtype = self._logits_dtype()
         self.vocab_size = int(manifest["model"]["vocab_size"])
         self.runs = {"prefill": 0, "decode": 0}
-        self.cache: KVCache | None = None
-        self._bindings: dict[str, ort.IOBinding] = {}
-        self._output_order: dict[str, list[str]] = {}
+        self._runs_lock = threading.Lock()
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_manifest_io(self, phase: str, graph: dict[str, Any]) -> None:
@@ -114,13 +137,44 @@ class OrtBackend:
 
     def _check_session_io(self, phase: str, session: ort.InferenceSession) -> None:
         want_in, want_out = expected_io(phase, self.num_layers)
+        file = self.manifest["graphs"][phase]["file"]
         have_in = [node.name for node in session.get_inputs()]
         have_out = [node.name for node in session.get_outputs()]
         if sorted(have_in) != sorted(want_in) or sorted(have_out) != sorted(want_out):
             raise ManifestError(
-                f"{self.manifest['graphs'][phase]['file']} has inputs {have_in} and outputs {have_out}, "
+                f"{file} has inputs {have_in} and outputs {have_out}, "
                 f"which disagree with its manifest; the folder was modified, re-run the export"
             )
+        # Dtypes and fixed dimensions the manifest states must be the graph's: the runtime sizes its
+        # buffers from the manifest, so a mismatch would only show as an ONNX Runtime error mid-run.
+        declared = {e["name"]: e for e in self.manifest["graphs"][phase]["inputs"] + self.manifest["graphs"][phase]["outputs"]}
+        kv = self.manifest["kv_cache"]
+        for node in list(session.get_inputs()) + list(session.get_outputs()):
+            entry = declared.get(node.name, {})
+            dtype = _ORT_DTYPES.get(node.type, node.type)
+            if "dtype" in entry and entry["dtype"] != dtype:
+                raise ManifestError(
+                    f"{file}: {node.name} is {dtype} but the manifest says {entry['dtype']}; re-run the export"
+                )
+            wanted = entry.get("shape")
+            if node.name.startswith(("past_key.", "past_value.", "present_key.", "present_value.")):
+                wanted = [None, kv["num_kv_heads"], None, kv["head_dim"]]
+                if dtype != kv["dtype"]:
+                    raise ManifestError(
+                        f"{file}: {node.name} is {dtype} but the manifest's KV cache dtype is {kv['dtype']}; "
+                        "re-run the export"
+                    )
+            if wanted is None:
+                continue
+            shape = list(node.shape)
+            fixed_disagree = len(shape) != len(wanted) or any(
+                isinstance(w, int) and isinstance(h, int) and w != h for w, h in zip(wanted, shape, strict=False)
+            )
+            if fixed_disagree:
+                raise ManifestError(
+                    f"{file}: {node.name} has shape {shape} but the manifest says {wanted}; the manifest and the "
+                    "graph disagree, re-run the export"
+                )
 
     def _logits_dtype(self) -> type:
         for entry in self.manifest["graphs"]["decode"]["outputs"]:
@@ -132,30 +186,32 @@ class OrtBackend:
         raise ManifestError("the manifest's decode graph has no 'logits' output; re-run the export")
 
     # -- binding --------------------------------------------------------------------------------
-    def attach(self, cache: KVCache) -> None:
+    def bind(self, cache: KVCache) -> OrtSlot:
         """Bind `cache` (and fresh logits / decode-input buffers sized for its batch) to both phases.
-        Called once per cache; every later run reuses these bindings."""
+        Called once per cache; every later run on the returned slot reuses these bindings."""
         batch = cache.batch
-        self.cache = cache
-        # Decode inputs live in these arrays; the OrtValues wrap them, so a step only writes numpy.
-        self._decode_ids = np.zeros((batch, 1), dtype=np.int64)
-        self._logits = np.zeros((batch, self.vocab_size), dtype=self.logits_dtype)
-        self._decode_index = np.zeros(batch, dtype=np.int64)  # single mode: logits of the one new token
-        self._host_values = {
-            "decode_ids": ort.OrtValue.ortvalue_from_numpy(self._decode_ids),
+        slot = OrtSlot(
+            cache=cache, bindings={}, output_order={},
+            logits=np.zeros((batch, self.vocab_size), dtype=self.logits_dtype),
+            decode_ids=np.zeros((batch, 1), dtype=np.int64),
+            decode_index=np.zeros(batch, dtype=np.int64),
+        )
+        # The OrtValues wrap these arrays, so a decode step only writes numpy.
+        slot.host_values = {
+            "decode_ids": ort.OrtValue.ortvalue_from_numpy(slot.decode_ids),
             "past_lens": ort.OrtValue.ortvalue_from_numpy(cache.past_lens),
-            "logits": ort.OrtValue.ortvalue_from_numpy(self._logits),
-            "decode_index": ort.OrtValue.ortvalue_from_numpy(self._decode_index),
+            "logits": ort.OrtValue.ortvalue_from_numpy(slot.logits),
+            "decode_index": ort.OrtValue.ortvalue_from_numpy(slot.decode_index),
         }
         for phase, session in self.sessions.items():
             binding = session.io_binding()
             order: list[str] = []
-            binding.bind_ortvalue_input("past_lens", self._host_values["past_lens"])
+            binding.bind_ortvalue_input("past_lens", slot.host_values["past_lens"])
             if phase == "decode":
-                binding.bind_ortvalue_input("input_ids", self._host_values["decode_ids"])
+                binding.bind_ortvalue_input("input_ids", slot.host_values["decode_ids"])
                 if self.session_mode == "single":
-                    binding.bind_ortvalue_input("logits_index", self._host_values["decode_index"])
-            binding.bind_ortvalue_output("logits", self._host_values["logits"])
+                    binding.bind_ortvalue_input("logits_index", slot.host_values["decode_index"])
+            binding.bind_ortvalue_output("logits", slot.host_values["logits"])
             order.append("logits")
             for i in range(cache.num_layers):
                 binding.bind_ortvalue_input(f"past_key.{i}", cache.keys[i])
@@ -163,50 +219,53 @@ class OrtBackend:
                 binding.bind_ortvalue_input(f"past_value.{i}", cache.values[i])
                 binding.bind_ortvalue_output(f"present_value.{i}", cache.values[i])
                 order += [f"present_key.{i}", f"present_value.{i}"]
-            self._bindings[phase] = binding
-            self._output_order[phase] = order
-
-    def _require_cache(self) -> KVCache:
-        if self.cache is None:
-            raise RuntimeError("OrtBackend.attach(cache) must be called before running a phase")
-        return self.cache
+            slot.bindings[phase] = binding
+            slot.output_order[phase] = order
+        return slot
 
     # -- running --------------------------------------------------------------------------------
-    def run_prefill(self, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+    def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """input_ids [B, S] int64 (right-padded), logits_index [B] int64 -> logits [B, V] float32.
         Writes positions past_lens[b] + 0..S-1 of every row; the caller advances past_lens."""
-        cache = self._require_cache()
-        cache.check_fits(input_ids.shape[1])
-        binding = self._bindings["prefill"]
+        slot.cache.check_fits(input_ids.shape[1])
+        binding = slot.bindings["prefill"]
         # Prefill runs once per request, so binding fresh input arrays here costs nothing that matters.
-        # Held on self until the run: bind_cpu_input wraps the arrays without copying.
-        self._prefill_inputs = (
+        slot.prefill_inputs = (
             np.ascontiguousarray(input_ids, dtype=np.int64),
             np.ascontiguousarray(logits_index, dtype=np.int64),
         )
-        binding.bind_cpu_input("input_ids", self._prefill_inputs[0])
-        binding.bind_cpu_input("logits_index", self._prefill_inputs[1])
-        return self._run("prefill")
+        binding.bind_cpu_input("input_ids", slot.prefill_inputs[0])
+        binding.bind_cpu_input("logits_index", slot.prefill_inputs[1])
+        return self._run(slot, "prefill")
 
-    def run_decode(self, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
+    def run_decode(self, slot: OrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         """token_ids [B] -> logits [B, V] float32. Writes position past_lens[b] of every row; the
         capacity is checked for the `running` rows only (finished rows are frozen by the caller)."""
-        cache = self._require_cache()
-        cache.check_fits(1, running)
-        self._decode_ids[:, 0] = token_ids
-        return self._run("decode")
+        slot.cache.check_fits(1, running)
+        slot.decode_ids[:, 0] = token_ids
+        return self._run(slot, "decode")
 
-    def _run(self, phase: str) -> np.ndarray:
-        binding = self._bindings[phase]
+    def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
+        binding = slot.bindings[phase]
         binding.synchronize_inputs()
-        self.sessions[phase].run_with_iobinding(binding)
+        try:
+            self.sessions[phase].run_with_iobinding(binding)
+        except Exception as err:  # ORT's own exception types; say which graph and why, on one line
+            raise KvforgeError(
+                f"ONNX Runtime failed running the {phase} graph of {self.folder}: {_one_line(err)}"
+            ) from err
         binding.synchronize_outputs()
-        self.runs[phase] += 1
-        # float32 logits are returned as a view of the bound buffer: valid until the next run.
-        return self._logits if self._logits.dtype == np.float32 else self._logits.astype(np.float32)
+        with self._runs_lock:
+            self.runs[phase] += 1
+        # float32 logits are returned as a view of the slot's buffer: valid until its next run.
+        return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)
 
-    def bound_output_addresses(self, phase: str) -> dict[str, int]:
-        """Addresses of the outputs the last run of `phase` wrote to, by output name. get_outputs()
-        returns outputs in binding order, not graph order, hence the recorded order."""
-        outputs = self._bindings[phase].get_outputs()
-        return {name: value.data_ptr() for name, value in zip(self._output_order[phase], outputs, strict=True)}
+    def bound_output_addresses(self, slot: OrtSlot, phase: str) -> dict[str, int]:
+        """Addresses of the outputs the last run of `phase` on `slot` wrote to, by output name.
+        get_outputs() returns outputs in binding order, not graph order, hence the recorded order."""
+        outputs = slot.bindings[phase].get_outputs()
+        return {name: value.data_ptr() for name, value in zip(slot.output_order[phase], outputs, strict=True)}
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

@@ -42,8 +42,10 @@ class SamplingConfig:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
-            raise InputError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
+        ):
+            raise InputError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
 
     @classmethod
     def from_generation(cls, generation: dict[str, Any] | None) -> SamplingConfig:
@@ -72,8 +74,9 @@ def greedy(logits: np.ndarray) -> np.ndarray:
 
 
 def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """Return a float32 copy of [B, V] logits with the tokens outside top-k / top-p set to -inf."""
-    out = np.array(logits, dtype=np.float32, copy=True)
+    """Return a copy of [B, V] logits (float32, or float64 if given) with the tokens outside
+    top-k / top-p set to -inf."""
+    out = np.array(logits, dtype=np.float64 if logits.dtype == np.float64 else np.float32, copy=True)
     vocab = out.shape[-1]
     if 0 < top_k < vocab:
         kth = np.partition(out, vocab - top_k, axis=-1)[:, vocab - top_k : vocab - top_k + 1]
@@ -96,7 +99,11 @@ def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator)
     """Pick one token per row of [B, V] logits according to `config` -> [B] int64."""
     if config.greedy:
         return greedy(logits)
-    scaled = np.asarray(logits, dtype=np.float32) / np.float32(config.temperature)
+    # Shift by the row max before dividing, in float64: a tiny temperature then sends every other
+    # logit towards -inf (the greedy limit) instead of overflowing to inf and NaN.
+    logits64 = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        scaled = (logits64 - logits64.max(axis=-1, keepdims=True)) / config.temperature
     probs = _softmax(filter_logits(scaled, config.top_k, config.top_p))
     cdf = np.cumsum(probs, axis=-1)
     # u in (0, 1]: the chosen index i satisfies cdf[i-1] < u*total <= cdf[i], so zero-probability

@@ -57,8 +57,9 @@ def test_export_errors(tmp_path, hf_folder) -> None:
     code, _, err = run("export", str(tmp_path / "missing"), "-o", str(tmp_path / "out"))
     assert code == 2 and "is not a folder" in err and "Traceback" not in err
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kvforge.json").write_text('{"format": "kvforge/1"}')
     code, _, err = run("export", str(hf_folder("llama-tiny")), "-o", str(tmp_path / "out"))
-    assert code == 2 and "pass --force" in err
+    assert code == 2 and "already exists; pass --force to replace it" in err
 
 
 def test_debug_shows_the_traceback(tmp_path) -> None:

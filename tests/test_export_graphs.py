@@ -89,7 +89,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path) -> None:
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"unsupported architecture GPT2LMHeadModel; kvforge supports .*LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'gpt2' \(GPT2LMHeadModel\); kvforge supports .*LlamaForCausalLM"):
         export_model(tmp_path / "gpt2", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -106,8 +106,9 @@ def test_existing_output_needs_force(tmp_path, hf_folder) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    with pytest.raises(InputError, match="already exists; pass --force"):
-        export_model(hf_folder("llama-tiny"), out)
+    for force in (False, True):
+        with pytest.raises(InputError, match="is not a kvforge export .no kvforge.json.; refusing to replace it"):
+            export_model(hf_folder("llama-tiny"), out, force=force)
     assert (out / "keep.txt").read_text() == "user data"
 
 

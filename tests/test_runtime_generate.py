@@ -55,9 +55,9 @@ def gen(folders) -> Generator:
 def test_prefill_logits_match_hf(gen, hf_model) -> None:
     # Tokens can agree by luck; logits cannot. Drive the backend directly for one prefill.
     cache = KVCache.from_manifest(gen.manifest, batch=1, capacity=16)
-    gen.backend.attach(cache)
+    slot = gen.backend.bind(cache)
     prompt = PROMPTS[0]
-    logits = gen.backend.run_prefill(np.array([prompt]), np.array([len(prompt) - 1])).copy()
+    logits = gen.backend.run_prefill(slot, np.array([prompt]), np.array([len(prompt) - 1])).copy()
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0, -1].numpy()
     np.testing.assert_allclose(logits[0], ref, rtol=1e-4, atol=1e-4)
@@ -107,6 +107,9 @@ def test_kv_buffers_stay_bound_across_decode_steps(gen) -> None:
     [
         ([[]], {}, InputError, "prompt 0 has no tokens"),
         ("", {}, InputError, "prompt 0 is empty"),
+        (["ok", "caf\udce9"], {}, InputError, "prompt 1 is not valid UTF-8 text"),
+        ([b"hello"], {}, InputError, "prompt 0 is bytes; pass text as str"),
+        ("hi", {"temperature": 0.5, "seed": -3}, InputError, "seed must be an integer >= 0"),
         ([[1, 512]], {}, InputError, "token id 512, outside the vocabulary [0, 512)"),
         ([[1] * 2040], {"max_new_tokens": 10}, CapacityError, "needs 2049 positions"),
         ([[1] * 8], {"max_new_tokens": 8, "capacity": 10}, CapacityError,

@@ -118,3 +118,21 @@ def test_overrides_are_validated() -> None:
     assert base.with_overrides(top_k=5, top_p=None).top_k == 5
     with pytest.raises(InputError, match="top_p"):
         base.with_overrides(top_p=2.0)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324])
+def test_a_tiny_temperature_is_the_greedy_limit_without_overflow(temperature: float) -> None:
+    import warnings
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 300)).astype(np.float32) * 5
+    config = SamplingConfig(greedy=False, temperature=temperature, top_k=0, top_p=1.0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow / invalid-value warnings fail the test
+        picks = sample(logits, config, rng)
+    assert picks.tolist() == greedy(logits).tolist()
+
+
+def test_negative_seed_is_refused() -> None:
+    with pytest.raises(InputError, match="seed must be an integer >= 0 or None, got -1"):
+        SamplingConfig(seed=-1)

@@ -1,0 +1,416 @@
+"""The fault and abuse suite, part 1: bad input across export, generate, parity and inspect.
+
+Every case runs the CLI as a user would and asserts the exit code (2 for bad input, 1 for a
+failed parity gate), exactly one line on stderr with no traceback, the message, nothing on
+stdout, and that nothing under the case's folder was written or damaged (a snapshot of names,
+sizes and hashes before and after). The model folders the cases start from are checked too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvforge.cli import main
+from kvforge.manifest import file_record
+
+pytest.importorskip("torch")
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every path under root (links not followed) with its size and sha256 (or 'dir' / 'link')."""
+    state = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            state[rel] = f"link:{os.readlink(path)}"
+        elif path.is_dir():
+            state[rel] = "dir"
+        else:
+            state[rel] = f"{path.stat().st_size}:{hashlib.sha256(path.read_bytes()).hexdigest()}"
+    return state
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    model: Path  # the session's llama-tiny HF folder (never to be touched)
+    export: Path  # the session's llama-tiny export (never to be touched)
+
+    def model_copy(self, name: str = "model") -> Path:
+        return Path(shutil.copytree(self.model, self.tmp / name))
+
+    def export_copy(self, name: str = "export") -> Path:
+        return Path(shutil.copytree(self.export, self.tmp / name))
+
+    def edit_manifest(self, folder: Path, change: Callable[[dict], object]) -> Path:
+        """Apply `change` to the manifest dict in place and write it back."""
+        path = folder / "kvforge.json"
+        manifest = json.loads(path.read_text())
+        change(manifest)
+        path.write_text(json.dumps(manifest))
+        return folder
+
+    def rehash(self, folder: Path, name: str) -> None:
+        """Record `name`'s current size and hash: corruption that happened before the manifest was written."""
+        self.edit_manifest(folder, lambda m: m["files"].__setitem__(name, file_record(folder / name)))
+
+
+def _write_config(folder: Path, **overrides: object) -> Path:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(overrides)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _truncate(path: Path, keep: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def _flip(path: Path, every: int = 4096, run: int = 64) -> None:
+    """Overwrite `run` bytes every `every` bytes with 0xFF (a float32 NaN pattern)."""
+    data = bytearray(path.read_bytes())
+    for offset in range(0, len(data) - run, every):
+        data[offset : offset + run] = b"\xff" * run
+    path.write_bytes(bytes(data))
+
+
+def _pickle_only(ctx: Ctx) -> Path:
+    folder = ctx.model_copy()
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    return folder
+
+
+def _no_weights(ctx: Ctx) -> Path:
+    folder = ctx.model_copy()
+    (folder / "model.safetensors").unlink()
+    return folder
+
+
+def _nested(ctx: Ctx) -> tuple[Path, Path]:
+    parent = ctx.tmp / "parent"
+    parent.mkdir()
+    model = Path(shutil.copytree(ctx.model, parent / "model"))
+    (parent / "precious.txt").write_text("user data")
+    return parent, model
+
+
+def _user_folder(ctx: Ctx) -> Path:
+    folder = ctx.tmp / "notes"
+    folder.mkdir()
+    (folder / "todo.txt").write_text("user data")
+    return folder
+
+
+def _symlinked_out(ctx: Ctx) -> Path:
+    target = ctx.export_copy("real")
+    (ctx.tmp / "link").symlink_to(target)
+    return ctx.tmp / "link"
+
+
+def _outside_weights_link(ctx: Ctx) -> Path:
+    folder = ctx.export_copy()
+    outside = ctx.tmp / "elsewhere.weights"
+    (folder / "model.weights").rename(outside)
+    (folder / "model.weights").symlink_to(outside)
+    return folder
+
+
+def _garbage_graph(ctx: Ctx, rehash: bool) -> Path:
+    folder = ctx.export_copy()
+    graph = folder / "prefill.onnx"
+    graph.write_bytes(np.random.default_rng(0).bytes(graph.stat().st_size))
+    if rehash:
+        ctx.rehash(folder, "prefill.onnx")
+    return folder
+
+
+def _nan_weights(ctx: Ctx) -> Path:
+    folder = ctx.export_copy()
+    _flip(folder / "model.weights")
+    ctx.rehash(folder, "model.weights")
+    return folder
+
+
+def _no_tokenizer(ctx: Ctx) -> Path:
+    folder = ctx.export_copy()
+    (folder / "tokenizer.json").unlink()
+    return ctx.edit_manifest(folder, lambda m: m["files"].pop("tokenizer.json"))
+
+
+def _other_export_graph(ctx: Ctx, listed: bool) -> Path:
+    """The prefill graph pointed at another export's file by absolute path (listed in `files` too, as a
+    careful attacker would)."""
+    other = ctx.export_copy("other")
+    folder = ctx.export_copy()
+    target = str(other / "prefill.onnx")
+
+    def change(manifest: dict) -> None:
+        manifest["graphs"]["prefill"]["file"] = target
+        if listed:
+            manifest["files"][target] = file_record(other / "prefill.onnx")
+
+    return ctx.edit_manifest(folder, change)
+
+
+def _demo_over(ctx: Ctx, name: str) -> Path:
+    """A folder where `name` is the user's own folder; with name="export", "model" is a real recipe folder."""
+    root = ctx.tmp / "demo"
+    if name == "export":
+        from kvforge.models.recipes import materialize
+
+        materialize("demo-llama", root / "model")
+    (root / name).mkdir(parents=True)
+    (root / name / "mine.txt").write_text("user data")
+    return root
+
+
+def _cuda_missing() -> bool:
+    import onnxruntime
+
+    return "CUDAExecutionProvider" not in onnxruntime.get_available_providers()
+
+
+# (id, setup(ctx) -> CLI args, exit code, message)
+CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
+    # -- export -----------------------------------------------------------------------------------
+    ("export-missing-model", lambda c: ["export", str(c.tmp / "nope"), "-o", str(c.tmp / "out")], 2, "is not a folder"),
+    ("export-no-config", lambda c: ["export", str((c.tmp / "empty").mkdir() or c.tmp / "empty"), "-o", str(c.tmp / "out")],
+     2, "has no config.json"),
+    ("export-config-not-json",
+     lambda c: ["export", str(_w(c.model_copy() / "config.json", "{oops").parent), "-o", str(c.tmp / "out")],
+     2, "config.json is not valid JSON"),
+    ("export-config-a-list",
+     lambda c: ["export", str(_w(c.model_copy() / "config.json", "[1, 2]").parent), "-o", str(c.tmp / "out")],
+     2, "holds a JSON list, not an object"),
+    ("export-gpt2", lambda c: ["export", str(_write_config(c.model_copy(), model_type="gpt2", architectures=["GPT2LMHeadModel"])),
+                               "-o", str(c.tmp / "out")], 2, "unsupported model_type 'gpt2' (GPT2LMHeadModel); kvforge supports"),
+    ("export-unknown-model-type", lambda c: ["export", str(_write_config(c.model_copy(), model_type="foo")),
+                                             "-o", str(c.tmp / "out")], 2, "unsupported model_type 'foo' (LlamaForCausalLM)"),
+    ("export-wrong-architecture",
+     lambda c: ["export", str(_write_config(c.model_copy(), architectures=["LlamaForSequenceClassification"])),
+                "-o", str(c.tmp / "out")],
+     2, "unsupported architecture LlamaForSequenceClassification for model_type 'llama'"),
+    ("export-truncated-safetensors",
+     lambda c: ["export", str(_t(c.model_copy(), "model.safetensors", 1000)), "-o", str(c.tmp / "out")],
+     2, "could not load the weights"),
+    ("export-pickle-only", lambda c: ["export", str(_pickle_only(c)), "-o", str(c.tmp / "out")],
+     2, "holds only pickle weights (pytorch_model.bin); kvforge loads safetensors only"),
+    ("export-no-weights", lambda c: ["export", str(_no_weights(c)), "-o", str(c.tmp / "out")], 2, "has no weights"),
+    ("export-into-parent-of-model", lambda c: ["export", str(_nested(c)[1]), "-o", str(c.tmp / "parent"), "--force"],
+     2, "is or contains the source"),
+    ("export-onto-model", lambda c: ["export", str(m := c.model_copy()), "-o", str(m), "--force"], 2,
+     "is or contains the source"),
+    ("export-inside-model", lambda c: ["export", str(m := c.model_copy()), "-o", str(m / "sub"), "--force"], 2,
+     "is inside the source"),
+    ("export-over-user-folder", lambda c: ["export", str(c.model), "-o", str(_user_folder(c)), "--force"], 2,
+     "is not a kvforge export (no kvforge.json); refusing to replace it"),
+    ("export-over-export-no-force", lambda c: ["export", str(c.model), "-o", str(c.export_copy())], 2,
+     "already exists; pass --force to replace it"),
+    ("export-over-a-file", lambda c: ["export", str(c.model), "-o", str(_w(c.tmp / "file.txt", "x")), "--force"], 2,
+     "exists and is not a folder"),
+    ("export-parent-is-a-file", lambda c: ["export", str(c.model), "-o", str(_w(c.tmp / "file.txt", "x") / "out")], 2,
+     "cannot write the output folder"),
+    ("export-unwritable-parent", lambda c: ["export", str(c.model), "-o", "/sys/kvforge-fault-suite-out"], 2,
+     "cannot write the output folder"),
+    ("export-output-is-a-symlink", lambda c: ["export", str(c.model), "-o", str(_symlinked_out(c)), "--force"], 2,
+     "is a symbolic link"),
+    ("export-bad-target", lambda c: ["export", str(c.model), "-o", str(c.tmp / "out"), "--target", "tpu"], 2,
+     "Invalid value for '--target'"),
+    ("export-bad-dtype", lambda c: ["export", str(c.model), "-o", str(c.tmp / "out"), "--dtype", "int3"], 2,
+     "Invalid value for '--dtype'"),
+    # -- generate: broken or crafted folders ------------------------------------------------------------
+    ("generate-not-an-export", lambda c: ["generate", str(_user_folder(c)), "--prompt", "hi"], 2, "not a kvforge export"),
+    ("generate-missing-folder", lambda c: ["generate", str(c.tmp / "nope"), "--prompt", "hi"], 2, "is not a folder"),
+    ("generate-manifest-not-json", lambda c: ["generate", str(_w(c.export_copy() / "kvforge.json", "{").parent),
+                                              "--prompt", "hi"], 2, "is not valid JSON"),
+    ("generate-manifest-a-list", lambda c: ["generate", str(_w(c.export_copy() / "kvforge.json", "[]").parent),
+                                            "--prompt", "hi"], 2, "holds a JSON list, not an object"),
+    ("generate-manifest-missing-key", lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m.pop("graphs"))),
+                                                 "--prompt", "hi"], 2, "lacks the 'graphs' entry"),
+    ("generate-graph-absolute-path", lambda c: ["generate", str(_other_export_graph(c, True)), "--prompt", "hi"], 2,
+     "outside the export folder; refusing to open it"),
+    ("generate-graph-not-listed", lambda c: ["generate", str(_other_export_graph(c, False)), "--prompt", "hi"], 2,
+     "is not listed in 'files', so it could not be verified"),
+    ("generate-files-absolute-path",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["files"].__setitem__(
+         str(c.export / "prefill.onnx"), file_record(c.export / "prefill.onnx")))), "--prompt", "hi"],
+     2, "outside the export folder"),
+    ("generate-files-dotdot",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["files"].__setitem__(
+         "../secret", {"sha256": "0", "bytes": 1}))), "--prompt", "hi"],
+     2, "'../secret' outside the export folder"),
+    ("generate-graph-dotdot",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: (
+         m["files"].__setitem__("../other/prefill.onnx", m["files"]["prefill.onnx"]),
+         m["graphs"]["prefill"].__setitem__("file", "../other/prefill.onnx")))), "--prompt", "hi"],
+     2, "outside the export folder"),
+    ("generate-weights-link-outside", lambda c: ["generate", str(_outside_weights_link(c)), "--prompt", "hi"], 2,
+     "is a link that leads outside the export folder"),
+    ("generate-truncated-weights", lambda c: ["generate", str(_t(c.export_copy(), "model.weights", 4096)), "--prompt", "hi"],
+     2, "truncated or replaced"),
+    ("generate-flipped-weights-verify", lambda c: ["generate", str(_f(c.export_copy(), "model.weights")), "--prompt", "hi",
+                                                   "--verify"], 2, "model.weights does not match the sha256"),
+    ("generate-garbage-graph", lambda c: ["generate", str(_garbage_graph(c, rehash=False)), "--prompt", "hi"], 2,
+     "prefill.onnx does not match the sha256"),
+    ("generate-garbage-graph-crafted-hash", lambda c: ["generate", str(_garbage_graph(c, rehash=True)), "--prompt", "hi"],
+     2, "ONNX Runtime could not load"),
+    ("generate-nan-weights", lambda c: ["generate", str(_nan_weights(c)), "--prompt", "hi"], 2,
+     "the model produced NaN logits at step 0"),
+    ("generate-manifest-kv-heads-disagree",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["kv_cache"].__setitem__("num_kv_heads", 4))),
+                "--prompt", "hi"], 2, "has shape"),
+    ("generate-manifest-layers-disagree",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["kv_cache"].__setitem__("num_layers", 3))),
+                "--prompt", "hi"], 2, "does not follow the KV cache contract"),
+    ("generate-manifest-head-dim-a-string",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["kv_cache"].__setitem__("head_dim", "16"))),
+                "--prompt", "hi"], 2, "kv_cache.head_dim must be a positive integer"),
+    ("generate-no-tokenizer-text-prompt", lambda c: ["generate", str(_no_tokenizer(c)), "--prompt", "hi"], 2,
+     "has no tokenizer.json, so prompts must be token ids"),
+    # -- generate: bad options ----------------------------------------------------------------------
+    ("generate-prompt-ids-not-ints", lambda c: ["generate", str(c.export), "--prompt-ids", "1,x"], 2,
+     "--prompt-ids expects comma-separated integer token ids, got '1,x'"),
+    ("generate-token-outside-vocab", lambda c: ["generate", str(c.export), "--prompt-ids", "1,999999"], 2,
+     "outside the vocabulary"),
+    ("generate-empty-prompt", lambda c: ["generate", str(c.export), "--prompt", ""], 2, "prompt 0 is empty"),
+    ("generate-non-utf8-prompt", lambda c: ["generate", str(c.export), "--prompt", "caf\udce9"], 2,
+     "prompt 0 is not valid UTF-8 text"),
+    ("generate-negative-seed", lambda c: ["generate", str(c.export), "--prompt", "hi", "--seed", "-1"], 2,
+     "seed must be an integer >= 0"),
+    ("generate-zero-temperature", lambda c: ["generate", str(c.export), "--prompt", "hi", "--temperature", "0"], 2,
+     "temperature must be > 0"),
+    ("generate-top-p-above-one", lambda c: ["generate", str(c.export), "--prompt", "hi", "--top-p", "1.5"], 2,
+     "top_p must be in (0, 1]"),
+    ("generate-zero-new-tokens", lambda c: ["generate", str(c.export), "--prompt", "hi", "--max-new-tokens", "0"], 2,
+     "max_new_tokens must be an integer >= 1"),
+    ("generate-capacity-too-small", lambda c: ["generate", str(c.export), "--prompt-ids", "1,2,3", "--capacity", "3"], 2,
+     "raise capacity"),
+    ("generate-zero-threads", lambda c: ["generate", str(c.export), "--prompt", "hi", "--threads", "0"], 2,
+     "threads must be a positive integer"),
+    ("generate-bad-backend", lambda c: ["generate", str(c.export), "--prompt", "hi", "--backend", "tpu"], 2,
+     "Invalid value for '--backend'"),
+    ("generate-no-prompt", lambda c: ["generate", str(c.export)], 2, "give --prompt TEXT or --prompt-ids"),
+    ("generate-unknown-option", lambda c: ["generate", str(c.export), "--prompt", "hi", "--beams", "4"], 2,
+     "No such option '--beams'"),
+    ("generate-max-new-tokens-not-int", lambda c: ["generate", str(c.export), "--prompt", "hi", "--max-new-tokens", "x"], 2,
+     "Invalid value for '--max-new-tokens'"),
+    # -- parity -------------------------------------------------------------------------------------
+    ("parity-not-an-export", lambda c: ["parity", str(c.model), str(_user_folder(c))], 2, "not a kvforge export"),
+    ("parity-missing-model", lambda c: ["parity", str(c.tmp / "nope"), str(c.export)], 2, "is not a folder"),
+    ("parity-zero-new-tokens", lambda c: ["parity", str(c.model), str(c.export), "--new-tokens", "0"], 2,
+     "--new-tokens must be >= 1"),
+    ("parity-negative-atol", lambda c: ["parity", str(c.model), str(c.export), "--atol", "-1"], 2, "--atol must be > 0"),
+    ("parity-nan-export", lambda c: ["parity", str(c.model), str(_nan_weights(c)), "--new-tokens", "2"], 1,
+     "prompt 0: the export's logits are NaN at step 0"),
+    # -- demo: its -o folder may hold the user's own "model" or "export" folders --------------------------
+    ("demo-over-a-user-model-folder", lambda c: ["demo", "-o", str(_demo_over(c, "model"))], 2,
+     "is not a kvforge recipe folder (no kvforge_recipe.json); refusing to replace it"),
+    ("demo-over-a-user-export-folder", lambda c: ["demo", "-o", str(_demo_over(c, "export"))], 2,
+     "is not a kvforge export (no kvforge.json); refusing to replace it"),
+    # -- inspect ------------------------------------------------------------------------------------
+    ("inspect-not-an-export", lambda c: ["inspect", str(_user_folder(c))], 2, "not a kvforge export"),
+    ("inspect-manifest-a-list", lambda c: ["inspect", str(_w(c.export_copy() / "kvforge.json", "[]").parent)], 2,
+     "holds a JSON list"),
+    ("inspect-manifest-missing-key", lambda c: ["inspect", str(c.edit_manifest(c.export_copy(), lambda m: m.pop("files")))],
+     2, "lacks the 'files' entry"),
+    ("inspect-verify-flipped-weights", lambda c: ["inspect", str(_f(c.export_copy(), "model.weights")), "--verify"], 2,
+     "model.weights does not match the sha256"),
+    ("inspect-crafted-path",
+     lambda c: ["inspect", str(c.edit_manifest(c.export_copy(), lambda m: m["files"].__setitem__(
+         "/etc/passwd", {"sha256": "0", "bytes": 1})))], 2, "'/etc/passwd' outside the export folder"),
+    ("inspect-manifest-wrong-format",
+     lambda c: ["inspect", str(c.edit_manifest(c.export_copy(), lambda m: m.__setitem__("format", "kvforge/0")))], 2,
+     "this kvforge reads 'kvforge/1'"),
+]
+
+
+def _w(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _t(folder: Path, name: str, keep: int) -> Path:
+    _truncate(folder / name, keep)
+    return folder
+
+
+def _f(folder: Path, name: str) -> Path:
+    _flip(folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sources(hf_folder, exported) -> tuple[Path, Path, dict[str, str], dict[str, str]]:
+    model, export = hf_folder("llama-tiny"), exported("llama-tiny")
+    return model, export, snapshot(model), snapshot(export)
+
+
+def test_the_table_has_at_least_30_cases_across_all_commands() -> None:
+    assert len(CASES) >= 30
+    assert {"export", "generate", "parity", "inspect"} <= {case[0].split("-")[0] for case in CASES}
+    assert len({case[0] for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(("setup", "code", "message"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_is_one_line_and_changes_nothing(setup, code, message, tmp_path, sources) -> None:
+    model, export, model_state, export_state = sources
+    ctx = Ctx(tmp_path, model, export)
+    args = setup(ctx)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == code, (result.stderr, result.exception)
+    if code == 2:
+        assert result.stdout == ""  # a failed parity gate prints its report on stdout, then the one line
+    # Progress lines ("[kvforge] ...") may come first; the failure itself is one line, the last.
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
+    assert len(lines) == 1 and result.stderr.endswith(lines[0] + "\n"), result.stderr
+    assert "Traceback" not in result.stderr
+    prefix = "kvforge: parity failed: " if code == 1 else "kvforge: error: "
+    assert lines[0].startswith(prefix), result.stderr
+    assert message in lines[0], result.stderr
+    assert snapshot(tmp_path) == before, "the command wrote or damaged files"
+    assert snapshot(model) == model_state and snapshot(export) == export_state
+    assert not Path("/sys/kvforge-fault-suite-out").exists()
+
+
+def test_ort_cuda_without_a_gpu_is_one_line(sources, tmp_path) -> None:
+    if not _cuda_missing():
+        pytest.skip("CUDA is available here; the unavailable-backend error cannot be provoked")
+    result = CliRunner().invoke(main, ["generate", str(sources[1]), "--prompt", "hi", "--backend", "ort-cuda"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "needs onnxruntime's CUDAExecutionProvider" in result.stderr
+
+
+def test_debug_shows_the_traceback_for_the_same_failure(sources) -> None:
+    result = CliRunner().invoke(main, ["--debug", "generate", str(sources[1]), "--prompt-ids", "1,x"])
+    assert result.exit_code != 0 and result.exception is not None
+    assert "comma-separated integer token ids" in str(result.exception)
+
+
+def test_an_unexpected_exception_is_still_one_line(sources, monkeypatch) -> None:
+    import kvforge.inspect
+
+    def boom(*_args, **_kwargs):
+        raise ZeroDivisionError("simulated bug")
+
+    monkeypatch.setattr(kvforge.inspect, "describe", boom)
+    result = CliRunner().invoke(main, ["inspect", str(sources[1])])
+    assert result.exit_code == 2
+    assert result.stderr == "kvforge: error: unexpected ZeroDivisionError: simulated bug (run `kvforge --debug ...` for the traceback)\n"
+
+
+def test_help_and_version_still_exit_0() -> None:
+    assert CliRunner().invoke(main, ["--help"]).exit_code == 0
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and "kvforge" in result.stdout
