@@ -29,7 +29,7 @@ from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.models.families import family_for
 from kvforge.output_folder import StagedFolder, check_output, fault_point
 
-DTYPES = {"fp32": "float32", "fp16": "float16"}
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WEIGHTS_NAME = "model.weights"
 OPSET = 24
 COPIED_FILES = (

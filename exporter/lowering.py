@@ -2,6 +2,9 @@
 
 - `ort`:  com.microsoft.GroupQueryAttention (in place when past/present share one OrtValue).
 - `onnx`: standard ONNX Attention (opset 24) + TensorScatter for the in-place cache update.
+- `trt`:  kvforge's TensorRT plugin node (`KVCacheAttention`, plugin_namespace "kvforge",
+          plugin_version "1"), implemented by the Triton kernel (plugins/trt_plugin.py); the same
+          inputs, outputs and attributes as the canonical node.
 
 Values that depend only on `past_lens` and the shapes (lengths, causal mask) are built once per
 graph and shared by every layer's node.
@@ -17,7 +20,14 @@ import onnx_ir as ir
 from kvforge.errors import ExportError
 from kvforge.plugins.torch_op import DOMAIN, OP_TYPE
 
-TARGETS = ("ort", "onnx")
+TARGETS = ("ort", "onnx", "trt")
+# TensorRT's ONNX parser ignores node domains and finds a plugin by op type plus the node attributes
+# plugin_namespace / plugin_version. The domain is the one onnxruntime-extensions' Python ops use, so
+# the CPU emulation (runtime/emulate.py) can serve the very same node.
+TRT_PLUGIN_OP = "KVCacheAttention"
+TRT_PLUGIN_DOMAIN = "ai.onnx.contrib"
+TRT_PLUGIN_NAMESPACE = "kvforge"
+TRT_PLUGIN_VERSION = "1"
 
 
 def _const(tape: ir.tape.Tape, array: np.ndarray, name: str) -> ir.Value:
@@ -131,7 +141,32 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
         _replace(graph, node, tape, [out, present_key, present_value])
 
 
-_PASSES: dict[str, Callable[[ir.Graph, list[ir.Node]], None]] = {"ort": lower_to_ort, "onnx": lower_to_onnx}
+def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
+    for node in canonical:
+        attrs = _attrs(node)
+        tape = ir.tape.Tape()
+        out, present_key, present_value = tape.op_multi_out(
+            TRT_PLUGIN_OP,
+            list(node.inputs),
+            attributes={
+                "plugin_namespace": TRT_PLUGIN_NAMESPACE,
+                "plugin_version": TRT_PLUGIN_VERSION,
+                "num_heads": attrs["num_heads"],
+                "kv_num_heads": attrs["kv_num_heads"],
+                "scale": attrs["scale"],
+                "softcap": attrs["softcap"],
+                "sliding_window": attrs["sliding_window"],
+            },
+            domain=TRT_PLUGIN_DOMAIN,
+            num_outputs=3,
+        )
+        _replace(graph, node, tape, [out, present_key, present_value])
+    graph.opset_imports[TRT_PLUGIN_DOMAIN] = 1
+
+
+_PASSES: dict[str, Callable[[ir.Graph, list[ir.Node]], None]] = {
+    "ort": lower_to_ort, "onnx": lower_to_onnx, "trt": lower_to_trt,
+}
 
 
 def lower(model: ir.Model, target: str) -> ir.Model:

@@ -126,7 +126,7 @@ def run_parity(
     prompts: list[str] | None = None,
     new_tokens: int = 32,
     atol: float | None = None,
-    backend: str = "ort-cpu",
+    backend: str | None = None,
     progress: Callable[[str], None] | None = None,
     sessions: str = "shared",
 ) -> ParityReport:
@@ -144,6 +144,7 @@ def run_parity(
     if atol is not None and not atol > 0:
         raise InputError(f"--atol must be > 0, got {atol}")
     generator = Generator(export_dir, backend=backend, sessions=sessions)
+    backend = generator.backend_name
     manifest = generator.manifest
     if generator.tokenizer is None:
         raise InputError(f"{export_dir} has no tokenizer.json; parity needs text prompts it can tokenize")

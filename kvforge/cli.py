@@ -106,9 +106,10 @@ def main(ctx: click.Context, debug: bool) -> None:
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
-@click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
-              help="Attention lowering: ONNX Runtime GroupQueryAttention, or standard ONNX Attention + TensorScatter.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option("--target", type=click.Choice(["ort", "onnx", "trt"]), default="ort", show_default=True,
+              help="Attention lowering: ONNX Runtime GroupQueryAttention (ort), standard ONNX Attention + "
+                   "TensorScatter (onnx), or kvforge's TensorRT plugin (trt).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, as_json: bool) -> None:
@@ -141,7 +142,9 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-p", type=float)
 @click.option("--seed", type=int)
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
-@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda"]), default="ort-cpu", show_default=True)
+@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda", "emulate"]), default=None,
+              help="ort-cpu (default for ort/onnx exports), ort-cuda, or emulate (default for trt exports: "
+                   "the TensorRT plugin emulated on the CPU).")
 @click.option("--threads", type=int, help="Intra-op threads (default: ONNX Runtime's choice).")
 @click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default="single", show_default=True,
               help="single: one session runs both phases (one weight copy, fastest on CPU); shared: both graphs "
@@ -152,7 +155,7 @@ def _parse_ids(text: str) -> list[int]:
 def generate(
     export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
     temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
-    backend: str, threads: int | None, sessions: str, stream: bool, verify: bool, as_json: bool,
+    backend: str | None, threads: int | None, sessions: str, stream: bool, verify: bool, as_json: bool,
 ) -> None:
     """Generate from an export folder."""
     from kvforge.runtime import Generator
@@ -186,7 +189,7 @@ def generate(
         "decode_ms": round(result.decode_ms, 3),
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
         "steps": result.steps,
-        "backend": backend,
+        "backend": generator.backend_name,
         "sessions": sessions,
     }
     if as_json:
@@ -209,12 +212,13 @@ def generate(
 @click.option("--new-tokens", default=32, show_default=True, type=int)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
 @click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
-@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda"]), default="ort-cpu", show_default=True)
+@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda", "emulate"]), default=None,
+              help="Default: ort-cpu, or emulate for a trt export.")
 @click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default="shared", show_default=True,
               help="shared/separate run both graphs; single runs decode steps through the prefill graph.")
 @click.option("--json", "as_json", is_flag=True)
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
-           backend: str, sessions: str, as_json: bool) -> None:
+           backend: str | None, sessions: str, as_json: bool) -> None:
     """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
     _require_export_extra("parity")
     from kvforge.exporter.parity import run_parity

@@ -25,7 +25,9 @@ from kvforge.runtime.ort_backend import OrtBackend, OrtSlot
 from kvforge.runtime.sampling import Sampler, SamplingConfig
 from kvforge.runtime.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
-BACKENDS = {"ort-cpu": "cpu", "ort-cuda": "cuda"}
+BACKENDS = {"ort-cpu": "cpu", "ort-cuda": "cuda", "emulate": "cpu"}
+# Which backends run which export targets: a `trt` export's attention is kvforge's TensorRT plugin.
+TARGET_BACKENDS = {"ort": ("ort-cpu", "ort-cuda"), "onnx": ("ort-cpu", "ort-cuda"), "trt": ("emulate",)}
 
 Prompts = str | list[str] | list[int] | list[list[int]]
 Steps = PyGenerator["StepEvent", None, "GenerationResult"]
@@ -82,7 +84,7 @@ class Generator:
     def __init__(
         self,
         export_dir: str | Path,
-        backend: str = "ort-cpu",
+        backend: str | None = None,
         threads: int | None = None,
         verify_hashes: bool = False,
         device_id: int = 0,
@@ -92,8 +94,9 @@ class Generator:
         "single" (default): one session of the prefill graph runs prefill and decode steps (S=1);
         one weight copy, prepacked by ORT for its fastest CPU matmuls.
         "shared": prefill.onnx and decode.onnx sessions over one memory-mapped copy, prepacking off.
-        "separate": both graphs, each session prepacks its own copy (twice the memory)."""
-        if backend not in BACKENDS:
+        "separate": both graphs, each session prepacks its own copy (twice the memory).
+        `backend` None picks the export's natural backend: ort-cpu, or emulate for a trt export."""
+        if backend is not None and backend not in BACKENDS:
             raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.folder = Path(export_dir)
         self.manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
@@ -105,9 +108,25 @@ class Generator:
         self.eos_token_ids = frozenset(_as_id_list(model.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id")))
         self.default_sampling = SamplingConfig.from_generation(generation)
         self.tokenizer = Tokenizer(self.folder) if (self.folder / TOKENIZER_FILE).is_file() else None
+        target = self.manifest["target"]
+        if backend is None:
+            backend = TARGET_BACKENDS.get(target, ("ort-cpu",))[0]
+        self.backend_name = backend
+        if backend not in TARGET_BACKENDS.get(target, ()):
+            raise InputError(_wrong_backend(self.folder, target, backend))
+        custom_ops = None
+        if backend == "emulate":
+            from kvforge.runtime.emulate import custom_ops_library
+
+            if self.manifest["kv_cache"]["dtype"] != "float32":
+                raise InputError(
+                    f"backend 'emulate' runs fp32 trt exports only ({self.folder} is "
+                    f"{self.manifest['dtype']}): its Python op bridge has no float16/bfloat16; export with --dtype fp32"
+                )
+            custom_ops = custom_ops_library()
         self.backend = OrtBackend(
             self.folder, self.manifest, device=BACKENDS[backend], device_id=device_id, threads=threads,
-            sessions=sessions,
+            sessions=sessions, custom_ops_library=custom_ops,
         )
         # Thread safety: the sessions are shared, each request runs on its own slot (KV cache + IO
         # bindings) taken from this pool and given back when it ends, so requests from several
@@ -433,6 +452,16 @@ class Generator:
                 step=step,
             )
         return logits
+
+
+def _wrong_backend(folder: Path, target: str, backend: str) -> str:
+    if target == "trt":
+        return (f"{folder} is a trt-target export (its attention is kvforge's TensorRT plugin): run it with "
+                "backend 'emulate' (CPU emulation), or build TensorRT engines from it")
+    if target in TARGET_BACKENDS:
+        return (f"backend {backend!r} does not run {target}-target exports like {folder}; "
+                f"use one of {', '.join(TARGET_BACKENDS[target])}")
+    return f"{folder} has target {target!r}, which this kvforge does not know; re-run the export"
 
 
 def _is_int(value: Any) -> bool:

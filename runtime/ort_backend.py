@@ -81,7 +81,10 @@ class OrtBackend:
         device_id: int = 0,
         threads: int | None = None,
         sessions: str = "single",
+        custom_ops_library: str | None = None,
     ) -> None:
+        """`custom_ops_library`: a custom-op library to register on every session (the emulation
+        of the `trt` target serves its plugin node from one)."""
         self.folder = Path(folder)
         self.manifest = manifest
         self.device = device
@@ -102,6 +105,8 @@ class OrtBackend:
                 self.sessions["decode"] = self.sessions["prefill"]
                 continue
             options = ort.SessionOptions()
+            if custom_ops_library is not None:
+                options.register_custom_ops_library(custom_ops_library)
             if threads is not None:
                 options.intra_op_num_threads = threads
             if sessions == "shared":

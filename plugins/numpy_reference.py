@@ -1,0 +1,54 @@
+"""The fused attention op's semantics in numpy: the torch-free twin of plugins/reference.py.
+
+The runtime's CPU emulation of the `trt` target serves the plugin node with it when asked
+(KVFORGE_EMULATE=reference), so that path needs neither torch nor triton. Unlike the torch reference
+it writes the new rows into `past_key` / `past_value` in place, as the TensorRT plugin does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def kv_cache_attention_(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    past_key: np.ndarray,
+    past_value: np.ndarray,
+    past_lens: np.ndarray,
+    num_heads: int,
+    kv_num_heads: int,
+    scale: float,
+    softcap: float = 0.0,
+    sliding_window: int = 0,
+) -> np.ndarray:
+    """Append k/v at past_lens[b] + t into the caches (in place) and return the attention output
+    [B, S, H*D] in q's dtype. Scores and softmax in float64 (an oracle, not a fast path)."""
+    batch, seq, _ = q.shape
+    capacity, head_dim = past_key.shape[2], past_key.shape[3]
+    if int(np.max(past_lens)) + seq > capacity:
+        raise ValueError(f"past_lens + S = {int(np.max(past_lens)) + seq} exceeds the cache capacity {capacity}")
+    q4 = q.reshape(batch, seq, num_heads, head_dim).transpose(0, 2, 1, 3)
+    k4 = k.reshape(batch, seq, kv_num_heads, head_dim).transpose(0, 2, 1, 3)
+    v4 = v.reshape(batch, seq, kv_num_heads, head_dim).transpose(0, 2, 1, 3)
+    positions = past_lens.astype(np.int64)[:, None] + np.arange(seq)  # [B, S]
+    for b in range(batch):
+        past_key[b][:, positions[b]] = k4[b]  # past_key[b] is a view: [Hkv, C, D]
+        past_value[b][:, positions[b]] = v4[b]
+    group = num_heads // kv_num_heads
+    keys = np.repeat(past_key, group, axis=1).astype(np.float64)
+    values = np.repeat(past_value, group, axis=1).astype(np.float64)
+    scores = q4.astype(np.float64) @ keys.transpose(0, 1, 3, 2) * scale  # [B, H, S, C]
+    if softcap > 0.0:
+        scores = softcap * np.tanh(scores / softcap)
+    cache_pos = np.arange(capacity)
+    allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
+    if sliding_window > 0:
+        allowed &= cache_pos[None, None, :] > positions[:, :, None] - sliding_window
+    scores = np.where(allowed[:, None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = (probs @ values).astype(q.dtype)  # [B, H, S, D]
+    return out.transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head_dim)
