@@ -25,8 +25,8 @@ one of the two at decoration time from TRITON_INTERPRET; wrapping explicitly let
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 
 import torch
 import triton
@@ -179,7 +179,9 @@ def _kv_cache_attention_kernel(
 
     out_offs = q_offs[:, None] + offs_d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out + out_offs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=row_valid[:, None])
+        # Padding rows past the last token may have seen no key (l == 0); they are not stored anyway.
+        normalised = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out + out_offs, normalised.to(out.dtype.element_ty), mask=row_valid[:, None])
     else:
         # Flash-decoding combine inside the launch: publish this split's partial, count arrivals.
         RECORD: tl.constexpr = BLOCK_M * (HEAD_DIM + 2)
@@ -211,7 +213,7 @@ def _kv_cache_attention_kernel(
                 acc_all = acc_all * w_old[:, None] + acc_s * w_s[:, None]
                 l_all = l_all * w_old + l_s * w_s
                 m_all = m_new
-            normalised = acc_all / l_all[:, None]
+            normalised = acc_all / tl.where(l_all > 0.0, l_all, 1.0)[:, None]
             tl.store(out + out_offs, normalised.to(out.dtype.element_ty), mask=row_valid[:, None])
             # Leave the counter as the launch found it, for the next call over the same workspace.
             tl.store(counters + tile, 0)
@@ -273,6 +275,8 @@ def kv_cache_attention_triton(
     sliding_window: int = 0,
     num_splits: int | None = None,
     interpret: bool | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Append k/v into past_key/past_value in place (rows past_lens[b] + t) and return the attention output.
 
@@ -280,7 +284,8 @@ def kv_cache_attention_triton(
     int32 with past_lens + S <= C (checked on CPU tensors; on the GPU the kernel only masks writes
     past the capacity, it does not sync to check). `num_splits` forces the key split count (None:
     from the shapes). `interpret` picks Triton's interpreter (default: for CPU tensors, or when
-    TRITON_INTERPRET is set).
+    TRITON_INTERPRET is set). `block_m` / `block_n` override the tile sizes (powers of two >= 16), for
+    tests and tuning.
     """
     batch, seq, q_width = q.shape
     _, _, capacity, head_dim = past_key.shape
@@ -318,6 +323,10 @@ def kv_cache_attention_triton(
     if device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     config = launch.choose_config(batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms)
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if size is not None and (size < 16 or size & (size - 1)):
+            raise ValueError(f"{name} must be a power of two >= 16; got {size}")
+    config = dataclasses.replace(config, block_m=block_m or config.block_m, block_n=block_n or config.block_n)
     grid = launch.launch_grid(batch, seq, kv_num_heads, group, config.num_splits, config.block_m)
     partials, counters = get_workspace(
         device,
@@ -354,7 +363,3 @@ def kv_cache_attention_triton(
 def run_interpreted(*args, **kwargs) -> torch.Tensor:
     """`kv_cache_attention_triton` under Triton's interpreter (CPU tensors), whatever TRITON_INTERPRET."""
     return kv_cache_attention_triton(*args, interpret=True, **kwargs)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
