@@ -261,6 +261,11 @@ def get_workspace(device: torch.device, partials: int, counters: int) -> tuple[t
     return have
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def kv_cache_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -319,9 +324,7 @@ def kv_cache_attention_triton(
         return out
 
     device = q.device
-    num_sms = launch.DEFAULT_NUM_SMS
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device) if device.type == "cuda" else launch.DEFAULT_NUM_SMS
     config = launch.choose_config(batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms)
     for name, size in (("block_m", block_m), ("block_n", block_n)):
         if size is not None and (size < 16 or size & (size - 1)):

@@ -1,0 +1,225 @@
+"""Benchmark the fused Triton attention kernel against torch SDPA on a CUDA GPU.
+
+    python benchmarks/bench_attention_kernel.py [--json FILE] [--quick]
+
+Every config is first checked against the torch reference (fp32 eager, plugins/reference.py) and the
+max error printed; then the kernel and SDPA are timed with triton.testing.do_bench (median, L2
+flushed between runs). Configs: prefill S = 512..4096 (B=1) and decode over caches of 1k..32k
+(B=1 and B=8), H=32, Hkv=8, D=128, fp16 and bf16.
+
+SDPA baselines (the faster of the two is the ratio's denominator):
+- `enable_gqa=True` on the unexpanded K/V;
+- K/V pre-expanded to all query heads outside the timed region (repeat_interleave), which flatters
+  SDPA on decode since the expansion is not paid.
+For decode SDPA attends the first past_len + 1 cache rows; for prefill it is causal over the S new
+tokens. SDPA does not write the cache; the kernel appends the new K/V rows in the same launch.
+Decode bandwidth = bytes of K/V cache read + q, out, the new K/V rows read and written, / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+H, HKV, D = 32, 8, 128
+PREFILL_SEQS = (512, 1024, 2048, 4096)
+DECODE_CAPACITIES = (1024, 4096, 8192, 16384, 32768)
+DECODE_BATCHES = (1, 8)
+DTYPES = ("float16", "bfloat16")
+# Max |kernel - fp32 reference| accepted in the correctness pass (about two output ulps).
+TOLERANCE = {"float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _configs(quick: bool) -> list[dict]:
+    configs = []
+    for dtype in DTYPES:
+        for seq in PREFILL_SEQS[:2] if quick else PREFILL_SEQS:
+            configs.append(
+                {"kind": "prefill", "dtype": dtype, "batch": 1, "seq": seq, "capacity": seq, "past": 0}
+            )
+        for batch in DECODE_BATCHES:
+            for cap in DECODE_CAPACITIES[:2] if quick else DECODE_CAPACITIES:
+                configs.append(
+                    {
+                        "kind": "decode",
+                        "dtype": dtype,
+                        "batch": batch,
+                        "seq": 1,
+                        "capacity": cap,
+                        "past": cap - 1,
+                    }
+                )
+    return configs
+
+
+def _label(c: dict) -> str:
+    size = f"S={c['seq']}" if c["kind"] == "prefill" else f"C={c['capacity'] // 1024}k"
+    return f"{c['kind']:<7} {c['dtype']:<8} B={c['batch']} {size}"
+
+
+def _inputs(c: dict, torch, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = getattr(torch, c["dtype"])
+    b, s, cap = c["batch"], c["seq"], c["capacity"]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+    return {
+        "q": rand(b, s, H * D),
+        "k": rand(b, s, HKV * D),
+        "v": rand(b, s, HKV * D),
+        "past_key": rand(b, HKV, cap, D),
+        "past_value": rand(b, HKV, cap, D),
+        "past_lens": torch.full((b,), c["past"], dtype=torch.int32, device="cuda"),
+    }
+
+
+def _check(c: dict, torch, kernel, reference) -> float:
+    x = _inputs(c, torch, seed=1)
+    scale = 1.0 / math.sqrt(D)
+    # fp32 eager reference on fp32 copies of the same (rounded) inputs.
+    ref_out, ref_key, _ = reference(
+        *(t.float() if t.is_floating_point() else t for t in x.values()), H, HKV, scale
+    )
+    key, value = x["past_key"].clone(), x["past_value"].clone()
+    out = kernel(x["q"], x["k"], x["v"], key, value, x["past_lens"], H, HKV, scale)
+    torch.cuda.synchronize()
+    if not torch.equal(key.float(), ref_key):
+        return float("inf")
+    return float((out.float() - ref_out).abs().max())
+
+
+def _bench_one(c: dict, torch, triton, kernel) -> dict:
+    F = torch.nn.functional
+    x = _inputs(c, torch)
+    scale = 1.0 / math.sqrt(D)
+    b, s, past = c["batch"], c["seq"], c["past"]
+    key, value, lens = x["past_key"], x["past_value"], x["past_lens"]
+
+    def run_kernel():
+        return kernel(x["q"], x["k"], x["v"], key, value, lens, H, HKV, scale)
+
+    q4 = x["q"].view(b, s, H, D).transpose(1, 2)
+    if c["kind"] == "prefill":
+        k4 = x["k"].view(b, s, HKV, D).transpose(1, 2)
+        v4 = x["v"].view(b, s, HKV, D).transpose(1, 2)
+        causal = True
+    else:
+        k4, v4 = key[:, :, : past + 1], value[:, :, : past + 1]
+        causal = False
+    k_rep, v_rep = k4.repeat_interleave(H // HKV, 1), v4.repeat_interleave(H // HKV, 1)
+
+    def sdpa_gqa():
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, scale=scale, enable_gqa=True)
+
+    def sdpa_expanded():
+        return F.scaled_dot_product_attention(q4, k_rep, v_rep, is_causal=causal, scale=scale)
+
+    bench = triton.testing.do_bench
+    t_kernel = bench(run_kernel, return_mode="median")
+    t_gqa = bench(sdpa_gqa, return_mode="median")
+    t_exp = bench(sdpa_expanded, return_mode="median")
+    t_sdpa = min(t_gqa, t_exp)
+    row = {**c, "kernel_ms": t_kernel, "sdpa_gqa_ms": t_gqa, "sdpa_expanded_ms": t_exp}
+    row["speedup_vs_sdpa"] = t_sdpa / t_kernel
+    elt = 2
+    if c["kind"] == "decode":
+        cache_read = 2 * b * HKV * (past + 1) * D * elt
+        other = 2 * b * H * D * elt + 2 * 2 * b * HKV * D * elt  # q + out, new k/v read + written
+        row["kernel_GBps"] = (cache_read + other) / (t_kernel * 1e-3) / 1e9
+        row["sdpa_GBps"] = (cache_read + 2 * b * H * D * elt) / (t_sdpa * 1e-3) / 1e9
+    else:
+        flops = 4 * b * H * s * s * D / 2  # causal: half of QK^T and PV
+        row["kernel_TFLOPs"] = flops / (t_kernel * 1e-3) / 1e12
+        row["sdpa_TFLOPs"] = flops / (t_sdpa * 1e-3) / 1e12
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    args = parser.parse_args(argv)
+
+    try:
+        import torch
+        import triton
+        import triton.testing  # noqa: F401
+    except ImportError as exc:
+        print(f"bench_attention_kernel: needs torch and triton ({exc})")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_attention_kernel: no CUDA GPU present; nothing to benchmark")
+        return 0
+
+    from kvforge.plugins.reference import kv_cache_attention
+    from kvforge.plugins.triton_attention import kv_cache_attention_triton
+
+    def kernel(*a):
+        return kv_cache_attention_triton(*a, interpret=False)
+
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    configs = _configs(args.quick)
+
+    print("correctness (max |kernel - fp32 reference|):", flush=True)
+    failures = 0
+    for c in configs:
+        t0 = time.perf_counter()
+        err = _check(c, torch, kernel, kv_cache_attention)
+        ok = err <= TOLERANCE[c["dtype"]]
+        failures += not ok
+        c["max_error"] = err
+        print(
+            f"  {_label(c)}: {err:.2e} {'ok' if ok else 'FAIL'} ({time.perf_counter() - t0:.1f}s)", flush=True
+        )
+        torch.cuda.empty_cache()
+
+    print("timing (do_bench median):", flush=True)
+    rows = []
+    for c in configs:
+        row = _bench_one(c, torch, triton, kernel)
+        rows.append(row)
+        extra = (
+            f"{row['kernel_GBps']:7.0f} GB/s"
+            if c["kind"] == "decode"
+            else f"{row['kernel_TFLOPs']:6.1f} TFLOP/s"
+        )
+        print(
+            f"  {_label(c)}: kernel {row['kernel_ms']:.4f} ms, SDPA gqa {row['sdpa_gqa_ms']:.4f} / "
+            f"expanded {row['sdpa_expanded_ms']:.4f} ms, x{row['speedup_vs_sdpa']:.2f}, {extra}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+
+    print(f"\n{'config':<34} {'kernel ms':>10} {'SDPA ms':>9} {'speedup':>8} {'kernel':>14} {'max err':>9}")
+    for r in rows:
+        perf = (
+            f"{r['kernel_GBps']:.0f} GB/s" if r["kind"] == "decode" else f"{r['kernel_TFLOPs']:.1f} TFLOP/s"
+        )
+        sdpa = min(r["sdpa_gqa_ms"], r["sdpa_expanded_ms"])
+        print(
+            f"{_label(r):<34} {r['kernel_ms']:>10.4f} {sdpa:>9.4f} {r['speedup_vs_sdpa']:>7.2f}x "
+            f"{perf:>14} {r['max_error']:>9.1e}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": device, "torch": torch.__version__, "triton": triton.__version__, "results": rows},
+                f,
+                indent=1,
+            )
+    if failures:
+        print(f"{failures} config(s) failed the correctness check")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
