@@ -37,6 +37,9 @@ from pathlib import Path
 from kvforge.plugins import attention_launch as launch
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+# PTX ISA 8.7 (CUDA 12.8): the driver JIT-compiles PTX only up to its own CUDA version, and newer
+# triton releases target newer ISAs (triton 3.9 writes 9.4 for sm_90, which r580 drivers refuse).
+DEFAULT_PTX_VERSION = 87
 _TRUTHY = ("1", "true", "yes", "on", "y")
 
 
@@ -252,7 +255,7 @@ def compile_kernel(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    ptx_version: int | None = None,
+    ptx_version: int | None = DEFAULT_PTX_VERSION,
     assume_aligned: bool = True,
     cache: bool = True,
 ) -> CompiledKernel:
@@ -260,8 +263,8 @@ def compile_kernel(
 
     `regime` picks block sizes: "decode" (a few tokens, long cache: rows = the GQA group, padded to
     16) or "prefill" (flash-attention tiles). `num_splits` > 1 compiles the flash-decoding variant,
-    which needs the workspace. `scale` defaults to 1/sqrt(head_dim). `ptx_version` pins the PTX ISA
-    (e.g. 80 for older drivers); None takes what triton's bundled ptxas supports.
+    which needs the workspace. `scale` defaults to 1/sqrt(head_dim). `ptx_version` is the PTX ISA
+    (87 = 8.7, loadable by CUDA 12.8+ drivers); None takes the newest that triton's ptxas supports.
     """
     request = _request(
         arch, dtype, head_dim, num_heads, kv_num_heads, scale, softcap, sliding_window, regime, num_splits,

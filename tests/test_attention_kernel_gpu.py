@@ -39,3 +39,68 @@ def test_long_decode_really_splits() -> None:
         2, 1, 8, 4, 128, 4096, None, torch.cuda.get_device_properties(0).multi_processor_count
     )
     assert config.num_splits > 1
+
+
+def test_aot_ptx_runs_through_the_driver_api(tmp_path, monkeypatch) -> None:
+    # What a TensorRT AOT plugin does: load compile_kernel's PTX with the driver, launch it with the
+    # documented parameter order (inputs, int32 scalars, outputs aliased to the caches, workspace, the
+    # two null scratch pointers), twice over one workspace.
+    import ctypes
+    import math
+
+    import numpy as np
+
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from attention_cases import TOLERANCES, make_inputs
+
+    from kvforge.plugins import compile_kernel
+    from kvforge.plugins.reference import kv_cache_attention
+
+    monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path))
+    major, minor = torch.cuda.get_device_capability()
+    kernel = compile_kernel(f"sm_{major}{minor}", "float16", 64, num_heads=16, kv_num_heads=2, num_splits=4)
+
+    def ok(result):
+        err = result[0] if isinstance(result, tuple) else result
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+    torch.cuda.synchronize()  # the primary context is current from here on
+    image = np.frombuffer(kernel.ptx.encode() + b"\0", dtype=np.uint8)
+    module = ok(driver.cuModuleLoadData(image.ctypes.data))
+    func = ok(driver.cuModuleGetFunction(module, kernel.name.encode()))
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    ok(driver.cuFuncSetAttribute(func, attr, kernel.shared_mem))
+
+    case = Case("aot", 2, 1, 16, 2, 64, 256, (100, 254), "fp16")
+    x = make_inputs(case, "cuda")
+    key, value = x["past_key"].clone(), x["past_value"].clone()
+    partials_n, counters_n = kernel.workspace_shape(case.batch, case.seq)
+    partials = torch.full((partials_n,), float("nan"), device="cuda")
+    counters = torch.zeros(counters_n, dtype=torch.int32, device="cuda")
+    for _step in range(2):
+        ref_out, ref_key, ref_value = kv_cache_attention(
+            x["q"], x["k"], x["v"], key.clone(), value.clone(), x["past_lens"], 16, 2, 1 / math.sqrt(64)
+        )
+        out = torch.empty_like(x["q"])
+        pointers = [x[n].data_ptr() for n in ("q", "k", "v")] + [key.data_ptr(), value.data_ptr()]
+        pointers.append(x["past_lens"].data_ptr())
+        outputs = [out.data_ptr(), key.data_ptr(), value.data_ptr(), partials.data_ptr(), counters.data_ptr()]
+        values = (*pointers, case.batch, case.seq, case.capacity, *outputs, 0, 0)
+        types = (ctypes.c_void_p,) * 6 + (ctypes.c_int32,) * 3 + (ctypes.c_void_p,) * 7
+        assert len(values) == kernel.ptx_param_count
+        grid = kernel.grid(case.batch, case.seq)
+        stream = torch.cuda.current_stream().cuda_stream
+        ok(
+            driver.cuLaunchKernel(
+                func, *grid, 32 * kernel.num_warps, 1, 1, kernel.shared_mem, stream, (values, types), 0
+            )
+        )
+        torch.cuda.synchronize()
+        assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
+        torch.testing.assert_close(
+            out, ref_out, atol=TOLERANCES[torch.float16][0], rtol=TOLERANCES[torch.float16][1]
+        )
+        assert int(counters.abs().sum()) == 0
+        x["past_lens"] += 1
+    ok(driver.cuModuleUnload(module))
