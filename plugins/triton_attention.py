@@ -266,6 +266,46 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=512)
+def _plan(
+    batch: int,
+    seq: int,
+    capacity: int,
+    num_heads: int,
+    kv_num_heads: int,
+    head_dim: int,
+    scale: float,
+    softcap: float,
+    sliding_window: int,
+    num_splits: int | None,
+    block_m: int | None,
+    block_n: int | None,
+    config: launch.KernelConfig | None,
+    num_sms: int,
+    dot_fp32: bool,
+) -> tuple[launch.KernelConfig, tuple[int, int, int], tuple[int, int], dict]:
+    """Config, grid, workspace sizes and constexprs of a call; cached, as decode repeats the same shapes."""
+    group = num_heads // kv_num_heads
+    if config is None:
+        config = launch.choose_config(
+            batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms
+        )
+        for name, size in (("block_m", block_m), ("block_n", block_n)):
+            if size is not None and (size < 16 or size & (size - 1)):
+                raise ValueError(f"{name} must be a power of two >= 16; got {size}")
+        config = dataclasses.replace(
+            config, block_m=block_m or config.block_m, block_n=block_n or config.block_n
+        )
+    grid = launch.launch_grid(batch, seq, kv_num_heads, group, config.num_splits, config.block_m)
+    workspace = launch.workspace_shape(
+        batch, seq, kv_num_heads, group, head_dim, config.num_splits, config.block_m
+    )
+    consts = launch.constexprs(
+        num_heads, kv_num_heads, head_dim, scale, softcap, sliding_window, config, dot_fp32
+    )
+    return config, grid, workspace, consts
+
+
 def kv_cache_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -282,6 +322,7 @@ def kv_cache_attention_triton(
     interpret: bool | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    config: launch.KernelConfig | None = None,
 ) -> torch.Tensor:
     """Append k/v into past_key/past_value in place (rows past_lens[b] + t) and return the attention output.
 
@@ -289,12 +330,12 @@ def kv_cache_attention_triton(
     int32 with past_lens + S <= C (checked on CPU tensors; on the GPU the kernel only masks writes
     past the capacity, it does not sync to check). `num_splits` forces the key split count (None:
     from the shapes). `interpret` picks Triton's interpreter (default: for CPU tensors, or when
-    TRITON_INTERPRET is set). `block_m` / `block_n` override the tile sizes (powers of two >= 16), for
-    tests and tuning.
+    TRITON_INTERPRET is set). `block_m` / `block_n` override the tile sizes (powers of two >= 16) and
+    `config` every launch choice, for tests and tuning.
     """
     batch, seq, q_width = q.shape
     _, _, capacity, head_dim = past_key.shape
-    group = launch.check_shapes(num_heads, kv_num_heads, head_dim)
+    launch.check_shapes(num_heads, kv_num_heads, head_dim)
     if (
         q_width != num_heads * head_dim
         or k.shape != (batch, seq, kv_num_heads * head_dim)
@@ -324,25 +365,17 @@ def kv_cache_attention_triton(
         return out
 
     device = q.device
-    num_sms = _num_sms(device) if device.type == "cuda" else launch.DEFAULT_NUM_SMS
-    config = launch.choose_config(batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms)
-    for name, size in (("block_m", block_m), ("block_n", block_n)):
-        if size is not None and (size < 16 or size & (size - 1)):
-            raise ValueError(f"{name} must be a power of two >= 16; got {size}")
-    config = dataclasses.replace(config, block_m=block_m or config.block_m, block_n=block_n or config.block_n)
-    grid = launch.launch_grid(batch, seq, kv_num_heads, group, config.num_splits, config.block_m)
-    partials, counters = get_workspace(
-        device,
-        *launch.workspace_shape(batch, seq, kv_num_heads, group, head_dim, config.num_splits, config.block_m),
-    )
     if interpret is None:
         interpret = device.type == "cpu" or _interpret_env()
-    kernel = interpreted_kernel() if interpret else compiled_kernel()
+    num_sms = _num_sms(device) if device.type == "cuda" else launch.DEFAULT_NUM_SMS
     # The interpreter's tl.dot mishandles bf16 (see the kernel); the compiled kernel never upcasts.
     dot_fp32 = interpret and q.dtype == torch.bfloat16
-    consts = launch.constexprs(
-        num_heads, kv_num_heads, head_dim, scale, softcap, sliding_window, config, dot_fp32
-    )
+    config, grid, workspace, consts = _plan(
+        batch, seq, capacity, num_heads, kv_num_heads, head_dim, float(scale), float(softcap),
+        int(sliding_window), num_splits, block_m, block_n, config, num_sms, dot_fp32,
+    )  # fmt: skip
+    partials, counters = get_workspace(device, *workspace)
+    kernel = interpreted_kernel() if interpret else compiled_kernel()
     kernel[grid](
         q,
         k,

@@ -62,7 +62,7 @@ CASES = [
     # GQA 3: a token's rows straddle row blocks of 16; several key tiles of 16.
     Case("gqa3-straddling-blocks", 2, 13, 6, 2, 32, 40, (2, 27), block_m=16, block_n=16),
     # Two row blocks of 128 (GQA 8 x 24 tokens), key tiles of 16.
-    Case("gqa8-prefill-two-row-blocks", 1, 24, 16, 2, 64, 48, (10,), block_n=16),
+    Case("gqa8-prefill-two-row-blocks", 1, 24, 16, 2, 64, 48, (10,), block_m=128, block_n=16),
     # Sliding window shorter than the sequence, prefill with and without a past.
     Case("window5-prefill", 2, 20, 4, 2, 64, 40, (0, 12), window=5, block_n=16),
     # Window and softcap on split decode: the window starts inside the key range.

@@ -151,4 +151,4 @@ def test_compile_ptx_under_triton_interpret(ptx_cache) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     name, head, block_m = json.loads(proc.stdout)
-    assert ".target sm_80" in head and block_m == 128
+    assert ".target sm_80" in head and block_m == 64
