@@ -7,6 +7,7 @@ softcap, window and block sizes are compiled in as constants (see plugins/attent
     compile_kernel(arch="sm_90", dtype="float16", head_dim=128, num_heads=32, kv_num_heads=8)
         -> CompiledKernel(name, ptx, num_warps, shared_mem, block_m, ..., params)
     compile_ptx(...) -> {kernel name: PTX text}
+    compile_kernels([{...}, {...}]) -> [CompiledKernel, ...]   (several at once)
 
 Results are cached in memory and on disk (KVFORGE_PTX_CACHE, default ~/.cache/kvforge/ptx), keyed by
 every parameter, the triton version and the kernel's source, so a cache hit does not import triton.
@@ -121,22 +122,23 @@ def _stdlib_compilable() -> bool:
 
 
 def _request(
-    arch: str | int,
-    dtype: str,
-    head_dim: int,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float | None,
-    softcap: float,
-    sliding_window: int,
-    regime: str,
-    num_splits: int,
-    block_m: int | None,
-    block_n: int | None,
-    num_warps: int | None,
-    num_stages: int | None,
-    ptx_version: int | None,
-    assume_aligned: bool,
+    arch: str | int = "sm_90",
+    dtype: str = "float16",
+    head_dim: int = 128,
+    num_heads: int = 32,
+    kv_num_heads: int = 8,
+    scale: float | None = None,
+    softcap: float = 0.0,
+    sliding_window: int = 0,
+    *,
+    regime: str = "decode",
+    num_splits: int = 1,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    ptx_version: int | None = DEFAULT_PTX_VERSION,
+    assume_aligned: bool = True,
 ) -> dict:
     """Normalise the arguments into the JSON-able request that keys the cache and feeds the compile."""
     if dtype not in launch.TRITON_DTYPES:
@@ -217,13 +219,13 @@ def _compile_here(request: dict) -> dict:
     }
 
 
-def _compile_in_child(request: dict) -> dict:
+def _compile_in_child(requests: list[dict]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # The child must import kvforge the way this process did (installed or from a source path).
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     proc = subprocess.run(
         [sys.executable, "-m", "kvforge.plugins.ptx"],
-        input=json.dumps(request),
+        input=json.dumps(requests),
         capture_output=True,
         text=True,
         env=env,
@@ -236,7 +238,75 @@ def _compile_in_child(request: dict) -> dict:
     return json.loads(proc.stdout)
 
 
+def _kernel(request: dict, result: dict) -> CompiledKernel:
+    constants = request["constants"]
+    return CompiledKernel(
+        name=result["name"],
+        ptx=result["ptx"],
+        arch=f"sm_{request['arch']}",
+        dtype=request["dtype"],
+        num_warps=result["num_warps"],
+        num_stages=request["num_stages"],
+        shared_mem=result["shared_mem"],
+        block_m=constants["BLOCK_M"],
+        block_n=constants["BLOCK_N"],
+        num_splits=constants["NUM_SPLITS"],
+        constants=constants,
+        params=launch.RUNTIME_PARAMS,
+        ptx_param_count=result["ptx_param_count"],
+        triton_version=result["triton_version"],
+    )
+
+
 _MEMORY: dict[str, CompiledKernel] = {}
+
+
+def compile_kernels(variants: list[dict], cache: bool = True) -> list[CompiledKernel]:
+    """Compile several variants (each a dict of compile_kernel's keyword arguments) in one go.
+
+    Cache misses compile together: in this process, or in one child process when TRITON_INTERPRET
+    is in force (one triton import for all of them).
+    """
+    requests = [_request(**variant) for variant in variants]
+    triton_version = _triton_version()
+    source = _source_digest()
+    keys = [
+        hashlib.sha256(
+            json.dumps({"request": r, "triton": triton_version, "source": source}, sort_keys=True).encode()
+        ).hexdigest()[:32]
+        for r in requests
+    ]
+    results: dict[str, dict] = {}
+    for key in keys:
+        path = _cache_dir() / f"attention-{key}.json"
+        if cache and key not in _MEMORY and path.is_file():
+            try:
+                results[key] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass  # a damaged entry is compiled again
+    missing = {}
+    for key, request in zip(keys, requests, strict=True):
+        if not (cache and key in _MEMORY) and key not in results:
+            missing[key] = request
+    if missing:
+        todo = list(missing.values())
+        done = [_compile_here(r) for r in todo] if _stdlib_compilable() else _compile_in_child(todo)
+        for key, result in zip(missing, done, strict=True):
+            results[key] = result
+            if cache:
+                # Write then rename: a concurrent reader never sees half a file.
+                path = _cache_dir() / f"attention-{key}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(result))
+                os.replace(tmp, path)
+    kernels = []
+    for key, request in zip(keys, requests, strict=True):
+        kernel = _MEMORY[key] if cache and key in _MEMORY else _kernel(request, results[key])
+        if cache:
+            _MEMORY[key] = kernel
+        kernels.append(kernel)
+    return kernels
 
 
 def compile_kernel(
@@ -266,52 +336,13 @@ def compile_kernel(
     which needs the workspace. `scale` defaults to 1/sqrt(head_dim). `ptx_version` is the PTX ISA
     (87 = 8.7, loadable by CUDA 12.8+ drivers); None takes the newest that triton's ptxas supports.
     """
-    request = _request(
-        arch, dtype, head_dim, num_heads, kv_num_heads, scale, softcap, sliding_window, regime, num_splits,
-        block_m, block_n, num_warps, num_stages, ptx_version, assume_aligned,
+    variant = dict(
+        arch=arch, dtype=dtype, head_dim=head_dim, num_heads=num_heads, kv_num_heads=kv_num_heads,
+        scale=scale, softcap=softcap, sliding_window=sliding_window, regime=regime, num_splits=num_splits,
+        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+        ptx_version=ptx_version, assume_aligned=assume_aligned,
     )  # fmt: skip
-    triton_version = _triton_version()
-    key_text = json.dumps(
-        {"request": request, "triton": triton_version, "source": _source_digest()}, sort_keys=True
-    )
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
-    if cache and key in _MEMORY:
-        return _MEMORY[key]
-    path = _cache_dir() / f"attention-{key}.json"
-    result = None
-    if cache and path.is_file():
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, ValueError):
-            result = None  # a damaged entry is compiled again
-    if result is None:
-        result = _compile_here(request) if _stdlib_compilable() else _compile_in_child(request)
-        if cache:
-            # Write then rename: a concurrent reader never sees half a file.
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(result))
-            os.replace(tmp, path)
-    constants = request["constants"]
-    kernel = CompiledKernel(
-        name=result["name"],
-        ptx=result["ptx"],
-        arch=f"sm_{request['arch']}",
-        dtype=request["dtype"],
-        num_warps=result["num_warps"],
-        num_stages=request["num_stages"],
-        shared_mem=result["shared_mem"],
-        block_m=constants["BLOCK_M"],
-        block_n=constants["BLOCK_N"],
-        num_splits=constants["NUM_SPLITS"],
-        constants=constants,
-        params=launch.RUNTIME_PARAMS,
-        ptx_param_count=result["ptx_param_count"],
-        triton_version=result["triton_version"],
-    )
-    if cache:
-        _MEMORY[key] = kernel
-    return kernel
+    return compile_kernels([variant], cache=cache)[0]
 
 
 def compile_ptx(
@@ -339,9 +370,9 @@ def ptx_target(ptx: str) -> str:
 
 
 def _main() -> None:
-    # Child-process entry of _compile_in_child: a request as JSON on stdin, the result on stdout.
-    request = json.loads(sys.stdin.read())
-    json.dump(_compile_here(request), sys.stdout)
+    # Child-process entry of _compile_in_child: requests as a JSON list on stdin, results on stdout.
+    requests = json.loads(sys.stdin.read())
+    json.dump([_compile_here(r) for r in requests], sys.stdout)
 
 
 if __name__ == "__main__":

@@ -109,11 +109,26 @@ def test_import_plugins_stays_light() -> None:
 # Ahead-of-time PTX. One session-wide cache directory: each variant compiles once per test run.
 
 
+PTX_ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90"]
+PTX_DTYPES = ["float16", "bfloat16"]
+PTX_HEAD_DIMS = [64, 128, 256]
+
+
 @pytest.fixture(scope="module")
 def ptx_cache(tmp_path_factory: pytest.TempPathFactory):
+    from kvforge.plugins import compile_kernels
+
     path = tmp_path_factory.mktemp("ptx-cache")
     old = os.environ.get("KVFORGE_PTX_CACHE")
     os.environ["KVFORGE_PTX_CACHE"] = str(path)
+    # All variants in one batch: under TRITON_INTERPRET that is one child process, not 24.
+    variants = [
+        {"arch": a, "dtype": t, "head_dim": d, "num_heads": 32, "kv_num_heads": 8}
+        for a in PTX_ARCHS
+        for t in PTX_DTYPES
+        for d in PTX_HEAD_DIMS
+    ]
+    compile_kernels(variants)
     yield path
     if old is None:
         del os.environ["KVFORGE_PTX_CACHE"]
@@ -121,9 +136,9 @@ def ptx_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["KVFORGE_PTX_CACHE"] = old
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_89", "sm_90"])
+@pytest.mark.parametrize("head_dim", PTX_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", PTX_DTYPES)
+@pytest.mark.parametrize("arch", PTX_ARCHS)
 def test_compile_ptx_targets_arch(arch: str, dtype: str, head_dim: int, ptx_cache) -> None:
     from kvforge.plugins import compile_kernel, compile_ptx
     from kvforge.plugins.ptx import ptx_target
