@@ -20,7 +20,7 @@ engine), so one PTX serves every batch size, sequence length and cache capacity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 INPUT_PARAMS = ("q", "k", "v", "past_key", "past_value", "past_lens")
 SCALAR_PARAMS = ("batch", "seq_len", "capacity")
@@ -59,6 +59,16 @@ TRITON_DTYPES = {
 DEFAULT_NUM_SMS = 132
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+
+
+# Dynamic shared memory a block may opt into, by compute capability (CUDA programming guide). The
+# consumer parts (sm_86, sm_89, sm_120) have far less than the data-centre ones.
+MAX_SHARED_BYTES = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def max_shared_bytes(arch: int) -> int:
+    """Opt-in shared memory per block for compute capability `arch` (e.g. 86); conservative if unknown."""
+    return MAX_SHARED_BYTES.get(arch, 101376)
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,20 @@ def choose_config(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits}")
     return KernelConfig(block_m, block_n, num_splits, num_warps, num_stages)
+
+
+def shrink_config(config: KernelConfig) -> KernelConfig | None:
+    """The next smaller-footprint config when a variant needs more shared memory than the GPU has
+    (fewer pipeline stages first, then narrower key tiles, then fewer rows); None at the floor."""
+    if config.num_stages > 2:
+        return replace(config, num_stages=config.num_stages - 1)
+    if config.block_n > 32:
+        return replace(config, block_n=config.block_n // 2)
+    if config.block_m > 64:
+        return replace(config, block_m=config.block_m // 2, num_warps=4)
+    if config.num_stages > 1:
+        return replace(config, num_stages=1)
+    return None
 
 
 def launch_grid(

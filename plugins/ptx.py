@@ -139,6 +139,7 @@ def _request(
     num_stages: int | None = None,
     ptx_version: int | None = DEFAULT_PTX_VERSION,
     assume_aligned: bool = True,
+    fit_shared: bool = True,
 ) -> dict:
     """Normalise the arguments into the JSON-able request that keys the cache and feeds the compile."""
     if dtype not in launch.TRITON_DTYPES:
@@ -167,6 +168,7 @@ def _request(
         "num_stages": config.num_stages,
         "ptx_version": ptx_version,
         "assume_aligned": bool(assume_aligned),
+        "fit_shared": bool(fit_shared),
     }
 
 
@@ -190,18 +192,28 @@ def _compile_here(request: dict) -> dict:
             for name, ty in signature.items()
             if ty.startswith("*")
         }
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     target = GPUTarget("cuda", request["arch"], 32)
-    options = {
-        "num_warps": request["num_warps"],
-        "num_stages": request["num_stages"],
-        "enable_fp_fusion": True,
-    }
-    if request["ptx_version"] is not None:
-        options["ptx_version"] = request["ptx_version"]
-    options = make_backend(target).parse_options(options)
-    compiled = triton.compile(source, target=target, options=options.__dict__)
-    meta = compiled.metadata
+    config = launch.KernelConfig(
+        constants["BLOCK_M"],
+        constants["BLOCK_N"],
+        constants["NUM_SPLITS"],
+        request["num_warps"],
+        request["num_stages"],
+    )
+    while True:
+        constants = {**constants, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+        if request["ptx_version"] is not None:
+            options["ptx_version"] = request["ptx_version"]
+        options = make_backend(target).parse_options(options)
+        compiled = triton.compile(source, target=target, options=options.__dict__)
+        meta = compiled.metadata
+        # A variant needing more shared memory than the arch offers would fail at launch: shrink it.
+        smaller = launch.shrink_config(config) if request["fit_shared"] else None
+        if meta.shared <= launch.max_shared_bytes(request["arch"]) or smaller is None:
+            break
+        config = smaller
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, scratch, 0):
             raise RuntimeError(
@@ -216,6 +228,8 @@ def _compile_here(request: dict) -> dict:
         "num_warps": int(meta.num_warps),
         "ptx_param_count": entry.group(1).count(".param") if entry else -1,
         "triton_version": triton.__version__,
+        "constants": {name: constants[name] for name in launch.CONSTEXPR_PARAMS},
+        "num_stages": config.num_stages,
     }
 
 
@@ -239,14 +253,14 @@ def _compile_in_child(requests: list[dict]) -> list[dict]:
 
 
 def _kernel(request: dict, result: dict) -> CompiledKernel:
-    constants = request["constants"]
+    constants = result["constants"]  # the request's, or smaller blocks if they had to fit
     return CompiledKernel(
         name=result["name"],
         ptx=result["ptx"],
         arch=f"sm_{request['arch']}",
         dtype=request["dtype"],
         num_warps=result["num_warps"],
-        num_stages=request["num_stages"],
+        num_stages=result["num_stages"],
         shared_mem=result["shared_mem"],
         block_m=constants["BLOCK_M"],
         block_n=constants["BLOCK_N"],
@@ -327,6 +341,7 @@ def compile_kernel(
     num_stages: int | None = None,
     ptx_version: int | None = DEFAULT_PTX_VERSION,
     assume_aligned: bool = True,
+    fit_shared: bool = True,
     cache: bool = True,
 ) -> CompiledKernel:
     """Compile one variant to PTX for `arch` (sm_80, sm_86, sm_89, sm_90, ...) without a GPU.
@@ -335,12 +350,14 @@ def compile_kernel(
     16) or "prefill" (flash-attention tiles). `num_splits` > 1 compiles the flash-decoding variant,
     which needs the workspace. `scale` defaults to 1/sqrt(head_dim). `ptx_version` is the PTX ISA
     (87 = 8.7, loadable by CUDA 12.8+ drivers); None takes the newest that triton's ptxas supports.
+    `fit_shared` shrinks stages / blocks until the kernel's shared memory fits the arch (sm_86 and
+    sm_89 offer 99 KiB); the CompiledKernel reports the sizes it was compiled with.
     """
     variant = dict(
         arch=arch, dtype=dtype, head_dim=head_dim, num_heads=num_heads, kv_num_heads=kv_num_heads,
         scale=scale, softcap=softcap, sliding_window=sliding_window, regime=regime, num_splits=num_splits,
         block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        ptx_version=ptx_version, assume_aligned=assume_aligned,
+        ptx_version=ptx_version, assume_aligned=assume_aligned, fit_shared=fit_shared,
     )  # fmt: skip
     return compile_kernels([variant], cache=cache)[0]
 

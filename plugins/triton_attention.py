@@ -31,6 +31,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from kvforge.plugins import attention_launch as launch
 
@@ -261,6 +262,10 @@ def get_workspace(device: torch.device, partials: int, counters: int) -> tuple[t
     return have
 
 
+# Configs shrunk to fit a device's shared memory, by (device, call shape and options).
+_FITTED: dict[tuple, launch.KernelConfig] = {}
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -370,30 +375,41 @@ def kv_cache_attention_triton(
     num_sms = _num_sms(device) if device.type == "cuda" else launch.DEFAULT_NUM_SMS
     # The interpreter's tl.dot mishandles bf16 (see the kernel); the compiled kernel never upcasts.
     dot_fp32 = interpret and q.dtype == torch.bfloat16
-    config, grid, workspace, consts = _plan(
+    plan_key = (
         batch, seq, capacity, num_heads, kv_num_heads, head_dim, float(scale), float(softcap),
-        int(sliding_window), num_splits, block_m, block_n, config, num_sms, dot_fp32,
+        int(sliding_window), num_splits, block_m, block_n,
     )  # fmt: skip
-    partials, counters = get_workspace(device, *workspace)
+    config = _FITTED.get((device, plan_key), config)
     kernel = interpreted_kernel() if interpret else compiled_kernel()
-    kernel[grid](
-        q,
-        k,
-        v,
-        past_key,
-        past_value,
-        past_lens,
-        *launch.scalar_args(batch, seq, capacity),
-        out,
-        past_key,  # present_key: the same memory, written in place
-        past_value,
-        partials,
-        counters,
-        **consts,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return out
+    while True:
+        config, grid, workspace, consts = _plan(*plan_key, config, num_sms, dot_fp32)
+        partials, counters = get_workspace(device, *workspace)
+        try:
+            kernel[grid](
+                q,
+                k,
+                v,
+                past_key,
+                past_value,
+                past_lens,
+                *launch.scalar_args(batch, seq, capacity),
+                out,
+                past_key,  # present_key: the same memory, written in place
+                past_value,
+                partials,
+                counters,
+                **consts,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
+            )
+            return out
+        except OutOfResources:
+            # More shared memory than this GPU offers (sm_86 / sm_89: 99 KiB): the launch was refused
+            # before anything ran, so retry smaller and remember the fit for this device and shape.
+            config = launch.shrink_config(config)
+            if config is None:
+                raise
+            _FITTED[(device, plan_key)] = config
 
 
 def run_interpreted(*args, **kwargs) -> torch.Tensor:

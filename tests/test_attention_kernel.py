@@ -96,6 +96,16 @@ def test_launch_arithmetic() -> None:
     assert launch.choose_config(1, 1, 8, 4, 128, 32768, num_splits=5).num_splits == 5
 
 
+def test_shrink_config_steps_down_to_a_floor() -> None:
+    config = launch.KernelConfig(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=3)
+    steps = []
+    while config is not None:
+        steps.append((config.block_m, config.block_n, config.num_warps, config.num_stages))
+        config = launch.shrink_config(config)
+    assert steps == [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 32, 4, 1)]
+    assert launch.max_shared_bytes(86) < launch.max_shared_bytes(80) < launch.max_shared_bytes(90)
+
+
 def test_import_plugins_stays_light() -> None:
     code = (
         "import sys, kvforge.plugins as p; f = p.compile_ptx; "
@@ -128,6 +138,18 @@ def ptx_cache(tmp_path_factory: pytest.TempPathFactory):
         for t in PTX_DTYPES
         for d in PTX_HEAD_DIMS
     ]
+    # head_dim 256 prefill tiles need more shared memory than sm_86 offers (see the fit test).
+    variants += [
+        {
+            "arch": a,
+            "dtype": "bfloat16",
+            "head_dim": 256,
+            "num_heads": 8,
+            "kv_num_heads": 2,
+            "regime": "prefill",
+        }
+        for a in ("sm_86", "sm_90")
+    ]
     compile_kernels(variants)
     yield path
     if old is None:
@@ -152,6 +174,17 @@ def test_compile_ptx_targets_arch(arch: str, dtype: str, head_dim: int, ptx_cach
     assert 0 < kernel.shared_mem <= 227 * 1024
     # The runtime parameters, then the two scratch pointers triton appends to every kernel.
     assert kernel.ptx_param_count == len(launch.RUNTIME_PARAMS) + 2
+
+
+def test_compile_fits_the_arch_shared_memory(ptx_cache) -> None:
+    from kvforge.plugins import compile_kernel
+
+    kw = {"dtype": "bfloat16", "head_dim": 256, "num_heads": 8, "kv_num_heads": 2, "regime": "prefill"}
+    big = compile_kernel("sm_90", **kw)
+    small = compile_kernel("sm_86", **kw)
+    assert big.shared_mem > launch.max_shared_bytes(86)  # so sm_86 really had to shrink
+    assert small.shared_mem <= launch.max_shared_bytes(86)
+    assert small.block_m < big.block_m and small.constants["BLOCK_M"] == small.block_m
 
 
 def test_compile_ptx_under_triton_interpret(ptx_cache) -> None:

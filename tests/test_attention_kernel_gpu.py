@@ -12,9 +12,11 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)", allow_module_level=True)
 
-from attention_cases import CASES, Case, check_case  # noqa: E402
+from attention_cases import CASES, Case, check_case, make_inputs  # noqa: E402
 
 from kvforge.plugins import attention_launch as launch  # noqa: E402
+from kvforge.plugins import triton_attention as ta  # noqa: E402
+from kvforge.plugins.reference import kv_cache_attention  # noqa: E402
 
 GPU_CASES = [
     # Long caches: the launcher splits the keys on its own (several programs per row block).
@@ -34,6 +36,21 @@ def test_compiled_matches_reference(case: Case) -> None:
     check_case(case, "cuda", interpret=False)
 
 
+def test_launcher_shrinks_a_config_the_gpu_cannot_hold() -> None:
+    # 256 x 128 tiles at head_dim 256 with 4 stages need far more shared memory than any GPU has:
+    # the launch is refused (OutOfResources) and the launcher must retry smaller, still correct.
+    case = Case("oversized", 1, 300, 8, 4, 256, 512, (50,), "bf16")
+    config = launch.KernelConfig(block_m=256, block_n=128, num_splits=1, num_warps=8, num_stages=4)
+    inputs = make_inputs(case, "cuda")
+    ref_out, ref_key, _ = kv_cache_attention(*inputs.values(), 8, 4, 1 / 16)
+    key, value = inputs["past_key"].clone(), inputs["past_value"].clone()
+    out = ta.kv_cache_attention_triton(
+        inputs["q"], inputs["k"], inputs["v"], key, value, inputs["past_lens"], 8, 4, 1 / 16, config=config
+    )
+    assert torch.equal(key, ref_key)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_long_decode_really_splits() -> None:
     config = launch.choose_config(
         2, 1, 8, 4, 128, 4096, None, torch.cuda.get_device_properties(0).multi_processor_count
@@ -51,10 +68,9 @@ def test_aot_ptx_runs_through_the_driver_api(tmp_path, monkeypatch) -> None:
     import numpy as np
 
     driver = pytest.importorskip("cuda.bindings.driver")
-    from attention_cases import TOLERANCES, make_inputs
+    from attention_cases import TOLERANCES
 
     from kvforge.plugins import compile_kernel
-    from kvforge.plugins.reference import kv_cache_attention
 
     monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path))
     major, minor = torch.cuda.get_device_capability()
