@@ -53,9 +53,7 @@ def _register_schema() -> None:
         OP_TYPE,
         DOMAIN,
         1,
-        inputs=[
-            onnx.defs.OpSchema.FormalParameter(name, "T" if name != "past_lens" else "I") for name in INPUTS
-        ],
+        inputs=[onnx.defs.OpSchema.FormalParameter(name, "T" if name != "past_lens" else "I") for name in INPUTS],
         outputs=[onnx.defs.OpSchema.FormalParameter(name, "T") for name in OUTPUTS],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
@@ -76,22 +74,11 @@ _register_schema()
 _opset = osv.Opset(DOMAIN, 1)
 
 
-def onnx_translation(
-    q, k, v, past_key, past_value, past_lens, num_heads, kv_num_heads, scale, softcap, sliding_window
-):
+def onnx_translation(q, k, v, past_key, past_value, past_lens, num_heads, kv_num_heads, scale, softcap, sliding_window):
     return _opset.KVCacheAttention(
-        q,
-        k,
-        v,
-        past_key,
-        past_value,
-        past_lens,
-        num_heads=num_heads,
-        kv_num_heads=kv_num_heads,
-        scale=scale,
-        softcap=softcap,
-        sliding_window=sliding_window,
-        _outputs=3,
+        q, k, v, past_key, past_value, past_lens,
+        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
+        sliding_window=sliding_window, _outputs=3,
     )
 
 
