@@ -130,28 +130,53 @@ def _kv_cache_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
 
-    for segment in tl.static_range(2):
-        if segment == 0:
-            # Cache prefix: rows nobody writes in this launch (clamped to the capacity for safety).
-            seg_lo = split_lo
-            seg_hi = tl.minimum(tl.minimum(split_hi, past_len), capacity)
+    # Key segments. The cache prefix [0, past_len) is read from the cache (nobody writes those rows in
+    # this launch; clamped to the capacity for safety), the new tokens [past_len, past_len + S) from
+    # the k / v inputs (not from the cache rows being appended). Each comes as whole tiles that every
+    # row of the block may see (no masks at all: the common case, kept cheap) and then the masked
+    # rest: the partial last tile, the causal diagonal, the sliding window (which masks everything).
+    cache_hi = tl.minimum(tl.minimum(split_hi, past_len), capacity)
+    new_lo = tl.maximum(split_lo, past_len)
+    if WINDOW > 0:
+        cache_full = split_lo
+        new_full = new_lo
+    else:
+        cache_full = split_lo + tl.maximum(cache_hi - split_lo, 0) // BLOCK_N * BLOCK_N
+        # Every row's token is >= first_tok, so keys up to past_len + first_tok are visible to all.
+        visible_hi = tl.minimum(split_hi, past_len + first_tok + 1)
+        new_full = new_lo + tl.maximum(visible_hi - new_lo, 0) // BLOCK_N * BLOCK_N
+
+    for segment in tl.static_range(4):  # odd segments are the masked ones
+        if segment < 2:
             k_base = past_key + cache_base
             v_base = past_value + cache_base
             row_stride = HEAD_DIM
             seg_first = past_len * 0  # cache position of the segment's row 0
+            if segment == 0:
+                seg_lo = split_lo
+                seg_hi = cache_full
+            else:
+                seg_lo = cache_full
+                seg_hi = cache_hi
         else:
-            # New tokens: read from the k / v inputs, not from the cache rows being appended.
-            seg_lo = tl.maximum(split_lo, past_len)
-            seg_hi = split_hi
             k_base = k + input_base
             v_base = v + input_base
             row_stride = KV_ROW
             seg_first = past_len
+            if segment == 2:
+                seg_lo = new_lo
+                seg_hi = new_full
+            else:
+                seg_lo = new_full
+                seg_hi = split_hi
         for start in range(seg_lo, seg_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            in_seg = pos < seg_hi
             kv_offs = (pos - seg_first)[:, None] * row_stride + offs_d[None, :]
-            k_tile = tl.load(k_base + kv_offs, mask=in_seg[:, None], other=0.0)
+            if segment % 2 == 1:
+                in_seg = pos < seg_hi
+                k_tile = tl.load(k_base + kv_offs, mask=in_seg[:, None], other=0.0)
+            else:
+                k_tile = tl.load(k_base + kv_offs)
             if DOT_FP32:
                 k_tile = k_tile.to(tl.float32)
             # ieee keeps fp32 inputs exact (no tf32); fp16 / bf16 inputs take the tensor cores as usual.
@@ -160,17 +185,23 @@ def _kv_cache_attention_kernel(
                 # softcap * tanh(s / softcap); tanh via exp2 so it saturates cleanly to +-1.
                 t = tl.exp2(s * (2.0 * LOG2E / SOFTCAP))
                 s = SOFTCAP * (1.0 - 2.0 / (t + 1.0))
-            allowed = in_seg[None, :] & (pos[None, :] <= q_pos[:, None])
-            if WINDOW > 0:
-                allowed = allowed & (pos[None, :] > q_pos[:, None] - WINDOW)
-            s = tl.where(allowed, s * LOG2E, float("-inf"))
+            if segment % 2 == 1:
+                allowed = in_seg[None, :] & (pos[None, :] <= q_pos[:, None])
+                if WINDOW > 0:
+                    allowed = allowed & (pos[None, :] > q_pos[:, None] - WINDOW)
+                s = tl.where(allowed, s * LOG2E, float("-inf"))
+            else:
+                s = s * LOG2E
             m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
             # A row with no allowed key yet keeps m = -inf; subtract 0 then, not -inf (NaN).
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            v_tile = tl.load(v_base + kv_offs, mask=in_seg[:, None], other=0.0)
+            if segment % 2 == 1:
+                v_tile = tl.load(v_base + kv_offs, mask=in_seg[:, None], other=0.0)
+            else:
+                v_tile = tl.load(v_base + kv_offs)
             p_in = p.to(v_tile.dtype)  # probabilities at the cache's precision, as flash attention does
             if DOT_FP32:
                 p_in = p_in.to(tl.float32)

@@ -63,6 +63,10 @@ CASES = [
     Case("gqa3-straddling-blocks", 2, 13, 6, 2, 32, 40, (2, 27), block_m=16, block_n=16),
     # Two row blocks of 128 (GQA 8 x 24 tokens), key tiles of 16.
     Case("gqa8-prefill-two-row-blocks", 1, 24, 16, 2, 64, 48, (10,), block_m=128, block_n=16),
+    # Row blocks starting on every other token: the unmasked key tiles end right at the diagonal.
+    Case("gqa8-diagonal-tiles", 2, 16, 8, 1, 32, 24, (0, 5), block_m=16, block_n=16),
+    # A window reaching far back into the cache: whole cache tiles inside it must still be masked.
+    Case("window-long-past", 2, 8, 4, 2, 32, 72, (60, 30), window=40, block_n=16),
     # Sliding window shorter than the sequence, prefill with and without a past.
     Case("window5-prefill", 2, 20, 4, 2, 64, 40, (0, 12), window=5, block_n=16),
     # Window and softcap on split decode: the window starts inside the key range.
