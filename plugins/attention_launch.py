@@ -9,6 +9,8 @@ Kernel parameters, in order (TensorRT's ahead-of-time path wants inputs, extra s
 
   inputs    q, k, v, past_key, past_value, past_lens        pointers
   scalars   batch, seq_len, capacity                        int32, taken from the shapes at run time
+                                                            (batch is carried by grid y; the kernel
+                                                            does not read it)
   outputs   out, present_key, present_value                 pointers; present_* alias past_* in place
   workspace partials (fp32), counters (int32)               pointers; unused when num_splits == 1
   constexpr NUM_HEADS, KV_HEADS, HEAD_DIM, SCALE, SOFTCAP, WINDOW, BLOCK_M, BLOCK_N, NUM_SPLITS,

@@ -9,7 +9,9 @@ Design (launch arithmetic in plugins/attention_launch.py, shared with the AOT co
   still gives the tensor cores 8 (padded to 16) rows sharing every K/V tile that is loaded.
 - Keys are read from two sources, never from a row written in this launch: the cache prefix
   [0, past_len) from past_key/past_value, the new tokens [past_len, past_len + S) straight from the
-  k/v inputs. Both run through the same online-softmax loop (a static two-segment loop).
+  k/v inputs. Both run through one online-softmax loop body, unrolled over four static segments:
+  each source's key tiles that every row may see (no masks), then its masked rest (partial tile,
+  causal diagonal, sliding window).
 - Append: the split-0 program of each (batch, kv head, row block) copies the new K/V rows of the
   tokens whose first row lies in its block into present_key/present_value. Exactly one program
   writes each row, and no program reads it, so there is no race.

@@ -19,7 +19,7 @@ from kvforge.plugins.reference import kv_cache_attention
 # Max |kernel - reference| allowed, as (atol, rtol), by activation dtype. The reference computes in
 # fp32 from the same low-precision inputs and rounds once at the end; the kernel also rounds the
 # probabilities to the cache dtype before P @ V (as flash attention does), so low precision gets about
-# one output ulp of slack. Worst errors measured on this grid under the interpreter: fp32 ~5e-7,
+# one output ulp of slack. Worst errors measured on this grid under the interpreter: fp32 2e-6,
 # fp16 ~1e-3 (1 ulp at |out| in [1, 2)), bf16 ~1.6e-2 (2 ulp at [1, 2)).
 TOLERANCES = {
     torch.float32: (2e-5, 1e-5),
