@@ -23,13 +23,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvforge import __version__
-from kvforge.errors import ExportError, InputError, KvforgeError
+from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.models.families import family_for
 from kvforge.output_folder import StagedFolder, check_output, fault_point
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 WEIGHTS_NAME = "model.weights"
 OPSET = 24
 COPIED_FILES = (
@@ -108,6 +109,22 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32"):
             "the files may be truncated or corrupted"
         ) from err
     return model.eval()
+
+
+def _check_trt_kernel(config, head_dim: int, dtype: str) -> None:
+    """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
+    from kvforge.plugins import attention_launch
+
+    try:
+        attention_launch.check_shapes(config.num_attention_heads, config.num_key_value_heads, head_dim)
+    except ValueError as err:
+        raise UnsupportedModelError(
+            f"--target trt cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
+            f"head_dim {', '.join(map(str, TRT_HEAD_DIMS))}, query heads a multiple of the KV heads, and "
+            f"dtype {', '.join(DTYPES)}; use --target ort or --target onnx for this model"
+        ) from err
+    if dtype not in DTYPES:
+        raise UnsupportedModelError(f"--target trt supports dtype {', '.join(DTYPES)}, not {dtype!r}")
 
 
 def graph_io_names(num_layers: int, phase: str) -> tuple[list[str], list[str]]:
@@ -200,6 +217,8 @@ def export_model(
     check_output(out_dir, [model_dir], force=force, marker=MANIFEST_NAME)
     config = load_hf_config(model_dir)
     family = family_for(config)
+    if target == "trt":
+        _check_trt_kernel(config, family.head_dim(config), dtype)
 
     import torch
 

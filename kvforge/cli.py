@@ -267,7 +267,7 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
 @main.command()
 @click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path))
 @click.option("--recipe", default="demo-llama", show_default=True, help="Built-in model recipe.")
-@click.option("--target", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True)
+@click.option("--target", type=click.Choice(["ort", "onnx", "trt"]), default="ort", show_default=True)
 @click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
 @click.option("--max-new-tokens", default=32, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)

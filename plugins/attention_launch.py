@@ -42,6 +42,9 @@ CONSTEXPR_PARAMS = (
 )
 # Every runtime parameter of the kernel, in order; the constexprs follow them in the Python signature.
 RUNTIME_PARAMS = INPUT_PARAMS + SCALAR_PARAMS + OUTPUT_PARAMS + WORKSPACE_PARAMS
+# What TensorRT's ahead-of-time plugin launch passes (plugin inputs, extra scalar args, plugin outputs):
+# the TensorRT variant is compiled without the workspace (num_splits=1).
+TENSORRT_PARAMS = INPUT_PARAMS + SCALAR_PARAMS + OUTPUT_PARAMS
 KERNEL_PARAMS = RUNTIME_PARAMS + CONSTEXPR_PARAMS
 
 # Triton's pointer type names, by the activation dtype's name (torch or numpy spelling).

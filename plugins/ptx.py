@@ -140,8 +140,11 @@ def _request(
     ptx_version: int | None = DEFAULT_PTX_VERSION,
     assume_aligned: bool = True,
     fit_shared: bool = True,
+    tensorrt: bool = False,
 ) -> dict:
     """Normalise the arguments into the JSON-able request that keys the cache and feeds the compile."""
+    if tensorrt and num_splits != 1:
+        raise ValueError("the TensorRT variant has no workspace, so it runs num_splits=1")
     if dtype not in launch.TRITON_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of float16, bfloat16, float32")
     if regime not in ("decode", "prefill"):
@@ -169,6 +172,7 @@ def _request(
         "ptx_version": ptx_version,
         "assume_aligned": bool(assume_aligned),
         "fit_shared": bool(fit_shared),
+        "tensorrt": bool(tensorrt),
     }
 
 
@@ -184,6 +188,10 @@ def _compile_here(request: dict) -> dict:
     constants = request["constants"]
     signature = launch.signature(request["dtype"])
     signature.update({name: "constexpr" for name in constants})
+    if request.get("tensorrt"):
+        # No workspace: the pointers become None constants and leave the entry's parameter list.
+        constants = {**constants, **{name: None for name in launch.WORKSPACE_PARAMS}}
+        signature.update({name: "constexpr" for name in launch.WORKSPACE_PARAMS})
     attrs = {}
     if request["assume_aligned"]:
         # Every buffer TensorRT or torch hands over starts 16-byte aligned: allow vector loads.
@@ -214,12 +222,15 @@ def _compile_here(request: dict) -> dict:
         if meta.shared <= launch.max_shared_bytes(request["arch"]) or smaller is None:
             break
         config = smaller
+    constants = {name: value for name, value in constants.items() if name in launch.CONSTEXPR_PARAMS}
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, scratch, 0):
             raise RuntimeError(
                 f"the kernel asks for {scratch}={getattr(meta, scratch)}; the AOT path cannot supply it"
             )
     ptx = compiled.asm["ptx"]
+    if request.get("tensorrt"):
+        ptx = drop_scratch_params(ptx)
     entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", ptx, re.DOTALL)
     return {
         "name": meta.name,
@@ -266,7 +277,7 @@ def _kernel(request: dict, result: dict) -> CompiledKernel:
         block_n=constants["BLOCK_N"],
         num_splits=constants["NUM_SPLITS"],
         constants=constants,
-        params=launch.RUNTIME_PARAMS,
+        params=launch.TENSORRT_PARAMS if request.get("tensorrt") else launch.RUNTIME_PARAMS,
         ptx_param_count=result["ptx_param_count"],
         triton_version=result["triton_version"],
     )
@@ -342,6 +353,7 @@ def compile_kernel(
     ptx_version: int | None = DEFAULT_PTX_VERSION,
     assume_aligned: bool = True,
     fit_shared: bool = True,
+    tensorrt: bool = False,
     cache: bool = True,
 ) -> CompiledKernel:
     """Compile one variant to PTX for `arch` (sm_80, sm_86, sm_89, sm_90, ...) without a GPU.
@@ -352,12 +364,16 @@ def compile_kernel(
     (87 = 8.7, loadable by CUDA 12.8+ drivers); None takes the newest that triton's ptxas supports.
     `fit_shared` shrinks stages / blocks until the kernel's shared memory fits the arch (sm_86 and
     sm_89 offer 99 KiB); the CompiledKernel reports the sizes it was compiled with.
+    `tensorrt` compiles the variant TensorRT's ahead-of-time plugin path launches: num_splits=1, no
+    workspace parameters, and the entry takes exactly plugins/attention_launch.TENSORRT_PARAMS (inputs,
+    int32 scalars, outputs): TensorRT passes those and nothing else, so triton's two scratch pointers,
+    unused by this kernel, are removed from the PTX (drop_scratch_params checks they are unused).
     """
     variant = dict(
         arch=arch, dtype=dtype, head_dim=head_dim, num_heads=num_heads, kv_num_heads=kv_num_heads,
         scale=scale, softcap=softcap, sliding_window=sliding_window, regime=regime, num_splits=num_splits,
         block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        ptx_version=ptx_version, assume_aligned=assume_aligned, fit_shared=fit_shared,
+        ptx_version=ptx_version, assume_aligned=assume_aligned, fit_shared=fit_shared, tensorrt=tensorrt,
     )  # fmt: skip
     return compile_kernels([variant], cache=cache)[0]
 
@@ -378,6 +394,24 @@ def compile_ptx(
         arch, dtype, head_dim, num_heads, kv_num_heads, scale, softcap, sliding_window, **kw
     )
     return {kernel.name: kernel.ptx}
+
+
+def drop_scratch_params(ptx: str, count: int = 2) -> str:
+    """Remove the last `count` parameters of the PTX entry (triton's global and profile scratch
+    pointers), after checking that the body never reads them; raises if it does."""
+    match = re.search(r"(\.entry\s+\w+\s*\()(.*?)(\))", ptx, re.DOTALL)
+    if not match:
+        raise ValueError("no .entry in the PTX")
+    params = [p.strip() for p in match.group(2).split(",") if p.strip()]
+    if len(params) < count:
+        raise ValueError(f"the entry has {len(params)} parameters, fewer than {count}")
+    body = ptx[match.end():]
+    for param in params[-count:]:
+        name = param.split()[-1]
+        if re.search(rf"\b{re.escape(name)}\b", body):
+            raise RuntimeError(f"the kernel reads {name}; it cannot be dropped for TensorRT's launch")
+    kept = ",\n\t".join(params[:-count])
+    return ptx[: match.start(2)] + "\n\t" + kept + "\n" + ptx[match.end(2):]
 
 
 def ptx_target(ptx: str) -> str:

@@ -18,6 +18,7 @@ bridge has no float16/bfloat16, so only fp32 `trt` exports can be emulated.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -54,16 +55,18 @@ def _require(modules: tuple[str, ...], why: str) -> None:
         )
 
 
+# Calls of the plugin op per mode (tests check which implementation served the node).
+CALLS = {mode: 0 for mode in MODES}
+
+
+@functools.cache
 def _attention(mode: str):
     """The function that serves the plugin node: (q, k, v, past_key, past_value, past_lens, attrs) ->
     out, writing the new rows into past_key / past_value."""
     if mode == "reference":
         from kvforge.plugins.numpy_reference import kv_cache_attention_
 
-        def run(q, k, v, past_key, past_value, past_lens, heads, kv_heads, scale, softcap, window):
-            return kv_cache_attention_(q, k, v, past_key, past_value, past_lens, heads, kv_heads, scale, softcap, window)
-
-        return run
+        return kv_cache_attention_
 
     import torch
 
@@ -82,21 +85,27 @@ def _attention(mode: str):
     return run
 
 
+def check_available() -> str:
+    """The current mode, after checking that what it needs is installed (a clear error if not)."""
+    mode = emulation_mode()
+    _require(("onnxruntime_extensions",), "")
+    if mode == "triton":
+        _require(("torch", "triton"), "with the Triton kernel")
+    return mode
+
+
 def custom_ops_library() -> str:
     """Register the plugin op with onnxruntime-extensions (once per process) and return the custom-ops
-    library path to register on an ONNX Runtime session."""
+    library path to register on an ONNX Runtime session. The mode (KVFORGE_EMULATE) is read at each
+    call of the op, so one process can run both."""
     global _registered
+    check_available()
     with _lock:
         if _registered is not None:
             return _registered
-        mode = emulation_mode()
-        _require(("onnxruntime_extensions",), "")
-        if mode == "triton":
-            _require(("torch", "triton"), "with the Triton kernel")
         from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
         f32, i32, i64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
-        attention = _attention(mode)
 
         @onnx_op(
             op_type=OP_TYPE,
@@ -107,9 +116,11 @@ def custom_ops_library() -> str:
                    "plugin_namespace": PyCustomOpDef.dt_string, "plugin_version": PyCustomOpDef.dt_string},
         )
         def kvforge_plugin(q, k, v, past_key, past_value, past_lens, **attrs):
+            mode = emulation_mode()
+            CALLS[mode] += 1
             # The bridge hands us private copies: update them in place and hand them back as present_*.
             past_key, past_value = np.ascontiguousarray(past_key), np.ascontiguousarray(past_value)
-            out = attention(
+            out = _attention(mode)(
                 q, k, v, past_key, past_value, np.asarray(past_lens, dtype=np.int32),
                 int(attrs["num_heads"]), int(attrs["kv_num_heads"]), float(attrs["scale"]),
                 float(attrs.get("softcap", 0.0)), int(attrs.get("sliding_window", 0)),

@@ -114,6 +114,11 @@ class Generator:
         self.backend_name = backend
         if backend not in TARGET_BACKENDS.get(target, ()):
             raise InputError(_wrong_backend(self.folder, target, backend))
+        if self.manifest["kv_cache"]["dtype"] == "bfloat16" and backend in ("ort-cpu", "emulate"):
+            raise InputError(
+                f"{self.folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend "
+                f"{backend!r} cannot run it; build TensorRT engines from it, or export with --dtype fp16 or fp32"
+            )
         custom_ops = None
         if backend == "emulate":
             from kvforge.runtime.emulate import custom_ops_library

@@ -120,3 +120,80 @@ def test_aot_ptx_runs_through_the_driver_api(tmp_path, monkeypatch) -> None:
         assert int(counters.abs().sum()) == 0
         x["past_lens"] += 1
     ok(driver.cuModuleUnload(module))
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "past", "dtype", "window", "softcap"),
+    [(2, 1, (100, 4000), "fp16", 0, 0.0), (3, 1, (0, 17, 2047), "bf16", 256, 0.0), (2, 37, (0, 300), "fp16", 0, 30.0)],
+    ids=["decode-fp16", "decode-bf16-window", "prefill-fp16-softcap"],
+)
+def test_tensorrt_aot_launch_computes_the_attention(batch, seq, past, dtype, window, softcap, monkeypatch, tmp_path):
+    # Exactly what a TensorRT engine would launch: the plugin's ahead-of-time function (run against the
+    # stand-in of tensorrt.plugin) returns kernel name, PTX, grid and scalar args; launch them through
+    # the CUDA driver with TensorRT's parameter order (inputs, scalars, outputs, nothing else), the
+    # present caches being the past buffers (aliased).
+    import ctypes
+    import importlib
+    import math
+    import sys
+
+    import fake_tensorrt as fake
+    import numpy as np
+
+    driver = pytest.importorskip("cuda.bindings.driver")
+    from attention_cases import TOLERANCES
+
+    monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path))
+    saved = {name: sys.modules.get(name) for name in ("tensorrt", "tensorrt.plugin")}
+    fake.install()
+    try:
+        import kvforge.plugins.trt_plugin as trt_plugin
+
+        trt_plugin = importlib.reload(trt_plugin)
+        trt_plugin.register()
+        heads, kv_heads, head_dim, capacity = 32, 8, 128, 4096
+        trt_dtype = {"fp16": fake.DataType.HALF, "bf16": fake.DataType.BF16}[dtype]
+        e = fake.Expr
+        b, s, c = e(batch, False), e(seq, seq == 1), e(capacity, False)
+        inputs = [fake.TensorDesc([b, s, e(heads * head_dim)], trt_dtype)]
+        inputs += [fake.TensorDesc([b, s, e(kv_heads * head_dim)], trt_dtype)] * 2
+        inputs += [fake.TensorDesc([b, e(kv_heads), c, e(head_dim)], trt_dtype)] * 2
+        inputs += [fake.TensorDesc([b], fake.DataType.INT32)]
+        attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 1 / math.sqrt(head_dim),
+                 "softcap": softcap, "sliding_window": window}
+        _, (name, ptx, params, extra) = fake.run_aot("kvforge::KVCacheAttention", inputs, attrs)
+    finally:
+        for key, mod in saved.items():
+            sys.modules.pop(key, None) if mod is None else sys.modules.__setitem__(key, mod)
+
+    def ok(result):
+        err = result[0] if isinstance(result, tuple) else result
+        assert err == driver.CUresult.CUDA_SUCCESS, err
+        return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+    torch.cuda.synchronize()
+    image = np.frombuffer(ptx.encode() + b"\0", dtype=np.uint8)
+    module = ok(driver.cuModuleLoadData(image.ctypes.data))
+    func = ok(driver.cuModuleGetFunction(module, name.encode()))
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    ok(driver.cuFuncSetAttribute(func, attr, params.shared_mem))
+
+    case = Case("trt", batch, seq, heads, kv_heads, head_dim, capacity, past, dtype, softcap, window)
+    x = make_inputs(case, "cuda")
+    key, value = x["past_key"].clone(), x["past_value"].clone()
+    ref_out, ref_key, ref_value = kv_cache_attention(
+        x["q"], x["k"], x["v"], key.clone(), value.clone(), x["past_lens"], heads, kv_heads,
+        1 / math.sqrt(head_dim), softcap, window,
+    )
+    out = torch.full_like(x["q"], float("nan"))
+    values = (*(x[n].data_ptr() for n in ("q", "k", "v")), key.data_ptr(), value.data_ptr(),
+              x["past_lens"].data_ptr(), *(a.value for a in extra), out.data_ptr(), key.data_ptr(), value.data_ptr())
+    types = (ctypes.c_void_p,) * 6 + (ctypes.c_int32,) * 3 + (ctypes.c_void_p,) * 3
+    grid = (params.grid_x.value, params.grid_y.value, params.grid_z)
+    stream = torch.cuda.current_stream().cuda_stream
+    ok(driver.cuLaunchKernel(func, *grid, params.block_x, 1, 1, params.shared_mem, stream, (values, types), 0))
+    torch.cuda.synchronize()
+    assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
+    tol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol[0], rtol=tol[1])
+    ok(driver.cuModuleUnload(module))

@@ -1,0 +1,122 @@
+"""kvforge's TensorRT plugin up to TensorRT's API: registration, aliasing, the ahead-of-time plan.
+
+TensorRT cannot be installed here, so `tensorrt.plugin` is replaced by a stand-in that follows its
+documented API (tests/fake_tensorrt.py). What TensorRT would do with the result is not tested here;
+that the returned PTX, grid and arguments compute the attention is tested on a GPU
+(tests/test_attention_kernel_gpu.py::test_tensorrt_aot_launch_*).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+
+import fake_tensorrt as fake
+import pytest
+
+from kvforge.plugins import attention_launch as launch
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture
+def trt_plugin(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVFORGE_TRT_ARCH", "sm_90")
+    monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path / "ptx"))
+    saved = {name: sys.modules.get(name) for name in ("tensorrt", "tensorrt.plugin")}
+    fake.install()
+    import kvforge.plugins.trt_plugin as module
+
+    module = importlib.reload(module)  # a fresh `_registered`
+    module.register()
+    yield module
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+
+
+def descs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, capacity: int, dtype=fake.DataType.HALF,
+          seq_constant: bool = True):
+    e = fake.Expr
+    dyn_b, dyn_s, dyn_c = e(batch, False), e(seq, seq_constant), e(capacity, False)
+    return [
+        fake.TensorDesc([dyn_b, dyn_s, e(heads * head_dim)], dtype),
+        fake.TensorDesc([dyn_b, dyn_s, e(kv_heads * head_dim)], dtype),
+        fake.TensorDesc([dyn_b, dyn_s, e(kv_heads * head_dim)], dtype),
+        fake.TensorDesc([dyn_b, e(kv_heads), dyn_c, e(head_dim)], dtype),
+        fake.TensorDesc([dyn_b, e(kv_heads), dyn_c, e(head_dim)], dtype),
+        fake.TensorDesc([dyn_b], fake.DataType.INT32),
+    ]
+
+
+ATTRS = {"num_heads": 32, "kv_num_heads": 8, "scale": 128**-0.5, "softcap": 0.0, "sliding_window": 0}
+
+
+def test_importing_the_plugin_module_needs_no_tensorrt() -> None:
+    code = "import sys, kvforge.plugins.trt_plugin; assert 'tensorrt' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registration_declares_aliased_caches_and_the_documented_schema(trt_plugin) -> None:
+    entry = fake.REGISTRY["kvforge::KVCacheAttention"]
+    assert entry["tensors"] == ["q", "k", "v", "past_key", "past_value", "past_lens"]
+    assert entry["attrs"] == ["num_heads", "kv_num_heads", "scale", "softcap", "sliding_window"]
+    inputs = descs(2, 1, 32, 8, 128, 4096)
+    (out, present_key, present_value), _ = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    assert out.aliased_to is None and out.dtype == inputs[0].dtype
+    assert present_key.aliased_to is inputs[3] and present_value.aliased_to is inputs[4]
+
+
+def test_decode_plan_compiles_the_tensorrt_variant(trt_plugin) -> None:
+    inputs = descs(3, 1, 32, 8, 128, 4096)
+    _, (name, ptx, params, extra) = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    assert re.search(r"^\s*\.target\s+sm_90", ptx, re.MULTILINE)
+    entry = re.search(rf"\.entry\s+{re.escape(name)}\s*\((.*?)\)", ptx, re.DOTALL)
+    # Exactly what TensorRT passes: 6 inputs, 3 int32 scalars, 3 outputs (no workspace, no scratch).
+    kinds = re.findall(r"\.param\s+\.(u64|u32)", entry.group(1))
+    assert kinds == ["u64"] * 6 + ["u32"] * 3 + ["u64"] * 3
+    assert [a.value for a in extra] == [3, 1, 4096]  # batch, seq_len, capacity
+    assert not extra[0].is_constant and extra[1].is_constant and not extra[2].is_constant
+    kernel = trt_plugin_kernel(trt_plugin, inputs, regime="decode")
+    assert (params.grid_x.value, params.grid_y.value, params.grid_z) == launch.launch_grid(3, 1, 8, 4, 1, kernel.block_m)
+    assert params.block_x == kernel.num_warps * 32 and params.shared_mem == kernel.shared_mem
+    assert ptx == kernel.ptx
+
+
+def test_prefill_plan_uses_prefill_tiles_and_a_symbolic_grid(trt_plugin) -> None:
+    inputs = descs(2, 300, 32, 8, 128, 4096, seq_constant=False)
+    _, (_, _, params, extra) = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    kernel = trt_plugin_kernel(trt_plugin, inputs, regime="prefill")
+    assert kernel.block_m >= 64
+    assert not params.grid_x.is_constant  # grows with the sequence length at run time
+    assert (params.grid_x.value, params.grid_y.value) == launch.launch_grid(2, 300, 8, 4, 1, kernel.block_m)[:2]
+    assert [a.value for a in extra] == [2, 300, 4096]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "message"), [
+    (fake.DataType.INT8, 128, "supports float16, bfloat16 and float32, not INT8"),
+    (fake.DataType.HALF, 96, "head_dim must be a power of two"),
+])
+def test_unsupported_inputs_are_refused_at_build(trt_plugin, dtype, head_dim, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        fake.run_aot("kvforge::KVCacheAttention", descs(1, 1, 32, 8, head_dim, 64, dtype=dtype), ATTRS)
+
+
+def test_plan_is_a_plain_function() -> None:
+    from kvforge.plugins.trt_plugin import aot_plan
+
+    plan = aot_plan("bfloat16", 64, None, 9, 3, 0.125, 0.0, 0, "sm_80")
+    assert plan.regime == "prefill" and plan.compile_kwargs()["tensorrt"] is True
+    assert aot_plan("float16", 128, 1, 32, 8, 0.1, 0.0, 4096, "sm_90").regime == "decode"
+    assert aot_plan("float16", 128, 4, 32, 8, 0.1, 0.0, 0, "sm_90").regime == "decode"  # 4 x 4 rows: spec verify
+
+
+def trt_plugin_kernel(module, inputs, regime: str):
+    from kvforge.plugins.ptx import compile_kernel
+
+    return compile_kernel(arch="sm_90", dtype="float16", head_dim=128, num_heads=32, kv_num_heads=8,
+                          scale=ATTRS["scale"], regime=regime, num_splits=1, tensorrt=True)

@@ -1,0 +1,173 @@
+"""The `trt` export target, run end to end on the CPU emulation (runtime/emulate.py).
+
+The plugin node is served by the numpy reference (KVFORGE_EMULATE=reference) for every family and
+by the Triton kernel under the interpreter (the default) for two; both against Hugging Face eager.
+Stated tolerance (fp32): max abs logit error <= 1e-3 per step and exact greedy agreement for 32 new
+tokens, teacher-forced and via HF's own generate().
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("torch")
+pytest.importorskip("onnxruntime_extensions")
+onnx = pytest.importorskip("onnx")
+
+from kvforge.cli import main  # noqa: E402
+from kvforge.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
+from kvforge.exporter.export import export_model  # noqa: E402
+from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.runtime import Generator, emulate  # noqa: E402
+
+FAMILY_RECIPES = ["llama-tiny", "llama3-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
+ATOL_FP32 = 1e-3
+
+
+def _assert_parity(report) -> None:
+    for prompt in report.prompts:
+        assert len(prompt.export_tokens) == 32
+        assert prompt.max_abs_err <= ATOL_FP32, prompt.step_max_abs_err
+        assert prompt.mismatched_steps == [] and prompt.tie_steps == []
+        assert prompt.hf_generate_tokens == prompt.export_tokens
+    assert report.passed, report.summary()
+
+
+def test_the_plugin_node_replaces_attention_once_per_layer(exported) -> None:
+    folder = exported("qwen3-tiny", "trt")
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    for phase in ("prefill", "decode"):
+        graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
+        nodes = [n for n in graph.node if n.op_type == "KVCacheAttention"]
+        assert len(nodes) == manifest["model"]["num_layers"]
+        assert not any(n.op_type in ("Softmax", "GroupQueryAttention", "Attention") for n in graph.node)
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+        assert attrs["plugin_namespace"] == b"kvforge" and attrs["plugin_version"] == b"1"
+        assert attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2
+        assert abs(attrs["scale"] - 32**-0.5) < 1e-7  # qwen3-tiny: head_dim 32
+        assert list(nodes[0].input)[3:5] == ["past_key.0", "past_value.0"]
+
+
+@pytest.mark.parametrize("recipe", FAMILY_RECIPES)
+def test_family_through_the_numpy_reference_matches_hf(recipe, hf_folder, exported, monkeypatch) -> None:
+    monkeypatch.setenv("KVFORGE_EMULATE", "reference")
+    before = emulate.CALLS["reference"]
+    report = run_parity(hf_folder(recipe), exported(recipe, "trt"), new_tokens=32, atol=ATOL_FP32)
+    assert report.backend == "emulate"
+    _assert_parity(report)
+    assert emulate.CALLS["reference"] > before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["mistral-tiny", "qwen3-tiny"])  # a 16-token window; head_dim 32
+def test_family_through_the_triton_kernel_matches_hf(recipe, hf_folder, exported, monkeypatch) -> None:
+    monkeypatch.delenv("KVFORGE_EMULATE", raising=False)
+    before = emulate.CALLS["triton"]
+    report = run_parity(hf_folder(recipe), exported(recipe, "trt"), new_tokens=32, atol=ATOL_FP32,
+                        sessions="single")
+    _assert_parity(report)
+    assert emulate.CALLS["triton"] > before
+
+
+def test_cli_parity_passes_on_a_trt_export(hf_folder, exported, monkeypatch) -> None:
+    monkeypatch.setenv("KVFORGE_EMULATE", "reference")
+    result = CliRunner().invoke(main, ["parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny", "trt")),
+                                       "--new-tokens", "32", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["backend"] == "emulate" and report["target"] == "trt"
+
+
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_emulated_decode_updates_the_bound_cache_in_place(mode, exported, monkeypatch) -> None:
+    # Same proof as for the other targets: past and present are bound to one buffer per layer, the
+    # addresses never change, and a marker beyond every row's tokens survives the whole generation.
+    monkeypatch.setenv("KVFORGE_EMULATE", mode)
+    gen = Generator(exported("llama-tiny", "trt"))
+    prompts = [[1, 50, 60, 70, 80], [1, 33]]
+    stream = gen.stream(prompts, max_new_tokens=6, greedy=True, ignore_eos=True, capacity=16)
+    addresses = None
+    layers = gen.manifest["kv_cache"]["num_layers"]
+    for event in stream:
+        if event.step == 0:
+            addresses = gen.kv_buffer_addresses()
+            for layer in range(layers):
+                key, value = gen.read_kv_cache(layer)
+                key[:, :, -1], value[:, :, -1] = 7.0, -7.0
+                gen.cache.keys[layer].update_inplace(key)
+                gen.cache.values[layer].update_inplace(value)
+        phase = "prefill" if event.step == 0 else "decode"
+        bound = gen.bound_output_addresses(phase)
+        assert {n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses
+    assert gen.kv_buffer_addresses() == addresses
+    for layer in range(layers):
+        key, value = gen.read_kv_cache(layer)
+        assert (key[:, :, -1] == 7.0).all() and (value[:, :, -1] == -7.0).all()
+        for b in range(len(prompts)):
+            assert np.abs(key[b, :, : gen.cache.past_lens[b]]).sum(axis=-1).min() > 0
+
+
+def test_reference_and_triton_emulation_agree_on_logits(exported, monkeypatch) -> None:
+    folder = exported("mistral-tiny", "trt")
+    logits = {}
+    for mode in ("reference", "triton"):
+        monkeypatch.setenv("KVFORGE_EMULATE", mode)
+        result = Generator(folder).generate([[1, 5, 9, 11, 200, 7]], max_new_tokens=6, greedy=True,
+                                            ignore_eos=True, keep_logits=True)
+        logits[mode] = np.stack(result.logits)
+    np.testing.assert_allclose(logits["triton"], logits["reference"], atol=1e-4, rtol=0)
+
+
+def test_unsupported_head_dim_fails_at_export_with_what_is_supported(tmp_path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")  # head_dim 96 / 4 = 24
+    with pytest.raises(UnsupportedModelError, match=r"--target trt cannot export llama .*head_dim 16, 32, 64, 128, 256"):
+        export_model(tmp_path / "model", tmp_path / "out", target="trt")
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "model"), "-o", str(tmp_path / "out"), "--target", "trt"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1
+    assert "use --target ort or --target onnx for this model" in result.stderr
+    assert not (tmp_path / "out").exists()
+    export_model(tmp_path / "model", tmp_path / "out", target="ort")  # the other targets take it
+
+
+def test_emulate_without_its_extra_says_which_extra(exported, monkeypatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.delenv("KVFORGE_EMULATE", raising=False)
+    with pytest.raises(BackendUnavailableError, match=r"needs triton: pip install torch==2.13.0 && pip install 'kvforge\[emulate\]'"):
+        Generator(exported("llama-tiny", "trt"))
+    monkeypatch.setenv("KVFORGE_EMULATE", "reference")  # the numpy reference needs no triton
+    assert Generator(exported("llama-tiny", "trt")).generate([[1, 5]], max_new_tokens=2).tokens
+
+
+def test_backends_refuse_targets_they_cannot_run(exported, monkeypatch) -> None:
+    monkeypatch.setenv("KVFORGE_EMULATE", "reference")
+    with pytest.raises(InputError, match="is a trt-target export .* run it with backend 'emulate'"):
+        Generator(exported("llama-tiny", "trt"), backend="ort-cpu")
+    with pytest.raises(InputError, match="backend 'emulate' does not run ort-target exports"):
+        Generator(exported("llama-tiny", "ort"), backend="emulate")
+    monkeypatch.setenv("KVFORGE_EMULATE", "magic")
+    with pytest.raises(BackendUnavailableError, match="KVFORGE_EMULATE='magic' is not a mode"):
+        Generator(exported("llama-tiny", "trt"))
+
+
+def test_bf16_trt_export_is_written_and_refused_by_cpu_backends(exported) -> None:
+    folder = exported("llama-tiny", "trt", "bf16")
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    assert manifest["dtype"] == "bf16" and manifest["kv_cache"]["dtype"] == "bfloat16"
+    graph = onnx.load(folder / "decode.onnx", load_external_data=False).graph
+    assert sum(n.op_type == "KVCacheAttention" for n in graph.node) == 2
+    assert graph.input[3].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
+    with pytest.raises(InputError, match="bf16 export: ONNX Runtime CPU has no bfloat16 kernels"):
+        Generator(folder)
