@@ -41,6 +41,10 @@ class PromptParity:
     mismatched_steps: list[int]
     tie_steps: list[int]
     error: str | None = None  # the export could not produce this prompt's logits (NaN, ...)
+    # --against BACKEND: that backend's tokens, and the max logit error between the two backends per
+    # step up to their first token difference (after it they see different histories).
+    against_tokens: list[int] | None = None
+    against_step_max_abs_err: list[float] | None = None
 
     @property
     def max_abs_err(self) -> float:
@@ -57,10 +61,11 @@ class ParityReport:
     target: str
     dtype: str
     backend: str
-    sessions: str
+    sessions: str | None
     atol: float
     new_tokens: int
     prompts: list[PromptParity] = field(default_factory=list)
+    against: str | None = None
 
     @property
     def max_abs_err(self) -> float:
@@ -85,6 +90,13 @@ class ParityReport:
             elif p.max_abs_err > self.atol:
                 step = int(np.argmax(p.step_max_abs_err))
                 reasons.append(f"prompt {i}: max logit error {p.max_abs_err:.3g} > atol {self.atol:g} (step {step})")
+            if p.against_tokens is not None:
+                against_err = max(p.against_step_max_abs_err or [0.0])
+                if p.against_tokens != p.export_tokens:
+                    first = _first_difference(p.against_tokens, p.export_tokens)
+                    reasons.append(f"prompt {i}: {self.against} gives different tokens from step {first}")
+                if against_err > self.atol:
+                    reasons.append(f"prompt {i}: logits differ from {self.against} by {against_err:.3g} > atol {self.atol:g}")
             if p.error is None and p.mismatched_steps:
                 reasons.append(f"prompt {i}: greedy token differs from HF at steps {p.mismatched_steps}")
             elif p.error is None and not p.generate_equal and not p.tie_steps:
@@ -107,6 +119,9 @@ class ParityReport:
                 f"greedy agreement {agree}/{self.new_tokens}"
                 + (f" (+{len(p.tie_steps)} numerical ties)" if p.tie_steps else "")
                 + f", HF generate equal: {'yes' if p.generate_equal else 'no'}"
+                + (f"; vs {self.against}: max logit err {max(p.against_step_max_abs_err or [0.0]):.3g}, "
+                   f"tokens equal: {'yes' if p.against_tokens == p.export_tokens else 'no'}"
+                   if p.against_tokens is not None else "")
             )
         lines.append("PASS" if self.passed else f"FAIL: {self.failure_reason()}")
         return "\n".join(lines)
@@ -121,6 +136,11 @@ class ParityReport:
         return data
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first step where two token lists differ (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def run_parity(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -129,10 +149,13 @@ def run_parity(
     atol: float | None = None,
     backend: str | None = None,
     progress: Callable[[str], None] | None = None,
-    sessions: str = "shared",
+    sessions: str | None = None,
+    against: str | None = None,
+    backend_options: dict[str, Any] | None = None,
 ) -> ParityReport:
-    """`sessions` defaults to "shared" so that both graphs run (prefill.onnx, then decode.onnx);
-    "single" checks the runtime's default, decode steps through the prefill graph."""
+    """Check `backend` (default: what `kvforge generate` runs, the export's default backend in its
+    default session mode) against Hugging Face eager; `sessions` picks an ONNX Runtime session mode
+    ("shared" runs decode.onnx too); `against` also compares with another backend."""
     import torch
     from transformers import GenerationConfig
 
@@ -144,7 +167,11 @@ def run_parity(
         raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
     if atol is not None and not atol > 0:
         raise InputError(f"--atol must be > 0, got {atol}")
-    generator = Generator(export_dir, backend=backend, sessions=sessions)
+    options = dict(backend_options or {})
+    if sessions is not None:
+        options["sessions"] = sessions
+    generator = Generator(export_dir, backend=backend, **options)
+    other = Generator(export_dir, backend=against) if against is not None else None
     backend = generator.backend_name
     manifest = generator.manifest
     if generator.tokenizer is None:
@@ -153,7 +180,9 @@ def run_parity(
     atol = DEFAULT_ATOL[dtype] if atol is None else atol
     say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
     model = load_hf_model(model_dir, dtype)
-    report = ParityReport(str(export_dir), manifest["target"], dtype, backend, sessions, atol, new_tokens)
+    report = ParityReport(str(export_dir), manifest["target"], dtype, backend,
+                          getattr(generator.backend, "session_mode", None), atol, new_tokens,
+                          against=other.backend_name if other is not None else None)
     no_eos = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
         pad_token_id=manifest["model"].get("pad_token_id") or 0,
@@ -182,7 +211,13 @@ def run_parity(
         for step, token in enumerate(tokens):
             if token != int(hf_argmax[step]):
                 (ties if margin[step] < 2 * atol else mismatched).append(step)
-        report.prompts.append(
-            PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(), mismatched, ties)
-        )
+        entry = PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(),
+                             mismatched, ties)
+        if other is not None:
+            theirs = other.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True, keep_logits=True)
+            same = min(_first_difference(theirs.tokens[0], tokens), len(tokens) - 1)
+            their_logits = np.stack([step[0] for step in theirs.logits[: same + 1]]).astype(np.float32)
+            entry.against_tokens = theirs.tokens[0]
+            entry.against_step_max_abs_err = np.abs(their_logits - export_logits[: same + 1]).max(axis=-1).round(8).tolist()
+        report.prompts.append(entry)
     return report

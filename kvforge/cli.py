@@ -1,4 +1,4 @@
-"""The `kvforge` command line: demo | export | generate | parity | inspect.
+"""The `kvforge` command line: demo | export | build | generate | parity | inspect.
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate);
 `--debug` shows the traceback. Every command has `--json` (one JSON object on stdout).
@@ -81,6 +81,14 @@ def _require_export_extra(command: str) -> None:
         )
 
 
+BACKEND_CHOICES = ["ort-cpu", "ort-cuda", "trt", "emulate"]
+
+
+def _backend_options(**given: Any) -> dict[str, Any]:
+    """The backend options the user actually gave (each backend has its own defaults)."""
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _progress(quiet: bool):
     def say(message: str) -> None:
         if not quiet:
@@ -133,6 +141,33 @@ def _parse_ids(text: str) -> list[int]:
 
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="Where the engines go (default EXPORT_DIR/engines).")
+@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
+              help="The engines' dtype; must be the export's (engines are strongly typed). Default: the export's.")
+@click.option("--max-batch", default=1, show_default=True, type=int, help="Rows per run the engines take.")
+@click.option("--max-input-len", type=int, help="Longest prefill chunk (default: --max-seq-len).")
+@click.option("--max-seq-len", type=int, help="Largest KV cache capacity (default: min(model limit, 4096)).")
+@click.option("--single-engine", is_flag=True,
+              help="One engine from prefill.onnx with a prefill and a decode profile: the weights once on the GPU.")
+@click.option("--force", is_flag=True, help="Rebuild even when the engines are up to date.")
+@click.option("--json", "as_json", is_flag=True)
+def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batch: int, max_input_len: int | None,
+          max_seq_len: int | None, single_engine: bool, force: bool, as_json: bool) -> None:
+    """Build TensorRT engines from an export folder (target trt or onnx); needs TensorRT and a GPU."""
+    from kvforge.exporter.trt_build import build_engines
+
+    record = build_engines(export_dir, engine_dir, dtype, max_batch, max_input_len, max_seq_len, single_engine,
+                           force, progress=_progress(as_json))
+    if as_json:
+        _emit_json(record)
+    else:
+        engines = ", ".join(sorted(record["files"]))
+        click.echo(f"engines {engines} for {record['gpu']['name']} (TensorRT {record['tensorrt']}), weights on GPU "
+                   f"{record['weights_on_gpu_bytes'] / 1e6:.1f} MB")
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
@@ -142,20 +177,22 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--top-p", type=float)
 @click.option("--seed", type=int)
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
-@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda", "emulate"]), default=None,
-              help="ort-cpu (default for ort/onnx exports), ort-cuda, or emulate (default for trt exports: "
-                   "the TensorRT plugin emulated on the CPU).")
-@click.option("--threads", type=int, help="Intra-op threads (default: ONNX Runtime's choice).")
-@click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default="single", show_default=True,
-              help="single: one session runs both phases (one weight copy, fastest on CPU); shared: both graphs "
-                   "over one weight copy; separate: both graphs, two copies.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cpu (default for ort/onnx exports), ort-cuda, trt (TensorRT engines from `kvforge "
+                   "build`), or emulate (default for trt exports: the TensorRT plugin emulated on the CPU).")
+@click.option("--threads", type=int, help="ONNX Runtime backends: intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default=None,
+              help="ONNX Runtime backends: single (default: one session runs both phases, one weight copy), "
+                   "shared (both graphs over one memory-mapped copy), separate (both graphs, two copies).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="trt backend: the engines (default OUT_DIR/engines).")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--json", "as_json", is_flag=True)
 def generate(
     export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
     temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
-    backend: str | None, threads: int | None, sessions: str, stream: bool, verify: bool, as_json: bool,
+    backend: str | None, threads: int | None, sessions: str | None, engine_dir: Path | None, stream: bool,
+    verify: bool, as_json: bool,
 ) -> None:
     """Generate from an export folder."""
     from kvforge.runtime import Generator
@@ -163,7 +200,8 @@ def generate(
     if bool(prompts) == bool(prompt_ids):
         raise InputError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable for a batch)")
     batch: Any = list(prompts) if prompts else [_parse_ids(ids) for ids in prompt_ids]
-    generator = Generator(export_dir, backend=backend, threads=threads, sessions=sessions, verify_hashes=verify)
+    generator = Generator(export_dir, backend=backend, verify_hashes=verify,
+                          **_backend_options(threads=threads, sessions=sessions, engine_dir=engine_dir))
     options = dict(
         max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
@@ -190,7 +228,7 @@ def generate(
         "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
         "steps": result.steps,
         "backend": generator.backend_name,
-        "sessions": sessions,
+        "sessions": getattr(generator.backend, "session_mode", None),
     }
     if as_json:
         _emit_json(payload)
@@ -212,19 +250,24 @@ def generate(
 @click.option("--new-tokens", default=32, show_default=True, type=int)
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
 @click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
-@click.option("--backend", type=click.Choice(["ort-cpu", "ort-cuda", "emulate"]), default=None,
-              help="Default: ort-cpu, or emulate for a trt export.")
-@click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default="shared", show_default=True,
-              help="shared/separate run both graphs; single runs decode steps through the prefill graph.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="The backend to check (default: the one `kvforge generate` runs by default).")
+@click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default=None,
+              help="ONNX Runtime backends: single (default, as generate), shared or separate (run decode.onnx too).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="trt backend: the engines (default OUT_DIR/engines).")
+@click.option("--against", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="Also compare with another backend (same tolerance, same prompts).")
 @click.option("--json", "as_json", is_flag=True)
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
-           backend: str | None, sessions: str, as_json: bool) -> None:
+           backend: str | None, sessions: str | None, engine_dir: Path | None, against: str | None,
+           as_json: bool) -> None:
     """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
     _require_export_extra("parity")
     from kvforge.exporter.parity import run_parity
 
     report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
-                        atol=atol, backend=backend, progress=_progress(as_json), sessions=sessions)
+                        atol=atol, backend=backend, progress=_progress(as_json), sessions=sessions,
+                        against=against, backend_options=_backend_options(engine_dir=engine_dir))
     if as_json:
         _emit_json(report.to_dict())
     else:

@@ -89,7 +89,7 @@ def is_export_folder(folder: str | Path) -> bool:
     return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("kvforge/")
 
 
-def resolve_in_folder(folder: Path, name: Any, what: str) -> Path:
+def resolve_in_folder(folder: Path, name: Any, what: str, kind: str = "export folder") -> Path:
     """`folder / name` for a plain relative file name of the manifest, or ManifestError if the name
     would leave the folder (absolute, `..`, or a symlink pointing outside)."""
     if not isinstance(name, str) or name == "":
@@ -97,13 +97,13 @@ def resolve_in_folder(folder: Path, name: Any, what: str) -> Path:
     pure = PurePosixPath(name.replace("\\", "/"))
     if pure.is_absolute() or ".." in pure.parts or name.startswith(("/", "\\")) or ":" in name:
         raise ManifestError(
-            f"{folder / MANIFEST_NAME} names {what} {name!r} outside the export folder; refusing to open it "
+            f"{folder} lists {what} {name!r} outside the {kind}; refusing to open it "
             "(the manifest was crafted or corrupted): re-run the export"
         )
     path = folder / pure
     if not path.resolve().is_relative_to(folder.resolve()):
         raise ManifestError(
-            f"{path} is a link that leads outside the export folder; refusing to open it: re-run the export"
+            f"{path} is a link that leads outside the {kind}; refusing to open it: re-run the export"
         )
     return path
 

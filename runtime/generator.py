@@ -18,16 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import InputError, NumericalError
+from kvforge.errors import CapacityError, InputError, NumericalError
 from kvforge.manifest import load_manifest
-from kvforge.runtime.kv_cache import KVCache, choose_capacity, needed_positions
-from kvforge.runtime.ort_backend import OrtBackend, OrtSlot
+from kvforge.runtime.backend import Backend, Slot, create_backend, default_backend
+from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
 from kvforge.runtime.sampling import Sampler, SamplingConfig
 from kvforge.runtime.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
-
-BACKENDS = {"ort-cpu": "cpu", "ort-cuda": "cuda", "emulate": "cpu"}
-# Which backends run which export targets: a `trt` export's attention is kvforge's TensorRT plugin.
-TARGET_BACKENDS = {"ort": ("ort-cpu", "ort-cuda"), "onnx": ("ort-cpu", "ort-cuda"), "trt": ("emulate",)}
 
 Prompts = str | list[str] | list[int] | list[list[int]]
 Steps = PyGenerator["StepEvent", None, "GenerationResult"]
@@ -79,67 +75,47 @@ class GenerationStream:
 
 
 class Generator:
-    """Runs an export folder (`kvforge export` output) with ONNX Runtime."""
+    """Runs an export folder (`kvforge export` output) on a backend (runtime/backend.py)."""
 
     def __init__(
         self,
         export_dir: str | Path,
-        backend: str | None = None,
-        threads: int | None = None,
+        backend: str | Backend | None = None,
+        *,
         verify_hashes: bool = False,
-        device_id: int = 0,
-        sessions: str = "single",
+        **backend_options: Any,
     ) -> None:
-        """`sessions` picks how the two phases share the weights in memory:
-        "single" (default): one session of the prefill graph runs prefill and decode steps (S=1);
-        one weight copy, prepacked by ORT for its fastest CPU matmuls.
-        "shared": prefill.onnx and decode.onnx sessions over one memory-mapped copy, prepacking off.
-        "separate": both graphs, each session prepacks its own copy (twice the memory).
-        `backend` None picks the export's natural backend: ort-cpu, or emulate for a trt export."""
-        if backend is not None and backend not in BACKENDS:
-            raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        """`backend`: a name ("ort-cpu", "ort-cuda", "emulate", "trt"), a Backend object, or None for
+        the export's default (ort-cpu; emulate for a trt export). `backend_options` go to the backend
+        (ONNX Runtime: threads, sessions, device_id, max_capacity; TensorRT: engine_dir, device_id,
+        cuda_graphs); an option the backend does not have is an error. `verify_hashes` re-hashes
+        every file, weights included, before loading."""
         self.folder = Path(export_dir)
         self.manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
         model = self.manifest["model"]
         self.vocab_size = int(model["vocab_size"])
         self.pad_token_id = int(model.get("pad_token_id") if model.get("pad_token_id") is not None else 0)
-        self.max_capacity = int(self.manifest["kv_cache"]["max_capacity"])
         generation = self.manifest.get("generation") or {}
         self.eos_token_ids = frozenset(_as_id_list(model.get("eos_token_id")) + _as_id_list(generation.get("eos_token_id")))
         self.default_sampling = SamplingConfig.from_generation(generation)
         self.tokenizer = Tokenizer(self.folder) if (self.folder / TOKENIZER_FILE).is_file() else None
-        target = self.manifest["target"]
-        if backend is None:
-            backend = TARGET_BACKENDS.get(target, ("ort-cpu",))[0]
-        self.backend_name = backend
-        if backend not in TARGET_BACKENDS.get(target, ()):
-            raise InputError(_wrong_backend(self.folder, target, backend))
-        if self.manifest["kv_cache"]["dtype"] == "bfloat16" and backend in ("ort-cpu", "emulate"):
-            raise InputError(
-                f"{self.folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend "
-                f"{backend!r} cannot run it; build TensorRT engines from it, or export with --dtype fp16 or fp32"
-            )
-        custom_ops = None
-        if backend == "emulate":
-            from kvforge.runtime.emulate import custom_ops_library
-
-            if self.manifest["kv_cache"]["dtype"] != "float32":
-                raise InputError(
-                    f"backend 'emulate' runs fp32 trt exports only ({self.folder} is "
-                    f"{self.manifest['dtype']}): its Python op bridge has no float16/bfloat16; export with --dtype fp32"
-                )
-            custom_ops = custom_ops_library()
-        self.backend = OrtBackend(
-            self.folder, self.manifest, device=BACKENDS[backend], device_id=device_id, threads=threads,
-            sessions=sessions, custom_ops_library=custom_ops,
-        )
-        # Thread safety: the sessions are shared, each request runs on its own slot (KV cache + IO
-        # bindings) taken from this pool and given back when it ends, so requests from several
-        # threads, or several open streams, never share a cache. Idle slots are kept for reuse.
+        if backend is None or isinstance(backend, str):
+            name = backend or default_backend(self.manifest)
+            self.backend: Backend = create_backend(name, self.folder, self.manifest, **backend_options)
+        else:
+            if backend_options:
+                raise InputError("backend options go to create_backend() when passing a Backend object")
+            self.backend = backend
+        self.backend_name = self.backend.name
+        self.max_capacity = self.backend.limits.max_capacity
+        # Thread safety: the backend's sessions / engines are shared, each request runs on its own
+        # slot (KV cache + bindings) taken from this pool and given back when it ends, so requests
+        # from several threads, or several open streams, never share a cache. Idle slots are kept
+        # for reuse; capacities come in buckets, so requests of different lengths share slots.
         self.max_idle_slots = 4
-        self._idle: list[OrtSlot] = []
+        self._idle: list[Slot] = []
         self._pool_lock = threading.Lock()
-        self._last_slot: OrtSlot | None = None
+        self._last_slot: Slot | None = None
 
     # -- public API -----------------------------------------------------------------------------
     def generate(
@@ -191,14 +167,14 @@ class Generator:
         return GenerationStream(events)
 
     @property
-    def cache(self) -> KVCache | None:
+    def cache(self) -> CacheState | None:
         """The KV cache of the most recently started request (tests, debugging)."""
         return self._last_slot.cache if self._last_slot is not None else None
 
     def kv_buffer_addresses(self) -> dict[str, int]:
         """Address of every KV buffer of the most recent request's cache, by graph input name
         ({} before any request)."""
-        return self.cache.addresses() if self.cache is not None else {}
+        return self.backend.kv_addresses(self._last_slot) if self._last_slot is not None else {}
 
     def bound_output_addresses(self, phase: str) -> dict[str, int]:
         """Addresses the last `phase` run of the most recent request wrote its outputs to (KV outputs
@@ -214,9 +190,9 @@ class Generator:
 
     def read_kv_cache(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of layer `layer`'s key and value buffers [B, H_kv, C, D] (tests, debugging)."""
-        if self.cache is None:
+        if self._last_slot is None:
             raise RuntimeError("no KV cache yet: run generate() first")
-        return self.cache.read(layer)
+        return self.backend.read_kv(self._last_slot, layer)
 
     # -- internals ------------------------------------------------------------------------------
     def _run(
@@ -244,14 +220,20 @@ class Generator:
         ids, text_mode = self._prompt_ids(prompts)
         lens = [len(row) for row in ids]
         needed = needed_positions(lens, int(max_new_tokens))
-        cap = choose_capacity(needed, self.max_capacity, capacity)
+        limits = self.backend.limits
+        if limits.max_batch is not None and len(ids) > limits.max_batch:
+            raise CapacityError(
+                f"{len(ids)} prompts, but backend {self.backend_name!r} runs at most {limits.max_batch} rows "
+                "at once (rebuild the engines with a larger --max-batch, or send fewer prompts per call)"
+            )
+        cap = choose_capacity(needed, self.max_capacity, capacity, buckets=limits.capacity_buckets)
         slot = self._acquire(len(ids), cap)
         eos_ids = frozenset() if ignore_eos else self.eos_token_ids
         loop = self._loop(ids, int(max_new_tokens), Sampler(config), eos_ids, stop_ids, slot,
                           text_mode, stream_text, keep_logits, start)
         return self._owning(slot, loop)
 
-    def _owning(self, slot: OrtSlot, loop: Steps) -> Steps:
+    def _owning(self, slot: Slot, loop: Steps) -> Steps:
         """Run `loop` and give its slot back to the pool when it ends, fails or is closed."""
         try:
             return (yield from loop)
@@ -265,7 +247,7 @@ class Generator:
         sampler: Sampler,
         eos_ids: frozenset[int],
         stop_ids: frozenset[int],
-        slot: OrtSlot,
+        slot: Slot,
         text_mode: bool,
         stream_text: bool,
         keep_logits: bool,
@@ -308,7 +290,7 @@ class Generator:
         cache = slot.cache
         cache.reset()
         t_prefill = time.perf_counter()
-        logits = self._checked(self.backend.run_prefill(slot, input_ids, lens - 1), 0)
+        logits = self._checked(self.backend.prefill(slot, input_ids, lens - 1), 0)
         cache.past_lens[:] = lens
         prefill_ms = (time.perf_counter() - t_prefill) * 1e3
         if keep_logits:
@@ -327,7 +309,7 @@ class Generator:
             feed[:] = self.pad_token_id
             for b in np.flatnonzero(running):
                 feed[b] = tokens[b][-1]
-            logits = self._checked(self.backend.run_decode(slot, feed, running), steps + 1)
+            logits = self._checked(self.backend.decode(slot, feed, running), steps + 1)
             cache.past_lens[running] += 1
             steps += 1
             decoded_tokens += int(running.sum())
@@ -426,7 +408,7 @@ class Generator:
                     )
         return [[int(t) for t in row] for row in rows], text_mode
 
-    def _acquire(self, batch: int, capacity: int) -> OrtSlot:
+    def _acquire(self, batch: int, capacity: int) -> Slot:
         """An idle slot of this shape from the pool (its buffers and bindings are reused), or a new one."""
         with self._pool_lock:
             for i in range(len(self._idle) - 1, -1, -1):
@@ -435,15 +417,12 @@ class Generator:
                     del self._idle[i]
                     self._last_slot = slot
                     return slot
-        cache = KVCache.from_manifest(
-            self.manifest, batch, capacity, device=self.backend.device, device_id=self.backend.device_id
-        )
-        slot = self.backend.bind(cache)
+        slot = self.backend.allocate(batch, capacity)
         with self._pool_lock:
             self._last_slot = slot
         return slot
 
-    def _release(self, slot: OrtSlot) -> None:
+    def _release(self, slot: Slot) -> None:
         with self._pool_lock:
             self._idle.append(slot)
             del self._idle[: max(0, len(self._idle) - self.max_idle_slots)]
@@ -457,16 +436,6 @@ class Generator:
                 step=step,
             )
         return logits
-
-
-def _wrong_backend(folder: Path, target: str, backend: str) -> str:
-    if target == "trt":
-        return (f"{folder} is a trt-target export (its attention is kvforge's TensorRT plugin): run it with "
-                "backend 'emulate' (CPU emulation), or build TensorRT engines from it")
-    if target in TARGET_BACKENDS:
-        return (f"backend {backend!r} does not run {target}-target exports like {folder}; "
-                f"use one of {', '.join(TARGET_BACKENDS[target])}")
-    return f"{folder} has target {target!r}, which this kvforge does not know; re-run the export"
 
 
 def _is_int(value: Any) -> bool:

@@ -1,8 +1,12 @@
 """Preallocated KV cache: per layer one key and one value buffer [B, H_kv, C, D], bound in place.
 
-The buffers are allocated once per (batch, capacity) and the graphs write new rows into them
-(past_* and present_* are bound to the same OrtValue). `past_lens` tracks how many positions each
+The buffers are allocated once per (batch, capacity bucket) and the graphs write new rows into them
+(past_* and present_* are bound to the same buffer). `past_lens` tracks how many positions each
 row holds; nothing may write past the capacity C, so every run is checked first.
+
+`CacheState` is the host-side part every backend shares (fill levels, capacity rules); `KVCache`
+adds ONNX Runtime OrtValues on the CPU or a CUDA device. The TensorRT backend has its own device
+buffers (runtime/trt_backend.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import onnxruntime as ort
 from kvforge.errors import CapacityError, InputError, ManifestError
 
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+# numpy has no bfloat16: device caches of that type are made from ONNX's element type number.
+ONNX_BFLOAT16 = 16
 
 
 def needed_positions(prompt_lens: list[int], max_new_tokens: int) -> int:
@@ -23,14 +29,35 @@ def needed_positions(prompt_lens: list[int], max_new_tokens: int) -> int:
     return max(prompt_lens) + max_new_tokens - 1
 
 
-def choose_capacity(needed: int, max_capacity: int, requested: int | None = None) -> int:
-    """The capacity C to allocate: `requested` if given, else exactly what the request needs."""
+MIN_BUCKET = 64
+
+
+def capacity_buckets(max_capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Capacities a cache is allocated at: powers of two from `smallest`, then `max_capacity`. Requests
+    of different lengths then share buffers, bindings (and CUDA graphs, TensorRT profiles) while
+    never holding more than twice the positions they need."""
+    buckets = []
+    size = smallest
+    while size < max_capacity:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_capacity)
+    return tuple(buckets)
+
+
+def choose_capacity(
+    needed: int, max_capacity: int, requested: int | None = None, buckets: tuple[int, ...] | None = None
+) -> int:
+    """The capacity C to allocate: `requested` if given, else the smallest of `buckets` that holds
+    the request (exactly what it needs when no buckets are given)."""
     if needed > max_capacity:
         raise CapacityError(
             f"the request needs {needed} positions (longest prompt + max_new_tokens - 1) but the export "
             f"allows at most {max_capacity}; shorten the prompt or lower max_new_tokens"
         )
     if requested is None:
+        if buckets:
+            return next((b for b in buckets if b >= needed), max_capacity)
         return needed
     if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 1:
         raise InputError(f"capacity must be a positive integer, got {requested!r}")
@@ -46,67 +73,17 @@ def choose_capacity(needed: int, max_capacity: int, requested: int | None = None
     return int(requested)
 
 
-class KVCache:
-    """Key/value buffers for every layer plus per-row fill levels."""
+class CacheState:
+    """The host-side state of a KV cache: shape, per-row fill levels and the capacity checks."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        batch: int,
-        num_kv_heads: int,
-        capacity: int,
-        head_dim: int,
-        dtype: str = "float32",
-        device: str = "cpu",
-        device_id: int = 0,
-        max_capacity: int | None = None,
-    ) -> None:
-        if dtype not in KV_DTYPES:
-            raise ManifestError(f"KV cache dtype {dtype!r} is not supported; expected one of {sorted(KV_DTYPES)}")
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int,
+                 dtype: str, max_capacity: int | None = None) -> None:
+        self.num_layers = num_layers
         self.shape = (batch, num_kv_heads, capacity, head_dim)
         self.dtype = dtype
-        self.device = device
         self.capacity = capacity
         self.max_capacity = max_capacity if max_capacity is not None else capacity
         self.past_lens = np.zeros(batch, dtype=np.int32)
-        np_dtype = KV_DTYPES[dtype]
-        # On CPU the OrtValues wrap these numpy arrays (no copy); keep them alive as long as the cache.
-        self._host: list[np.ndarray] = []
-        self.keys: list[ort.OrtValue] = []
-        self.values: list[ort.OrtValue] = []
-        for _ in range(num_layers):
-            for store in (self.keys, self.values):
-                if device == "cpu":
-                    array = np.zeros(self.shape, dtype=np_dtype)
-                    self._host.append(array)
-                    store.append(ort.OrtValue.ortvalue_from_numpy(array))
-                else:
-                    value = ort.OrtValue.ortvalue_from_shape_and_type(self.shape, np_dtype, device, device_id)
-                    # Zero once so that reads of never-written rows are deterministic (debugging only:
-                    # the graphs never attend them).
-                    value.update_inplace(np.zeros(self.shape, dtype=np_dtype))
-                    store.append(value)
-
-    @classmethod
-    def from_manifest(
-        cls, manifest: dict[str, Any], batch: int, capacity: int, device: str = "cpu", device_id: int = 0
-    ) -> KVCache:
-        kv = manifest["kv_cache"]
-        return cls(
-            num_layers=kv["num_layers"],
-            batch=batch,
-            num_kv_heads=kv["num_kv_heads"],
-            capacity=capacity,
-            head_dim=kv["head_dim"],
-            dtype=kv["dtype"],
-            device=device,
-            device_id=device_id,
-            max_capacity=kv.get("max_capacity"),
-        )
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.keys)
 
     @property
     def batch(self) -> int:
@@ -128,6 +105,62 @@ class KVCache:
                 f"this step needs {needed} positions but the KV cache holds {self.capacity}; "
                 f"raise capacity (max {self.max_capacity})"
             )
+
+
+class KVCache(CacheState):
+    """ONNX Runtime key/value buffers (OrtValues on the CPU or a CUDA device) for every layer."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: str = "float32",
+        device: str = "cpu",
+        device_id: int = 0,
+        max_capacity: int | None = None,
+    ) -> None:
+        if dtype not in KV_DTYPES and not (dtype == "bfloat16" and device != "cpu"):
+            raise ManifestError(f"KV cache dtype {dtype!r} is not supported; expected one of {sorted(KV_DTYPES)}")
+        super().__init__(num_layers, batch, num_kv_heads, capacity, head_dim, dtype, max_capacity)
+        self.device = device
+        np_dtype = KV_DTYPES.get(dtype)
+        # On CPU the OrtValues wrap these numpy arrays (no copy); keep them alive as long as the cache.
+        self._host: list[np.ndarray] = []
+        self.keys: list[ort.OrtValue] = []
+        self.values: list[ort.OrtValue] = []
+        for _ in range(num_layers):
+            for store in (self.keys, self.values):
+                if device == "cpu":
+                    array = np.zeros(self.shape, dtype=np_dtype)
+                    self._host.append(array)
+                    store.append(ort.OrtValue.ortvalue_from_numpy(array))
+                else:
+                    element = np_dtype if np_dtype is not None else ONNX_BFLOAT16
+                    value = ort.OrtValue.ortvalue_from_shape_and_type(self.shape, element, device, device_id)
+                    # Zero once so that reads of never-written rows are deterministic (debugging only:
+                    # the graphs never attend them). bfloat16 zero has the bits of uint16 zero.
+                    value.update_inplace(np.zeros(self.shape, dtype=np_dtype or np.uint16))
+                    store.append(value)
+
+    @classmethod
+    def from_manifest(
+        cls, manifest: dict[str, Any], batch: int, capacity: int, device: str = "cpu", device_id: int = 0
+    ) -> KVCache:
+        kv = manifest["kv_cache"]
+        return cls(
+            num_layers=kv["num_layers"],
+            batch=batch,
+            num_kv_heads=kv["num_kv_heads"],
+            capacity=capacity,
+            head_dim=kv["head_dim"],
+            dtype=kv["dtype"],
+            device=device,
+            device_id=device_id,
+            max_capacity=kv.get("max_capacity"),
+        )
 
     def addresses(self) -> dict[str, int]:
         """Device address of every buffer, by graph input name."""

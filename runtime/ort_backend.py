@@ -1,4 +1,4 @@
-"""ONNX Runtime backend: one session per phase, IO binding over preallocated KV caches.
+"""ONNX Runtime backends (ort-cpu, ort-cuda, emulate): sessions per phase, IO binding over KV caches.
 
 Every `past_*` input and its `present_*` output are bound to the very same OrtValue, so the fused
 attention node writes the new rows in place (ORT's GroupQueryAttention compares the pointers).
@@ -20,6 +20,7 @@ import onnxruntime as ort
 
 from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ManifestError
 from kvforge.manifest import read_graph
+from kvforge.runtime.backend import Limits
 from kvforge.runtime.kv_cache import KVCache
 
 DEVICES = ("cpu", "cuda")
@@ -71,7 +72,15 @@ class OrtSlot:
 
 
 class OrtBackend:
-    """The prefill and decode sessions of one export folder."""
+    """The prefill and decode sessions of one export folder (backends ort-cpu and ort-cuda).
+
+    Options: `threads` (intra-op threads), `sessions` ("single": the prefill graph also runs the
+    decode steps, one weight copy, ORT prepacks it, the default; "shared": prefill.onnx and
+    decode.onnx over one memory-mapped copy, prepacking off (on a GPU each session uploads its own
+    copy, so "single" holds the weights once there too); "separate": two sessions, two copies),
+    `device_id`, `max_capacity` (allocate at most this many positions)."""
+
+    custom_ops_library: str | None = None  # registered on every session (the emulation's plugin op)
 
     def __init__(
         self,
@@ -81,10 +90,14 @@ class OrtBackend:
         device_id: int = 0,
         threads: int | None = None,
         sessions: str = "single",
-        custom_ops_library: str | None = None,
+        max_capacity: int | None = None,
     ) -> None:
-        """`custom_ops_library`: a custom-op library to register on every session (the emulation
-        of the `trt` target serves its plugin node from one)."""
+        self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
+        if manifest["kv_cache"]["dtype"] == "bfloat16" and device == "cpu":
+            raise InputError(
+                f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
+                "use --backend ort-cuda or trt, or export with --dtype fp16 or fp32"
+            )
         self.folder = Path(folder)
         self.manifest = manifest
         self.device = device
@@ -105,8 +118,8 @@ class OrtBackend:
                 self.sessions["decode"] = self.sessions["prefill"]
                 continue
             options = ort.SessionOptions()
-            if custom_ops_library is not None:
-                options.register_custom_ops_library(custom_ops_library)
+            if self.custom_ops_library is not None:
+                options.register_custom_ops_library(self.custom_ops_library)
             if threads is not None:
                 options.intra_op_num_threads = threads
             if sessions == "shared":
@@ -127,7 +140,12 @@ class OrtBackend:
         self.logits_dtype = self._logits_dtype()
         self.vocab_size = int(manifest["model"]["vocab_size"])
         self.runs = {"prefill": 0, "decode": 0}
+        self.allocations = 0
         self._runs_lock = threading.Lock()
+        if max_capacity is not None and (isinstance(max_capacity, bool) or not isinstance(max_capacity, int)
+                                         or max_capacity < 1):
+            raise InputError(f"max_capacity must be a positive integer, got {max_capacity!r}")
+        self.limits = Limits.from_manifest(manifest, max_capacity=max_capacity)
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_manifest_io(self, phase: str, graph: dict[str, Any]) -> None:
@@ -189,6 +207,27 @@ class OrtBackend:
                     raise ManifestError(f"logits dtype {dtype!r} is not supported; expected {sorted(LOGITS_DTYPES)}")
                 return LOGITS_DTYPES[dtype]
         raise ManifestError("the manifest's decode graph has no 'logits' output; re-run the export")
+
+    # -- the backend protocol (runtime/backend.py) -----------------------------------------------
+    def allocate(self, batch: int, capacity: int) -> OrtSlot:
+        """A KV cache of this shape on the backend's device, bound to both phases in place."""
+        cache = KVCache.from_manifest(self.manifest, batch, capacity, device=self.device, device_id=self.device_id)
+        cache.max_capacity = self.limits.max_capacity
+        with self._runs_lock:
+            self.allocations += 1
+        return self.bind(cache)
+
+    def prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        return self.run_prefill(slot, input_ids, logits_index)
+
+    def decode(self, slot: OrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
+        return self.run_decode(slot, token_ids, running)
+
+    def kv_addresses(self, slot: OrtSlot) -> dict[str, int]:
+        return slot.cache.addresses()
+
+    def read_kv(self, slot: OrtSlot, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        return slot.cache.read(layer)
 
     # -- binding --------------------------------------------------------------------------------
     def bind(self, cache: KVCache) -> OrtSlot:
@@ -270,6 +309,36 @@ class OrtBackend:
         get_outputs() returns outputs in binding order, not graph order, hence the recorded order."""
         outputs = slot.bindings[phase].get_outputs()
         return {name: value.data_ptr() for name, value in zip(slot.output_order[phase], outputs, strict=True)}
+
+
+class EmulateBackend(OrtBackend):
+    """The `trt` target's graphs on ONNX Runtime CPU, kvforge's plugin node served in Python
+    (runtime/emulate.py). Same options as ort-cpu."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        manifest: dict[str, Any],
+        device_id: int = 0,
+        threads: int | None = None,
+        sessions: str = "single",
+        max_capacity: int | None = None,
+    ) -> None:
+        from kvforge.runtime.emulate import custom_ops_library
+
+        if manifest["kv_cache"]["dtype"] == "bfloat16":
+            raise InputError(
+                f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend 'emulate' "
+                "cannot run it; build TensorRT engines (--backend trt), or export with --dtype fp32"
+            )
+        if manifest["kv_cache"]["dtype"] != "float32":
+            raise InputError(
+                f"backend 'emulate' runs fp32 trt exports only ({folder} is {manifest['dtype']}): its Python "
+                "op bridge has no float16/bfloat16; export with --dtype fp32, or build TensorRT engines"
+            )
+        self.custom_ops_library = custom_ops_library()
+        super().__init__(folder, manifest, "cpu", device_id, threads, sessions, max_capacity)
+        self.name = "emulate"
 
 
 def _one_line(err: BaseException) -> str:

@@ -12,7 +12,6 @@ transformers = pytest.importorskip("transformers")
 
 from kvforge.errors import CapacityError, InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.runtime.kv_cache import KVCache  # noqa: E402
 
 RECIPE = "llama-tiny"
 NEW_TOKENS = 32
@@ -54,10 +53,9 @@ def gen(folders) -> Generator:
 
 def test_prefill_logits_match_hf(gen, hf_model) -> None:
     # Tokens can agree by luck; logits cannot. Drive the backend directly for one prefill.
-    cache = KVCache.from_manifest(gen.manifest, batch=1, capacity=16)
-    slot = gen.backend.bind(cache)
+    slot = gen.backend.allocate(1, 16)
     prompt = PROMPTS[0]
-    logits = gen.backend.run_prefill(slot, np.array([prompt]), np.array([len(prompt) - 1])).copy()
+    logits = gen.backend.prefill(slot, np.array([prompt]), np.array([len(prompt) - 1])).copy()
     with torch.no_grad():
         ref = hf_model(torch.tensor([prompt])).logits[0, -1].numpy()
     np.testing.assert_allclose(logits[0], ref, rtol=1e-4, atol=1e-4)

@@ -153,7 +153,7 @@ def test_emulate_without_its_extra_says_which_extra(exported, monkeypatch) -> No
 
 def test_backends_refuse_targets_they_cannot_run(exported, monkeypatch) -> None:
     monkeypatch.setenv("KVFORGE_EMULATE", "reference")
-    with pytest.raises(InputError, match="is a trt-target export .* run it with backend 'emulate'"):
+    with pytest.raises(InputError, match="is a trt-target export .* run it with backend 'trt' .* or 'emulate'"):
         Generator(exported("llama-tiny", "trt"), backend="ort-cpu")
     with pytest.raises(InputError, match="backend 'emulate' does not run ort-target exports"):
         Generator(exported("llama-tiny", "ort"), backend="emulate")

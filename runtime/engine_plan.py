@@ -1,0 +1,233 @@
+"""TensorRT engines as plain data: build options, optimization profiles, the engine folder's manifest,
+binding plans and CUDA-graph keys. No TensorRT or CUDA import here, so all of it is tested on the CPU;
+the build (exporter/trt_build.py) and the TensorRT backend (runtime/trt_backend.py) only act on it.
+
+Engine folder (default EXPORT_DIR/engines), written atomically by `kvforge build`:
+
+    prefill.engine, decode.engine     (or prefill.engine alone with --single-engine: two profiles)
+    timing.cache                      TensorRT's timing cache, reused by the next build
+    engines.json                      what was built from what, on which GPU, with which limits
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvforge.errors import InputError, ManifestError
+from kvforge.manifest import MANIFEST_NAME, resolve_in_folder, sha256_file
+from kvforge.runtime.kv_cache import capacity_buckets
+
+ENGINES_FORMAT = "kvforge-engines/1"
+ENGINES_MANIFEST = "engines.json"
+ENGINE_DIR_NAME = "engines"
+TIMING_CACHE = "timing.cache"
+BUILD_TARGETS = ("trt", "onnx")  # `ort` uses ONNX Runtime's contrib attention, which TensorRT cannot import
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    dtype: str
+    max_batch: int
+    max_input_len: int
+    max_seq_len: int
+    single_engine: bool
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def resolve_build_options(
+    manifest: dict[str, Any], dtype: str | None = None, max_batch: int = 1, max_input_len: int | None = None,
+    max_seq_len: int | None = None, single_engine: bool = False,
+) -> BuildOptions:
+    """Check `kvforge build`'s flags against the export and fill in the defaults."""
+    target, export_dtype = manifest["target"], manifest["dtype"]
+    if target not in BUILD_TARGETS:
+        raise InputError(
+            f"a {target}-target export cannot be built into TensorRT engines (its attention is ONNX Runtime's "
+            "GroupQueryAttention, which TensorRT does not import): export with --target trt or --target onnx"
+        )
+    if dtype is not None and dtype != export_dtype:
+        raise InputError(
+            f"--dtype {dtype} but the export is {export_dtype}: engines are strongly typed, built in the export's "
+            f"dtype; re-export with --dtype {dtype}"
+        )
+    limit = int(manifest["kv_cache"]["max_capacity"])
+    max_seq_len = _positive("--max-seq-len", max_seq_len if max_seq_len is not None else min(limit, DEFAULT_MAX_SEQ_LEN))
+    if max_seq_len > limit:
+        raise InputError(f"--max-seq-len {max_seq_len} exceeds the model's {limit} positions")
+    max_input_len = _positive("--max-input-len", max_input_len if max_input_len is not None else max_seq_len)
+    if max_input_len > max_seq_len:
+        raise InputError(f"--max-input-len {max_input_len} exceeds --max-seq-len {max_seq_len}")
+    return BuildOptions(export_dtype, _positive("--max-batch", max_batch), max_input_len, max_seq_len,
+                        bool(single_engine))
+
+
+Shape = tuple[int, ...]
+
+
+def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """(min, opt, max) per dynamic input for the `phase` profile: batch 1..max_batch, query length
+    1..max_input_len for prefill and 1 for decode, cache capacity 1..max_seq_len. The optimum is the
+    largest bucket the runtime allocates at and the full batch."""
+    kv = manifest["kv_cache"]
+    heads, head_dim = int(kv["num_kv_heads"]), int(kv["head_dim"])
+    b, c = options.max_batch, options.max_seq_len
+    s = options.max_input_len if phase == "prefill" else 1
+    opt_c = capacity_buckets(c)[-1]
+    shapes: dict[str, tuple[Shape, Shape, Shape]] = {
+        "input_ids": ((1, 1), (b, s), (b, s)) if phase == "prefill" else ((1, 1), (b, 1), (b, 1)),
+        "past_lens": ((1,), (b,), (b,)),
+    }
+    graph_inputs = {entry["name"] for entry in manifest["graphs"]["prefill"]["inputs"]}
+    if phase == "prefill" or options.single_engine:
+        if "logits_index" in graph_inputs:
+            shapes["logits_index"] = ((1,), (b,), (b,))
+    for i in range(int(kv["num_layers"])):
+        for kind in ("key", "value"):
+            shapes[f"past_{kind}.{i}"] = ((1, heads, 1, head_dim), (b, heads, opt_c, head_dim), (b, heads, c, head_dim))
+    return shapes
+
+
+def engine_layout(options: BuildOptions) -> dict[str, dict[str, Any]]:
+    """Which engine file and profile serve each phase, and from which graph each engine is built."""
+    if options.single_engine:
+        return {"prefill": {"file": "prefill.engine", "graph": "prefill", "profile": 0},
+                "decode": {"file": "prefill.engine", "graph": "prefill", "profile": 1}}
+    return {"prefill": {"file": "prefill.engine", "graph": "prefill", "profile": 0},
+            "decode": {"file": "decode.engine", "graph": "decode", "profile": 0}}
+
+
+def build_key(export_manifest: dict[str, Any], options: BuildOptions, tensorrt_version: str,
+              compute_capability: str, kvforge_version: str) -> str:
+    """Everything an engine depends on, hashed: the graphs and weights (their sha256 from the export's
+    manifest), the build options, TensorRT's version, the GPU architecture and kvforge's version."""
+    files = export_manifest["files"]
+    inputs = {
+        "files": {name: files[name]["sha256"] for name in sorted(files)},
+        "options": asdict(options),
+        "tensorrt": tensorrt_version,
+        "gpu": compute_capability,
+        "kvforge": kvforge_version,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def engines_manifest(
+    export_dir: Path, export_manifest: dict[str, Any], options: BuildOptions, key: str, tensorrt_version: str,
+    gpu: dict[str, str], files: dict[str, dict[str, Any]], build_seconds: float, kvforge_version: str,
+) -> dict[str, Any]:
+    """The engine folder's engines.json."""
+    weights = int(export_manifest.get("weights_sharing", {}).get("weights_bytes", 0))
+    engines = engine_layout(options)
+    copies = len({entry["file"] for entry in engines.values()})
+    return {
+        "format": ENGINES_FORMAT,
+        "kvforge_version": kvforge_version,
+        "key": key,
+        "export": {"folder": str(Path(export_dir).resolve()), "target": export_manifest["target"],
+                   "manifest_sha256": sha256_file(Path(export_dir) / MANIFEST_NAME)},
+        "tensorrt": tensorrt_version,
+        "gpu": gpu,
+        "options": asdict(options),
+        "capacity_buckets": list(capacity_buckets(options.max_seq_len)),
+        "engines": engines,
+        "profiles": {phase: {name: [list(s) for s in shapes] for name, shapes in
+                             profile_shapes(export_manifest, options, phase).items()} for phase in engines},
+        # Each engine holds its own copy of the weights on the GPU.
+        "weights_bytes": weights,
+        "weights_on_gpu_bytes": weights * copies,
+        "files": files,
+        "build_seconds": round(build_seconds, 2),
+    }
+
+
+def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
+    """engines.json, checked: its format, that it was built from this export (not a modified or
+    other one), and that its engine files are inside the folder with the recorded sizes."""
+    path = engine_dir / ENGINES_MANIFEST
+    if not path.is_file():
+        raise ManifestError(
+            f"{engine_dir} has no {ENGINES_MANIFEST}: no TensorRT engines were built there; run "
+            f"`kvforge build {export_dir}`"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise ManifestError(f"{path} is not valid JSON ({err}); run `kvforge build {export_dir} --force`") from err
+    if not isinstance(data, dict) or data.get("format") != ENGINES_FORMAT:
+        raise ManifestError(f"{path} is not a kvforge engine manifest ({ENGINES_FORMAT}); rebuild with `kvforge build`")
+    current = sha256_file(Path(export_dir) / MANIFEST_NAME)
+    if data.get("export", {}).get("manifest_sha256") != current:
+        raise ManifestError(
+            f"the engines in {engine_dir} were built from another export (or this one before it changed); "
+            f"run `kvforge build {export_dir}` again"
+        )
+    for name, record in data.get("files", {}).items():
+        file = resolve_in_folder(engine_dir, name, "the engine file", kind="engine folder")
+        if not file.is_file() or file.stat().st_size != record.get("bytes"):
+            raise ManifestError(f"{file} is missing or truncated; run `kvforge build {export_dir} --force`")
+    return data
+
+
+def check_runtime_matches(engines: dict[str, Any], tensorrt_version: str, compute_capability: str) -> None:
+    """Engines run only on the TensorRT version and GPU architecture that built them."""
+    if engines.get("tensorrt") != tensorrt_version:
+        raise ManifestError(
+            f"the engines were built with TensorRT {engines.get('tensorrt')}, this is {tensorrt_version}; "
+            "rebuild them with `kvforge build`"
+        )
+    built = engines.get("gpu", {}).get("compute_capability")
+    if built != compute_capability:
+        raise ManifestError(
+            f"the engines were built for compute capability {built}, this GPU is {compute_capability}; "
+            "rebuild them on this machine with `kvforge build`"
+        )
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One engine IO tensor of a step: its shape now and which of the slot's buffers it uses."""
+
+    name: str
+    shape: Shape
+    buffer: str  # a key of the slot's buffers: "key.3", "input_ids", "logits", ...
+    is_input: bool
+
+
+def binding_plan(manifest: dict[str, Any], phase: str, batch: int, capacity: int, seq: int,
+                 single_engine: bool) -> list[Binding]:
+    """The tensors of one prefill or decode run and their buffers. past_key.i and present_key.i
+    name the same buffer: TensorRT writes the new rows in place."""
+    kv = manifest["kv_cache"]
+    layers, heads, head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
+    vocab = int(manifest["model"]["vocab_size"])
+    graph = "prefill" if phase == "prefill" or single_engine else "decode"
+    inputs = {entry["name"] for entry in manifest["graphs"][graph]["inputs"]}
+    ids = "input_ids" if phase == "prefill" else "decode_ids"
+    plan = [Binding("input_ids", (batch, seq), ids, True), Binding("past_lens", (batch,), "past_lens", True)]
+    if "logits_index" in inputs:
+        index = "logits_index" if phase == "prefill" else "decode_index"
+        plan.append(Binding("logits_index", (batch,), index, True))
+    plan.append(Binding("logits", (batch, vocab), "logits", False))
+    for i in range(layers):
+        for kind in ("key", "value"):
+            shape = (batch, heads, capacity, head_dim)
+            plan.append(Binding(f"past_{kind}.{i}", shape, f"{kind}.{i}", True))
+            plan.append(Binding(f"present_{kind}.{i}", shape, f"{kind}.{i}", False))
+    return plan
+
+
+def graph_key(batch: int, capacity: int) -> tuple[int, int]:
+    """Decode steps of one slot have fixed shapes and buffer addresses, so one CUDA graph per
+    (batch, capacity) slot replays every step; a new shape is a new slot and a new capture."""
+    return (batch, capacity)

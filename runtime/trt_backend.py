@@ -1,0 +1,219 @@
+"""TensorRT backend (`--backend trt`): the engines `kvforge build` wrote, over device KV buffers bound in place.
+
+- Each slot owns its device buffers: per layer one key and one value buffer, bound as both past_*
+  and present_* (`set_tensor_address` with the same pointer; the `trt` target's plugin declares the
+  aliasing, TensorRT's native attention import writes through TensorScatter in place).
+- Input shapes are set per run; `execute_async_v3` runs on one CUDA stream.
+- A decode step of a slot has fixed shapes and addresses, so after one ordinary run it is captured
+  in a CUDA graph and replayed (one graph per slot: batch x capacity bucket); only the token ids and
+  `past_lens` are uploaded before each replay.
+- Logits come back through a pinned host buffer; the Generator samples on the host.
+- Contexts are shared between slots, so runs are serialized with a lock: concurrent requests each
+  keep their own cache and interleave their steps.
+
+TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
+Not verified on a GPU with TensorRT (none was available); the plain logic it runs on is in
+runtime/engine_plan.py and tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import BackendUnavailableError, CapacityError, KvforgeError, ManifestError
+from kvforge.runtime import cuda
+from kvforge.runtime.backend import Limits
+from kvforge.runtime.engine_plan import (
+    ENGINE_DIR_NAME,
+    binding_plan,
+    check_runtime_matches,
+    graph_key,
+    load_engines_manifest,
+)
+from kvforge.runtime.kv_cache import CacheState, capacity_buckets
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def import_tensorrt() -> Any:
+    try:
+        import tensorrt
+    except ImportError as err:
+        raise BackendUnavailableError(
+            "the trt backend needs TensorRT's Python package (tensorrt), which is not installed: on a machine "
+            "with an NVIDIA GPU, pip install 'kvforge[trt]' (see README, GPU machines)"
+        ) from err
+    return tensorrt
+
+
+@dataclass
+class TrtSlot:
+    cache: CacheState
+    buffers: dict[str, cuda.DeviceBuffer]
+    logits: cuda.PinnedArray
+    bound: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> output name -> address
+    graph: cuda.Graph | None = None
+    decode_runs: int = 0
+
+
+class TrtBackend:
+    """Options: `engine_dir` (default EXPORT_DIR/engines), `device_id`, `cuda_graphs` (replay decode
+    steps from a CUDA graph, default True)."""
+
+    def __init__(self, folder: str | Path, manifest: dict[str, Any], engine_dir: str | Path | None = None,
+                 device_id: int = 0, cuda_graphs: bool = True) -> None:
+        self.name = "trt"
+        self.folder = Path(folder)
+        self.manifest = manifest
+        self.engine_dir = Path(engine_dir) if engine_dir is not None else self.folder / ENGINE_DIR_NAME
+        self.engines_manifest = load_engines_manifest(self.engine_dir, self.folder)
+        trt = import_tensorrt()
+        if cuda.device_count() == 0:
+            raise BackendUnavailableError("the trt backend needs an NVIDIA GPU; CUDA reports none")
+        check_runtime_matches(self.engines_manifest, trt.__version__, cuda.device_info(device_id)["compute_capability"])
+        if manifest["target"] == "trt":
+            from kvforge.plugins import trt_plugin
+
+            trt_plugin.register()  # the plugin's creator, for engines that ask for it at load
+        self.stream = cuda.Stream()
+        self.cuda_graphs = bool(cuda_graphs)
+        options = self.engines_manifest["options"]
+        self.single_engine = bool(options["single_engine"])
+        self.max_input_len = int(options["max_input_len"])
+        self.limits = Limits(int(options["max_batch"]), int(options["max_seq_len"]),
+                             capacity_buckets(int(options["max_seq_len"])))
+        self.runs = {"prefill": 0, "decode": 0}
+        self.allocations = 0
+        self._lock = threading.Lock()
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        self._engines: dict[str, Any] = {}
+        self.contexts: dict[str, Any] = {}
+        for phase, entry in self.engines_manifest["engines"].items():
+            engine = self._engines.get(entry["file"]) or self._load_engine(entry["file"])
+            self._engines[entry["file"]] = engine
+            context = engine.create_execution_context()
+            if context is None:
+                raise KvforgeError(f"TensorRT could not create an execution context for {entry['file']}")
+            if entry["profile"]:
+                context.set_optimization_profile_async(int(entry["profile"]), int(self.stream))
+            self.contexts[phase] = context
+        kv = manifest["kv_cache"]
+        self.num_layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
+        self.kv_dtype = kv["dtype"]
+        self.vocab_size = int(manifest["model"]["vocab_size"])
+
+    def _load_engine(self, name: str) -> Any:
+        # What is hashed is what is loaded: the bytes checked against engines.json go to TensorRT.
+        data = (self.engine_dir / name).read_bytes()
+        record = self.engines_manifest["files"].get(name, {})
+        if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+            raise ManifestError(f"{self.engine_dir / name} does not match its sha256 in engines.json; rebuild with "
+                                "`kvforge build --force`")
+        engine = self._runtime.deserialize_cuda_engine(data)
+        if engine is None:
+            raise KvforgeError(f"TensorRT could not load {self.engine_dir / name}; rebuild with `kvforge build --force`")
+        return engine
+
+    # -- the backend protocol (runtime/backend.py) -----------------------------------------------
+    def allocate(self, batch: int, capacity: int) -> TrtSlot:
+        if batch > self.limits.max_batch:
+            raise CapacityError(f"{batch} rows but the engines were built for --max-batch {self.limits.max_batch}")
+        if capacity > self.limits.max_capacity:
+            raise CapacityError(f"capacity {capacity} but the engines were built for --max-seq-len {self.limits.max_capacity}")
+        cache = CacheState(self.num_layers, batch, self.kv_heads, capacity, self.head_dim, self.kv_dtype,
+                           self.limits.max_capacity)
+        kv_bytes = batch * self.kv_heads * capacity * self.head_dim * ITEMSIZE[self.kv_dtype]
+        seq = min(self.max_input_len, capacity)
+        sizes = {"input_ids": batch * seq * 8, "decode_ids": batch * 8, "past_lens": batch * 4,
+                 "logits_index": batch * 8, "decode_index": batch * 8, "logits": batch * self.vocab_size * 4}
+        for i in range(self.num_layers):
+            sizes[f"key.{i}"] = sizes[f"value.{i}"] = kv_bytes
+        buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
+        self.stream.synchronize()
+        self.allocations += 1
+        return TrtSlot(cache, buffers, cuda.PinnedArray((batch, self.vocab_size), np.float32))
+
+    def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        batch, seq = input_ids.shape
+        slot.cache.check_fits(seq)
+        if seq > self.max_input_len:
+            raise CapacityError(f"a {seq}-token prefill but the engines were built for --max-input-len {self.max_input_len}")
+        with self._lock:
+            slot.buffers["input_ids"].upload(input_ids.astype(np.int64), self.stream)
+            slot.buffers["logits_index"].upload(logits_index.astype(np.int64), self.stream)
+            slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
+            self._bind(slot, "prefill", seq)
+            self._execute("prefill")
+            return self._finish(slot, "prefill")
+
+    def decode(self, slot: TrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
+        slot.cache.check_fits(1, running)
+        with self._lock:
+            slot.buffers["decode_ids"].upload(np.asarray(token_ids, dtype=np.int64).reshape(-1, 1), self.stream)
+            slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
+            if slot.graph is not None:
+                slot.graph.launch(self.stream)
+            elif self.cuda_graphs and slot.decode_runs >= 1:
+                # The first run set TensorRT up for these shapes; capture the next and replay it after.
+                self._bind(slot, "decode", 1)
+                slot.graph = cuda.Graph(self.stream, lambda: self._execute("decode"))
+                slot.graph.launch(self.stream)
+            else:
+                self._bind(slot, "decode", 1)
+                self._execute("decode")
+            slot.decode_runs += 1
+            return self._finish(slot, "decode")
+
+    def kv_addresses(self, slot: TrtSlot) -> dict[str, int]:
+        out = {}
+        for i in range(self.num_layers):
+            out[f"past_key.{i}"] = slot.buffers[f"key.{i}"].ptr
+            out[f"past_value.{i}"] = slot.buffers[f"value.{i}"].ptr
+        return out
+
+    def bound_output_addresses(self, slot: TrtSlot, phase: str) -> dict[str, int]:
+        return dict(slot.bound.get(phase, {}))
+
+    def read_kv(self, slot: TrtSlot, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        shape = slot.cache.shape
+        out = []
+        for kind in ("key", "value"):
+            raw = np.empty(shape, dtype={"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.kv_dtype])
+            slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
+            self.stream.synchronize()
+            if self.kv_dtype == "bfloat16":  # numpy has no bfloat16: widen the bit pattern to float32
+                raw = (raw.astype(np.uint32) << 16).view(np.float32)
+            out.append(raw)
+        return out[0], out[1]
+
+    # -- running --------------------------------------------------------------------------------
+    def _bind(self, slot: TrtSlot, phase: str, seq: int) -> None:
+        context = self.contexts[phase]
+        plan = binding_plan(self.manifest, phase, slot.cache.batch, slot.cache.capacity, seq, self.single_engine)
+        for binding in plan:
+            if binding.is_input and not context.set_input_shape(binding.name, binding.shape):
+                raise KvforgeError(f"TensorRT refused shape {binding.shape} for {binding.name} ({phase}); "
+                                   "outside the engine's profile: rebuild with larger limits")
+            context.set_tensor_address(binding.name, slot.buffers[binding.buffer].ptr)
+        slot.bound[phase] = {b.name: int(context.get_tensor_address(b.name)) for b in plan if not b.is_input}
+
+    def _execute(self, phase: str) -> None:
+        if not self.contexts[phase].execute_async_v3(int(self.stream)):
+            raise KvforgeError(f"TensorRT failed to run the {phase} engine")
+
+    def _finish(self, slot: TrtSlot, phase: str) -> np.ndarray:
+        slot.buffers["logits"].download(slot.logits.array, self.stream)
+        self.stream.synchronize()
+        self.runs[phase] += 1
+        return slot.logits.array
+
+    def graph_keys(self, slots: list[TrtSlot]) -> list[tuple[int, int]]:
+        """The (batch, capacity) of every slot that holds a captured decode graph (tests, stats)."""
+        return [graph_key(s.cache.batch, s.cache.capacity) for s in slots if s.graph is not None]
