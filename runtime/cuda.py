@@ -79,10 +79,11 @@ class DeviceBuffer:
         kind = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         check(cudart.cudaMemcpyAsync(self.ptr, array.ctypes.data, array.nbytes, kind, stream.handle))
 
-    def download(self, out: np.ndarray, stream: Stream) -> None:
+    def download(self, out: np.ndarray, stream: Stream, offset: int = 0) -> None:
+        """Copy `out.nbytes` bytes from `offset` bytes into the buffer to the host array `out`."""
         cudart = _cudart()
         kind = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        check(cudart.cudaMemcpyAsync(out.ctypes.data, self.ptr, out.nbytes, kind, stream.handle))
+        check(cudart.cudaMemcpyAsync(out.ctypes.data, self.ptr + offset, out.nbytes, kind, stream.handle))
 
     def __del__(self) -> None:
         try:

@@ -169,7 +169,7 @@ class TrtBackend:
                 self._bind(slot, "decode", 1)
                 self._execute("decode")
             slot.decode_runs += 1
-            return self._finish(slot, "decode")
+            return self._finish(slot, "decode", running)
 
     def kv_addresses(self, slot: TrtSlot) -> dict[str, int]:
         out = {}
@@ -208,8 +208,13 @@ class TrtBackend:
         if not self.contexts[phase].execute_async_v3(int(self.stream)):
             raise KvforgeError(f"TensorRT failed to run the {phase} engine")
 
-    def _finish(self, slot: TrtSlot, phase: str) -> np.ndarray:
-        slot.buffers["logits"].download(slot.logits.array, self.stream)
+    def _finish(self, slot: TrtSlot, phase: str, rows: np.ndarray | None = None) -> np.ndarray:
+        logits = slot.logits.array
+        if rows is None or rows.all():
+            slot.buffers["logits"].download(logits, self.stream)
+        else:  # only the rows that still sample come back; finished rows' logits are never read
+            for b in np.flatnonzero(rows):
+                slot.buffers["logits"].download(logits[b], self.stream, offset=int(b) * logits[b].nbytes)
         self.stream.synchronize()
         self.runs[phase] += 1
         return slot.logits.array
