@@ -27,6 +27,7 @@ from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedMod
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.models.families import family_for
+from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
 from kvforge.output_folder import StagedFolder, check_output, fault_point
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -35,6 +36,7 @@ WEIGHTS_NAME = "model.weights"
 OPSET = 24
 COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json",
+    "chat_template.jinja",
 )
 # Example sizes for tracing; every one of these dimensions is dynamic in the graphs.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY = 2, 8, 32
@@ -186,6 +188,21 @@ def _graph_summary(model) -> dict[str, Any]:
     return {"nodes": sum(counts.values()), "attention": attention, "op_counts": dict(sorted(counts.items()))}
 
 
+def _chat_template_source(folder: Path) -> str | None:
+    """Where the export's chat template lives (transformers 5 writes chat_template.jinja; older
+    tokenizers keep it in tokenizer_config.json), or None."""
+    if (folder / "chat_template.jinja").is_file():
+        return "chat_template.jinja"
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            if isinstance(json.loads(config.read_text()).get("chat_template"), str):
+                return "tokenizer_config.json"
+        except ValueError:
+            pass
+    return None
+
+
 def _tool_versions() -> dict[str, str]:
     versions = {}
     for package in ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
@@ -203,12 +220,26 @@ def export_model(
     dtype: str = "fp32",
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    hf_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Export a local HF causal LM. Returns the manifest that was written to `out_dir`."""
+    """Export a local HF causal LM folder, or a GGUF file (converted first into `hf_dir`, default
+    OUT_DIR.hf beside the output, and reused while the GGUF is unchanged). Returns the manifest
+    that was written to `out_dir`."""
     from kvforge.exporter.lowering import TARGETS, lower
 
     say = progress or (lambda _msg: None)
-    model_dir, out_dir = Path(model_dir).resolve(), Path(out_dir).absolute()
+    out_dir = Path(out_dir).absolute()
+    if target not in TARGETS:
+        raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    gguf_record = None
+    gguf_file = find_gguf(model_dir) if Path(model_dir).exists() else None
+    if gguf_file is not None:
+        # A GGUF file: convert it (or reuse its conversion) to a Hugging Face folder, then export that.
+        hf_dir = Path(hf_dir) if hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
+        check_output(out_dir, [gguf_file.resolve(), hf_dir.absolute()], force=force, marker=MANIFEST_NAME)
+        model_dir = convert_gguf(gguf_file, hf_dir, progress=say)
+        gguf_record = json.loads((Path(model_dir) / GGUF_MARKER).read_text())
+    model_dir = Path(model_dir).resolve()
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     if dtype not in DTYPES:
@@ -254,6 +285,9 @@ def export_model(
             if not (staging / "tokenizer.json").is_file():
                 say("warning: no tokenizer.json in the model folder; generate will take token ids only")
             manifest = _manifest(config, model_dir, target, dtype, graphs, staging, head_dim, sizes)
+            if gguf_record is not None:
+                manifest["model"]["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256",
+                                                                                "architecture", "tensor_types")}
             write_manifest(staging, manifest)
             fault_point("export:manifest-written")
             staged.publish()
@@ -319,6 +353,7 @@ def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes)
         },
         "weights": WEIGHTS_NAME,
         "weights_sharing": sizes,
+        "chat_template": _chat_template_source(folder),
         "files": files,
         "generation": generation,
         "tools": _tool_versions(),

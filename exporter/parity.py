@@ -28,6 +28,12 @@ DEFAULT_PROMPTS = (
     "def main(): return 42",
 )
 DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 0.15, "bf16": 0.5}
+# Perplexity on a fixed text shipped with kvforge (exporter/data/perplexity.txt, ~3000 tokens of
+# original prose), in independent windows, HF vs export. Tolerance on |ppl_export / ppl_hf - 1|.
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+PERPLEXITY_WINDOW = 256
+DEFAULT_PERPLEXITY_TOKENS = 1024
+PERPLEXITY_RTOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 5e-2}
 
 
 @dataclass
@@ -45,6 +51,7 @@ class PromptParity:
     # step up to their first token difference (after it they see different histories).
     against_tokens: list[int] | None = None
     against_step_max_abs_err: list[float] | None = None
+    hf_stopped_at_eos: bool = False
 
     @property
     def max_abs_err(self) -> float:
@@ -52,7 +59,11 @@ class PromptParity:
 
     @property
     def generate_equal(self) -> bool:
-        return self.hf_generate_tokens == self.export_tokens
+        """HF's own generate() gave the export's tokens (up to an end-of-sequence token where HF's
+        generate stops: transformers fills an unset eos_token_id from the model's generation
+        config, while the export is run past EOS so every prompt has the same length)."""
+        hf, ours = self.hf_generate_tokens, self.export_tokens
+        return hf == ours or (self.hf_stopped_at_eos and len(hf) < len(ours) and hf == ours[: len(hf)])
 
 
 @dataclass
@@ -66,6 +77,7 @@ class ParityReport:
     new_tokens: int
     prompts: list[PromptParity] = field(default_factory=list)
     against: str | None = None
+    perplexity: dict[str, Any] | None = None
 
     @property
     def max_abs_err(self) -> float:
@@ -101,6 +113,10 @@ class ParityReport:
                 reasons.append(f"prompt {i}: greedy token differs from HF at steps {p.mismatched_steps}")
             elif p.error is None and not p.generate_equal and not p.tie_steps:
                 reasons.append(f"prompt {i}: HF generate() tokens differ from the export's")
+        ppl = self.perplexity
+        if ppl is not None and not ppl["relative_difference"] <= ppl["tolerance"]:
+            reasons.append(f"perplexity {ppl['export']:.4g} vs HF {ppl['hf']:.4g}: relative difference "
+                           f"{ppl['relative_difference']:.3g} > {ppl['tolerance']:g}")
         if nan:
             reasons.append("NaN logits mean corrupted weights or an overflow in a low-precision export: "
                            f"check the folder with `kvforge inspect {self.export_dir} --verify`")
@@ -123,6 +139,11 @@ class ParityReport:
                    f"tokens equal: {'yes' if p.against_tokens == p.export_tokens else 'no'}"
                    if p.against_tokens is not None else "")
             )
+        if self.perplexity is not None:
+            ppl = self.perplexity
+            lines.append(f"  perplexity on {ppl['tokens']} tokens of {ppl['text']} (windows of {ppl['window']}): "
+                         f"export {ppl['export']:.4f}, HF {ppl['hf']:.4f}, relative difference "
+                         f"{ppl['relative_difference']:.2e} (tolerance {ppl['tolerance']:g})")
         lines.append("PASS" if self.passed else f"FAIL: {self.failure_reason()}")
         return "\n".join(lines)
 
@@ -152,10 +173,12 @@ def run_parity(
     sessions: str | None = None,
     against: str | None = None,
     backend_options: dict[str, Any] | None = None,
+    perplexity_tokens: int = DEFAULT_PERPLEXITY_TOKENS,
 ) -> ParityReport:
     """Check `backend` (default: what `kvforge generate` runs, the export's default backend in its
     default session mode) against Hugging Face eager; `sessions` picks an ONNX Runtime session mode
-    ("shared" runs decode.onnx too); `against` also compares with another backend."""
+    ("shared" runs decode.onnx too); `against` also compares with another backend; the perplexity of
+    the first `perplexity_tokens` tokens of the shipped text is compared too (0 skips it)."""
     import torch
     from transformers import GenerationConfig
 
@@ -167,6 +190,8 @@ def run_parity(
         raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
     if atol is not None and not atol > 0:
         raise InputError(f"--atol must be > 0, got {atol}")
+    if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
+        raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
     options = dict(backend_options or {})
     if sessions is not None:
         options["sessions"] = sessions
@@ -213,6 +238,7 @@ def run_parity(
                 (ties if margin[step] < 2 * atol else mismatched).append(step)
         entry = PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(),
                              mismatched, ties)
+        entry.hf_stopped_at_eos = bool(generated) and len(generated) < len(tokens) and generated[-1] in generator.eos_token_ids
         if other is not None:
             theirs = other.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True, keep_logits=True)
             same = min(_first_difference(theirs.tokens[0], tokens), len(tokens) - 1)
@@ -220,4 +246,33 @@ def run_parity(
             entry.against_tokens = theirs.tokens[0]
             entry.against_step_max_abs_err = np.abs(their_logits - export_logits[: same + 1]).max(axis=-1).round(8).tolist()
         report.prompts.append(entry)
+    if perplexity_tokens:
+        say(f"perplexity on the first {perplexity_tokens} tokens of {PERPLEXITY_TEXT.name}")
+        report.perplexity = _perplexity(generator, model, perplexity_tokens, dtype)
     return report
+
+
+def _perplexity(generator: Any, model: Any, max_tokens: int, dtype: str) -> dict[str, Any]:
+    """Perplexity of the export and of HF eager on the same windows of the shipped text."""
+    import torch
+
+    ids = generator.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:max_tokens]
+    windows = [ids[i : i + PERPLEXITY_WINDOW] for i in range(0, len(ids), PERPLEXITY_WINDOW)]
+    windows = [w for w in windows if len(w) >= 2]
+    ours, theirs = [], []
+    for window in windows:
+        try:
+            ours.append(generator.score(window))
+        except NumericalError:
+            ours.append(np.full(len(window) - 1, np.nan))
+        with torch.no_grad():
+            logits = model(torch.tensor([window])).logits[0, :-1].double()
+        targets = torch.tensor(window[1:])[:, None]
+        theirs.append(torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].numpy())
+    export_ppl = float(np.exp(-np.concatenate(ours).mean()))
+    hf_ppl = float(np.exp(-np.concatenate(theirs).mean()))
+    return {
+        "text": PERPLEXITY_TEXT.name, "tokens": int(sum(len(w) - 1 for w in windows)), "window": PERPLEXITY_WINDOW,
+        "export": export_ppl, "hf": hf_ppl, "relative_difference": abs(export_ppl / hf_ppl - 1.0),
+        "tolerance": PERPLEXITY_RTOL[dtype],
+    }

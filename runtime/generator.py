@@ -188,6 +188,54 @@ class Generator:
         """How many times each graph has run (prefill / decode) since load."""
         return dict(self.backend.runs)
 
+    def chat_ids(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the export's chat template, as transformers'
+        apply_chat_template(..., tokenize=True) gives them. `messages`: [{"role", "content"}, ...] or
+        one user message as a str."""
+        from kvforge.runtime.chat import check_messages, load_chat_template, render
+
+        if self.tokenizer is None:
+            raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so it cannot chat; pass token ids")
+        template, specials = load_chat_template(self.folder, self.manifest)
+        if template is None:
+            raise InputError(f"{self.folder} has no chat template (the model's tokenizer came without one); "
+                             "use a plain prompt instead")
+        text = render(template, check_messages(messages), specials, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat(self, messages: Any, *, stream: bool = False, **options: Any) -> GenerationResult | GenerationStream:
+        """Answer a conversation: the chat template renders `messages`, the model generates the
+        assistant's turn (stopping at the model's end-of-turn token). `options` are generate()'s;
+        `stream=True` returns a GenerationStream of text deltas."""
+        prompt = RenderedChat(self.chat_ids(messages))
+        return self.stream(prompt, **options) if stream else self.generate(prompt, **options)
+
+    def score(self, ids: list[int]) -> np.ndarray:
+        """Log-probabilities (natural log) the model gives each token of `ids` after the ones before
+        it: [len(ids) - 1] float64, teacher-forced one token per step over the in-place cache (the
+        graphs return logits for one position per row). For perplexity: exp(-mean)."""
+        rows, _ = self._prompt_ids([list(ids)])
+        ids = rows[0]
+        if len(ids) < 2:
+            raise InputError("score() needs at least two tokens")
+        slot = self._acquire(1, choose_capacity(len(ids), self.max_capacity, None,
+                                                buckets=self.backend.limits.capacity_buckets))
+        try:
+            cache = slot.cache
+            cache.reset()
+            out = np.empty(len(ids) - 1, dtype=np.float64)
+            logits = self._checked(self.backend.prefill(slot, np.array([ids[:1]]), np.zeros(1, np.int64)), 0)
+            for t in range(1, len(ids)):
+                row = logits[0].astype(np.float64)
+                peak = row.max()
+                out[t - 1] = row[ids[t]] - peak - np.log(np.exp(row - peak).sum())
+                cache.past_lens[:] = t
+                if t < len(ids) - 1:
+                    logits = self._checked(self.backend.decode(slot, np.array([ids[t]], np.int64)), t)
+            return out
+        finally:
+            self._release(slot)
+
     def read_kv_cache(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Copies of layer `layer`'s key and value buffers [B, H_kv, C, D] (tests, debugging)."""
         if self._last_slot is None:
@@ -360,6 +408,8 @@ class Generator:
 
     def _prompt_ids(self, prompts: Prompts) -> tuple[list[list[int]], bool]:
         """Token id rows for the prompts, and whether they came as text."""
+        if isinstance(prompts, RenderedChat):
+            return [list(prompts.ids)], True
         if isinstance(prompts, str):
             prompts = [prompts]
         if isinstance(prompts, np.ndarray):
@@ -436,6 +486,13 @@ class Generator:
                 step=step,
             )
         return logits
+
+
+class RenderedChat:
+    """A conversation already rendered to token ids: generated as text (decoded, streamed)."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
 
 
 def _is_int(value: Any) -> bool:

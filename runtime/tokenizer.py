@@ -28,12 +28,12 @@ class Tokenizer:
         except Exception as err:  # tokenizers raises a bare Exception on bad files
             raise ManifestError(f"{path} is not a readable tokenizers file ({err}); re-run the export") from err
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special tokens (BOS) are added by the tokenizer's own post-processor,
-        as Hugging Face does with add_special_tokens=True."""
+        as Hugging Face does with add_special_tokens=True (a rendered chat template has its own)."""
         if not isinstance(text, str):
             raise InputError(f"a text prompt must be a str, got {type(text).__name__}")
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -89,13 +89,25 @@ def test_parity_passes_and_fails_with_exit_codes(hf_folder, exported) -> None:
     assert code == 1 and "parity failed" in err
 
 
-def test_demo_builds_exports_and_generates(tmp_path) -> None:
-    code, out, _ = run("demo", "-o", str(tmp_path / "demo"), "--max-new-tokens", "8", "--json")
+def test_demo_builds_exports_generates_and_reuses_its_cache(tmp_path) -> None:
+    code, out, _ = run("demo", "-o", str(tmp_path / "demo"), "--recipe", "demo-llama", "--max-new-tokens", "8", "--json")
     assert code == 0
     payload = json.loads(out)
-    assert payload["random_weights"] is True
-    assert len(payload["tokens"]) >= 1 and payload["decode_tokens_per_s"] >= 0
-    assert (tmp_path / "demo" / "export" / "kvforge.json").is_file()
+    assert payload["random_weights"] is True and payload["chat"] is False
+    assert len(payload["tokens"]) == 8 and payload["decode_tokens_per_s"] >= 0
+    assert "export_s" in payload
+    assert (tmp_path / "demo" / "export-ort" / "kvforge.json").is_file()
+    # A second run reuses the model folder and the export: nothing is exported again.
+    code, out, err = run("demo", "-o", str(tmp_path / "demo"), "--recipe", "demo-llama", "--max-new-tokens", "8", "--json")
+    again = json.loads(out)
+    assert code == 0 and "export_s" not in again and again["tokens"] == payload["tokens"]
+
+
+def test_generate_chat_needs_a_chat_template(exported) -> None:
+    code, _, err = run("generate", str(exported("llama-tiny")), "--chat", "hi")
+    assert code == 2 and "has no chat template" in err
+    code, _, err = run("generate", str(exported("llama-tiny")), "--system", "be brief", "--prompt", "hi")
+    assert code == 2 and "--system goes with --chat" in err
 
 
 def test_generate_stream_prints_the_same_text_as_without(exported) -> None:

@@ -166,7 +166,7 @@ def _other_export_graph(ctx: Ctx, listed: bool) -> Path:
 def _demo_over(ctx: Ctx, name: str) -> Path:
     """A folder where `name` is the user's own folder; with name="export", "model" is a real recipe folder."""
     root = ctx.tmp / "demo"
-    if name == "export":
+    if name.startswith("export"):
         from kvforge.models.recipes import materialize
 
         materialize("demo-llama", root / "model")
@@ -314,11 +314,14 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
     ("parity-nan-export", lambda c: ["parity", str(c.model), str(_nan_weights(c)), "--new-tokens", "2"], 1,
      "prompt 0: the export's logits are NaN at step 0"),
     # -- demo: its -o folder may hold the user's own "model" or "export" folders --------------------------
-    ("demo-over-a-user-model-folder", lambda c: ["demo", "-o", str(_demo_over(c, "model"))], 2,
+    ("demo-over-a-user-model-folder", lambda c: ["demo", "-o", str(_demo_over(c, "model")), "--recipe", "demo-llama"], 2,
      "is not a kvforge recipe folder (no kvforge_recipe.json); refusing to replace it"),
-    ("demo-over-a-user-export-folder", lambda c: ["demo", "-o", str(_demo_over(c, "export"))], 2,
+    ("demo-over-a-user-export-folder", lambda c: ["demo", "-o", str(_demo_over(c, "export-ort")), "--recipe",
+                                                  "demo-llama"], 2,
      "is not a kvforge export (no kvforge.json); refusing to replace it"),
     # -- inspect ------------------------------------------------------------------------------------
+    ("demo-unknown-recipe", lambda c: ["demo", "-o", str(c.tmp / "demo"), "--recipe", "gpt-17"], 2,
+     "unknown recipe 'gpt-17'; choose one of"),
     ("inspect-not-an-export", lambda c: ["inspect", str(_user_folder(c))], 2, "not a kvforge export"),
     ("inspect-manifest-a-list", lambda c: ["inspect", str(_w(c.export_copy() / "kvforge.json", "[]").parent)], 2,
      "holds a JSON list"),
