@@ -10,6 +10,7 @@ types); a later conversion of the same file reuses it.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -111,6 +112,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
 
     hf_logging.disable_progress_bar()
     folder, name = str(gguf_path.parent), gguf_path.name
+    # transformers' GGUF reader draws its own tqdm bar per tensor; kvforge reports progress itself.
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    saved_tqdm = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(saved_tqdm, disable=True)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -118,6 +124,8 @@ def _convert(gguf_path: Path, out: Path) -> None:
         raise UnsupportedModelError(
             f"transformers cannot read {gguf_path.name}: {type(err).__name__}: {' '.join(str(err).split())}"
         ) from err
+    finally:
+        gguf_utils.tqdm = saved_tqdm
     # transformers refuses save_pretrained on a GGUF-loaded model: rebuild it without the
     # quantisation entry and hand it the dequantised weights.
     config_dict = loaded.config.to_dict()
