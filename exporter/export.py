@@ -22,6 +22,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from kvforge import __version__
 from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.exporter.weights import save_with_shared_weights
@@ -143,15 +145,16 @@ def _export_phase(model, phase: str, num_layers: int, kv_heads: int, head_dim: i
     from kvforge.exporter.wrapper import GraphWrapper
     from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
 
-    batch_dim, seq_dim, capacity_dim = Dim("batch"), Dim("seq"), Dim("capacity")
+    batch_dim, seq_dim, capacity_dim, k_dim = Dim("batch"), Dim("seq"), Dim("capacity"), Dim("positions")
     seq = _EXAMPLE_SEQ if phase == "prefill" else 1
     b = _EXAMPLE_BATCH
     cache = [torch.zeros(b, kv_heads, _EXAMPLE_CAPACITY, head_dim, dtype=torch_dtype) for _ in range(2 * num_layers)]
     args: list[torch.Tensor] = [torch.ones(b, seq, dtype=torch.int64), torch.zeros(b, dtype=torch.int32)]
     rest_shapes: list[dict] = []
     if phase == "prefill":
-        args.append(torch.full((b,), seq - 1, dtype=torch.int64))
-        rest_shapes.append({0: batch_dim})
+        # Two positions per row in the example, so the positions dimension stays dynamic.
+        args.append(torch.tensor([[seq - 2, seq - 1]] * b, dtype=torch.int64))
+        rest_shapes.append({0: batch_dim, 1: k_dim})
     rest_shapes += [{0: batch_dim, 2: capacity_dim} for _ in cache]
     ids_shape = {0: batch_dim, 1: seq_dim} if phase == "prefill" else {0: batch_dim}
     input_names, output_names = graph_io_names(num_layers, phase)
@@ -172,6 +175,36 @@ def _export_phase(model, phase: str, num_layers: int, kv_heads: int, head_dim: i
             verbose=False,
         )
     return program.model
+
+
+def derive_decode_graph(prefill: Any) -> Any:
+    """decode.onnx from the canonical prefill graph, without a second trace: the same graph with
+    input_ids [B, 1], the `logits_index` input replaced by zeros [B, 1] (the one new position) and
+    logits [B, 1, V] squeezed to [B, V]. The clone shares the weight tensors."""
+    import onnx_ir as ir
+
+    model = prefill.clone()
+    graph = model.graph
+    by_name = {value.name: value for value in graph.inputs}
+    index, past_lens, ids = by_name["logits_index"], by_name["past_lens"], by_name["input_ids"]
+    tape = ir.tape.Tape()
+    batch = tape.op("Shape", [past_lens])
+    one = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64), name="kvforge_one_d")})
+    shape = tape.op("Concat", [batch, one], attributes={"axis": 0})
+    zeros = tape.op("ConstantOfShape", [shape], attributes={"value": ir.tensor(np.array([0], np.int64))})
+    graph.insert_before(graph.node(0), tape.nodes)
+    index.replace_all_uses_with(zeros)
+    graph.inputs.remove(index)
+    ids.shape = ir.Shape([ids.shape[0], 1])
+    position = next(i for i, value in enumerate(graph.outputs) if value.name == "logits")
+    per_position = graph.outputs[position]
+    per_position.name = "logits_positions"
+    squeeze = ir.tape.Tape()
+    logits = squeeze.op("Squeeze", [per_position, one], output=ir.Value(name="logits"))
+    graph.extend(squeeze.nodes)
+    logits.dtype, logits.shape = per_position.dtype, ir.Shape([per_position.shape[0], per_position.shape[2]])
+    graph.outputs[position] = logits
+    return model
 
 
 def _io_spec(values) -> list[dict[str, Any]]:
@@ -267,14 +300,13 @@ def export_model(
         model = load_hf_model(model_dir, dtype)
         fault_point("export:model-loaded")
         try:
-            graphs = {}
-            for phase in ("prefill", "decode"):
-                say(f"exporting {phase} graph (torch.onnx, dynamo)")
-                graph = _export_phase(model, phase, num_layers, kv_heads, head_dim, torch_dtype)
+            say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
+            prefill = _export_phase(model, "prefill", num_layers, kv_heads, head_dim, torch_dtype)
+            graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
+            for phase, graph in graphs.items():
                 say(f"lowering {phase} attention for target {target}")
                 lower(graph, target)
                 graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
-                graphs[phase] = graph
             fault_point("export:graphs-built")
             say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
             sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)

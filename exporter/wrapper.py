@@ -69,7 +69,9 @@ class GraphWrapper(torch.nn.Module):
     """forward(input_ids, past_lens, [logits_index,] *past) -> (logits, *present)
 
     `past` is flat: past_key.0, past_value.0, past_key.1, ... ; `present` likewise.
-    Prefill returns logits at `logits_index[b]` of each row; decode at its single position.
+    Prefill returns logits [B, K, V] at positions `logits_index[b, k]` of each row (K = 1 for a
+    plain prefill; K > 1 verifies speculative drafts in one call); decode [B, V] at its one position.
+    Only the selected positions go through lm_head.
     """
 
     def __init__(self, model: torch.nn.Module, phase: str) -> None:
@@ -99,10 +101,10 @@ class GraphWrapper(torch.nn.Module):
         finally:
             config._attn_implementation = saved
         if logits_index is None:
-            last = hidden[:, -1, :]
+            selected = hidden[:, -1, :]
         else:
-            gather = logits_index[:, None, None].expand(-1, 1, hidden.shape[-1])
-            last = torch.gather(hidden, 1, gather)[:, 0, :]
-        logits = self.model.lm_head(last).float()
+            gather = logits_index[:, :, None].expand(-1, -1, hidden.shape[-1])
+            selected = torch.gather(hidden, 1, gather)  # [B, K, H]
+        logits = self.model.lm_head(selected).float()
         present = [tensor for pair in state.present for tensor in pair]
         return (logits, *present)

@@ -3,10 +3,10 @@
 Kept free of torch/onnx so the runtime can read it. Shapes and names the runtime needs come
 from here, never from model code.
 
-Layout of the file (format "kvforge/1"):
+Layout of the file (format "kvforge/2"; /1 had logits_index [B] and prefill logits [B, V]):
 
     {
-      "format": "kvforge/1",
+      "format": "kvforge/2",
       "kvforge_version": "0.1.0",
       "created": "2026-11-22T02:30:00Z",
       "model": {"source": "/abs/path", "architecture": "LlamaForCausalLM", "model_type": "llama",
@@ -30,8 +30,9 @@ Layout of the file (format "kvforge/1"):
     }
 
 Graph IO contract (DESIGN.md, KV cache): `input_ids [B,S] int64`, `past_lens [B] int32`,
-prefill only `logits_index [B] int64` (which position of S to return logits for),
-`past_key.{i}` / `past_value.{i}` `[B, H_kv, C, D]`; outputs `logits [B, V]` and
+prefill only `logits_index [B, K] int64` (which K positions of S to return logits for: 1 for a
+plain prefill, more to verify speculative drafts), prefill logits `[B, K, V]`, decode logits `[B, V]`,
+`past_key.{i}` / `past_value.{i}` `[B, H_kv, C, D]`; outputs `logits` and
 `present_key.{i}` / `present_value.{i}` (same shape, bound to the same buffers as the past).
 
 What a load checks (see README, "Safety and guarantees"): the structure above; that every file
@@ -50,7 +51,7 @@ from typing import Any
 
 from kvforge.errors import ManifestError
 
-FORMAT = "kvforge/1"
+FORMAT = "kvforge/2"
 MANIFEST_NAME = "kvforge.json"
 PHASES = ("prefill", "decode")
 # Files smaller than this are always hashed on load (cheap); larger ones (weights) with verify.

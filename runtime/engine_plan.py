@@ -28,6 +28,8 @@ TIMING_CACHE = "timing.cache"
 BUILD_TARGETS = ("trt", "onnx")  # `ort` uses ONNX Runtime's contrib attention, which TensorRT cannot import
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_MAX_SEQ_LEN = 4096
+# The prefill engines return logits for up to this many positions per row (speculative verification).
+MAX_POSITIONS = 16
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) 
     graph_inputs = {entry["name"] for entry in manifest["graphs"]["prefill"]["inputs"]}
     if phase == "prefill" or options.single_engine:
         if "logits_index" in graph_inputs:
-            shapes["logits_index"] = ((1,), (b,), (b,))
+            positions = MAX_POSITIONS if phase == "prefill" else 1
+            shapes["logits_index"] = ((1, 1), (b, 1), (b, positions))
     for i in range(int(kv["num_layers"])):
         for kind in ("key", "value"):
             shapes[f"past_{kind}.{i}"] = ((1, heads, 1, head_dim), (b, heads, opt_c, head_dim), (b, heads, c, head_dim))
@@ -205,9 +208,10 @@ class Binding:
 
 
 def binding_plan(manifest: dict[str, Any], phase: str, batch: int, capacity: int, seq: int,
-                 single_engine: bool) -> list[Binding]:
+                 single_engine: bool, positions: int = 1) -> list[Binding]:
     """The tensors of one prefill or decode run and their buffers. past_key.i and present_key.i
-    name the same buffer: TensorRT writes the new rows in place."""
+    name the same buffer: TensorRT writes the new rows in place. `positions`: logits per row
+    (prefill; decode has one)."""
     kv = manifest["kv_cache"]
     layers, heads, head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
     vocab = int(manifest["model"]["vocab_size"])
@@ -215,10 +219,14 @@ def binding_plan(manifest: dict[str, Any], phase: str, batch: int, capacity: int
     inputs = {entry["name"] for entry in manifest["graphs"][graph]["inputs"]}
     ids = "input_ids" if phase == "prefill" else "decode_ids"
     plan = [Binding("input_ids", (batch, seq), ids, True), Binding("past_lens", (batch,), "past_lens", True)]
+    per_position = graph == "prefill"
     if "logits_index" in inputs:
         index = "logits_index" if phase == "prefill" else "decode_index"
-        plan.append(Binding("logits_index", (batch,), index, True))
-    plan.append(Binding("logits", (batch, vocab), "logits", False))
+        plan.append(Binding("logits_index", (batch, positions if phase == "prefill" else 1), index, True))
+    if per_position:
+        plan.append(Binding("logits", (batch, positions if phase == "prefill" else 1, vocab), "logits", False))
+    else:
+        plan.append(Binding("logits", (batch, vocab), "logits", False))
     for i in range(layers):
         for kind in ("key", "value"):
             shape = (batch, heads, capacity, head_dim)

@@ -66,7 +66,7 @@ class OrtSlot:
     output_order: dict[str, list[str]]
     logits: np.ndarray  # [B, V], bound as the logits output of both phases
     decode_ids: np.ndarray  # [B, 1], bound as the decode input_ids
-    decode_index: np.ndarray  # [B] zeros: single mode's logits_index for S=1
+    decode_index: np.ndarray  # [B, 1] zeros: single mode's logits_index for S=1
     host_values: dict[str, ort.OrtValue] = field(default_factory=dict)
     prefill_inputs: tuple[np.ndarray, ...] = ()  # kept alive until the run (bind_cpu_input does not copy)
 
@@ -238,13 +238,16 @@ class OrtBackend:
             cache=cache, bindings={}, output_order={},
             logits=np.zeros((batch, self.vocab_size), dtype=self.logits_dtype),
             decode_ids=np.zeros((batch, 1), dtype=np.int64),
-            decode_index=np.zeros(batch, dtype=np.int64),
+            decode_index=np.zeros((batch, 1), dtype=np.int64),
         )
-        # The OrtValues wrap these arrays, so a decode step only writes numpy.
+        # The OrtValues wrap these arrays, so a decode step only writes numpy. The prefill graph
+        # returns logits per selected position, [B, K, V]; with K = 1 that is the same memory as the
+        # decode graph's [B, V], so one buffer serves both.
         slot.host_values = {
             "decode_ids": ort.OrtValue.ortvalue_from_numpy(slot.decode_ids),
             "past_lens": ort.OrtValue.ortvalue_from_numpy(cache.past_lens),
             "logits": ort.OrtValue.ortvalue_from_numpy(slot.logits),
+            "logits_positions": ort.OrtValue.ortvalue_from_numpy(slot.logits.reshape(batch, 1, self.vocab_size)),
             "decode_index": ort.OrtValue.ortvalue_from_numpy(slot.decode_index),
         }
         for phase, session in self.sessions.items():
@@ -255,7 +258,8 @@ class OrtBackend:
                 binding.bind_ortvalue_input("input_ids", slot.host_values["decode_ids"])
                 if self.session_mode == "single":
                     binding.bind_ortvalue_input("logits_index", slot.host_values["decode_index"])
-            binding.bind_ortvalue_output("logits", slot.host_values["logits"])
+            per_position = phase == "prefill" or self.session_mode == "single"  # the prefill graph runs
+            binding.bind_ortvalue_output("logits", slot.host_values["logits_positions" if per_position else "logits"])
             order.append("logits")
             for i in range(cache.num_layers):
                 binding.bind_ortvalue_input(f"past_key.{i}", cache.keys[i])
@@ -269,18 +273,26 @@ class OrtBackend:
 
     # -- running --------------------------------------------------------------------------------
     def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """input_ids [B, S] int64 (right-padded), logits_index [B] int64 -> logits [B, V] float32.
+        """input_ids [B, S] int64 (right-padded); logits_index [B] -> logits [B, V] float32, or
+        [B, K] (K positions per row, e.g. to verify speculative drafts) -> logits [B, K, V].
         Writes positions past_lens[b] + 0..S-1 of every row; the caller advances past_lens."""
         slot.cache.check_fits(input_ids.shape[1])
         binding = slot.bindings["prefill"]
-        # Prefill runs once per request, so binding fresh input arrays here costs nothing that matters.
-        slot.prefill_inputs = (
-            np.ascontiguousarray(input_ids, dtype=np.int64),
-            np.ascontiguousarray(logits_index, dtype=np.int64),
-        )
+        index = np.ascontiguousarray(logits_index, dtype=np.int64)
+        per_row = index.ndim == 1
+        index = index.reshape(index.shape[0], -1)
+        # Prefill runs once per request (or per verification), so binding fresh arrays costs little.
+        slot.prefill_inputs = (np.ascontiguousarray(input_ids, dtype=np.int64), index)
         binding.bind_cpu_input("input_ids", slot.prefill_inputs[0])
-        binding.bind_cpu_input("logits_index", slot.prefill_inputs[1])
-        return self._run(slot, "prefill")
+        binding.bind_cpu_input("logits_index", index)
+        if index.shape[1] == 1:
+            binding.bind_ortvalue_output("logits", slot.host_values["logits_positions"])
+            logits = self._run(slot, "prefill")
+            return logits if per_row else logits.reshape(index.shape[0], 1, self.vocab_size)
+        wide = np.empty((index.shape[0], index.shape[1], self.vocab_size), dtype=self.logits_dtype)
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(wide))
+        self._run(slot, "prefill")
+        return wide.astype(np.float32, copy=False)
 
     def run_decode(self, slot: OrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         """token_ids [B] -> logits [B, V] float32. Writes position past_lens[b] of every row; the

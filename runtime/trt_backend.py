@@ -31,6 +31,7 @@ from kvforge.runtime import cuda
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.engine_plan import (
     ENGINE_DIR_NAME,
+    MAX_POSITIONS,
     binding_plan,
     check_runtime_matches,
     graph_key,
@@ -132,7 +133,8 @@ class TrtBackend:
         kv_bytes = batch * self.kv_heads * capacity * self.head_dim * ITEMSIZE[self.kv_dtype]
         seq = min(self.max_input_len, capacity)
         sizes = {"input_ids": batch * seq * 8, "decode_ids": batch * 8, "past_lens": batch * 4,
-                 "logits_index": batch * 8, "decode_index": batch * 8, "logits": batch * self.vocab_size * 4}
+                 "logits_index": batch * MAX_POSITIONS * 8, "decode_index": batch * 8,
+                 "logits": batch * MAX_POSITIONS * self.vocab_size * 4}
         for i in range(self.num_layers):
             sizes[f"key.{i}"] = sizes[f"value.{i}"] = kv_bytes
         buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
@@ -141,17 +143,30 @@ class TrtBackend:
         return TrtSlot(cache, buffers, cuda.PinnedArray((batch, self.vocab_size), np.float32))
 
     def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """logits_index [B] -> logits [B, V]; [B, K] -> [B, K, V] (K <= MAX_POSITIONS)."""
         batch, seq = input_ids.shape
         slot.cache.check_fits(seq)
         if seq > self.max_input_len:
             raise CapacityError(f"a {seq}-token prefill but the engines were built for --max-input-len {self.max_input_len}")
+        index = np.asarray(logits_index, dtype=np.int64)
+        per_row = index.ndim == 1
+        index = index.reshape(batch, -1)
+        positions = index.shape[1]
+        if positions > MAX_POSITIONS:
+            raise CapacityError(f"{positions} logits positions per row; the engines return at most {MAX_POSITIONS}")
         with self._lock:
             slot.buffers["input_ids"].upload(input_ids.astype(np.int64), self.stream)
-            slot.buffers["logits_index"].upload(logits_index.astype(np.int64), self.stream)
+            slot.buffers["logits_index"].upload(index, self.stream)
             slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
-            self._bind(slot, "prefill", seq)
+            self._bind(slot, "prefill", seq, positions)
             self._execute("prefill")
-            return self._finish(slot, "prefill")
+            if per_row:
+                return self._finish(slot, "prefill")
+            wide = np.empty((batch, positions, self.vocab_size), dtype=np.float32)
+            slot.buffers["logits"].download(wide, self.stream)
+            self.stream.synchronize()
+            self.runs["prefill"] += 1
+            return wide
 
     def decode(self, slot: TrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         slot.cache.check_fits(1, running)
@@ -194,9 +209,10 @@ class TrtBackend:
         return out[0], out[1]
 
     # -- running --------------------------------------------------------------------------------
-    def _bind(self, slot: TrtSlot, phase: str, seq: int) -> None:
+    def _bind(self, slot: TrtSlot, phase: str, seq: int, positions: int = 1) -> None:
         context = self.contexts[phase]
-        plan = binding_plan(self.manifest, phase, slot.cache.batch, slot.cache.capacity, seq, self.single_engine)
+        plan = binding_plan(self.manifest, phase, slot.cache.batch, slot.cache.capacity, seq, self.single_engine,
+                            positions)
         for binding in plan:
             if binding.is_input and not context.set_input_shape(binding.name, binding.shape):
                 raise KvforgeError(f"TensorRT refused shape {binding.shape} for {binding.name} ({phase}); "

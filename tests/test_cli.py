@@ -42,7 +42,7 @@ def test_generate_text_prompt_prints_text(exported) -> None:
         (["--prompt-ids", "1,999999"], "outside"),
         (["--prompt-ids", "1,2", "--max-new-tokens", "5000"], "positions"),
         (["--prompt-ids", "1,2", "--capacity", "3", "--max-new-tokens", "8"], "raise capacity"),
-        ([], "give --prompt TEXT or --prompt-ids"),
+        ([], "give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT"),
     ],
 )
 def test_generate_bad_input_is_one_line_and_exit_2(exported, args, message) -> None:

@@ -32,7 +32,7 @@ from kvforge.runtime.engine_plan import (
 
 def _manifest(target: str = "trt", dtype: str = "fp16", layers: int = 2, max_capacity: int = 8192) -> dict:
     def io(phase: str) -> list[dict]:
-        names = ["input_ids", "past_lens"] + (["logits_index"] if phase == "prefill" else [])
+        names = ["input_ids", "past_lens"] + (["logits_index"] if phase == "prefill" else [])  # [B, K]
         names += [f"past_{k}.{i}" for i in range(layers) for k in ("key", "value")]
         return [{"name": n} for n in names]
 
@@ -75,7 +75,8 @@ def test_profiles_cover_the_runtime_shapes() -> None:
     assert set(prefill) - {"logits_index"} == set(decode)
     single = resolve_build_options(_manifest(), max_batch=4, max_seq_len=2048, single_engine=True)
     # One engine from prefill.onnx: its decode profile sets every prefill input, query length 1.
-    assert profile_shapes(_manifest(), single, "decode")["logits_index"] == ((1,), (4,), (4,))
+    assert profile_shapes(_manifest(), single, "decode")["logits_index"] == ((1, 1), (4, 1), (4, 1))
+    assert prefill["logits_index"] == ((1, 1), (4, 1), (4, 16))  # up to 16 positions: speculative checks
 
 
 def test_engine_layout_and_weight_copies(tmp_path) -> None:
@@ -162,13 +163,19 @@ def test_binding_plan_binds_past_and_present_to_one_buffer(single: bool) -> None
                 assert past.shape == (2, 2, 256, 64)
         assert by_name["input_ids"].shape == (2, seq)
         assert by_name["input_ids"].buffer == ("input_ids" if phase == "prefill" else "decode_ids")
-        assert by_name["logits"].shape == (2, 512) and not by_name["logits"].is_input
+        prefill_graph = phase == "prefill" or single
+        assert by_name["logits"].shape == ((2, 1, 512) if prefill_graph else (2, 512)) and not by_name["logits"].is_input
         has_index = phase == "prefill" or single
         assert ("logits_index" in by_name) == has_index
         if phase == "decode" and single:
-            assert by_name["logits_index"].buffer == "decode_index"
+            assert by_name["logits_index"].buffer == "decode_index" and by_name["logits_index"].shape == (2, 1)
         buffers = [b.buffer for b in plan if b.is_input] + [b.buffer for b in plan if not b.is_input]
         assert len(set(buffers)) == len([b for b in plan if b.is_input]) + 1  # outputs add only logits
+
+
+def test_binding_plan_for_several_positions() -> None:
+    plan = {b.name: b for b in binding_plan(_manifest(), "prefill", 2, 256, 5, False, positions=5)}
+    assert plan["logits_index"].shape == (2, 5) and plan["logits"].shape == (2, 5, 512)
 
 
 def test_graph_keys_follow_slots() -> None:

@@ -300,7 +300,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
      "threads must be a positive integer"),
     ("generate-bad-backend", lambda c: ["generate", str(c.export), "--prompt", "hi", "--backend", "tpu"], 2,
      "Invalid value for '--backend'"),
-    ("generate-no-prompt", lambda c: ["generate", str(c.export)], 2, "give --prompt TEXT or --prompt-ids"),
+    ("generate-no-prompt", lambda c: ["generate", str(c.export)], 2, "give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT"),
     ("generate-unknown-option", lambda c: ["generate", str(c.export), "--prompt", "hi", "--beams", "4"], 2,
      "No such option '--beams'"),
     ("generate-max-new-tokens-not-int", lambda c: ["generate", str(c.export), "--prompt", "hi", "--max-new-tokens", "x"], 2,
@@ -334,7 +334,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
          "/etc/passwd", {"sha256": "0", "bytes": 1})))], 2, "'/etc/passwd' outside the export folder"),
     ("inspect-manifest-wrong-format",
      lambda c: ["inspect", str(c.edit_manifest(c.export_copy(), lambda m: m.__setitem__("format", "kvforge/0")))], 2,
-     "this kvforge reads 'kvforge/1'"),
+     "this kvforge reads 'kvforge/2'"),
 ]
 
 

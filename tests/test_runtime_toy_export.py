@@ -107,8 +107,9 @@ def build_graph(phase: str, weights: dict[str, np.ndarray], offsets: dict[str, i
         helper.make_tensor_value_info("past_lens", i32, ["batch"]),
     ]
     if prefill:
-        inputs.append(helper.make_tensor_value_info("logits_index", i64, ["batch"]))
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch", VOCAB])]
+        inputs.append(helper.make_tensor_value_info("logits_index", i64, ["batch", "positions"]))
+    logits_shape = ["batch", "positions", VOCAB] if prefill else ["batch", VOCAB]
+    outputs = [helper.make_tensor_value_info("logits", f32, logits_shape)]
     for i in range(LAYERS):
         inputs += [helper.make_tensor_value_info(f"past_{kind}.{i}", f32, kv_shape) for kind in ("key", "value")]
         outputs += [helper.make_tensor_value_info(f"present_{kind}.{i}", f32, kv_shape) for kind in ("key", "value")]
@@ -118,7 +119,7 @@ def build_graph(phase: str, weights: dict[str, np.ndarray], offsets: dict[str, i
         helper.make_tensor("one_vec", i64, [1], [1]),
     ]
     if prefill:
-        consts += [helper.make_tensor("vocab_vec", i64, [1], [VOCAB]), helper.make_tensor("idx_shape", i64, [3], [-1, 1, 1])]
+        consts += [helper.make_tensor("vocab_vec", i64, [1], [VOCAB]), helper.make_tensor("two_vec", i64, [1], [2])]
     n = helper.make_node
     nodes = [
         n("Shape", ["input_ids"], ["seq_1"], start=1, end=2),
@@ -157,13 +158,13 @@ def build_graph(phase: str, weights: dict[str, np.ndarray], offsets: dict[str, i
         h = f"h.{i}"
     nodes.append(n("MatMul", [h, "w_out"], ["logits_all"]))
     if prefill:
+        # logits[b, k] = logits_all[b, logits_index[b, k]]: [B, K, V]
         nodes += [
-            n("Shape", ["input_ids"], ["batch_1"], start=0, end=1),
-            n("Concat", ["batch_1", "one_vec", "vocab_vec"], ["gather_shape"], axis=0),
-            n("Reshape", ["logits_index", "idx_shape"], ["idx3"]),
+            n("Shape", ["logits_index"], ["index_shape"]),
+            n("Concat", ["index_shape", "vocab_vec"], ["gather_shape"], axis=0),
+            n("Unsqueeze", ["logits_index", "two_vec"], ["idx3"]),
             n("Expand", ["idx3", "gather_shape"], ["idx_full"]),
-            n("GatherElements", ["logits_all", "idx_full"], ["picked"], axis=1),
-            n("Squeeze", ["picked", "one_vec"], ["logits"]),
+            n("GatherElements", ["logits_all", "idx_full"], ["logits"], axis=1),
         ]
     else:
         nodes.append(n("Squeeze", ["logits_all", "one_vec"], ["logits"]))
@@ -204,7 +205,7 @@ def build_export(folder: Path, seed: int = 0, eos: int = EOS, max_capacity: int 
             "file": f"{phase}.onnx",
             "inputs": [{"name": v.name} for v in model.graph.input],
             "outputs": [{"name": v.name, "dtype": "float32"} for v in model.graph.output],
-        }
+        }  # no shapes: the runtime must cope with a manifest that states only names and dtypes
     build_tokenizer().save(str(folder / "tokenizer.json"))
     files = {name: file_record(folder / name) for name in ("prefill.onnx", "decode.onnx", WEIGHTS, "tokenizer.json")}
     write_manifest(
