@@ -26,6 +26,9 @@ import numpy as np
 
 from kvforge import __version__
 from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
+from kvforge.exporter.fusions import rotary_caches
+from kvforge.exporter.quantize import check_options as check_quantize
+from kvforge.exporter.quantize import quantize_model
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.manifest import FORMAT, MANIFEST_NAME, file_record, write_manifest
 from kvforge.models.families import family_for
@@ -177,6 +180,34 @@ def _export_phase(model, phase: str, num_layers: int, kv_heads: int, head_dim: i
     return program.model
 
 
+def measure_quantized(model_dir: Path, folder: Path, hf_model: Any, dtype: str) -> dict[str, Any]:
+    """A quantised export against the fp32 model it came from (Hugging Face eager, which the fp32
+    export matches to ~1e-4): max logit error, greedy agreement over 32 tokens on kvforge's parity
+    prompts, and perplexity on 1024 tokens of its fixed text."""
+    from kvforge.exporter.parity import run_parity
+
+    report = run_parity(model_dir, folder, new_tokens=32, hf_model=hf_model)
+    steps = sum(len(p.step_max_abs_err) for p in report.prompts)
+    agree = sum(len(p.step_max_abs_err) - len(p.mismatched_steps) - len(p.tie_steps) for p in report.prompts)
+    ppl = report.perplexity or {}
+    return {"reference": "fp32 model (Hugging Face eager)", "max_abs_logit_err": round(float(report.max_abs_err), 4),
+            "greedy_agreement": f"{agree}/{steps}", "perplexity": round(ppl.get("export", float("nan")), 4),
+            "reference_perplexity": round(ppl.get("hf", float("nan")), 4),
+            "perplexity_relative_increase": round(ppl.get("export", 0) / ppl.get("hf", 1) - 1, 5),
+            "perplexity_tokens": ppl.get("tokens")}
+
+
+def fuse_graph(model: Any, target: str) -> dict[str, int]:
+    """The fusions of exporter/fusions.py that suit `target`: ONNX Runtime's normalization and rotary
+    contrib ops for `ort`; merged parallel MatMuls for every target."""
+    from kvforge.exporter.fusions import drop_reshape_round_trips, fuse_for_ort, fuse_parallel_matmuls
+
+    counts = fuse_for_ort(model) if target == "ort" else {}
+    counts["parallel_matmuls"] = fuse_parallel_matmuls(model)
+    counts["reshape_round_trips"] = drop_reshape_round_trips(model)
+    return counts
+
+
 def derive_decode_graph(prefill: Any) -> Any:
     """decode.onnx from the canonical prefill graph, without a second trace: the same graph with
     input_ids [B, 1], the `logits_index` input replaced by zeros [B, 1] (the one new position) and
@@ -254,16 +285,23 @@ def export_model(
     force: bool = False,
     progress: Callable[[str], None] | None = None,
     hf_dir: str | Path | None = None,
+    quantize: str | None = None,
+    block_size: int = 32,
+    accuracy_level: int = 4,
 ) -> dict[str, Any]:
     """Export a local HF causal LM folder, or a GGUF file (converted first into `hf_dir`, default
-    OUT_DIR.hf beside the output, and reused while the GGUF is unchanged). Returns the manifest
-    that was written to `out_dir`."""
+    OUT_DIR.hf beside the output, and reused while the GGUF is unchanged). `quantize` ("int4" or
+    "int8") quantises every weight matrix block-wise with ONNX Runtime's MatMulNBits quantiser and
+    records the accuracy cost in the manifest. Returns the manifest that was written to `out_dir`."""
     from kvforge.exporter.lowering import TARGETS, lower
 
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
     if target not in TARGETS:
         raise InputError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    check_quantize(quantize, block_size, dtype)
+    if quantize is not None and target != "ort":
+        raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target}")
     gguf_record = None
     gguf_file = find_gguf(model_dir) if Path(model_dir).exists() else None
     if gguf_file is not None:
@@ -302,10 +340,17 @@ def export_model(
         try:
             say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
             prefill = _export_phase(model, "prefill", num_layers, kv_heads, head_dim, torch_dtype)
+            fused = fuse_graph(prefill, target)
+            say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
+            quantization = None
+            if quantize is not None:
+                say(f"quantising the weights to {quantize} (blocks of {block_size}, ONNX Runtime's MatMulNBits)")
+                prefill, quantization = quantize_model(prefill, quantize, block_size, accuracy_level)
             graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
+            rotary = rotary_caches(model, config.max_position_embeddings, DTYPES[dtype]) if target == "ort" else None
             for phase, graph in graphs.items():
                 say(f"lowering {phase} attention for target {target}")
-                lower(graph, target)
+                lower(graph, target, rotary)
                 graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
             fault_point("export:graphs-built")
             say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
@@ -320,6 +365,12 @@ def export_model(
             if gguf_record is not None:
                 manifest["model"]["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256",
                                                                                 "architecture", "tensor_types")}
+            if quantization is not None:
+                quantization["weights_bytes"] = sizes["weights_bytes"]
+                manifest["quantization"] = quantization
+                write_manifest(staging, manifest)  # the measurement below loads the staged export
+                say("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
+                quantization["accuracy"] = measure_quantized(model_dir, staging, model, dtype)
             write_manifest(staging, manifest)
             fault_point("export:manifest-written")
             staged.publish()

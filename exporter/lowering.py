@@ -48,26 +48,99 @@ def _replace(graph: ir.Graph, node: ir.Node, tape: ir.tape.Tape, new_outputs: li
     )
 
 
-def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node]) -> None:
+FUSION_DOMAIN = "ai.onnxruntime._fusion"  # onnxscript's intermediate RotaryEmbedding (exporter/fusions.py)
+TRANSPOSE_BSHD = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
+
+
+def _producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == domain else None
+
+
+def _perm(node: ir.Node | None) -> list[int] | None:
+    return list(node.attributes["perm"].value) if node is not None and "perm" in node.attributes else None
+
+
+def _pre_rotary(value: ir.Value) -> tuple[ir.Value, ir.Node] | None:
+    """If a canonical q/k input is Reshape(Transpose(RotaryEmbedding(Transpose(y)))) -- RoPE applied
+    in the [B, H, S, D] layout to y [B, S, H, D] -- return y and the rotary node."""
+    reshape = _producer(value, "Reshape")
+    back = _producer(reshape.inputs[0], "Transpose") if reshape is not None else None
+    if _perm(back) != TRANSPOSE_BSHD:
+        return None
+    rotary = _producer(back.inputs[0], "RotaryEmbedding", FUSION_DOMAIN)
+    if rotary is None or rotary.attributes.get("interleaved", ir.AttrInt64("interleaved", 0)).value != 0:
+        return None
+    forward = _producer(rotary.inputs[0], "Transpose")
+    if _perm(forward) != TRANSPOSE_BSHD:
+        return None
+    return forward.inputs[0], rotary
+
+
+def _split_output(value: ir.Value) -> tuple[ir.Node, int] | None:
+    """The Split node and output index `value` is, looking through Reshapes and cancelling pairs of
+    [B,S,H,D] <-> [B,H,S,D] transposes (layout only, no data change)."""
+    transposes = 0
+    while True:
+        node = value.producer()
+        if node is None:
+            return None
+        if node.op_type == "Reshape" and node.domain == "":
+            value = node.inputs[0]
+        elif node.op_type == "Transpose" and node.domain == "" and _perm(node) == TRANSPOSE_BSHD:
+            transposes += 1
+            value = node.inputs[0]
+        elif node.op_type == "Split" and node.domain == "" and transposes % 2 == 0:
+            return node, list(node.outputs).index(value)
+        else:
+            return None
+
+
+def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """GroupQueryAttention per layer. With `rotary` (cos and sin caches [max_pos, D/2] from the
+    model's rotary embedding), RoPE moves into the attention op (do_rotary=1) wherever the graph
+    applies it right before attention, and q/k/v that are the three parts of one fused MatMul are
+    passed packed: one node per layer instead of a dozen layout and rotary ops."""
     first = canonical[0]
     q0, past_lens = first.inputs[0], first.inputs[5]
+    # The query length from the graph's input_ids, not from layer 0's q: that would keep layer 0's
+    # rotary path alive after it is folded into attention.
+    ids = next((value for value in graph.inputs if value.name == "input_ids"), q0)
     shared = ir.tape.Tape()
-    seq = shared.op("Shape", [q0], attributes={"start": 1, "end": 2})
+    seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
     seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
     total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
     # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
     # written too, but real tokens never attend them (causal) and decode overwrites them later.
+    # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
     seqlens_k = shared.op("Sub", [total, _const(shared, np.array([1], np.int32), "kvforge_one")])
     total_len = shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+    caches = None
+    if rotary is not None:
+        dtype = q0.dtype.numpy() if q0.dtype is not None else np.float32
+        caches = [_const(shared, table.astype(dtype), f"kvforge_rotary_{kind}") for kind, table in zip(("cos", "sin"), rotary, strict=True)]
     graph.insert_before(first, shared.nodes)
 
     for node in canonical:
         attrs = _attrs(node)
         q, k, v, past_key, past_value, _ = node.inputs
         tape = ir.tape.Tape()
+        do_rotary = 0
+        extra: list[ir.Value | None] = []
+        pre_q, pre_k = (_pre_rotary(q), _pre_rotary(k)) if caches is not None else (None, None)
+        if pre_q is not None and pre_k is not None:
+            do_rotary = 1
+            flat = _const(tape, np.array([0, 0, -1], np.int64), None)
+            q = tape.op("Reshape", [pre_q[0], flat])
+            k = tape.op("Reshape", [pre_k[0], flat])
+            extra = list(caches)
+            parts = [_split_output(value) for value in (q, k, v)]
+            if all(parts) and len({id(p[0]) for p in parts}) == 1 and [p[1] for p in parts] == [0, 1, 2] \
+                    and len(parts[0][0].outputs) == 3:
+                q, k, v = parts[0][0].inputs[0], None, None  # packed [B, S, (H + 2 Hkv) * D]
         out, present_key, present_value = tape.op_multi_out(
             "GroupQueryAttention",
-            [q, k, v, past_key, past_value, seqlens_k, total_len],
+            [q, k, v, past_key, past_value, seqlens_k, total_len, *extra],
             attributes={
                 "num_heads": attrs["num_heads"],
                 "kv_num_heads": attrs["kv_num_heads"],
@@ -76,7 +149,8 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node]) -> None:
                 # Same W as HF's sliding_window (a query sees itself and W-1 earlier positions);
                 # tests check it against HF eager with a window shorter than the sequence.
                 "local_window_size": attrs["sliding_window"] if attrs["sliding_window"] > 0 else -1,
-                "do_rotary": 0,
+                "do_rotary": do_rotary,
+                "rotary_interleaved": 0,
             },
             domain="com.microsoft",
             num_outputs=3,
@@ -169,14 +243,22 @@ _PASSES: dict[str, Callable[[ir.Graph, list[ir.Node]], None]] = {
 }
 
 
-def lower(model: ir.Model, target: str) -> ir.Model:
-    """Rewrite every canonical attention node of `model` in place for `target`."""
+def lower(model: ir.Model, target: str, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> ir.Model:
+    """Rewrite every canonical attention node of `model` in place for `target`. `rotary`: the
+    model's cos/sin caches, which the `ort` target folds into its attention op."""
     if target not in _PASSES:
         raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     graph = model.graph
     canonical = _canonical_nodes(graph)
     if not canonical:
         raise ExportError("the exported graph has no kvforge attention node; attention was not routed through the op")
-    _PASSES[target](graph, canonical)
+    if target == "ort":
+        lower_to_ort(graph, canonical, rotary)
+    else:
+        _PASSES[target](graph, canonical)
     graph.opset_imports.pop(DOMAIN, None)
+    # The rotary and layout ops folded into attention are now unused (and the fusion's functions).
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    ir.passes.common.RemoveUnusedFunctionsPass()(model)
+    ir.passes.common.RemoveUnusedOpsetsPass()(model)
     return model

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.errors import InputError, NumericalError
+from kvforge.manifest import load_manifest
 
 DEFAULT_PROMPTS = (
     "Once upon a time",
@@ -34,6 +35,10 @@ PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 PERPLEXITY_WINDOW = 256
 DEFAULT_PERPLEXITY_TOKENS = 1024
 PERPLEXITY_RTOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 5e-2}
+# A weight-quantised export is not expected to give HF's logits or every greedy token: it passes when
+# its perplexity on the shipped text is at most this much above HF's (fp32); logit error and greedy
+# agreement are reported, not gated. Measured on SmolLM2-135M-Instruct (benchmarks/README.md).
+QUANTIZED_PERPLEXITY_RISE = {8: 0.02, 4: 0.10}
 
 
 @dataclass
@@ -78,6 +83,7 @@ class ParityReport:
     prompts: list[PromptParity] = field(default_factory=list)
     against: str | None = None
     perplexity: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None  # the manifest's: {"bits", "block_size", ...}
 
     @property
     def max_abs_err(self) -> float:
@@ -99,7 +105,7 @@ class ParityReport:
             elif nan_steps:
                 reasons.append(f"prompt {i}: the export's logits are NaN at steps {nan_steps}")
                 nan = True
-            elif p.max_abs_err > self.atol:
+            elif p.max_abs_err > self.atol and self.quantization is None:
                 step = int(np.argmax(p.step_max_abs_err))
                 reasons.append(f"prompt {i}: max logit error {p.max_abs_err:.3g} > atol {self.atol:g} (step {step})")
             if p.against_tokens is not None:
@@ -109,12 +115,19 @@ class ParityReport:
                     reasons.append(f"prompt {i}: {self.against} gives different tokens from step {first}")
                 if against_err > self.atol:
                     reasons.append(f"prompt {i}: logits differ from {self.against} by {against_err:.3g} > atol {self.atol:g}")
+            if self.quantization is not None:
+                continue
             if p.error is None and p.mismatched_steps:
                 reasons.append(f"prompt {i}: greedy token differs from HF at steps {p.mismatched_steps}")
             elif p.error is None and not p.generate_equal and not p.tie_steps:
                 reasons.append(f"prompt {i}: HF generate() tokens differ from the export's")
         ppl = self.perplexity
-        if ppl is not None and not ppl["relative_difference"] <= ppl["tolerance"]:
+        if self.quantization is not None and ppl is not None:
+            rise = ppl["export"] / ppl["hf"] - 1.0
+            if not rise <= ppl["tolerance"]:
+                reasons.append(f"perplexity {ppl['export']:.4g} vs HF {ppl['hf']:.4g}: the {self.quantization['bits']}-bit "
+                               f"export's is {100 * rise:.2f}% higher, more than the {100 * ppl['tolerance']:g}% allowed")
+        elif ppl is not None and not ppl["relative_difference"] <= ppl["tolerance"]:
             reasons.append(f"perplexity {ppl['export']:.4g} vs HF {ppl['hf']:.4g}: relative difference "
                            f"{ppl['relative_difference']:.3g} > {ppl['tolerance']:g}")
         if nan:
@@ -125,6 +138,9 @@ class ParityReport:
     def summary(self) -> str:
         lines = [f"parity {self.export_dir} (target {self.target}, {self.dtype}, {self.backend}, sessions {self.sessions}, "
                  f"{self.new_tokens} new tokens, atol {self.atol:g})"]
+        if self.quantization is not None:
+            lines.append(f"  weights quantised to int{self.quantization['bits']} (blocks of {self.quantization['block_size']}): "
+                         "gated on perplexity only; logit error and greedy agreement are reported, not gated")
         for i, p in enumerate(self.prompts):
             if p.error is not None:
                 lines.append(f"  prompt {i} ({p.prompt_tokens} tokens): {p.error}")
@@ -143,7 +159,8 @@ class ParityReport:
             ppl = self.perplexity
             lines.append(f"  perplexity on {ppl['tokens']} tokens of {ppl['text']} (windows of {ppl['window']}): "
                          f"export {ppl['export']:.4f}, HF {ppl['hf']:.4f}, relative difference "
-                         f"{ppl['relative_difference']:.2e} (tolerance {ppl['tolerance']:g})")
+                         f"{ppl['relative_difference']:.2e} (tolerance {ppl['tolerance']:g}"
+                         + (", a rise over HF" if self.quantization is not None else "") + ")")
         lines.append("PASS" if self.passed else f"FAIL: {self.failure_reason()}")
         return "\n".join(lines)
 
@@ -174,6 +191,7 @@ def run_parity(
     against: str | None = None,
     backend_options: dict[str, Any] | None = None,
     perplexity_tokens: int = DEFAULT_PERPLEXITY_TOKENS,
+    hf_model: Any = None,
 ) -> ParityReport:
     """Check `backend` (default: what `kvforge generate` runs, the export's default backend in its
     default session mode) against Hugging Face eager; `sessions` picks an ONNX Runtime session mode
@@ -192,6 +210,10 @@ def run_parity(
         raise InputError(f"--atol must be > 0, got {atol}")
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
+    quantization = load_manifest(export_dir).get("quantization")
+    if quantization is not None and perplexity_tokens < 2:
+        raise InputError(f"{export_dir} is quantised to int{quantization['bits']}; its parity gate is perplexity, "
+                         "so --perplexity-tokens must be at least 2 (default 1024)")
     options = dict(backend_options or {})
     if sessions is not None:
         options["sessions"] = sessions
@@ -203,11 +225,12 @@ def run_parity(
         raise InputError(f"{export_dir} has no tokenizer.json; parity needs text prompts it can tokenize")
     dtype = manifest["dtype"]
     atol = DEFAULT_ATOL[dtype] if atol is None else atol
-    say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
-    model = load_hf_model(model_dir, dtype)
+    if hf_model is None:
+        say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
+    model = hf_model if hf_model is not None else load_hf_model(model_dir, dtype)
     report = ParityReport(str(export_dir), manifest["target"], dtype, backend,
                           getattr(generator.backend, "session_mode", None), atol, new_tokens,
-                          against=other.backend_name if other is not None else None)
+                          against=other.backend_name if other is not None else None, quantization=quantization)
     no_eos = GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
         pad_token_id=manifest["model"].get("pad_token_id") or 0,
@@ -249,6 +272,8 @@ def run_parity(
     if perplexity_tokens:
         say(f"perplexity on the first {perplexity_tokens} tokens of {PERPLEXITY_TEXT.name}")
         report.perplexity = _perplexity(generator, model, perplexity_tokens, dtype)
+        if quantization is not None:
+            report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization["bits"])]
     return report
 
 

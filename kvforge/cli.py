@@ -1,4 +1,4 @@
-"""The `kvforge` command line: demo | export | build | generate | parity | inspect.
+"""The `kvforge` command line: demo | export | build | generate | parity | bench | inspect.
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate);
 `--debug` shows the traceback. Every command has `--json` (one JSON object on stdout).
@@ -118,19 +118,29 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--hf-dir", type=click.Path(path_type=Path),
               help="GGUF input: where its Hugging Face conversion is kept (default OUT_DIR.hf).")
+@click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
+              help="Weight-only quantisation (ONNX Runtime MatMulNBits; target ort); its accuracy cost is measured.")
+@click.option("--block-size", default=32, show_default=True, type=int, help="Quantisation block size (16/32/64/128).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, hf_dir: Path | None,
-           as_json: bool) -> None:
+           quantize: str | None, block_size: int, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file) to prefill.onnx + decode.onnx."""
     _require_export_extra("export")
     from kvforge.exporter.export import export_model
 
     manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=_progress(False),
-                            hf_dir=hf_dir)
+                            hf_dir=hf_dir, quantize=quantize, block_size=block_size)
     if as_json:
         _emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
         click.echo(f"exported {manifest['model']['architecture']} ({target}, {dtype}) to {out_dir}")
+        quant = manifest.get("quantization")
+        if quant:
+            acc = quant["accuracy"]
+            click.echo(f"{quantize}: {quant['matmuls_quantized']} matrices, weights {quant['weights_bytes'] / 1e6:.0f} MB; "
+                       f"vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
+                       f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
+                       f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -190,13 +200,19 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="trt backend: the engines (default OUT_DIR/engines).")
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
+@click.option("--ignore-eos", is_flag=True, help="Run to --max-new-tokens even past end-of-sequence tokens.")
+@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
+              help="Speculative decoding with drafts copied from the context (greedy only; same tokens).")
+@click.option("--draft-len", default=6,  # runtime.speculate.DEFAULT_DRAFT_LEN (not imported: slow)
+              show_default=True, type=int,
+              help="With --speculate: most tokens drafted per step.")
 @click.option("--json", "as_json", is_flag=True)
 def generate(
     export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], chat_text: str | None,
     system_text: str | None, max_new_tokens: int, greedy: bool,
     temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
     backend: str | None, threads: int | None, sessions: str | None, engine_dir: Path | None, stream: bool,
-    verify: bool, as_json: bool,
+    verify: bool, ignore_eos: bool, speculate: str | None, draft_len: int, as_json: bool,
 ) -> None:
     """Generate from an export folder."""
     from kvforge.runtime import Generator
@@ -210,8 +226,11 @@ def generate(
                           **_backend_options(threads=threads, sessions=sessions, engine_dir=engine_dir))
     options = dict(
         max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, capacity=capacity,
+        top_k=top_k, top_p=top_p, seed=seed, capacity=capacity, ignore_eos=ignore_eos,
+        speculate=speculate, draft_len=draft_len,
     )
+    if speculate is not None and options["greedy"] is None and not any((temperature, top_k, top_p)):
+        options["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
     if chat_text is not None:
         messages = ([{"role": "system", "content": system_text}] if system_text is not None else [])
         messages.append({"role": "user", "content": chat_text})
@@ -242,6 +261,12 @@ def generate(
         "backend": generator.backend_name,
         "sessions": getattr(generator.backend, "session_mode", None),
     }
+    if speculate is not None:
+        payload["speculation"] = {
+            "method": speculate, "draft_len": draft_len, "draft_tokens": result.draft_tokens,
+            "accepted_tokens": result.accepted_tokens,
+            "acceptance_rate": round(result.accepted_tokens / result.draft_tokens, 4) if result.draft_tokens else 0.0,
+        }
     if as_json:
         _emit_json(payload)
         return
@@ -251,7 +276,8 @@ def generate(
             click.echo(prefix + (result.text[i] if result.text is not None else ",".join(map(str, tokens))))
     click.echo(
         f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
-        f"{sum(map(len, result.tokens))} tokens",
+        f"{sum(map(len, result.tokens))} tokens"
+        + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculate else ""),
         err=True,
     )
 
@@ -289,6 +315,32 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
         click.echo(report.summary())
     if not report.passed:
         raise ParityError(report.failure_reason())
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--batch", default=1, show_default=True, type=int, help="Rows (prompts of different lengths).")
+@click.option("--repeat", default=3, show_default=True, type=int, help="Rounds; medians are reported.")
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--compare", default="", help="Peers to run alongside, comma-separated: hf, ort-genai.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib).")
+@click.option("--json", "as_json", is_flag=True)
+def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
+          plot: Path | None, as_json: bool) -> None:
+    """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth), optionally against peers."""
+    from kvforge import bench as bench_module
+
+    peers = tuple(p.strip() for p in compare.split(",") if p.strip())
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers,
+                                    say=_progress(False))
+    if plot is not None:
+        bench_module.plot(report, plot)
+    if as_json:
+        _emit_json(report)
+    else:
+        click.echo(bench_module.format_table(report))
 
 
 @main.command()

@@ -74,6 +74,14 @@ RECIPES: dict[str, Recipe] = {
         # benchmark feeds token ids and reads speeds, not text.
         tokenizer_vocab=512, residual_scale=1.0,
     ),
+    "qwen2-0.5b-shape": Recipe(
+        "qwen2", "Qwen2-0.5B's shape (24 layers, 896 hidden, 14/2 heads, q/k/v bias, 151936 vocab), random weights",
+        dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=8192,
+             rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+        tokenizer_vocab=512, residual_scale=1.0,
+    ),
 }
 
 RECIPE_MARKER = "kvforge_recipe.json"

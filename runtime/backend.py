@@ -33,6 +33,10 @@ class Limits:
     max_batch: int | None  # None: no limit of its own
     max_capacity: int
     capacity_buckets: tuple[int, ...]
+    # Most rows one prefill call may extend by several tokens at past_lens > 0 (speculative
+    # verification, chunked prefill); None: as many as max_batch. ONNX Runtime's
+    # GroupQueryAttention (the `ort` target) takes several new tokens after a past only at batch 1.
+    continue_batch: int | None = None
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], max_batch: int | None = None,
@@ -40,7 +44,7 @@ class Limits:
         cap = int(manifest["kv_cache"]["max_capacity"])
         if max_capacity is not None:
             cap = min(cap, int(max_capacity))
-        return cls(max_batch, cap, capacity_buckets(cap))
+        return cls(max_batch, cap, capacity_buckets(cap), 1 if manifest["target"] == "ort" else None)
 
 
 class Slot(Protocol):

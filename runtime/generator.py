@@ -23,6 +23,8 @@ from kvforge.manifest import load_manifest
 from kvforge.runtime.backend import Backend, Slot, create_backend, default_backend
 from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
 from kvforge.runtime.sampling import Sampler, SamplingConfig
+from kvforge.runtime.sampling import greedy as greedy_tokens
+from kvforge.runtime.speculate import DEFAULT_DRAFT_LEN, check_speculation, prompt_lookup
 from kvforge.runtime.tokenizer import TOKENIZER_FILE, IncrementalDetokenizer, Tokenizer
 
 Prompts = str | list[str] | list[int] | list[list[int]]
@@ -41,7 +43,9 @@ class GenerationResult:
     prefill_ms: float
     decode_ms: float
     decode_tokens_per_s: float  # tokens of running rows produced by decode steps / decode time
-    steps: int  # decode graph runs
+    steps: int  # decode graph runs (decode + verification runs with speculation)
+    draft_tokens: int = 0  # speculation: tokens drafted and checked
+    accepted_tokens: int = 0  # speculation: drafted tokens that greedy decoding agreed with
     # keep_logits=True: one float32 [B, V] array per step (step 0 = prefill); rows that had
     # finished hold logits of their pad-token feed, not meaningful
     logits: list[np.ndarray] | None = None
@@ -133,12 +137,18 @@ class Generator:
         capacity: int | None = None,
         ignore_eos: bool = False,
         keep_logits: bool = False,
+        speculate: str | None = None,
+        draft_len: int = DEFAULT_DRAFT_LEN,
     ) -> GenerationResult:
         """Generate for one prompt or a batch. Sampling keywords override the manifest's defaults;
         giving temperature/top_k/top_p without `greedy` means sampling. `ignore_eos` runs to
-        max_new_tokens (stop_token_ids still stop); `keep_logits` fills `result.logits` (parity)."""
+        max_new_tokens (stop_token_ids still stop); `keep_logits` fills `result.logits` (parity).
+        `speculate="prompt-lookup"` drafts up to `draft_len` tokens per step from n-gram matches in
+        the row's own context and verifies them in one prefill call (greedy only; same tokens as
+        plain greedy decoding, fewer graph runs when the output repeats its context)."""
         events = self._run(prompts, max_new_tokens, sampling, greedy, temperature, top_k, top_p, seed,
-                           stop_token_ids, capacity, ignore_eos, keep_logits, stream_text=False)
+                           stop_token_ids, capacity, ignore_eos, keep_logits, stream_text=False,
+                           speculate=speculate, draft_len=draft_len)
         stream = GenerationStream(events)
         for _ in stream:
             pass
@@ -159,11 +169,14 @@ class Generator:
         capacity: int | None = None,
         ignore_eos: bool = False,
         keep_logits: bool = False,
+        speculate: str | None = None,
+        draft_len: int = DEFAULT_DRAFT_LEN,
     ) -> GenerationStream:
         """Like generate(), one StepEvent per step; `.result` afterwards. Inputs are checked here,
         before the first event, so errors surface at the call."""
         events = self._run(prompts, max_new_tokens, sampling, greedy, temperature, top_k, top_p, seed,
-                           stop_token_ids, capacity, ignore_eos, keep_logits, stream_text=True)
+                           stop_token_ids, capacity, ignore_eos, keep_logits, stream_text=True,
+                           speculate=speculate, draft_len=draft_len)
         return GenerationStream(events)
 
     @property
@@ -258,12 +271,24 @@ class Generator:
         ignore_eos: bool,
         keep_logits: bool,
         stream_text: bool,
+        speculate: str | None = None,
+        draft_len: int = DEFAULT_DRAFT_LEN,
     ) -> Steps:
         # Validation happens eagerly (not inside the generator body) so that stream() raises at the call.
         start = time.perf_counter()
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         config = self._sampling_config(sampling, greedy, temperature, top_k, top_p, seed)
+        try:
+            check_speculation(speculate, draft_len)
+        except ValueError as err:
+            raise InputError(str(err)) from err
+        if speculate is not None:
+            if not config.greedy:
+                raise InputError("speculative decoding keeps greedy output unchanged and needs greedy decoding; "
+                                 "drop temperature/top_k/top_p or pass greedy=True")
+            if keep_logits:
+                raise InputError("keep_logits is not available with speculative decoding (a step yields several tokens)")
         stop_ids = frozenset(_as_id_list(stop_token_ids, what="stop_token_ids"))
         ids, text_mode = self._prompt_ids(prompts)
         lens = [len(row) for row in ids]
@@ -274,11 +299,20 @@ class Generator:
                 f"{len(ids)} prompts, but backend {self.backend_name!r} runs at most {limits.max_batch} rows "
                 "at once (rebuild the engines with a larger --max-batch, or send fewer prompts per call)"
             )
+        if speculate is not None:
+            # Verification writes draft_len + 1 positions; rows that finished still take part, frozen.
+            needed += int(draft_len) + 1
+        if speculate is not None and limits.continue_batch is not None and len(ids) > limits.continue_batch:
+            raise InputError(
+                f"speculative decoding of {len(ids)} prompts at once is not possible on this export: its "
+                f"{self.manifest['target']!r} target verifies drafts for at most {limits.continue_batch} row(s) per "
+                "call (ONNX Runtime's GroupQueryAttention); send the prompts one by one or export with --target onnx"
+            )
         cap = choose_capacity(needed, self.max_capacity, capacity, buckets=limits.capacity_buckets)
         slot = self._acquire(len(ids), cap)
         eos_ids = frozenset() if ignore_eos else self.eos_token_ids
         loop = self._loop(ids, int(max_new_tokens), Sampler(config), eos_ids, stop_ids, slot,
-                          text_mode, stream_text, keep_logits, start)
+                          text_mode, stream_text, keep_logits, start, int(draft_len) if speculate else 0)
         return self._owning(slot, loop)
 
     def _owning(self, slot: Slot, loop: Steps) -> Steps:
@@ -300,6 +334,7 @@ class Generator:
         stream_text: bool,
         keep_logits: bool,
         start: float,
+        draft_len: int = 0,
     ) -> Steps:
         batch = len(ids)
         lens = np.array([len(row) for row in ids], dtype=np.int64)
@@ -316,10 +351,10 @@ class Generator:
         running = np.ones(batch, dtype=bool)
         kept_logits: list[np.ndarray] = []
 
-        def accept(step: int, picked: np.ndarray) -> StepEvent:
+        def accept(step: int, picked: np.ndarray, rows: Any = None) -> StepEvent:
             new: list[int | None] = [None] * batch
             deltas = [""] * batch if detoks is not None else None
-            for b in np.flatnonzero(running):
+            for b in np.flatnonzero(running) if rows is None else rows:
                 token = int(picked[b])
                 tokens[b].append(token)
                 new[b] = token
@@ -350,9 +385,43 @@ class Generator:
         steps = 0
         decode_s = 0.0
         decoded_tokens = 0
+        drafted = accepted_drafts = 0
         feed = np.zeros(batch, dtype=np.int64)
         while running.any():
             t_step = time.perf_counter()
+            drafts = self._drafts(ids, tokens, running, draft_len, max_new_tokens) if draft_len else None
+            if drafts is not None:
+                # One prefill call checks every row's draft: fed [last token, draft...] at past_lens,
+                # logits at each fed position. Greedy keeps the draft's matching prefix plus the
+                # token after it; positions written beyond that are never read before rewritten.
+                width = 1 + max(len(d) for d in drafts)
+                block = np.full((batch, width), self.pad_token_id, dtype=np.int64)
+                live = np.flatnonzero(running)
+                for b in live:
+                    block[b, 0] = tokens[b][-1]
+                    block[b, 1: 1 + len(drafts[b])] = drafts[b]
+                index = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
+                picked = greedy_tokens(self._checked(self.backend.prefill(slot, block, index), steps + 1))
+                steps += 1
+                kept = np.zeros(batch, dtype=np.int64)
+                for b in live:
+                    draft = drafts[b]
+                    n = 0
+                    while n < len(draft) and picked[b, n] == draft[n]:
+                        n += 1
+                    kept[b] = n + 1
+                    drafted += len(draft)
+                    accepted_drafts += n
+                cache.past_lens[live] += kept[live]
+                events = []
+                for j in range(int(kept.max())):
+                    rows = [b for b in live if running[b] and j < kept[b]]
+                    if rows:
+                        events.append(accept(steps, picked[:, j], rows))
+                        decoded_tokens += len(rows)
+                decode_s += time.perf_counter() - t_step
+                yield from events
+                continue
             # Finished rows get the pad token at a frozen past_lens: written, never read.
             feed[:] = self.pad_token_id
             for b in np.flatnonzero(running):
@@ -381,8 +450,27 @@ class Generator:
             decode_ms=decode_s * 1e3,
             decode_tokens_per_s=decoded_tokens / decode_s if decode_s > 0 else 0.0,
             steps=steps,
+            draft_tokens=drafted,
+            accepted_tokens=accepted_drafts,
             logits=kept_logits if keep_logits else None,
         )
+
+    @staticmethod
+    def _drafts(
+        ids: list[list[int]], tokens: list[list[int]], running: np.ndarray, draft_len: int, max_new_tokens: int
+    ) -> list[np.ndarray] | None:
+        """Each running row's prompt-lookup draft (empty for the others), or None when no row has one.
+        A draft never runs past max_new_tokens: the token after it is always produced too."""
+        drafts: list[np.ndarray] = []
+        for b in range(len(ids)):
+            room = min(draft_len, max_new_tokens - len(tokens[b]) - 1)
+            if not running[b] or room < 1:
+                drafts.append(np.empty(0, dtype=np.int64))
+                continue
+            context = np.fromiter((*ids[b], *tokens[b]), dtype=np.int64, count=len(ids[b]) + len(tokens[b]))
+            drafts.append(prompt_lookup(context, room))
+        return drafts if any(len(d) for d in drafts) else None
+
     def _sampling_config(
         self,
         sampling: SamplingConfig | None,

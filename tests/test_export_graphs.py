@@ -75,12 +75,12 @@ def test_chunked_prefill_equals_one_prefill(target: str, exported) -> None:
     prompt = np.array([[1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58]])
     capacity = 32
     whole = prefill.run(None, {"input_ids": prompt, "past_lens": np.array([0], np.int32),
-                               "logits_index": np.array([prompt.shape[1] - 1]), **_empty_cache(manifest, 1, capacity)})
+                               "logits_index": np.array([[prompt.shape[1] - 1]]), **_empty_cache(manifest, 1, capacity)})
     first = prefill.run(None, {"input_ids": prompt[:, :12], "past_lens": np.array([0], np.int32),
-                               "logits_index": np.array([11]), **_empty_cache(manifest, 1, capacity)})
+                               "logits_index": np.array([[11]]), **_empty_cache(manifest, 1, capacity)})
     cache = {name.replace("present", "past"): value for name, value in zip(names[1:], first[1:], strict=True)}
     second = prefill.run(None, {"input_ids": prompt[:, 12:], "past_lens": np.array([12], np.int32),
-                                "logits_index": np.array([prompt.shape[1] - 13]), **cache})
+                                "logits_index": np.array([[prompt.shape[1] - 13]]), **cache})
     np.testing.assert_allclose(second[0], whole[0], atol=1e-4)
     np.testing.assert_allclose(second[1][:, :, : prompt.shape[1]], whole[1][:, :, : prompt.shape[1]], atol=1e-5)
 

@@ -22,12 +22,12 @@ def test_wrapper_prefill_then_chunk_matches_hf(recipe: str, hf_folder) -> None:
     with torch.no_grad():
         reference = model(ids).logits[0]  # HF eager, whole sequence, no cache
         prefill = GraphWrapper(model, "prefill")
-        first = prefill(ids[:, :20], torch.tensor([0], dtype=torch.int32), torch.tensor([19]), *cache)
-        second = prefill(ids[:, 20:], torch.tensor([20], dtype=torch.int32), torch.tensor([9]), *first[1:])
+        first = prefill(ids[:, :20], torch.tensor([0], dtype=torch.int32), torch.tensor([[19]]), *cache)
+        second = prefill(ids[:, 20:], torch.tensor([20], dtype=torch.int32), torch.tensor([[9]]), *first[1:])
         decode = GraphWrapper(model, "decode")
         step = decode(ids[:, 29:30], torch.tensor([29], dtype=torch.int32), *second[1:])
-    torch.testing.assert_close(first[0][0], reference[19], atol=1e-4, rtol=0)
-    torch.testing.assert_close(second[0][0], reference[29], atol=1e-4, rtol=0)
+    torch.testing.assert_close(first[0][0, 0], reference[19], atol=1e-4, rtol=0)
+    torch.testing.assert_close(second[0][0, 0], reference[29], atol=1e-4, rtol=0)
     # Re-feeding token 29 at position 29 overwrites the same cache row: same logits again.
     torch.testing.assert_close(step[0][0], reference[29], atol=1e-4, rtol=0)
     # The model object still serves as the HF eager reference after the wrapper ran.

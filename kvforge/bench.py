@@ -1,0 +1,301 @@
+"""`kvforge bench`: time to first token, decode tokens/s, peak memory and weight bandwidth, against peers.
+
+Every system runs in its own process (so peak RSS is its own), after a warm-up generation, and the
+systems take turns round by round so that machine noise hits all alike; the table reports medians and
+the spread over rounds, and each peer's ratio to kvforge. Peers: Hugging Face eager on the export's
+source folder, and onnxruntime-genai with a model its builder makes from that folder (fp32, or int4 when
+the export is int4-quantised), cached under ~/.cache/kvforge/bench.
+
+Decode tokens/s excludes the prefill; achieved bandwidth = weight bytes read per decode step / step
+time, next to this machine's measured ceiling (a short ONNX Runtime MatMul probe, cached).
+
+Worker mode (what each process runs): python -m kvforge.bench worker SYSTEM PATH PROMPT_LEN NEW BATCH THREADS
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvforge.errors import BackendUnavailableError, InputError
+from kvforge.manifest import load_manifest
+
+PEERS = ("hf", "ort-genai")
+CACHE = Path(os.environ.get("KVFORGE_BENCH_CACHE") or Path.home() / ".cache" / "kvforge" / "bench")
+
+
+def prompt_ids(length: int, row: int = 0, vocab: int = 512) -> list[int]:
+    """A fixed, repeatable prompt of token ids every system gets (a different one per batch row)."""
+    return [((7 + 2 * row) * i + 3 * row) % (vocab - 10) + 5 for i in range(length)]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- workers (one process each) ---------------------------------------------------------------------
+def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
+    from kvforge.runtime import Generator
+
+    gen = Generator(path, threads=threads)
+    vocab = int(gen.manifest["model"]["vocab_size"])
+    prompts = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]  # different lengths
+    gen.generate(prompts, max_new_tokens=8, greedy=True, ignore_eos=True)  # warm-up
+    result = gen.generate(prompts, max_new_tokens=new, greedy=True, ignore_eos=True)
+    steps = result.steps
+    return {"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
+            "step_ms": result.decode_ms / max(steps, 1)}
+
+
+def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    rows = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # left padding, as HF generate wants
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+
+    def run(tokens: int) -> tuple[float, float]:
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            first = time.perf_counter()
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            step_mask = mask
+            for _ in range(tokens - 1):
+                step_mask = torch.cat([step_mask, torch.ones(batch, 1, dtype=mask.dtype)], 1)
+                out = model(input_ids=token, attention_mask=step_mask, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            end = time.perf_counter()
+        return (first - start) * 1e3, batch * (tokens - 1) / (end - first)
+
+    run(8)
+    ttft, tps = run(new)
+    return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
+
+
+def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
+    import onnxruntime_genai as og
+
+    config = og.Config(path)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    genai_config = json.loads((Path(path) / "genai_config.json").read_text())["model"]
+    vocab, pad = genai_config["vocab_size"], int(genai_config.get("pad_token_id") or 0)
+    rows = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+
+    def run(tokens: int) -> tuple[float, float]:
+        params = og.GeneratorParams(model)
+        width = max(map(len, rows))
+        params.set_search_options(max_length=width + tokens, min_length=width + tokens, do_sample=False,
+                                  batch_size=batch)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        if batch == 1:
+            generator.append_tokens(rows[0])
+        else:  # a batch goes in as one 2-D array: rows left-padded with the model's pad id
+            import numpy as np
+
+            generator.append_tokens(np.array([[pad] * (width - len(r)) + r for r in rows], dtype=np.int32))
+        generator.generate_next_token()
+        first = time.perf_counter()
+        count = 1
+        while not generator.is_done():
+            generator.generate_next_token()
+            count += 1
+        end = time.perf_counter()
+        return (first - start) * 1e3, batch * (count - 1) / (end - first)
+
+    run(8)
+    ttft, tps = run(new)
+    return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
+
+
+WORKERS: dict[str, Callable[..., dict[str, float]]] = {"kvforge": _work_kvforge, "hf": _work_hf, "ort-genai": _work_genai}
+
+
+def _worker_main(argv: list[str]) -> None:
+    system, path, prompt_len, new, batch, threads = argv
+    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads))
+    result["peak_rss_mb"] = _peak_rss_mb()
+    print(json.dumps(result))
+
+
+# -- the orchestrator -------------------------------------------------------------------------------
+def measure_bandwidth(threads: int, say: Callable[[str], None]) -> float:
+    """GB/s that ONNX Runtime streams weights at on this machine: a [1, 4096] x [4096, 8192] fp32
+    MatMul (128 MB of weights, far over the caches), median of repeats; cached per thread count."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    cache = CACHE / "bandwidth.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if str(threads) in known:
+        return float(known[str(threads)])
+    say("measuring this machine's weight bandwidth (once; cached)")
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).standard_normal((4096, 8192)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8192])],
+        initializer=[numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options)
+    x = np.ones((1, 4096), np.float32)
+    for _ in range(3):
+        session.run(None, {"x": x})
+    times = []
+    for _ in range(15):
+        start = time.perf_counter()
+        session.run(None, {"x": x})
+        times.append(time.perf_counter() - start)
+    gbps = weight.nbytes / statistics.median(times) / 1e9
+    known[str(threads)] = round(gbps, 2)
+    cache.write_text(json.dumps(known))
+    return gbps
+
+
+def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Path:
+    import hashlib
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        raise BackendUnavailableError(
+            "--compare ort-genai needs onnxruntime-genai: pip install onnxruntime-genai (or pip install 'kvforge[bench]')"
+        )
+    key = hashlib.sha256(f"{source.resolve()}:{precision}".encode()).hexdigest()[:16]
+    out = CACHE / f"genai-{key}-{precision}"
+    if (out / "genai_config.json").is_file():
+        return out
+    say(f"building onnxruntime-genai's {precision} model from {source} (its model builder)")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(out),
+                           "-p", precision, "-e", "cpu"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InputError(f"onnxruntime-genai's builder failed on {source}: {proc.stderr.strip().splitlines()[-1:]}")
+    (out / "kvforge_build_seconds").write_text(f"{time.perf_counter() - started:.2f}")
+    return out
+
+
+def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
+              repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
+              say: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = say or (lambda _msg: None)
+    for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--batch", batch, 1),
+                             ("--repeat", repeat, 1), ("--threads", threads, 1)):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    unknown = sorted(set(compare) - set(PEERS))
+    if unknown:
+        raise InputError(f"--compare takes {', '.join(PEERS)}; got {', '.join(unknown)}")
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    source = Path(manifest["model"].get("source", ""))
+    quant = manifest.get("quantization") or {}
+    systems: dict[str, str] = {"kvforge": str(export_dir)}
+    if "hf" in compare:
+        if not (source / "config.json").is_file():
+            raise InputError(f"--compare hf needs the export's source folder {source}, which is gone")
+        systems["hf"] = str(source)
+    if "ort-genai" in compare:
+        precision = "int4" if quant.get("bits") == 4 else "fp32"
+        systems["ort-genai"] = str(_genai_model(source, precision, say))
+    bandwidth = measure_bandwidth(threads, say)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    for round_ in range(repeat):
+        for name, path in systems.items():  # take turns, round by round
+            say(f"round {round_ + 1}/{repeat}: {name}")
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvforge.bench", "worker", name, path, str(prompt_len), str(new_tokens),
+                 str(batch), str(threads)], capture_output=True, text=True,
+            )
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise InputError(f"the {name} benchmark process failed: {tail}")
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    weight_bytes = int(quant.get("weights_bytes") or manifest.get("weights_sharing", {}).get("weights_bytes", 0))
+    table = {}
+    for name, samples in runs.items():
+        row = {}
+        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb", "step_ms"):
+            values = [s[metric] for s in samples]
+            row[metric] = statistics.median(values)
+            row[f"{metric}_spread"] = [min(values), max(values)]
+        table[name] = row
+    ours = table["kvforge"]
+    # Every decode step reads every weight once, whatever the batch.
+    ours["weight_gbps"] = weight_bytes / (ours["step_ms"] / 1e3) / 1e9 if weight_bytes else None
+    ours["bandwidth_fraction"] = ours["weight_gbps"] / bandwidth if ours["weight_gbps"] else None
+    for name, row in table.items():
+        if name != "kvforge":
+            row["decode_ratio_kvforge_over_peer"] = ours["decode_tokens_per_s"] / row["decode_tokens_per_s"]
+            row["ttft_ratio_kvforge_over_peer"] = ours["ttft_ms"] / row["ttft_ms"]
+            row["rss_ratio_kvforge_over_peer"] = ours["peak_rss_mb"] / row["peak_rss_mb"]
+    return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
+            "repeat": repeat, "threads": threads, "weight_bytes": weight_bytes,
+            "machine_bandwidth_gbps": bandwidth, "systems": table, "raw": runs}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{report['export']}: prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch "
+             f"{report['batch']}, {report['threads']} threads, median of {report['repeat']} rounds",
+             f"{'system':<11}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}   ratios kvforge/peer"]
+    for name, row in report["systems"].items():
+        ratios = "" if name == "kvforge" else (
+            f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}, "
+            f"RSS x{row['rss_ratio_kvforge_over_peer']:.2f}")
+        lo, hi = row["decode_tokens_per_s_spread"]
+        lines.append(f"{name:<11}{row['ttft_ms']:>10.1f}{row['decode_tokens_per_s']:>9.1f} ({lo:.0f}-{hi:.0f})"
+                     f"{row['peak_rss_mb']:>10.0f}{ratios}")
+    ours = report["systems"]["kvforge"]
+    if ours.get("weight_gbps"):
+        lines.append(f"kvforge reads {report['weight_bytes'] / 1e6:.0f} MB of weights per decode step: "
+                     f"{ours['weight_gbps']:.1f} GB/s, {100 * ours['bandwidth_fraction']:.0f}% of this machine's "
+                     f"measured {report['machine_bandwidth_gbps']:.1f} GB/s")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise BackendUnavailableError("--plot needs matplotlib: pip install 'kvforge[bench]'") from err
+    names = list(report["systems"])
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, (metric, label) in zip(axes, (("decode_tokens_per_s", "decode tokens/s"), ("ttft_ms", "time to first token (ms)"),
+                                          ("peak_rss_mb", "peak RSS (MB)")), strict=True):
+        values = [report["systems"][n][metric] for n in names]
+        spreads = [report["systems"][n][f"{metric}_spread"] for n in names]
+        errors = [[v - s[0] for v, s in zip(values, spreads, strict=True)], [s[1] - v for v, s in zip(values, spreads, strict=True)]]
+        ax.bar(names, values, yerr=errors, color=["#2f6db5"] + ["#999999"] * (len(names) - 1))
+        ax.set_title(label)
+    fig.suptitle(f"{Path(report['export']).name}: prompt {report['prompt_len']}, {report['new_tokens']} new, "
+                 f"batch {report['batch']}, {report['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        _worker_main(sys.argv[2:])

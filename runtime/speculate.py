@@ -1,0 +1,39 @@
+"""Prompt-lookup drafts for speculative decoding (no draft model).
+
+The draft for a row is what followed the most recent earlier occurrence of the row's last n tokens
+(n = max_ngram down to 1) in its own context, prompt and generated text alike. The Generator checks
+every draft in one prefill-graph call at past_lens > 0 and keeps the prefix greedy decoding would
+have produced; the rest of the cache is discarded by not advancing past_lens past it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+METHODS = ("prompt-lookup",)
+MAX_DRAFT_LEN = 15  # verification feeds draft_len + 1 positions; TensorRT profiles allow 16
+DEFAULT_DRAFT_LEN = 6
+DEFAULT_MAX_NGRAM = 3
+
+
+def prompt_lookup(context: np.ndarray, draft_len: int, max_ngram: int = DEFAULT_MAX_NGRAM) -> np.ndarray:
+    """Up to `draft_len` tokens that followed the latest earlier match of the context's last n-gram
+    (longest n first); an empty array when nothing matches."""
+    size = len(context)
+    for n in range(min(max_ngram, size - 1), 0, -1):
+        tail = context[size - n:]
+        # Windows that start before the tail itself and have at least one token after them.
+        windows = np.lib.stride_tricks.sliding_window_view(context[: size - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n  # the most recent match: what the text just did is likeliest
+            return context[start: start + draft_len]
+    return context[:0]
+
+
+def check_speculation(method: str | None, draft_len: int) -> None:
+    """Raise ValueError for an unknown method or a draft length out of range (callers reword it)."""
+    if method is not None and method not in METHODS:
+        raise ValueError(f"unknown speculation method {method!r}; choose one of {', '.join(METHODS)}")
+    if isinstance(draft_len, bool) or not isinstance(draft_len, (int, np.integer)) or not 1 <= draft_len <= MAX_DRAFT_LEN:
+        raise ValueError(f"draft_len must be an integer in 1..{MAX_DRAFT_LEN}, got {draft_len!r}")

@@ -1,0 +1,112 @@
+"""Prompt-lookup speculative decoding: drafts, verification in one prefill call, unchanged greedy output."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from kvforge.errors import InputError  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.speculate import prompt_lookup  # noqa: E402
+
+# Prompts that repeat themselves, so that drafts exist from the first step; different lengths.
+PROMPTS = [
+    [1, 50, 60, 70, 80, 90, 50, 60, 70, 80, 90, 50, 60, 70],
+    [1, 7, 8, 9, 7, 8, 9, 7, 8],
+    [1, 300, 301, 302, 5, 6, 300, 301],
+]
+
+
+def test_prompt_lookup_takes_the_latest_longest_match() -> None:
+    # Tail [1, 2] (the 3-gram [4, 1, 2] never occurred before): its match at 0 is followed by 3, 4, 1.
+    assert prompt_lookup(np.array([1, 2, 3, 4, 1, 2]), 3).tolist() == [3, 4, 1]
+    # The most recent of two matches of [5] wins, and the draft stops at the end of the context.
+    assert prompt_lookup(np.array([5, 8, 5, 9, 5]), 4).tolist() == [9, 5]
+    # A 3-gram match beats a more recent 1-gram match.
+    assert prompt_lookup(np.array([1, 2, 3, 7, 3, 0, 1, 2, 3]), 2).tolist() == [7, 3]
+    assert prompt_lookup(np.array([1, 2, 3]), 4).tolist() == []
+    assert prompt_lookup(np.array([4]), 4).tolist() == []
+
+
+def test_speculative_greedy_equals_plain_greedy_one_row(exported) -> None:
+    # The ort target (GroupQueryAttention) verifies one row per call.
+    generator = Generator(exported("llama-tiny", "ort"))
+    for prompt in PROMPTS:
+        plain = generator.generate([prompt], max_new_tokens=40, ignore_eos=True)
+        fast = generator.generate([prompt], max_new_tokens=40, ignore_eos=True, speculate="prompt-lookup")
+        assert fast.tokens == plain.tokens
+        assert fast.draft_tokens > 0
+        # Every step gives one token plus the drafts it accepted.
+        assert fast.steps == 39 - fast.accepted_tokens
+    with pytest.raises(InputError, match="verifies drafts for at most 1 row.s. per call .* export with --target onnx"):
+        generator.generate(PROMPTS, speculate="prompt-lookup")
+
+
+def test_speculative_greedy_equals_plain_greedy_batch(exported) -> None:
+    generator = Generator(exported("llama-tiny", "onnx"))
+    plain = generator.generate(PROMPTS, max_new_tokens=40, ignore_eos=True)
+    runs_before = generator.runs
+    fast = generator.generate(PROMPTS, max_new_tokens=40, ignore_eos=True, speculate="prompt-lookup", draft_len=5)
+    assert fast.tokens == plain.tokens
+    assert fast.finish_reason == plain.finish_reason == ["length"] * 3
+    # Drafts were really checked, and accepted drafts saved graph runs.
+    assert fast.draft_tokens > 0
+    runs = {phase: generator.runs[phase] - runs_before[phase] for phase in ("prefill", "decode")}
+    assert runs["prefill"] + runs["decode"] == 1 + fast.steps
+    assert runs["prefill"] > 1
+
+
+def test_speculative_stream_and_stops(exported) -> None:
+    generator = Generator(exported("llama-tiny", "onnx"))
+    plain = generator.generate(PROMPTS, max_new_tokens=25, ignore_eos=True)
+    # A stop token taken from the middle of a row's output ends that row there, drafts or not.
+    stop = plain.tokens[0][10]
+    expected = generator.generate(PROMPTS, max_new_tokens=25, ignore_eos=True, stop_token_ids=[stop])
+    stream = generator.stream(PROMPTS, max_new_tokens=25, ignore_eos=True, stop_token_ids=[stop],
+                              speculate="prompt-lookup", draft_len=7)
+    streamed: list[list[int]] = [[] for _ in PROMPTS]
+    for event in stream:
+        for b, token in enumerate(event.token_ids):
+            if token is not None:
+                streamed[b].append(token)
+    assert streamed == stream.result.tokens == expected.tokens
+    assert stream.result.finish_reason == expected.finish_reason
+
+
+def test_speculation_input_errors(exported) -> None:
+    generator = Generator(exported("llama-tiny", "ort"))
+    with pytest.raises(InputError, match="unknown speculation method 'medusa'; choose one of prompt-lookup"):
+        generator.generate([PROMPTS[0]], speculate="medusa")
+    with pytest.raises(InputError, match=r"draft_len must be an integer in 1\.\.15, got 0"):
+        generator.generate([PROMPTS[0]], speculate="prompt-lookup", draft_len=0)
+    with pytest.raises(InputError, match="needs greedy decoding"):
+        generator.generate([PROMPTS[0]], speculate="prompt-lookup", temperature=0.7)
+    with pytest.raises(InputError, match="keep_logits is not available"):
+        generator.generate([PROMPTS[0]], speculate="prompt-lookup", keep_logits=True)
+
+
+def test_cli_generate_speculate_json(exported, tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    folder = exported("llama-tiny", "ort")
+    ids = ",".join(str(t) for t in PROMPTS[1])
+    args = [
+        "generate", str(folder), "--prompt-ids", ids, "--max-new-tokens", "20", "--ignore-eos", "--json",
+    ]
+    plain = json.loads(CliRunner().invoke(main, args).output)
+    result = CliRunner().invoke(main, [*args, "--speculate", "prompt-lookup", "--draft-len", "4"])
+    assert result.exit_code == 0, result.output
+    fast = json.loads(result.output)
+    assert fast["tokens"] == plain["tokens"]
+    assert fast["speculation"]["method"] == "prompt-lookup"
+    assert fast["speculation"]["draft_tokens"] > 0
+    assert 0.0 <= fast["speculation"]["acceptance_rate"] <= 1.0
+    bad = CliRunner().invoke(main, [*args, "--speculate", "prompt-lookup", "--draft-len", "99"])
+    assert bad.exit_code == 2
+    assert "draft_len must be an integer in 1..15, got 99" in bad.output
