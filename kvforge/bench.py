@@ -38,6 +38,14 @@ def prompt_ids(length: int, row: int = 0, vocab: int = 512) -> list[int]:
 
 
 def _peak_rss_mb() -> float:
+    # VmHWM is this process image's own peak: ru_maxrss survives execve on Linux, so a worker would
+    # report its parent's peak whenever that was larger.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -249,9 +257,17 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
             row["decode_ratio_kvforge_over_peer"] = ours["decode_tokens_per_s"] / row["decode_tokens_per_s"]
             row["ttft_ratio_kvforge_over_peer"] = ours["ttft_ms"] / row["ttft_ms"]
             row["rss_ratio_kvforge_over_peer"] = ours["peak_rss_mb"] / row["peak_rss_mb"]
+    # Export / build time: kvforge's from its manifest, the peer builder's as timed when it ran.
+    ours["export_s"] = (manifest.get("export_seconds") or {}).get("total")
+    if "ort-genai" in systems:
+        timing = Path(systems["ort-genai"]) / "kvforge_build_seconds"
+        table["ort-genai"]["export_s"] = float(timing.read_text()) if timing.is_file() else None
+        if ours["export_s"] and table["ort-genai"]["export_s"]:
+            table["ort-genai"]["export_ratio_kvforge_over_peer"] = ours["export_s"] / table["ort-genai"]["export_s"]
     return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
             "repeat": repeat, "threads": threads, "weight_bytes": weight_bytes,
-            "machine_bandwidth_gbps": bandwidth, "systems": table, "raw": runs}
+            "machine_bandwidth_gbps": bandwidth, "export_profile_s": manifest.get("export_seconds"),
+            "systems": table, "raw": runs}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -266,6 +282,10 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{name:<11}{row['ttft_ms']:>10.1f}{row['decode_tokens_per_s']:>9.1f} ({lo:.0f}-{hi:.0f})"
                      f"{row['peak_rss_mb']:>10.0f}{ratios}")
     ours = report["systems"]["kvforge"]
+    for name, row in report["systems"].items():
+        if row.get("export_s"):
+            ratio = row.get("export_ratio_kvforge_over_peer")
+            lines.append(f"{name} export/build: {row['export_s']:.1f} s" + (f" (kvforge x{ratio:.2f})" if ratio else ""))
     if ours.get("weight_gbps"):
         lines.append(f"kvforge reads {report['weight_bytes'] / 1e6:.0f} MB of weights per decode step: "
                      f"{ours['weight_gbps']:.1f} GB/s, {100 * ours['bandwidth_fraction']:.0f}% of this machine's "

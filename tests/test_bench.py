@@ -1,0 +1,65 @@
+"""`kvforge bench` on a tiny export: the report's shape, the peers it can run here, its errors.
+(Speeds are not asserted: the machine is shared; benchmarks/README.md has the figures.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+from click.testing import CliRunner  # noqa: E402
+
+from kvforge import bench  # noqa: E402
+from kvforge.cli import main  # noqa: E402
+from kvforge.errors import BackendUnavailableError, KvforgeError  # noqa: E402
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "CACHE", tmp_path / "bench-cache")
+    return tmp_path / "bench-cache"
+
+
+def test_bench_against_hf_reports_medians_spread_and_ratios(exported, cache) -> None:
+    folder = exported("llama-tiny", "ort")
+    report = bench.run_bench(folder, prompt_len=12, new_tokens=6, batch=2, repeat=2, threads=1, compare=("hf",))
+    assert set(report["systems"]) == {"kvforge", "hf"}
+    for name, row in report["systems"].items():
+        assert len(report["raw"][name]) == 2  # one sample per round
+        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb"):
+            low, high = row[f"{metric}_spread"]
+            assert low <= row[metric] <= high and row[metric] > 0
+    hf = report["systems"]["hf"]
+    ours = report["systems"]["kvforge"]
+    assert hf["decode_ratio_kvforge_over_peer"] == pytest.approx(ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"])
+    assert 0 < ours["bandwidth_fraction"] and report["machine_bandwidth_gbps"] > 0
+    assert json.loads((cache / "bandwidth.json").read_text())["1"] == pytest.approx(report["machine_bandwidth_gbps"], rel=0.01)
+    assert ours["export_s"] > 0 and report["export_profile_s"]["trace"] > 0
+    table = bench.format_table(report)
+    assert "decode x" in table and "of this machine's measured" in table
+
+
+def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
+    folder = str(exported("llama-tiny", "ort"))
+    result = CliRunner().invoke(main, ["bench", folder, "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1",
+                                       "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["systems"]["kvforge"]["decode_tokens_per_s"] > 0
+    # Each worker's own peak: a tiny model's runtime stays far below the test process's size.
+    assert report["systems"]["kvforge"]["peak_rss_mb"] < 400
+    bad = CliRunner().invoke(main, ["bench", folder, "--compare", "vllm"])
+    assert bad.exit_code == 2 and "--compare takes hf, ort-genai; got vllm" in bad.output
+    bad = CliRunner().invoke(main, ["bench", folder, "--repeat", "0"])
+    assert bad.exit_code == 2 and "--repeat must be >= 1, got 0" in bad.output
+    with pytest.raises(KvforgeError, match="missing is not a folder; pass the output folder of `kvforge export`"):
+        bench.run_bench(tmp_path / "missing")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is not None, reason="onnxruntime-genai is installed")
+def test_bench_without_onnxruntime_genai_says_how_to_get_it(exported, cache) -> None:
+    with pytest.raises(BackendUnavailableError, match=r"pip install onnxruntime-genai"):
+        bench.run_bench(exported("llama-tiny", "ort"), compare=("ort-genai",))

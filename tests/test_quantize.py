@@ -1,0 +1,116 @@
+"""Weight-only int4 / int8 exports (ONNX Runtime's MatMulNBits quantiser): graphs, manifest, parity gate."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("torch")
+
+from kvforge.errors import InputError  # noqa: E402
+from kvforge.exporter import parity as parity_module  # noqa: E402
+from kvforge.exporter.export import export_model  # noqa: E402
+from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+
+RECIPE = "llama3-tiny"  # tied embeddings: the lm_head is the transposed embedding
+
+
+@pytest.fixture(scope="module")
+def quantized(hf_folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    made = {}
+
+    def get(bits: str, **options):
+        key = (bits, tuple(sorted(options.items())))
+        if key not in made:
+            out = root / f"{bits}-{len(made)}"
+            export_model(hf_folder(RECIPE), out, quantize=bits, **options)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def _ops(folder, phase="decode"):
+    model = onnx.load(str(folder / f"{phase}.onnx"), load_external_data=False)
+    return Counter(node.op_type for node in model.graph.node), model
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_quantized_export_has_no_fp32_matmul_and_records_its_cost(bits: str, quantized) -> None:
+    folder = quantized(bits)
+    ops, model = _ops(folder)
+    assert ops["MatMul"] == 0 and ops["MatMulNBits"] > 0  # the lm_head too
+    assert {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {int(bits[3:])}
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    quant = manifest["quantization"]
+    assert quant["bits"] == int(bits[3:]) and quant["block_size"] == 32
+    assert quant["embedding_quantized"] == (bits == "int4")  # GatherBlockQuantized is 4-bit only
+    accuracy = quant["accuracy"]  # against HF eager fp32
+    steps = int(accuracy["greedy_agreement"].split("/")[1])
+    assert steps == 3 * 32
+    assert accuracy["perplexity"] > 0 and accuracy["reference_perplexity"] > 0
+
+
+def test_quantized_weights_are_smaller(quantized, exported) -> None:
+    fp32 = json.loads((exported(RECIPE, "ort") / "kvforge.json").read_text())["weights_sharing"]["weights_bytes"]
+    for bits, most in (("int4", 0.35), ("int8", 0.6)):
+        assert json.loads((quantized(bits) / "kvforge.json").read_text())["quantization"]["weights_bytes"] < most * fp32
+
+
+def test_int4_with_an_int8_lm_head(quantized) -> None:
+    folder = quantized("int4", lm_head_bits=8)
+    _, model = _ops(folder)
+    bits = Counter(a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits")
+    assert bits[8] == 1 and bits[4] > 1
+    assert json.loads((folder / "kvforge.json").read_text())["quantization"]["lm_head_bits"] == 8
+
+
+def test_quantized_export_generates_and_parity_gates_on_perplexity(quantized, hf_folder, monkeypatch) -> None:
+    folder = quantized("int8")
+    result = Generator(folder).generate([[1, 50, 60, 70]], max_new_tokens=8, ignore_eos=True)
+    assert len(result.tokens[0]) == 8
+    report = run_parity(hf_folder(RECIPE), folder, new_tokens=8, perplexity_tokens=200)
+    assert report.quantization is not None and report.perplexity is not None
+    rise = report.perplexity["export"] / report.perplexity["hf"] - 1
+    assert report.perplexity["tolerance"] == 0.02
+    assert report.passed == (rise <= 0.02), report.failure_reason()
+    assert "gated on perplexity only" in report.summary()
+    # The gate can fail: with no rise allowed, the (non-zero) quantisation error fails it.
+    monkeypatch.setitem(parity_module.QUANTIZED_PERPLEXITY_RISE, 8, -1.0)
+    strict = run_parity(hf_folder(RECIPE), folder, new_tokens=4, perplexity_tokens=200)
+    assert not strict.passed
+    assert "8-bit export's is" in strict.failure_reason() and "more than the -100% allowed" in strict.failure_reason()
+    with pytest.raises(InputError, match="its parity gate is perplexity, so --perplexity-tokens must be at least 2"):
+        run_parity(hf_folder(RECIPE), folder, perplexity_tokens=0)
+
+
+def test_quantized_logits_are_close_to_fp32(quantized, exported) -> None:
+    # int8 weights: logits within a few percent of the fp32 export's range on one prefill.
+    ids = [[1, 50, 60, 70, 80, 90]]
+    fp32 = Generator(exported(RECIPE, "ort")).generate(ids, max_new_tokens=1, keep_logits=True).logits[0]
+    int8 = Generator(quantized("int8")).generate(ids, max_new_tokens=1, keep_logits=True).logits[0]
+    spread = float(fp32.max() - fp32.min())
+    assert np.abs(int8 - fp32).max() < 0.05 * spread
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(quantize="int3"), "--quantize takes int4, int8, not 'int3'"),
+        (dict(quantize="int4", block_size=48), "--block-size takes 16, 32, 64, 128, not 48"),
+        (dict(quantize="int4", dtype="fp16"), "--quantize works from fp32 weights"),
+        (dict(quantize="int4", target="onnx"), "use it with --target ort, not onnx"),
+        (dict(lm_head_bits=8), "--lm-head-bits goes with --quantize"),
+        (dict(quantize="int4", lm_head_bits=2), "--lm-head-bits takes 8"),
+    ],
+)
+def test_quantize_option_errors(options, message, hf_folder, tmp_path) -> None:
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        export_model(hf_folder(RECIPE), tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
