@@ -174,10 +174,50 @@ def _export_phase(model, phase: str, num_layers: int, kv_heads: int, head_dim: i
             dynamic_shapes=(ids_shape, {0: batch_dim}, tuple(rest_shapes)),
             custom_translation_table=CUSTOM_TRANSLATION_TABLE,
             opset_version=OPSET,
-            optimize=True,
+            optimize=False,  # optimize_graph() below does the part of it these graphs need, 5x faster
             verbose=False,
         )
     return program.model
+
+
+def optimize_graph(model: Any) -> None:
+    """Constant folding and the clean-up rewrites that decoder graphs need, in place.
+
+    torch.onnx's `optimize=True` runs onnxscript's whole default optimizer twice over, which took
+    16-19 s of a 45 s SmolLM2-135M trace; most of it is rules that never match a decoder (the
+    slice-to-split rule alone is 3.7 s). This keeps only the rules that fire on the families we
+    export (or that tidy what they leave) and gives the same graph (same ops, same counts) in
+    about 3.5 s."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as passes
+    from onnxscript import optimizer, rewriter
+    from onnxscript.rewriter.rules import common as rules
+
+    optimizer.inline(model)
+    cleanups = [
+        rules.no_op_cast_rule, rules.no_op_expand_rule, rules.no_op_transpose_rule, rules.cast_cast_rule,
+        rules.add_0_rule, rules.sub_0_rule, rules.mul_by_1_rule, rules.div_by_1_rule,
+        rules.dropout_inference_rule, rules.dropout_zero_rule,
+        rules.collapse_slice_rule, rules.collapse_slice2_rule, rules.reshape_reshape_rule,
+        rules.squeeze_reshape_1d_rule, rules.transpose_transpose_rule, rules.unsqueeze_unsqueeze_rule,
+        rules.materialize_reshape_shape_rule, rules.cast_constant_of_shape_rule,
+        rules.cast_constant_of_shape_without_value_rule, rules.one_reshape_matmul_reshape_rule,
+        rules.two_reshapes_matmul_reshape_rule, *rules.expand_before_binary_op_rules,
+    ]
+    for _ in range(2):  # the second round catches what folding the first one's output exposes
+        optimizer.fold_constants(model, onnx_shape_inference=True)
+        passes.RemoveUnusedNodesPass()(model)
+        rewriter.rewrite(model, pattern_rewrite_rules=cleanups)
+    optimizer.fold_constants(model, onnx_shape_inference=True)
+    ir.passes.Sequential(
+        passes.RemoveUnusedNodesPass(),
+        passes.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        passes.DeduplicateInitializersPass(),
+        passes.CommonSubexpressionEliminationPass(),  # the per-layer shape arithmetic is the same
+        passes.RemoveUnusedNodesPass(),
+        passes.OutputFixPass(),
+        passes.NameFixPass(),
+    )(model)
 
 
 def measure_quantized(model_dir: Path, folder: Path, hf_model: Any, dtype: str) -> dict[str, Any]:
@@ -352,6 +392,8 @@ def export_model(
             say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
             prefill = _export_phase(model, "prefill", num_layers, kv_heads, head_dim, torch_dtype)
             lap("trace")
+            optimize_graph(prefill)
+            lap("optimize")
             fused = fuse_graph(prefill, target)
             lap("fuse")
             say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
