@@ -123,7 +123,7 @@ def _check_trt_kernel(config, head_dim: int, dtype: str) -> None:
     from kvforge.plugins import attention_launch
 
     try:
-        attention_launch.check_shapes(config.num_attention_heads, config.num_key_value_heads, head_dim)
+        attention_launch.check_shapes(config.num_attention_heads, family_for(config).kv_heads(config), head_dim)
     except ValueError as err:
         raise UnsupportedModelError(
             f"--target trt cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
@@ -360,6 +360,7 @@ def export_model(
     check_output(out_dir, [model_dir], force=force, marker=MANIFEST_NAME)
     config = load_hf_config(model_dir)
     family = family_for(config)
+    family.check(config)
     if target == "trt":
         _check_trt_kernel(config, family.head_dim(config), dtype)
 
@@ -367,7 +368,7 @@ def export_model(
 
     started = time.perf_counter()
     num_layers = config.num_hidden_layers
-    kv_heads = config.num_key_value_heads
+    kv_heads = family.kv_heads(config)
     head_dim = family.head_dim(config)
     torch_dtype = getattr(torch, DTYPES[dtype])
 
@@ -472,7 +473,7 @@ def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes)
             "vocab_size": config.vocab_size,
             "num_layers": config.num_hidden_layers,
             "num_heads": config.num_attention_heads,
-            "num_kv_heads": config.num_key_value_heads,
+            "num_kv_heads": family_for(config).kv_heads(config),
             "head_dim": head_dim,
             "hidden_size": config.hidden_size,
             "max_position_embeddings": config.max_position_embeddings,
@@ -487,7 +488,7 @@ def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes)
             "layout": "BNSH",
             "dtype": DTYPES[dtype],
             "num_layers": config.num_hidden_layers,
-            "num_kv_heads": config.num_key_value_heads,
+            "num_kv_heads": family_for(config).kv_heads(config),
             "head_dim": head_dim,
             "max_capacity": config.max_position_embeddings,
         },

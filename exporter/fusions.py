@@ -105,12 +105,18 @@ def rotary_caches(model, max_positions: int, dtype) -> tuple[np.ndarray, np.ndar
     import torch
 
     rope = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rope is None:
+    # One table for every layer and every call: not Gemma 3's per-layer-type tables (rope_type is a
+    # dict there), nor LongRoPE's, which switches tables with the length of the call (and would
+    # switch the model's own buffer if asked for all positions at once).
+    if rope is None or not isinstance(getattr(rope, "rope_type", None), str) or rope.rope_type in ("longrope", "dynamic"):
         return None
     with torch.no_grad():
         positions = torch.arange(max_positions)[None]
         cos, sin = rope(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
+    config = model.config
+    if cos.shape[-1] != (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads):
+        return None  # partial rotary (Phi-4-mini): RoPE stays in the graph
     half = cos.shape[-1] // 2
     if not (np.array_equal(cos[:, :half], cos[:, half:]) and np.array_equal(sin[:, :half], sin[:, half:])):
         return None

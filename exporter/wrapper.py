@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from kvforge.models.families import family_for
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
 
 ATTN_IMPLEMENTATION = "kvforge"
@@ -80,6 +81,7 @@ class GraphWrapper(torch.nn.Module):
             raise ValueError(phase)
         self.model = model
         self.phase = phase
+        self.family = family_for(model.config)
 
     def forward(self, input_ids: torch.Tensor, past_lens: torch.Tensor, *rest: torch.Tensor):
         if self.phase == "prefill":
@@ -95,7 +97,8 @@ class GraphWrapper(torch.nn.Module):
         config = self.model.config
         saved, config._attn_implementation = config._attn_implementation, ATTN_IMPLEMENTATION
         try:
-            hidden = self.model.model(
+            # base_model: `model` for most families, `transformer` for GPT-2.
+            hidden = self.model.base_model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, kvforge_state=state
             ).last_hidden_state
         finally:
@@ -105,6 +108,6 @@ class GraphWrapper(torch.nn.Module):
         else:
             gather = logits_index[:, :, None].expand(-1, -1, hidden.shape[-1])
             selected = torch.gather(hidden, 1, gather)  # [B, K, H]
-        logits = self.model.lm_head(selected).float()
+        logits = self.family.finish_logits(config, self.model.lm_head(selected)).float()
         present = [tensor for pair in state.present for tensor in pair]
         return (logits, *present)

@@ -1,8 +1,10 @@
 """One adapter per supported architecture family: what the exporter needs to know beyond HF's code.
 
-HF's own modules still compute q/k/v, norms and RoPE; kvforge only replaces the attention kernel,
-so an adapter is small: which architectures belong to the family and how to read the attention
-attributes the fused node carries (sliding window, logit softcap).
+HF's own modules still compute embeddings, projections, norms, RoPE and positions; kvforge only
+replaces the attention kernel (HF hands it the per-layer scale, sliding window and softcap). So an
+adapter is small: which architectures belong to the family, what happens to the logits after
+`lm_head` (it runs outside HF's backbone, so the family says), and which of its options kvforge
+cannot export.
 """
 
 from __future__ import annotations
@@ -12,18 +14,68 @@ from typing import Any
 
 from kvforge.errors import UnsupportedModelError
 
+# Rotary variants whose tables HF computes from the positions alone, so they trace into the graph.
+# ("longrope" picks its short or long table from the largest position of the call, with torch.where.)
+# "dynamic" NTK scaling re-computes its frequencies in Python from the longest sequence seen so far.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
 
 @dataclass(frozen=True)
 class Family:
     model_type: str
     architectures: tuple[str, ...]
     notes: str
+    # Post-lm_head logit transforms, read from the config (0 / 1 = off): Gemma 2/3 soft-cap the
+    # final logits, Granite divides them by `logits_scaling`.
+    final_softcap_key: str | None = None
+    logits_divisor_key: str | None = None
 
     def head_dim(self, config: Any) -> int:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
-    def softcap(self, config: Any) -> float:
-        return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    def kv_heads(self, config: Any) -> int:
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPT-2: plain MHA
+
+    def final_softcap(self, config: Any) -> float:
+        return float(getattr(config, self.final_softcap_key, None) or 0.0) if self.final_softcap_key else 0.0
+
+    def logits_divisor(self, config: Any) -> float:
+        return float(getattr(config, self.logits_divisor_key, None) or 1.0) if self.logits_divisor_key else 1.0
+
+    def finish_logits(self, config: Any, logits: Any) -> Any:
+        """What the family's *ForCausalLM.forward does to lm_head's output (torch, in the graph)."""
+        divisor = self.logits_divisor(config)
+        if divisor != 1.0:
+            logits = logits / divisor
+        cap = self.final_softcap(config)
+        if cap > 0.0:
+            logits = (logits / cap).tanh() * cap
+        return logits
+
+    def check(self, config: Any) -> None:
+        """Options of a supported family that kvforge cannot export: fail naming the option."""
+        for where, params in _rope_parameter_sets(config):
+            rope_type = params.get("rope_type", params.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UnsupportedModelError(
+                    f"{self.model_type}: rope type {rope_type!r}{where} is not supported; kvforge exports "
+                    f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError(f"{self.model_type}: use_bidirectional_attention=True is not supported "
+                                        "(kvforge exports causal decoders)")
+        if self.model_type == "gpt2" and (getattr(config, "scale_attn_by_inverse_layer_idx", False)
+                                          or getattr(config, "reorder_and_upcast_attn", False)):
+            raise UnsupportedModelError("gpt2: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
+
+
+def _rope_parameter_sets(config: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(where, parameters) for each RoPE configuration of the model: one, or one per layer type."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return []
+    nested = [(f" (layer type {name})", value) for name, value in params.items() if isinstance(value, dict)]
+    return nested or [("", params)]
 
 
 FAMILIES: dict[str, Family] = {
@@ -33,6 +85,19 @@ FAMILIES: dict[str, Family] = {
         Family("mistral", ("MistralForCausalLM",), "sliding-window attention"),
         Family("qwen2", ("Qwen2ForCausalLM",), "q/k/v bias, optional sliding window"),
         Family("qwen3", ("Qwen3ForCausalLM",), "q/k RMSNorm, head_dim independent of hidden/heads"),
+        Family("phi3", ("Phi3ForCausalLM",), "Phi-3/3.5/4-mini: fused qkv and gate/up, LongRoPE, partial rotary"),
+        Family("gemma", ("GemmaForCausalLM",), "embedding scaling, RMSNorm +1, GeGLU, head_dim 256"),
+        Family("gemma2", ("Gemma2ForCausalLM",),
+               "attention and final-logit soft-capping, query_pre_attn_scalar, alternating sliding/global layers",
+               final_softcap_key="final_logit_softcapping"),
+        Family("gemma3_text", ("Gemma3ForCausalLM",),
+               "q/k norm, sliding/global layer pattern with their own RoPE bases (text model)",
+               final_softcap_key="final_logit_softcapping"),
+        Family("gpt2", ("GPT2LMHeadModel",), "learned absolute positions, multi-head attention, biases, LayerNorm"),
+        Family("olmo2", ("Olmo2ForCausalLM",), "post-norm blocks, q/k RMSNorm over all heads"),
+        Family("granite", ("GraniteForCausalLM",), "embedding, residual, attention and logit multipliers",
+               logits_divisor_key="logits_scaling"),
+        Family("smollm3", ("SmolLM3ForCausalLM",), "layers without RoPE (NoPE) between rotary layers"),
     )
 }
 
@@ -60,3 +125,27 @@ def family_for(config: Any) -> Family:
             f"kvforge supports {supported}"
         )
     return family
+
+
+# What each lowering target runs in, for the README's support table.
+TARGET_DTYPES = {
+    "ort": "fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` (measured on Llama and Qwen2)",
+    "onnx": "fp32, fp16, bf16 (any runtime with opset-24 Attention and TensorScatter)",
+    "trt": "fp16, bf16 (TensorRT on a GPU); fp32 through the CPU emulation",
+}
+
+
+def support_table() -> str:
+    """The README's table of supported families x targets, generated from FAMILIES and the recipes
+    (a test checks README against it, so the two cannot drift)."""
+    from kvforge.models.recipes import FAMILY_RECIPES, RECIPES
+
+    lines = ["| Family (`model_type`) | Architecture | What it exercises | `ort` | `onnx` | `trt` | Tiny recipes (parity-tested) |",
+             "|---|---|---|---|---|---|---|"]
+    for family in FAMILIES.values():
+        recipes = [f"`{name}`" for name in FAMILY_RECIPES if RECIPES[name].model_type == family.model_type]
+        lines.append(f"| `{family.model_type}` | {', '.join(family.architectures)} | {family.notes} | ✓ | ✓ | ✓ | "
+                     f"{', '.join(recipes)} |")
+    lines += ["", "| Target | dtypes |", "|---|---|"]
+    lines += [f"| `{target}` | {dtypes} |" for target, dtypes in TARGET_DTYPES.items()]
+    return "\n".join(lines)

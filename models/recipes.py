@@ -28,6 +28,11 @@ class Recipe:
     # could still reproduce HF's tokens. Scaling the projections that write into the residual
     # stream makes every layer (and the KV cache) matter for the logits.
     residual_scale: float = 2.0
+    # Gemma scales its embeddings by sqrt(hidden) and normalises every block's output, so random
+    # weights let the embedding drown the layers (greedy text collapses into one repeated token).
+    # Smaller embeddings and random norm gains (which also exercise Gemma's 1 + w) make layers count.
+    embedding_scale: float = 1.0
+    norm_std: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -55,6 +60,52 @@ RECIPES: dict[str, Recipe] = {
     "qwen3-tiny": Recipe(
         "qwen3", "Qwen3: q/k norm, head_dim 32 != hidden/heads 16",
         {**_TINY, "head_dim": 32, "tie_word_embeddings": False},
+    ),
+    "phi3-tiny": Recipe(
+        "phi3", "Phi-3: fused qkv and gate/up, LongRoPE (short factors: calls stay under its original length)",
+        {**_TINY, "tie_word_embeddings": False, "max_position_embeddings": 4096, "original_max_position_embeddings": 2048,
+         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                          "long_factor": [2.0 + 0.5 * i for i in range(8)]}},
+    ),
+    "phi4-mini-tiny": Recipe(
+        "phi3", "Phi-4-mini: partial rotary (0.75), LongRoPE with long factors (every call is past original_max 4)",
+        {**_TINY, "tie_word_embeddings": True, "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4,
+         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                          "long_factor": [2.0 + 0.5 * i for i in range(6)]}},
+    ),
+    "gemma-tiny": Recipe(
+        "gemma", "Gemma: embedding scaling, RMSNorm +1, GeGLU, head_dim 256, MQA",
+        {**_TINY, "head_dim": 256, "num_key_value_heads": 1, "hidden_activation": "gelu_pytorch_tanh",
+         "tie_word_embeddings": True},
+    ),
+    "gemma2-tiny": Recipe(
+        "gemma2", "Gemma 2: attention and final-logit softcaps, query_pre_attn_scalar, sliding (16) / global layers",
+        {**_TINY, "head_dim": 32, "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 24,
+         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 1.0, "tie_word_embeddings": True},
+        embedding_scale=0.1, norm_std=1.0,
+    ),
+    "gemma3-tiny": Recipe(
+        "gemma3_text", "Gemma 3 (text): q/k norm, sliding (16) / global layers with their own RoPE bases",
+        {**_TINY, "head_dim": 32, "num_hidden_layers": 3, "sliding_window": 16, "query_pre_attn_scalar": 24,
+         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+         "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": 1.0,
+         "tie_word_embeddings": True},
+        embedding_scale=0.1, norm_std=1.0,
+    ),
+    "gpt2-tiny": Recipe(
+        "gpt2", "GPT-2: learned positions, multi-head attention, biases, LayerNorm, Conv1D",
+        dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=2048,
+             initializer_range=0.2, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID),
+    ),
+    "olmo2-tiny": Recipe("olmo2", "OLMo 2: post-norm blocks, q/k RMSNorm", {**_TINY, "tie_word_embeddings": False}),
+    "granite-tiny": Recipe(
+        "granite", "Granite: embedding, residual, attention and logit multipliers",
+        {**_TINY, "embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.2,
+         "logits_scaling": 4.0, "tie_word_embeddings": True},
+    ),
+    "smollm3-tiny": Recipe(
+        "smollm3", "SmolLM3: a layer without RoPE (NoPE) after a rotary one",
+        {**_TINY, "no_rope_layers": [1, 0], "tie_word_embeddings": True},
     ),
     "demo-llama": Recipe(
         "llama", "the demo: a ~3M-parameter Llama (random weights)",
@@ -84,10 +135,10 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 
+# The tiny recipes every family's parity tests run (tests/test_families.py: at least one per family).
+FAMILY_RECIPES = [name for name in RECIPES if name.endswith("-tiny")]
+
 RECIPE_MARKER = "kvforge_recipe.json"
-
-_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-
 
 def build_model(name: str, seed: int = 0, dtype: str = "float32"):
     """The recipe's HF model with seeded random weights (needs the `export` extra)."""
@@ -95,13 +146,17 @@ def build_model(name: str, seed: int = 0, dtype: str = "float32"):
     import transformers
 
     recipe = _recipe(name)
-    config = getattr(transformers, _CONFIG_CLASSES[recipe.model_type])(**recipe.config)
+    config = transformers.AutoConfig.for_model(recipe.model_type, **recipe.config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         for module_name, param in model.named_parameters():
-            if module_name.endswith(("o_proj.weight", "down_proj.weight")):
+            if module_name.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight")):  # c_proj: GPT-2
                 param.mul_(recipe.residual_scale)
+            elif module_name.endswith("embed_tokens.weight"):
+                param.mul_(recipe.embedding_scale)
+            elif recipe.norm_std is not None and "norm" in module_name and module_name.endswith(".weight"):
+                param.normal_(0.0, recipe.norm_std)
     return model.eval()
 
 

@@ -36,10 +36,9 @@ def test_bench_against_hf_reports_medians_spread_and_ratios(exported, cache) -> 
     ours = report["systems"]["kvforge"]
     assert hf["decode_ratio_kvforge_over_peer"] == pytest.approx(ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"])
     assert 0 < ours["bandwidth_fraction"] and report["machine_bandwidth_gbps"] > 0
-    assert json.loads((cache / "bandwidth.json").read_text())["1"] == pytest.approx(report["machine_bandwidth_gbps"], rel=0.01)
     assert ours["export_s"] > 0 and report["export_profile_s"]["trace"] > 0
     table = bench.format_table(report)
-    assert "decode x" in table and "of this machine's measured" in table
+    assert "decode x" in table and "of the bandwidth this machine's probe measured" in table
 
 
 def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:

@@ -86,11 +86,13 @@ def test_chunked_prefill_equals_one_prefill(target: str, exported) -> None:
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path) -> None:
-    from transformers import GPT2Config
+    from transformers import FalconConfig
 
-    GPT2Config(n_layer=1, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path / "gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'gpt2' \(GPT2LMHeadModel\); kvforge supports .*LlamaForCausalLM"):
-        export_model(tmp_path / "gpt2", tmp_path / "out")
+    FalconConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                 architectures=["FalconForCausalLM"]).save_pretrained(tmp_path / "falcon")
+    with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'falcon' \(FalconForCausalLM\); kvforge supports "
+                       r"GPT2LMHeadModel.*Gemma2ForCausalLM.*LlamaForCausalLM.*Phi3ForCausalLM.*SmolLM3ForCausalLM"):
+        export_model(tmp_path / "falcon", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("torch")
 
 from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (tests/test_families.py: one per family)
 
-FAMILY_RECIPES = ["llama-tiny", "llama3-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
 ATOL_FP32 = 1e-3
 
 
@@ -25,7 +25,7 @@ def test_family_matches_hf_eager(recipe: str, target: str, sessions: str, hf_fol
         assert len(prompt.export_tokens) == 32
         assert prompt.max_abs_err <= ATOL_FP32, (recipe, target, prompt.step_max_abs_err)
         assert prompt.mismatched_steps == [] and prompt.tie_steps == []
-        assert prompt.hf_generate_tokens == prompt.export_tokens
+        assert prompt.generate_equal  # HF's generate(); it may stop at an EOS the export runs past
     assert report.passed, report.summary()
 
 
