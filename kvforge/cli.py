@@ -347,6 +347,30 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
 
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Rows of the running batch (requests decoded together).")
+@click.option("--max-seq-len", type=click.IntRange(2), default=None,
+              help="Positions per request, prompt + max_tokens (default: the export's max_capacity).")
+@click.option("--prefill-chunk", default=128, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens prefilled per step between decode steps of the running batch.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Requests that may wait; more get HTTP 429.")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ (default: none).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
+          max_queue: int, api_key: str | None, threads: int | None) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API with continuous batching."""
+    from kvforge.server import serve as run_server
+
+    click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
+    run_server(export_dir, host=host, port=port, max_batch=max_batch, max_seq_len=max_seq_len,
+               prefill_chunk=prefill_chunk, max_queue=max_queue, api_key=api_key, threads=threads)
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest.")
 @click.option("--json", "as_json", is_flag=True)
 def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:

@@ -39,3 +39,7 @@ class NumericalError(KvforgeError):
     def __init__(self, message: str, step: int | None = None) -> None:
         super().__init__(message)
         self.step = step
+
+
+class QueueFullError(KvforgeError):
+    """The serving scheduler's queue is full (HTTP 429)."""

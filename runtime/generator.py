@@ -225,8 +225,9 @@ class Generator:
 
     def score(self, ids: list[int]) -> np.ndarray:
         """Log-probabilities (natural log) the model gives each token of `ids` after the ones before
-        it: [len(ids) - 1] float64, teacher-forced one token per step over the in-place cache (the
-        graphs return logits for one position per row). For perplexity: exp(-mean)."""
+        it: [len(ids) - 1] float64, from one prefill call that returns the logits of every position
+        (like a Hugging Face forward over the whole window, so position-dependent choices such as
+        LongRoPE's short/long factors are made the same way). For perplexity: exp(-mean)."""
         rows, _ = self._prompt_ids([list(ids)])
         ids = rows[0]
         if len(ids) < 2:
@@ -234,18 +235,13 @@ class Generator:
         slot = self._acquire(1, choose_capacity(len(ids), self.max_capacity, None,
                                                 buckets=self.backend.limits.capacity_buckets))
         try:
-            cache = slot.cache
-            cache.reset()
-            out = np.empty(len(ids) - 1, dtype=np.float64)
-            logits = self._checked(self.backend.prefill(slot, np.array([ids[:1]]), np.zeros(1, np.int64)), 0)
-            for t in range(1, len(ids)):
-                row = logits[0].astype(np.float64)
-                peak = row.max()
-                out[t - 1] = row[ids[t]] - peak - np.log(np.exp(row - peak).sum())
-                cache.past_lens[:] = t
-                if t < len(ids) - 1:
-                    logits = self._checked(self.backend.decode(slot, np.array([ids[t]], np.int64)), t)
-            return out
+            slot.cache.reset()
+            positions = np.arange(len(ids) - 1, dtype=np.int64)[None]
+            logits = self._checked(self.backend.prefill(slot, np.array([ids], np.int64), positions), 0)
+            logits = logits[0].astype(np.float64)
+            peak = logits.max(axis=-1, keepdims=True)
+            log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+            return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
         finally:
             self._release(slot)
 

@@ -162,6 +162,13 @@ class KVCache(CacheState):
             max_capacity=kv.get("max_capacity"),
         )
 
+    def host_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The CPU buffers themselves (not copies), (key, value) per layer: the serving scheduler
+        moves rows between caches with them. Device caches have none."""
+        if self.device != "cpu":
+            raise InputError(f"the KV cache lives on {self.device}; only CPU caches expose host buffers")
+        return [(self._host[2 * i], self._host[2 * i + 1]) for i in range(self.num_layers)]
+
     def addresses(self) -> dict[str, int]:
         """Device address of every buffer, by graph input name."""
         out = {}

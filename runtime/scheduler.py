@@ -1,0 +1,417 @@
+"""Continuous batching for serving: requests join and leave one running batch between decode steps.
+
+One batch cache of `max_batch` rows is decoded in one graph run per step: every running request
+advances by one token, free rows are fed the pad token at a frozen `past_lens` (written, never
+read). A new request is prefilled alone on a one-row staging cache, in chunks of `prefill_chunk`
+tokens with a decode step of the running batch between chunks (so a long prompt does not stall
+the others), then its KV rows are copied into a free row of the batch cache. A finished request
+frees its row at once.
+
+Multi-turn reuse: when a request ends, the KV rows of its tokens (prompt + generated, except the
+last token, which was never fed back) are kept in a `PrefixStore` bounded in bytes (least recently
+used first out). A later prompt that starts with the same tokens, as the next turn of a chat does,
+copies those rows and prefills only what follows: the KV of position t depends only on tokens
+0..t, so the result is the same as prefilling everything.
+
+Torch-free; the backend must keep its KV cache in host memory (ort-cpu, emulate).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvforge.errors import CapacityError, InputError, KvforgeError, QueueFullError
+from kvforge.runtime.sampling import Sampler, SamplingConfig
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    """New output of one request: token ids and the stable text they add ("" while held back)."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" (EOS, stop token or stop string) | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    prefilled_tokens: int  # prompt positions actually run through the graph
+    cached_tokens: int  # prompt positions copied from a previous turn
+    ttft_ms: float | None
+    error: str | None = None
+
+
+Event = Delta | Done
+
+
+class RequestHandle:
+    """What `Scheduler.submit` returns: iterate it (blocking) for Delta events ending with Done, or
+    pass `on_event` to submit to receive them from the scheduler thread instead."""
+
+    def __init__(self, request: ServeRequest, request_id: int, on_event: Callable[[Event], None] | None) -> None:
+        self.request = request
+        self.id = request_id
+        self._queue: queue.Queue[Event] | None = None if on_event is not None else queue.Queue()
+        self._on_event = on_event if on_event is not None else self._queue.put  # type: ignore[union-attr]
+        self.cancelled = threading.Event()
+        self.done: Done | None = None
+
+    def cancel(self) -> None:
+        """Stop generating for this request (the client went away); it ends with "cancelled"."""
+        self.cancelled.set()
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Done):
+            self.done = event
+        self._on_event(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._queue is None:
+            raise RuntimeError("this request delivers its events to on_event")
+        while True:
+            event = self._queue.get()
+            yield event
+            if isinstance(event, Done):
+                return
+
+    def result(self) -> tuple[list[int], str, Done]:
+        """Block until the request ends: (token ids, text, Done)."""
+        tokens, text = [], []
+        for event in self:
+            if isinstance(event, Delta):
+                tokens += event.token_ids
+                text.append(event.text)
+        assert self.done is not None
+        return tokens, "".join(text), self.done
+
+
+class PrefixStore:
+    """KV rows of finished requests by their token sequence, least recently used evicted first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]] = (
+            collections.OrderedDict())
+        self._ids = itertools.count()
+        self.hits = 0
+
+    def lookup(self, prompt: list[int]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]] | None]:
+        """The longest stored prefix of `prompt` (at most len(prompt) - 1 positions: the last prompt
+        token is always run, for its logits) and that entry's KV (rows beyond it are not used)."""
+        best, best_key = 0, None
+        tokens = np.asarray(prompt, dtype=np.int64)
+        for key, (stored, _) in self._entries.items():
+            n = min(len(stored), len(tokens) - 1)
+            if n <= best:
+                continue
+            differ = np.flatnonzero(stored[:n] != tokens[:n])
+            common = int(differ[0]) if differ.size else n
+            if common > best:
+                best, best_key = common, key
+        if best_key is None:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        self.hits += 1
+        return best, self._entries[best_key][1]
+
+    def store(self, tokens: list[int], kv: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        if size > self.budget_bytes or not tokens:
+            return
+        new = np.asarray(tokens, dtype=np.int64)
+        # An entry that is a prefix of the new one is superseded by it.
+        for key, (stored, _kv) in list(self._entries.items()):
+            if len(stored) <= len(new) and np.array_equal(stored, new[: len(stored)]):
+                self._drop(key)
+        self._entries[next(self._ids)] = (new, kv)
+        self.bytes += size
+        while self.bytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: int) -> None:
+        _, kv = self._entries.pop(key)
+        self.bytes -= sum(k.nbytes + v.nbytes for k, v in kv)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class _Active:
+    """A request being prefilled or decoded."""
+
+    def __init__(self, handle: RequestHandle, detok: Any) -> None:
+        self.handle = handle
+        self.request = handle.request
+        self.sampler = Sampler(self.request.sampling)
+        self.detok = detok
+        self.tokens: list[int] = []
+        self.row = -1
+        self.prefilled = 0  # prompt positions in the staging cache
+        self.cached = 0
+        self.started = time.perf_counter()
+        self.ttft_ms: float | None = None
+        self.text = ""  # all stable text so far
+        self.sent = 0  # characters of it already emitted
+
+
+class Scheduler:
+    """Continuous batching over `generator`'s backend (see the module docstring). Start it with
+    `start()` (a daemon thread) and stop it with `close()`."""
+
+    def __init__(self, generator: Any, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
+                 max_queue: int = 64, prefix_cache_bytes: int = 256 << 20) -> None:
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        self.generator = generator
+        self.backend = generator.backend
+        limits = self.backend.limits
+        if limits.max_batch is not None and max_batch > limits.max_batch:
+            raise InputError(f"max_batch {max_batch} exceeds what backend {self.backend.name} runs ({limits.max_batch})")
+        self.capacity = limits.max_capacity if max_seq_len is None else int(max_seq_len)
+        if not 2 <= self.capacity <= limits.max_capacity:
+            raise InputError(f"max_seq_len must be between 2 and the export's {limits.max_capacity}, got {max_seq_len!r}")
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.slot = self.backend.allocate(max_batch, self.capacity)
+        self.stage = self.backend.allocate(1, self.capacity)
+        if not hasattr(self.slot.cache, "host_layers"):
+            raise InputError(f"serving needs a backend whose KV cache is in host memory (ort-cpu, emulate), "
+                             f"not {self.backend.name}")
+        self._rows = self.slot.cache.host_layers()
+        self._stage_rows = self.stage.cache.host_layers()
+        self.prefixes = PrefixStore(prefix_cache_bytes)
+        self.pad = generator.pad_token_id
+        self.eos = generator.eos_token_ids
+        self._waiting: collections.deque[_Active] = collections.deque()
+        self._prefilling: _Active | None = None
+        self._running: list[_Active | None] = [None] * max_batch
+        self._cond = threading.Condition()
+        self._closed = False
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self.stats = {"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
+                      "decode_steps": 0, "ttft_ms_sum": 0.0, "ttft_count": 0, "decode_seconds": 0.0,
+                      "rejected": 0}
+
+    # -- public -------------------------------------------------------------------------------------
+    def start(self) -> Scheduler:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvforge-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, request: ServeRequest, on_event: Callable[[Event], None] | None = None) -> RequestHandle:
+        """Queue a request. Raises InputError / CapacityError for a request that can never run and
+        QueueFullError when `max_queue` requests already wait."""
+        prompt = request.prompt_ids
+        if not prompt:
+            raise InputError("the prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.generator.vocab_size
+               for t in prompt):
+            raise InputError(f"prompt token ids must be integers in [0, {self.generator.vocab_size})")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise InputError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        needed = len(prompt) + request.max_tokens - 1
+        if needed > self.capacity:
+            raise CapacityError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({request.max_tokens}) needs "
+                                f"{needed} positions; this server holds {self.capacity} per request")
+        if request.stop and self.generator.tokenizer is None:
+            raise InputError("stop strings need the export's tokenizer.json")
+        handle = RequestHandle(request, next(self._ids), on_event)
+        detok = self.generator.tokenizer.incremental() if self.generator.tokenizer is not None else None
+        with self._cond:
+            if self._closed:
+                raise KvforgeError("the scheduler is closed")
+            if len(self._waiting) >= self.max_queue:
+                self.stats["rejected"] += 1
+                raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})")
+            self._waiting.append(_Active(handle, detok))
+            self.stats["requests"] += 1
+            self._cond.notify_all()
+        return handle
+
+    def snapshot(self) -> dict[str, Any]:
+        """Gauges and counters for /metrics."""
+        with self._cond:
+            out = dict(self.stats)
+            out["waiting"] = len(self._waiting) + (self._prefilling is not None)
+            out["running"] = sum(a is not None for a in self._running)
+            out["prefix_entries"] = len(self.prefixes)
+            out["prefix_bytes"] = self.prefixes.bytes
+        return out
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._waiting and self._prefilling is None and not any(self._running):
+                    self._cond.wait()
+                if self._closed:
+                    break
+            try:
+                self._prefill_chunk()
+                self._decode_step()
+            except Exception as err:  # a backend failure ends every request in flight, not the server
+                message = str(err) if isinstance(err, KvforgeError) else f"{type(err).__name__}: {err}"
+                self._fail_all(message)
+        self._fail_all("the server is shutting down", reason="cancelled")
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        with self._cond:
+            active = [a for a in self._running if a is not None] + list(self._waiting)
+            if self._prefilling is not None:
+                active.append(self._prefilling)
+            self._running = [None] * self.max_batch
+            self._waiting.clear()
+            self._prefilling = None
+        for a in active:
+            self._finish(a, reason, error=message if reason == "error" else None, keep=False)
+
+    def _free_row(self) -> int | None:
+        return next((r for r, a in enumerate(self._running) if a is None), None)
+
+    def _prefill_chunk(self) -> None:
+        if self._prefilling is None:
+            with self._cond:
+                if not self._waiting or self._free_row() is None:
+                    return
+                active = self._waiting.popleft()
+            if active.handle.cancelled.is_set():
+                self._finish(active, "cancelled", keep=False)
+                return
+            self._prefilling = active
+            prompt = active.request.prompt_ids
+            cached, kv = self.prefixes.lookup(prompt)
+            if cached:
+                for (key, value), (stored_k, stored_v) in zip(self._stage_rows, kv, strict=True):
+                    key[0, :, :cached] = stored_k[:, :cached]
+                    value[0, :, :cached] = stored_v[:, :cached]
+            active.cached = active.prefilled = cached
+            self.stage.cache.past_lens[0] = cached
+        active = self._prefilling
+        if active.handle.cancelled.is_set():
+            self._prefilling = None
+            self._finish(active, "cancelled", keep=False)
+            return
+        prompt = active.request.prompt_ids
+        chunk = prompt[active.prefilled: active.prefilled + self.prefill_chunk]
+        logits = self.generator._checked(
+            self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64)), 0)
+        active.prefilled += len(chunk)
+        self.stage.cache.past_lens[0] = active.prefilled
+        if active.prefilled < len(prompt):
+            return
+        first = int(active.sampler(logits)[0])
+        row = self._free_row()
+        assert row is not None  # only this thread takes rows
+        for (key, value), (skey, svalue) in zip(self._rows, self._stage_rows, strict=True):
+            key[row, :, : len(prompt)] = skey[0, :, : len(prompt)]
+            value[row, :, : len(prompt)] = svalue[0, :, : len(prompt)]
+        self.slot.cache.past_lens[row] = len(prompt)
+        active.row = row
+        self._prefilling = None
+        with self._cond:
+            self._running[row] = active
+        active.ttft_ms = (time.perf_counter() - active.started) * 1e3
+        self.stats["prefilled_tokens"] += len(prompt) - active.cached
+        self.stats["cached_tokens"] += active.cached
+        self.stats["ttft_ms_sum"] += active.ttft_ms
+        self.stats["ttft_count"] += 1
+        self._accept(active, first)
+
+    def _decode_step(self) -> None:
+        live = [a for a in self._running if a is not None]
+        for a in live:
+            if a.handle.cancelled.is_set():
+                self._release(a, "cancelled", keep=False)
+        live = [a for a in self._running if a is not None]
+        if not live:
+            return
+        started = time.perf_counter()
+        feed = np.full(self.max_batch, self.pad, dtype=np.int64)
+        running = np.zeros(self.max_batch, dtype=bool)
+        for a in live:
+            feed[a.row] = a.tokens[-1]
+            running[a.row] = True
+        logits = self.generator._checked(self.backend.decode(self.slot, feed, running), 1)
+        self.slot.cache.past_lens[running] += 1
+        self.stats["decode_steps"] += 1
+        for a in live:
+            self._accept(a, int(a.sampler(logits[a.row: a.row + 1])[0]))
+        self.stats["decode_seconds"] += time.perf_counter() - started
+
+    # -- one token ----------------------------------------------------------------------------------
+    def _accept(self, a: _Active, token: int) -> None:
+        a.tokens.append(token)
+        self.stats["completion_tokens"] += 1
+        request = a.request
+        reason = None
+        if (token in self.eos and not request.ignore_eos) or token in request.stop_token_ids:
+            reason = "stop"
+        elif len(a.tokens) >= request.max_tokens:
+            reason = "length"
+        text = ""
+        if a.detok is not None:  # special tokens (EOS) decode to nothing
+            text = a.detok.add(token) + (a.detok.flush() if reason is not None else "")
+        a.text += text
+        emit_upto = len(a.text)
+        if request.stop:
+            hits = [i for i in (a.text.find(s, max(0, a.sent - len(s))) for s in request.stop) if i >= 0]
+            if hits:
+                emit_upto, reason = min(hits), "stop"
+            elif reason is None:
+                # Hold back what could be the start of a stop string.
+                emit_upto = max(a.sent, len(a.text) - max(len(s) for s in request.stop) + 1)
+        delta = a.text[a.sent: emit_upto]
+        a.sent = max(a.sent, emit_upto)
+        a.handle.emit(Delta([token], delta))
+        if reason is not None:
+            self._release(a, reason)
+
+    def _release(self, a: _Active, reason: str, keep: bool = True) -> None:
+        with self._cond:
+            if a.row >= 0 and self._running[a.row] is a:
+                self._running[a.row] = None
+        self._finish(a, reason, keep=keep)
+
+    def _finish(self, a: _Active, reason: str, error: str | None = None, keep: bool = True) -> None:
+        if keep and a.row >= 0 and a.tokens:
+            # Positions written for this request: the prompt and every generated token but the last.
+            written = list(a.request.prompt_ids) + a.tokens[:-1]
+            n = len(written)
+            self.prefixes.store(written, [(k[a.row, :, :n].copy(), v[a.row, :, :n].copy()) for k, v in self._rows])
+        if a.row >= 0:
+            self.slot.cache.past_lens[a.row] = 0
+        a.handle.emit(Done(reason, len(a.request.prompt_ids), len(a.tokens), a.prefilled - a.cached, a.cached,
+                           a.ttft_ms, error))
