@@ -359,14 +359,25 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
               help="Requests that may wait; more get HTTP 429.")
 @click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ (default: none).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
+@click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
-          max_queue: int, api_key: str | None, threads: int | None) -> None:
+          max_queue: int, api_key: str | None, threads: int | None, use_ray: bool, replicas: int,
+          ray_address: str | None) -> None:
     """Serve an export over an OpenAI-compatible HTTP API with continuous batching."""
+    options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
+                   api_key=api_key, threads=threads)
+    where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
+    click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 with {where} (Ctrl-C stops)", err=True)
+    if use_ray:
+        from kvforge.serve_ray import run as run_ray
+
+        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, **options)
+        return
     from kvforge.server import serve as run_server
 
-    click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 (Ctrl-C stops)", err=True)
-    run_server(export_dir, host=host, port=port, max_batch=max_batch, max_seq_len=max_seq_len,
-               prefill_chunk=prefill_chunk, max_queue=max_queue, api_key=api_key, threads=threads)
+    run_server(export_dir, host=host, port=port, **options)
 
 
 @main.command()
