@@ -22,6 +22,7 @@ import uvicorn  # noqa: E402
 
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.scheduler import ServeRequest  # noqa: E402
 from kvforge.server import create_app  # noqa: E402
 
 KEY = "test-key"
@@ -203,3 +204,19 @@ def test_chat_without_a_template_is_a_400(exported) -> None:
         response = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert response.status_code == 400
         assert "has no chat template" in response.json()["error"]["message"]
+
+
+def test_full_queue_is_429_and_a_closed_scheduler_is_503(exported) -> None:
+    from fastapi.testclient import TestClient
+
+    app = create_app(exported("llama-tiny", "ort"), max_batch=1, max_seq_len=64, max_queue=1)
+    scheduler = app.state.scheduler
+    with TestClient(app) as client:
+        scheduler.close()  # stop the loop so that queued requests stay queued
+        scheduler._closed = False  # ... but keep accepting them: the queue fills
+        scheduler.submit(ServeRequest([5, 6], 2))
+        full = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        scheduler._closed = True
+        closed = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+        assert closed.status_code == 503 and "closed" in closed.json()["error"]["message"]
