@@ -255,7 +255,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     @app.get("/metrics")
     async def metrics():
         s = scheduler.snapshot()
-        decode_tps = s["completion_tokens"] / s["decode_seconds"] if s["decode_seconds"] else 0.0
+        decode_tps = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else 0.0
         ttft = s["ttft_ms_sum"] / s["ttft_count"] / 1e3 if s["ttft_count"] else 0.0
         lines = [
             ("kvforge_queue_length", "gauge", "requests waiting or being prefilled", s["waiting"]),
@@ -265,7 +265,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             ("kvforge_completion_tokens_total", "counter", "tokens generated", s["completion_tokens"]),
             ("kvforge_prefill_tokens_total", "counter", "prompt tokens run through the graph", s["prefilled_tokens"]),
             ("kvforge_cached_prompt_tokens_total", "counter", "prompt tokens reused from earlier turns", s["cached_tokens"]),
-            ("kvforge_decode_tokens_per_second", "gauge", "tokens generated per second of decode steps", decode_tps),
+            ("kvforge_decode_tokens_per_second", "gauge", "tokens per second of decode steps (all rows together)",
+             decode_tps),
             ("kvforge_time_to_first_token_seconds_mean", "gauge", "mean time to first token", ttft),
         ]
         text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)

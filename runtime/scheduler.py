@@ -214,7 +214,7 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
-                      "decode_steps": 0, "ttft_ms_sum": 0.0, "ttft_count": 0, "decode_seconds": 0.0,
+                      "decode_steps": 0, "decode_tokens": 0, "ttft_ms_sum": 0.0, "ttft_count": 0, "decode_seconds": 0.0,
                       "rejected": 0}
 
     # -- public -------------------------------------------------------------------------------------
@@ -367,6 +367,7 @@ class Scheduler:
         logits = self.generator._checked(self.backend.decode(self.slot, feed, running), 1)
         self.slot.cache.past_lens[running] += 1
         self.stats["decode_steps"] += 1
+        self.stats["decode_tokens"] += len(live)
         for a in live:
             self._accept(a, int(a.sampler(logits[a.row: a.row + 1])[0]))
         self.stats["decode_seconds"] += time.perf_counter() - started
