@@ -352,7 +352,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Rows of the running batch (requests decoded together).")
 @click.option("--max-seq-len", type=click.IntRange(2), default=None,
-              help="Positions per request, prompt + max_tokens (default: the export's max_capacity).")
+              help="Positions per request, prompt + max_tokens (default: the export's max_capacity, at most 4096).")
 @click.option("--prefill-chunk", default=128, show_default=True, type=click.IntRange(1),
               help="Prompt tokens prefilled per step between decode steps of the running batch.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),

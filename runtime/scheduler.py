@@ -32,6 +32,8 @@ import numpy as np
 from kvforge.errors import CapacityError, InputError, KvforgeError, QueueFullError
 from kvforge.runtime.sampling import Sampler, SamplingConfig
 
+DEFAULT_MAX_SEQ_LEN = 4096
+
 
 @dataclass(frozen=True)
 class ServeRequest:
@@ -190,7 +192,9 @@ class Scheduler:
         limits = self.backend.limits
         if limits.max_batch is not None and max_batch > limits.max_batch:
             raise InputError(f"max_batch {max_batch} exceeds what backend {self.backend.name} runs ({limits.max_batch})")
-        self.capacity = limits.max_capacity if max_seq_len is None else int(max_seq_len)
+        # The batch cache holds max_batch x max_seq_len positions up front (SmolLM2-135M fp32: 45 KiB per
+        # position-row), so the default stops at 4096 rather than the model's full context.
+        self.capacity = min(limits.max_capacity, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else int(max_seq_len)
         if not 2 <= self.capacity <= limits.max_capacity:
             raise InputError(f"max_seq_len must be between 2 and the export's {limits.max_capacity}, got {max_seq_len!r}")
         self.max_batch = max_batch
