@@ -369,15 +369,18 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
                    api_key=api_key, threads=threads)
     where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
-    click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 with {where} (Ctrl-C stops)", err=True)
+
+    def ready() -> None:  # said once the app is built, so a bad export fails with one line only
+        click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 with {where} (Ctrl-C stops)", err=True)
+
     if use_ray:
         from kvforge.serve_ray import run as run_ray
 
-        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, **options)
+        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready, **options)
         return
     from kvforge.server import serve as run_server
 
-    run_server(export_dir, host=host, port=port, **options)
+    run_server(export_dir, host=host, port=port, ready=ready, **options)
 
 
 @main.command()

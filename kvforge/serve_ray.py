@@ -14,6 +14,7 @@ others), the export folder must exist at the same path on every node that may ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +59,14 @@ def deployment(export_dir: str | Path, *, replicas: int = 2, autoscaling_config:
 
 
 def run(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, replicas: int = 2,
-        address: str | None = None, **app_options: Any) -> None:
+        address: str | None = None, ready: Callable[[], None] | None = None, **app_options: Any) -> None:
     """Start (or join, with `address`) a Ray instance and serve until interrupted."""
     serve = _ray_serve()
+    app = deployment(export_dir, replicas=replicas, **app_options)  # checks the folder before Ray starts
     import ray
 
     ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(deployment(export_dir, replicas=replicas, **app_options), route_prefix="/", blocking=True)
+    if ready is not None:
+        ready()
+    serve.run(app, route_prefix="/", blocking=True)

@@ -16,6 +16,7 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,10 +276,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     return app
 
 
-def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> None:
-    """Run the app with uvicorn until interrupted."""
+def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
+          ready: Callable[[], None] | None = None, **options: Any) -> None:
+    """Run the app with uvicorn until interrupted; `ready()` is called once the app is built."""
     _require()
     import uvicorn
 
     app = create_app(export_dir, **options)
+    if ready is not None:
+        ready()
     uvicorn.run(app, host=host, port=port, log_level="warning")
