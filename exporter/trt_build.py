@@ -1,17 +1,22 @@
 """`kvforge build`: an export folder's graphs -> TensorRT engines (prefill + decode, or one engine with two
 profiles), written atomically into the engine folder with engines.json (runtime/engine_plan.py).
 
-The `trt` target's attention is kvforge's plugin (registered before parsing, its PTX compiled for this
-GPU); the `onnx` target's standard Attention + TensorScatter are imported natively by TensorRT >= 10.15.
-Engines are reused when nothing they depend on changed (runtime/engine_plan.build_key).
+Works with standard TensorRT (>= 10.15, on a GPU) or TensorRT for RTX (ahead of time, on any machine,
+CPU included), through runtime/tensorrt_flavor.py.
 
-Written against TensorRT's documented Python API (10.15+ and 11.x); not run here: no machine of this
-project has had TensorRT. Everything it decides is plain data from engine_plan, tested on the CPU.
+- `onnx` target: standard Attention + TensorScatter, imported natively as TensorRT's attention and
+  KV-cache-update layers. The KV-cache-update layer needs the cache's capacity static, so the graphs'
+  capacity dimension is fixed to --max-seq-len while parsing (in memory: the weights file is read
+  where it lies, never copied). Attention that TensorRT has no dedicated kernel for (fp32, small head
+  dims) is marked decomposable and rebuilt; engines.json says which engines needed it.
+- `trt` target: kvforge's plugin (registered before parsing, its PTX compiled for the GPU) through
+  `tensorrt.plugin`; TensorRT-RTX has no such module, so there it is refused in one line.
+
+Engines are reused when nothing they depend on changed (runtime/engine_plan.build_key).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import time
 from collections.abc import Callable
@@ -20,6 +25,7 @@ from typing import Any
 
 from kvforge import __version__
 from kvforge.errors import BackendUnavailableError, ExportError, InputError
+from kvforge.exporter.trt_graph import tensorrt_graph
 from kvforge.manifest import file_record, load_manifest, read_graph
 from kvforge.output_folder import StagedFolder, check_output
 from kvforge.runtime.engine_plan import (
@@ -32,37 +38,49 @@ from kvforge.runtime.engine_plan import (
     engines_manifest,
     profile_shapes,
     resolve_build_options,
+    static_capacity,
 )
+from kvforge.runtime.tensorrt_flavor import RTX_PORTABLE, TensorRT, load_tensorrt
 
-MIN_TENSORRT = (10, 15)
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+# TensorRT's builder says this when an attention layer has no dedicated kernel for its shape and dtype.
+NEEDS_DECOMPOSABLE = "not supported by a dedicated kernel"
 
 
-def require_tensorrt_and_gpu() -> tuple[Any, dict[str, str]]:
-    """TensorRT's module and the GPU's {name, compute_capability}, or one clear error naming what is
-    missing. Nothing is imported from TensorRT before this check."""
-    missing = [name for name in ("tensorrt", "cuda") if importlib.util.find_spec(name) is None]
-    if missing:
-        names = {"tensorrt": "TensorRT's Python package (tensorrt)", "cuda": "cuda-python (cuda.bindings)"}
+def build_target(trt: TensorRT) -> dict[str, str]:
+    """The GPU the engines are built for: this machine's (standard TensorRT, which needs one), or
+    TensorRT-RTX's portable set (its ahead-of-time build needs none)."""
+    if trt.builds_without_gpu:
+        return {"name": "any supported GPU (ahead-of-time build)", "compute_capability": RTX_PORTABLE}
+    try:
+        from kvforge.runtime import cuda
+
+        count = cuda.device_count()
+    except BackendUnavailableError as err:
         raise BackendUnavailableError(
-            f"kvforge build needs {' and '.join(names[m] for m in missing)}, not installed here: on a machine "
-            "with an NVIDIA GPU, pip install 'kvforge[trt]' (TensorRT >= 10.15; see README, GPU machines)"
-        )
-    from kvforge.runtime import cuda
-
-    if cuda.device_count() == 0:
-        raise BackendUnavailableError("kvforge build needs an NVIDIA GPU to build for; CUDA reports none")
-    import tensorrt as trt
-
-    if _version_tuple(trt.__version__) < MIN_TENSORRT:
+            f"kvforge build with {trt.label} needs cuda-python (cuda.bindings) and an NVIDIA GPU: pip install "
+            "'kvforge[trt]' on a GPU machine, or build on any machine with TensorRT-RTX (pip install 'kvforge[trt-rtx]')"
+        ) from err
+    if count == 0:
         raise BackendUnavailableError(
-            f"kvforge build needs TensorRT >= {'.'.join(map(str, MIN_TENSORRT))} (its ONNX parser imports "
-            f"Attention/TensorScatter and aliased plugin IO), found {trt.__version__}"
+            f"kvforge build with {trt.label} needs an NVIDIA GPU to build for; CUDA reports none (TensorRT-RTX "
+            "builds without one: pip install 'kvforge[trt-rtx]')"
         )
-    return trt, cuda.device_info(0)
+    return cuda.device_info(0)
+
+
+def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] | None:
+    """For the `trt` target: refuse where the plugin cannot be built, else what its PTX depends on."""
+    if manifest["target"] != "trt":
+        return None
+    if trt.plugin_module() is None:
+        raise BackendUnavailableError(
+            f"a trt-target export cannot be built with {trt.label}: kvforge's attention plugin is embedded "
+            "through tensorrt.plugin (ahead-of-time kernels), which TensorRT-RTX does not have; export with "
+            "--target onnx (TensorRT's own attention), or build on a GPU machine with TensorRT >= 10.15"
+        )
+    from kvforge.plugins.ptx import kernel_identity
+
+    return kernel_identity()
 
 
 def build_engines(
@@ -75,8 +93,10 @@ def build_engines(
     single_engine: bool = False,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    tensorrt: str = "auto",
 ) -> dict[str, Any]:
-    """Build (or reuse) the engines of an export folder; returns engines.json's content."""
+    """Build (or reuse) the engines of an export folder; returns engines.json's content. `tensorrt`:
+    "auto", "tensorrt" or "tensorrt-rtx" (runtime/tensorrt_flavor.py)."""
     say = progress or (lambda _msg: None)
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
@@ -88,36 +108,43 @@ def build_engines(
             f"{export_dir / ENGINE_DIR_NAME})"
         )
     check_output(engine_dir, [], force=True, marker=ENGINES_MANIFEST, what="kvforge engine folder")
-    trt, gpu = require_tensorrt_and_gpu()
-    key = build_key(manifest, options, trt.__version__, gpu["compute_capability"], __version__)
+    trt = load_tensorrt(tensorrt)
+    plugin = _plugin_identity(trt, manifest)
+    gpu = build_target(trt)
+    key = build_key(manifest, options, trt.record(), gpu["compute_capability"], __version__, plugin)
     existing = _up_to_date(engine_dir, key)
     if existing is not None and not force:
         say(f"engines in {engine_dir} are up to date (same graphs, options, TensorRT and GPU); --force rebuilds")
         return existing
-    if manifest["target"] == "trt":
+    if plugin is not None:
         from kvforge.plugins import trt_plugin
 
         trt_plugin.register()
     started = time.perf_counter()
     timing = (engine_dir / TIMING_CACHE).read_bytes() if (engine_dir / TIMING_CACHE).is_file() else b""
+    builds: dict[str, dict[str, Any]] = {}
     with StagedFolder(engine_dir, ENGINES_MANIFEST, what="kvforge engine folder", say=say) as staged:
         staging = staged.path
         assert staging is not None
-        built: set[str] = set()
         for entry in engine_layout(options).values():
-            if entry["file"] in built:
+            if entry["file"] in builds:
                 continue
-            say(f"building {entry['file']} from {entry['graph']}.onnx on {gpu['name']} (TensorRT {trt.__version__})")
-            data, timing = _build_one(trt, export_dir, manifest, options, entry["graph"], timing, say)
+            say(f"building {entry['file']} from {entry['graph']}.onnx for {gpu['name']} ({trt.label})")
+            one = time.perf_counter()
+            data, timing, attention = _build_one(trt, export_dir, manifest, options, entry["graph"], timing, say)
             (staging / entry["file"]).write_bytes(data)
-            built.add(entry["file"])
-        (staging / TIMING_CACHE).write_bytes(timing)
-        files = {name: file_record(staging / name) for name in sorted(built)}
-        record = engines_manifest(export_dir, manifest, options, key, trt.__version__, gpu, files,
-                                  time.perf_counter() - started, __version__)
+            builds[entry["file"]] = {"seconds": round(time.perf_counter() - one, 2), "bytes": len(data),
+                                     "attention": attention}
+            say(f"built {entry['file']}: {len(data) / 1e6:.1f} MB in {builds[entry['file']]['seconds']:.1f}s "
+                f"(attention: {attention})")
+        if timing:
+            (staging / TIMING_CACHE).write_bytes(timing)
+        files = {name: file_record(staging / name) for name in sorted(builds)}
+        record = engines_manifest(export_dir, manifest, options, key, trt.record(), gpu, files,
+                                  time.perf_counter() - started, __version__, builds)
         (staging / ENGINES_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
         staged.publish()
-    say(f"built {', '.join(sorted(built))} in {time.perf_counter() - started:.1f}s into {engine_dir}")
+    say(f"built {', '.join(sorted(builds))} in {time.perf_counter() - started:.1f}s into {engine_dir}")
     return record
 
 
@@ -136,38 +163,108 @@ def _up_to_date(engine_dir: Path, key: str) -> dict[str, Any] | None:
     return record
 
 
-def _build_one(trt: Any, export_dir: Path, manifest: dict[str, Any], options: BuildOptions, graph: str,
-               timing: bytes, say: Callable[[str], None]) -> tuple[bytes, bytes]:
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    # Strongly typed: every tensor keeps the export's dtype (fp16/bf16/fp32), plugin IO included.
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
+class _Log:
+    """TensorRT's logger for one build: warnings and errors kept, to explain a failed build in one line."""
+
+    def __init__(self, trt: TensorRT) -> None:
+        base = trt.module.ILogger
+        messages: list[str] = []
+        severity = trt.module.ILogger.Severity
+
+        class Logger(base):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                base.__init__(self)
+
+            def log(self, level: Any, msg: str) -> None:
+                if level in (severity.INTERNAL_ERROR, severity.ERROR):
+                    messages.append(msg)
+
+        self.logger = Logger()
+        self.errors = messages
+
+
+def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest: dict[str, Any],
+             options: BuildOptions, graph: str) -> tuple[Any, Any, int]:
+    """Parse `graph` into a strongly typed network (every tensor keeps the export's dtype, plugin IO
+    included), as exporter/trt_graph.py rewrites it for TensorRT; also how many softcapped attention
+    nodes had to be decomposed. The weights stay in the export's file; the parser reads them there."""
     read_graph(export_dir, manifest, graph)  # checks the file's sha256 before TensorRT reads it
-    if not parser.parse_from_file(str(export_dir / manifest["graphs"][graph]["file"])):
+    path = export_dir / manifest["graphs"][graph]["file"]
+    caches = {entry["name"] for entry in manifest["graphs"][graph]["inputs"]
+              if entry["name"].startswith(("past_key.", "past_value."))}
+    caches |= {name.replace("past_", "present_") for name in caches}
+    model = manifest["model"]
+    proto, decomposed = tensorrt_graph(path, caches, options.max_seq_len if static_capacity(manifest) else None,
+                                       int(model["num_heads"]), int(model["num_kv_heads"]), int(model["head_dim"]))
+    network = builder.create_network(1 << int(trt.module.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.module.OnnxParser(network, log.logger)
+    if not parser.parse(proto.SerializeToString(), str(path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise ExportError(f"TensorRT could not parse {graph}.onnx: {errors}")
+        raise ExportError(f"{trt.label} could not parse {graph}.onnx: {errors}")
+    return network, parser, decomposed
+
+
+def _attention_layers(trt: TensorRT, network: Any) -> list[Any]:
+    layers = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.module.LayerType.ATTENTION_INPUT:
+            layer.__class__ = trt.module.IAttentionInputLayer  # the Python binding's way to downcast
+            layers.append(layer)
+    return layers
+
+
+def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], options: BuildOptions, graph: str,
+               timing: bytes, say: Callable[[str], None]) -> tuple[bytes, bytes, str]:
+    """One engine's bytes, the updated timing cache, and how its attention was built: "fused"
+    (TensorRT's dedicated kernels), "decomposed" (no dedicated kernel for this shape and dtype: marked
+    decomposable and rebuilt) or "plugin" (kvforge's kernel)."""
+    log = _Log(trt)
+    builder = trt.module.Builder(log.logger)
+    network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, options, graph)
+    # TensorRT's attention layer cannot softcap: those layers are plain ops (exporter/trt_graph.py).
+    attention = "plugin" if manifest["target"] == "trt" else "decomposed (softcap)" if softcapped else "fused"
+    for attempt in ("fused", "decomposed"):
+        if attempt == "decomposed":
+            say(f"  {trt.label} has no dedicated attention kernel for {graph} ({options.dtype}, head_dim "
+                f"{manifest['kv_cache']['head_dim']}): marking attention decomposable and building again")
+            for layer in _attention_layers(trt, network):
+                layer.attention.decomposable = True
+            attention = "decomposed"
+        config = _config(trt, builder, manifest, options, graph, timing, say)
+        log.errors.clear()
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is not None:
+            if trt.has_timing_cache:
+                timing = bytes(config.get_timing_cache().serialize())
+            return bytes(serialized), timing, attention
+        needs_decomposable = any(NEEDS_DECOMPOSABLE in message for message in log.errors)
+        if attempt == "decomposed" or not needs_decomposable or not _attention_layers(trt, network):
+            break
+    detail = log.errors[-1] if log.errors else "see TensorRT's log above"
+    raise ExportError(f"{trt.label} failed to build the {graph} engine: {detail}")
+
+
+def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: BuildOptions, graph: str,
+            timing: bytes, say: Callable[[str], None]) -> Any:
     config = builder.create_builder_config()
     if manifest["target"] == "trt":
         # The plugin's present_* outputs alias past_* (in-place cache update).
-        feature = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+        feature = getattr(trt.module.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
         if feature is not None:
             config.set_preview_feature(feature, True)
-    cache = config.create_timing_cache(timing)
-    config.set_timing_cache(cache, False)
+    if trt.has_timing_cache:
+        config.set_timing_cache(config.create_timing_cache(timing), False)
     phases = ["prefill", "decode"] if options.single_engine else [graph]
     for phase in phases:
         profile = builder.create_optimization_profile()
         for name, (low, opt, high) in profile_shapes(manifest, options, phase).items():
             profile.set_shape(name, low, opt, high)
         config.add_optimization_profile(profile)
-    monitor = _progress_monitor(trt, say)
+    monitor = _progress_monitor(trt.module, say)
     if monitor is not None:
         config.progress_monitor = monitor
-    serialized = builder.build_serialized_network(network, config)
-    if serialized is None:
-        raise ExportError(f"TensorRT failed to build the {graph} engine (see its log above)")
-    return bytes(serialized), bytes(config.get_timing_cache().serialize())
+    return config
 
 
 def _progress_monitor(trt: Any, say: Callable[[str], None]) -> Any:

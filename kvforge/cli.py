@@ -163,20 +163,27 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--single-engine", is_flag=True,
               help="One engine from prefill.onnx with a prefill and a decode profile: the weights once on the GPU.")
 @click.option("--force", is_flag=True, help="Rebuild even when the engines are up to date.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--tensorrt", "flavor", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx"]), default="auto",
+              show_default=True, help="Which TensorRT builds: standard TensorRT (needs a GPU) or TensorRT-RTX (builds "
+              "on any machine); auto prefers standard TensorRT where both are installed.")
+@click.option("--json", "as_json", is_flag=True, help="Print engines.json (per-engine build seconds and bytes).")
 def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batch: int, max_input_len: int | None,
-          max_seq_len: int | None, single_engine: bool, force: bool, as_json: bool) -> None:
-    """Build TensorRT engines from an export folder (target trt or onnx); needs TensorRT and a GPU."""
+          max_seq_len: int | None, single_engine: bool, force: bool, flavor: str, as_json: bool) -> None:
+    """Build TensorRT engines from an export folder (target onnx, or trt with standard TensorRT)."""
     from kvforge.exporter.trt_build import build_engines
 
     record = build_engines(export_dir, engine_dir, dtype, max_batch, max_input_len, max_seq_len, single_engine,
-                           force, progress=_progress(as_json))
+                           force, progress=_progress(as_json), tensorrt=flavor)
     if as_json:
         _emit_json(record)
     else:
-        engines = ", ".join(sorted(record["files"]))
-        click.echo(f"engines {engines} for {record['gpu']['name']} (TensorRT {record['tensorrt']}), weights on GPU "
-                   f"{record['weights_on_gpu_bytes'] / 1e6:.1f} MB")
+        for name, built in sorted(record["builds"].items()):
+            click.echo(f"{name}: {built['bytes'] / 1e6:.1f} MB, built in {built['seconds']:.1f}s, attention "
+                       f"{built['attention']}")
+        trt = record["tensorrt"]
+        capacity = "fixed at" if record["static_capacity"] else "up to"
+        click.echo(f"for {record['gpu']['name']} ({trt['flavor']} {trt['version']}); KV capacity {capacity} "
+                   f"{record['options']['max_seq_len']}; weights on GPU {record['weights_on_gpu_bytes'] / 1e6:.1f} MB")
 
 
 @main.command()

@@ -107,6 +107,12 @@ def _source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def kernel_identity() -> dict[str, str]:
+    """What a compiled kernel depends on besides its variant: the kernel's source and Triton's version
+    (engines embedding its PTX are rebuilt when either changes)."""
+    return {"kernel_source": _source_digest(), "triton": _triton_version()}
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("KVFORGE_PTX_CACHE") or Path.home() / ".cache" / "kvforge" / "ptx")
 

@@ -21,7 +21,8 @@ from kvforge.errors import InputError, ManifestError
 from kvforge.manifest import MANIFEST_NAME, resolve_in_folder, sha256_file
 from kvforge.runtime.kv_cache import capacity_buckets
 
-ENGINES_FORMAT = "kvforge-engines/1"
+# /2: TensorRT recorded as {flavor, version}, the compute target, per-engine build records.
+ENGINES_FORMAT = "kvforge-engines/2"
 ENGINES_MANIFEST = "engines.json"
 ENGINE_DIR_NAME = "engines"
 TIMING_CACHE = "timing.cache"
@@ -77,15 +78,32 @@ def resolve_build_options(
 Shape = tuple[int, ...]
 
 
+def static_capacity(manifest: dict[str, Any]) -> bool:
+    """Whether the engines fix the cache capacity at --max-seq-len. The `onnx` target's TensorScatter
+    becomes TensorRT's KV-cache-update layer, which needs the capacity dimension static at build time
+    (a dynamic one fails to parse); kvforge's plugin (`trt` target) takes any capacity."""
+    return manifest["target"] == "onnx"
+
+
+def engine_capacity_buckets(manifest: dict[str, Any], options: BuildOptions) -> tuple[int, ...]:
+    """The capacities the runtime may allocate for these engines: every bucket up to --max-seq-len, or
+    --max-seq-len alone where the engines fix it."""
+    if static_capacity(manifest):
+        return (options.max_seq_len,)
+    return capacity_buckets(options.max_seq_len)
+
+
 def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) -> dict[str, tuple[Shape, Shape, Shape]]:
     """(min, opt, max) per dynamic input for the `phase` profile: batch 1..max_batch, query length
-    1..max_input_len for prefill and 1 for decode, cache capacity 1..max_seq_len. The optimum is the
-    largest bucket the runtime allocates at and the full batch."""
+    1..max_input_len for prefill and 1 for decode, cache capacity 1..max_seq_len (or --max-seq-len
+    alone where it is static). The optimum is the largest bucket the runtime allocates at and the full
+    batch."""
     kv = manifest["kv_cache"]
     heads, head_dim = int(kv["num_kv_heads"]), int(kv["head_dim"])
     b, c = options.max_batch, options.max_seq_len
     s = options.max_input_len if phase == "prefill" else 1
-    opt_c = capacity_buckets(c)[-1]
+    opt_c = engine_capacity_buckets(manifest, options)[-1]
+    low_c = c if static_capacity(manifest) else 1
     shapes: dict[str, tuple[Shape, Shape, Shape]] = {
         "input_ids": ((1, 1), (b, s), (b, s)) if phase == "prefill" else ((1, 1), (b, 1), (b, 1)),
         "past_lens": ((1,), (b,), (b,)),
@@ -97,7 +115,7 @@ def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) 
             shapes["logits_index"] = ((1, 1), (b, 1), (b, positions))
     for i in range(int(kv["num_layers"])):
         for kind in ("key", "value"):
-            shapes[f"past_{kind}.{i}"] = ((1, heads, 1, head_dim), (b, heads, opt_c, head_dim), (b, heads, c, head_dim))
+            shapes[f"past_{kind}.{i}"] = ((1, heads, low_c, head_dim), (b, heads, opt_c, head_dim), (b, heads, c, head_dim))
     return shapes
 
 
@@ -110,39 +128,52 @@ def engine_layout(options: BuildOptions) -> dict[str, dict[str, Any]]:
             "decode": {"file": "decode.engine", "graph": "decode", "profile": 0}}
 
 
-def build_key(export_manifest: dict[str, Any], options: BuildOptions, tensorrt_version: str,
-              compute_capability: str, kvforge_version: str) -> str:
+def build_key(export_manifest: dict[str, Any], options: BuildOptions, tensorrt: dict[str, str],
+              compute_target: str, kvforge_version: str, plugin: dict[str, str] | None = None) -> str:
     """Everything an engine depends on, hashed: the graphs and weights (their sha256 from the export's
-    manifest), the build options, TensorRT's version, the GPU architecture and kvforge's version."""
+    manifest), the build options, TensorRT's flavour and version, the compute target (the build GPU's
+    capability, or TensorRT-RTX's portable set), kvforge's version and, for the `trt` target, the
+    plugin kernel's source digest and Triton version (the PTX inside the engine comes from them)."""
     files = export_manifest["files"]
     inputs = {
         "files": {name: files[name]["sha256"] for name in sorted(files)},
         "options": asdict(options),
-        "tensorrt": tensorrt_version,
-        "gpu": compute_capability,
+        "tensorrt": dict(tensorrt),
+        "gpu": compute_target,
         "kvforge": kvforge_version,
+        "plugin": dict(plugin) if plugin else None,
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
 def engines_manifest(
-    export_dir: Path, export_manifest: dict[str, Any], options: BuildOptions, key: str, tensorrt_version: str,
+    export_dir: Path, export_manifest: dict[str, Any], options: BuildOptions, key: str, tensorrt: dict[str, str],
     gpu: dict[str, str], files: dict[str, dict[str, Any]], build_seconds: float, kvforge_version: str,
+    builds: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The engine folder's engines.json."""
+    """The engine folder's engines.json. `gpu`: {name, compute_capability} of the build GPU, or of the
+    portable target of an ahead-of-time build; `builds`: per engine file, its build seconds, bytes and
+    how its attention was built."""
     weights = int(export_manifest.get("weights_sharing", {}).get("weights_bytes", 0))
     engines = engine_layout(options)
     copies = len({entry["file"] for entry in engines.values()})
+    buckets = engine_capacity_buckets(export_manifest, options)
+    kv = export_manifest["kv_cache"]
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(kv.get("dtype", "float32"), 4)
+    per_row = 2 * int(kv["num_layers"]) * int(kv["num_kv_heads"]) * int(kv["head_dim"]) * itemsize
     return {
         "format": ENGINES_FORMAT,
         "kvforge_version": kvforge_version,
         "key": key,
         "export": {"folder": str(Path(export_dir).resolve()), "target": export_manifest["target"],
                    "manifest_sha256": sha256_file(Path(export_dir) / MANIFEST_NAME)},
-        "tensorrt": tensorrt_version,
+        "tensorrt": dict(tensorrt),
         "gpu": gpu,
         "options": asdict(options),
-        "capacity_buckets": list(capacity_buckets(options.max_seq_len)),
+        "static_capacity": static_capacity(export_manifest),
+        "capacity_buckets": list(buckets),
+        # The KV cache a request of --max-batch rows holds at the largest capacity (both K and V, all layers).
+        "kv_cache_bytes_at_max": per_row * options.max_batch * buckets[-1],
         "engines": engines,
         "profiles": {phase: {name: [list(s) for s in shapes] for name, shapes in
                              profile_shapes(export_manifest, options, phase).items()} for phase in engines},
@@ -150,6 +181,7 @@ def engines_manifest(
         "weights_bytes": weights,
         "weights_on_gpu_bytes": weights * copies,
         "files": files,
+        "builds": builds or {},
         "build_seconds": round(build_seconds, 2),
     }
 
@@ -182,17 +214,23 @@ def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
     return data
 
 
-def check_runtime_matches(engines: dict[str, Any], tensorrt_version: str, compute_capability: str) -> None:
-    """Engines run only on the TensorRT version and GPU architecture that built them."""
-    if engines.get("tensorrt") != tensorrt_version:
+def check_runtime_matches(engines: dict[str, Any], tensorrt: dict[str, str], compute_capability: str) -> None:
+    """Engines run only on the TensorRT flavour and version that built them, and (standard TensorRT) on
+    the GPU architecture they were built on; TensorRT-RTX engines are specialised for the GPU at load."""
+    built = engines.get("tensorrt", {})
+    if built != dict(tensorrt):
+        def name(record: dict[str, str]) -> str:
+            return f"{record.get('flavor', '?')} {record.get('version', '?')}"
+
         raise ManifestError(
-            f"the engines were built with TensorRT {engines.get('tensorrt')}, this is {tensorrt_version}; "
-            "rebuild them with `kvforge build`"
+            f"the engines were built with {name(built)}, this is {name(tensorrt)}; rebuild them with `kvforge build`"
         )
-    built = engines.get("gpu", {}).get("compute_capability")
-    if built != compute_capability:
+    if tensorrt.get("flavor") == "tensorrt-rtx":
+        return
+    target = engines.get("gpu", {}).get("compute_capability")
+    if target != compute_capability:
         raise ManifestError(
-            f"the engines were built for compute capability {built}, this GPU is {compute_capability}; "
+            f"the engines were built for compute capability {target}, this GPU is {compute_capability}; "
             "rebuild them on this machine with `kvforge build`"
         )
 
