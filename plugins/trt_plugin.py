@@ -1,7 +1,8 @@
 """kvforge's TensorRT plugin: the fused attention node as a TensorRT quickly deployable plugin (QDP).
 
 `register()` (imports TensorRT lazily; call it before parsing a `trt`-target graph) registers
-`kvforge::KVCacheAttention` with `tensorrt.plugin`:
+`kvforge::KVCacheAttention` with `tensorrt.plugin`, unless that module already has it (asked of TensorRT's
+registry, so a test's stand-in registered first does not hide the plugin from the real TensorRT):
 
 - the shape/type description: `out` like `q`; `present_key` / `present_value` **aliased** to
   `past_key` / `past_value`, so TensorRT hands the kernel the cache buffers themselves and the new
@@ -38,8 +39,6 @@ PLUGIN_VERSION = "1"
 ARCH_ENV = "KVFORGE_TRT_ARCH"  # e.g. sm_90: the architecture to compile for when no GPU can be asked
 # TensorRT's DataType names -> the kernel's dtype names.
 TRT_DTYPE_NAMES = {"HALF": "float16", "BF16": "bfloat16", "FLOAT": "float32"}
-
-_registered = False
 
 
 @dataclass(frozen=True)
@@ -114,12 +113,21 @@ def _constant(expr: Any) -> int | None:
     return int(expr.constant_value()) if expr.is_constant else None
 
 
+def is_registered(trtp: Any) -> bool:
+    """Whether this `tensorrt.plugin` module already defines kvforge::KVCacheAttention. TensorRT's own
+    record is asked (`tensorrt.plugin.op.<namespace>.<name>`, what its `register` checks before it refuses
+    a duplicate), not a flag of ours: another `tensorrt` (a test's stand-in, then the real one) starts
+    empty and must be registered with again."""
+    namespace = getattr(trtp.op, PLUGIN_NAMESPACE, None)
+    return namespace is not None and hasattr(namespace, PLUGIN_NAME)
+
+
 def register() -> None:
-    """Register the plugin with tensorrt.plugin (once per process)."""
-    global _registered
-    if _registered:
-        return
+    """Register the plugin with the `tensorrt.plugin` imported now, unless it already has it."""
     import tensorrt.plugin as trtp
+
+    if is_registered(trtp):
+        return
 
     from kvforge.plugins.ptx import compile_kernel
 
@@ -157,5 +165,3 @@ def register() -> None:
         extra = trtp.SymIntExprs(len(launch.SCALAR_PARAMS))
         extra[0], extra[1], extra[2] = trtp.SymInt32(batch), trtp.SymInt32(seq), trtp.SymInt32(capacity)
         return kernel.name, kernel.ptx, params, extra
-
-    _registered = True

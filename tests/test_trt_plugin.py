@@ -8,7 +8,7 @@ that the returned PTX, grid and arguments compute the attention is tested on a G
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import re
 import subprocess
 import sys
@@ -25,18 +25,26 @@ pytest.importorskip("triton")
 def trt_plugin(monkeypatch, tmp_path):
     monkeypatch.setenv("KVFORGE_TRT_ARCH", "sm_90")
     monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path / "ptx"))
-    saved = {name: sys.modules.get(name) for name in ("tensorrt", "tensorrt.plugin")}
-    fake.install()
-    import kvforge.plugins.trt_plugin as module
+    with installed_fake():
+        fake.install()
+        import kvforge.plugins.trt_plugin as module
 
-    module = importlib.reload(module)  # a fresh `_registered`
-    module.register()
-    yield module
-    for name, mod in saved.items():
-        if mod is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = mod
+        module.register()
+        yield module
+
+
+@contextlib.contextmanager
+def installed_fake():
+    """Put back whatever `tensorrt` modules were there before (fake.install() replaces them)."""
+    saved = {name: sys.modules.get(name) for name in ("tensorrt", "tensorrt.plugin")}
+    try:
+        yield
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
 
 
 def descs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, capacity: int, dtype=fake.DataType.HALF,
@@ -59,6 +67,41 @@ ATTRS = {"num_heads": 32, "kv_num_heads": 8, "scale": 128**-0.5, "softcap": 0.0,
 def test_importing_the_plugin_module_needs_no_tensorrt() -> None:
     code = "import sys, kvforge.plugins.trt_plugin; assert 'tensorrt' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_stand_in_refuses_a_duplicate_registration_like_tensorrt() -> None:
+    # tensorrt/plugin/_lib.py's register raises ValueError when op.<namespace>.<name> is already defined.
+    with installed_fake():
+        trtp = fake.install()
+
+        def describe(q, num_heads):
+            return q.like()
+
+        # Live types, as tensorrt.plugin reads them (this file's annotations are strings).
+        describe.__annotations__ = {"q": trtp.TensorDesc, "num_heads": int, "return": tuple}
+        trtp.register("kvforge::Probe")(describe)
+        with pytest.raises(ValueError, match="already has a definition for 'Probe'"):
+            trtp.register("kvforge::Probe")(describe)
+        fresh = fake.install()  # a new TensorRT starts empty
+        assert not hasattr(fresh.op, "kvforge") and fake.REGISTRY == {}
+
+
+def test_register_asks_each_tensorrt_not_a_process_flag() -> None:
+    # A stand-in registered first (the GPU kernel test does that), then another TensorRT in the same
+    # process (a real build in the same pytest run): the second must get the plugin too.
+    from kvforge.plugins import trt_plugin
+
+    with installed_fake():
+        first = fake.install()
+        trt_plugin.register()
+        assert hasattr(first.op.kvforge, "KVCacheAttention")
+        second = fake.install()
+        trt_plugin.register()
+        trt_plugin.register()  # again into the same TensorRT: no duplicate (TensorRT would raise)
+        assert hasattr(second.op.kvforge, "KVCacheAttention")
+        assert "aot" in fake.REGISTRY["kvforge::KVCacheAttention"]
+        creator = sys.modules["tensorrt"].get_plugin_registry().get_creator("KVCacheAttention", "1", "kvforge")
+        assert creator is not None and creator.plugin_namespace == "kvforge"
 
 
 def test_registration_declares_aliased_caches_and_the_documented_schema(trt_plugin) -> None:
