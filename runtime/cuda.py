@@ -62,7 +62,8 @@ class Stream:
 
 
 class DeviceBuffer:
-    """`nbytes` of device memory, zeroed on allocation."""
+    """`nbytes` of device memory on the current GPU, zeroed by a memset enqueued on `stream` (so the caller
+    must not hand a stream that may be capturing a CUDA graph, and synchronizes before relying on the zeros)."""
 
     def __init__(self, nbytes: int, stream: Stream) -> None:
         cudart = _cudart()

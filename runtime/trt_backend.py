@@ -8,8 +8,9 @@
   in a CUDA graph and replayed (one graph per slot: batch x capacity bucket); only the token ids and
   `past_lens` are uploaded before each replay.
 - Logits come back through a pinned host buffer; the Generator samples on the host.
-- Contexts are shared between slots, so runs are serialized with a lock: concurrent requests each
-  keep their own cache and interleave their steps.
+- Everything that reaches the stream (allocation memsets, uploads, runs, captures, downloads, syncs)
+  happens under one lock: a capture in one thread can never record, or be invalidated by, another
+  thread's work. Concurrent requests each keep their own cache and interleave their steps.
 
 TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
 Not verified on a GPU with TensorRT (none was available); the plain logic it runs on is in
@@ -137,10 +138,12 @@ class TrtBackend:
                  "logits": batch * MAX_POSITIONS * self.vocab_size * 4}
         for i in range(self.num_layers):
             sizes[f"key.{i}"] = sizes[f"value.{i}"] = kv_bytes
-        buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
-        self.stream.synchronize()
-        self.allocations += 1
-        return TrtSlot(cache, buffers, cuda.PinnedArray((batch, self.vocab_size), np.float32))
+        with self._lock:  # the buffers' zeroing memsets go on the stream
+            buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
+            self.stream.synchronize()
+            logits = cuda.PinnedArray((batch, self.vocab_size), np.float32)
+            self.allocations += 1
+        return TrtSlot(cache, buffers, logits)
 
     def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """logits_index [B] -> logits [B, V]; [B, K] -> [B, K, V] (K <= MAX_POSITIONS)."""
@@ -201,8 +204,9 @@ class TrtBackend:
         out = []
         for kind in ("key", "value"):
             raw = np.empty(shape, dtype={"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.kv_dtype])
-            slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
-            self.stream.synchronize()
+            with self._lock:
+                slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
+                self.stream.synchronize()
             if self.kv_dtype == "bfloat16":  # numpy has no bfloat16: widen the bit pattern to float32
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
             out.append(raw)
