@@ -4,9 +4,13 @@
   and present_* (`set_tensor_address` with the same pointer; the `trt` target's plugin declares the
   aliasing, TensorRT's native attention import writes through TensorScatter in place).
 - Input shapes are set per run; `execute_async_v3` runs on one CUDA stream.
-- A decode step of a slot has fixed shapes and addresses, so after one ordinary run it is captured
-  in a CUDA graph and replayed (one graph per slot: batch x capacity bucket); only the token ids and
-  `past_lens` are uploaded before each replay.
+- A decode step of a slot has fixed shapes and addresses, so from its second decode step on it is
+  replayed from a CUDA graph (one graph per slot: batch x capacity bucket); only the token ids and
+  `past_lens` are uploaded before each replay. TensorRT wants one execution context per captured graph
+  and an enqueue right before the capture, so a slot that captures gets its own decode context (the
+  decode engine's, on the decode profile), whose warm-up run (this step's run) is followed by a
+  stream sync, then the capture. Each such context holds its own activation memory.
+- Slots that do not capture, and every prefill, share one context per phase, bound before each run.
 - Logits come back through a pinned host buffer; the Generator samples on the host.
 - Everything that reaches the stream (allocation memsets, uploads, runs, captures, downloads, syncs)
   happens under one lock: a capture in one thread can never record, or be invalidated by, another
@@ -60,7 +64,8 @@ class TrtSlot:
     buffers: dict[str, cuda.DeviceBuffer]
     logits: cuda.PinnedArray
     bound: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> output name -> address
-    graph: cuda.Graph | None = None
+    context: Any = None  # the slot's own decode execution context, created when its decode is captured
+    graph: cuda.Graph | None = None  # captured on `context`
     decode_runs: int = 0
 
 
@@ -96,16 +101,11 @@ class TrtBackend:
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self._engines: dict[str, Any] = {}
-        self.contexts: dict[str, Any] = {}
+        self.contexts: dict[str, Any] = {}  # the shared context of each phase
         for phase, entry in self.engines_manifest["engines"].items():
             engine = self._engines.get(entry["file"]) or self._load_engine(entry["file"])
             self._engines[entry["file"]] = engine
-            context = engine.create_execution_context()
-            if context is None:
-                raise KvforgeError(f"TensorRT could not create an execution context for {entry['file']}")
-            if entry["profile"]:
-                context.set_optimization_profile_async(int(entry["profile"]), int(self.stream))
-            self.contexts[phase] = context
+            self.contexts[phase] = self._new_context(phase)
         kv = manifest["kv_cache"]
         self.num_layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
         self.kv_dtype = kv["dtype"]
@@ -122,6 +122,17 @@ class TrtBackend:
         if engine is None:
             raise KvforgeError(f"TensorRT could not load {self.engine_dir / name}; rebuild with `kvforge build --force`")
         return engine
+
+    def _new_context(self, phase: str) -> Any:
+        """An execution context of `phase`'s engine on `phase`'s optimization profile (the decode profile is
+        1 in a --single-engine engine)."""
+        entry = self.engines_manifest["engines"][phase]
+        context = self._engines[entry["file"]].create_execution_context()
+        if context is None:
+            raise KvforgeError(f"TensorRT could not create an execution context for {entry['file']}")
+        if entry["profile"]:
+            context.set_optimization_profile_async(int(entry["profile"]), int(self.stream))
+        return context
 
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> TrtSlot:
@@ -162,7 +173,7 @@ class TrtBackend:
             slot.buffers["logits_index"].upload(index, self.stream)
             slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
             self._bind(slot, "prefill", seq, positions)
-            self._execute("prefill")
+            self._execute(self.contexts["prefill"], "prefill")
             if per_row:
                 return self._finish(slot, "prefill")
             wide = np.empty((batch, positions, self.vocab_size), dtype=np.float32)
@@ -179,13 +190,16 @@ class TrtBackend:
             if slot.graph is not None:
                 slot.graph.launch(self.stream)
             elif self.cuda_graphs and slot.decode_runs >= 1:
-                # The first run set TensorRT up for these shapes; capture the next and replay it after.
-                self._bind(slot, "decode", 1)
-                slot.graph = cuda.Graph(self.stream, lambda: self._execute("decode"))
-                slot.graph.launch(self.stream)
+                # A context of its own (no other slot rebinds it between capture and replay), warmed up by
+                # this step's run and a sync right before the capture; the graph replays from the next step.
+                context = slot.context = self._new_context("decode")
+                self._bind(slot, "decode", 1, context)
+                self._execute(context, "decode")
+                self.stream.synchronize()
+                slot.graph = cuda.Graph(self.stream, lambda: self._execute(context, "decode"))
             else:
                 self._bind(slot, "decode", 1)
-                self._execute("decode")
+                self._execute(self.contexts["decode"], "decode")
             slot.decode_runs += 1
             return self._finish(slot, "decode", running)
 
@@ -213,8 +227,9 @@ class TrtBackend:
         return out[0], out[1]
 
     # -- running --------------------------------------------------------------------------------
-    def _bind(self, slot: TrtSlot, phase: str, seq: int, positions: int = 1) -> None:
-        context = self.contexts[phase]
+    def _bind(self, slot: TrtSlot, phase: str, seq: int, positions: int = 1, context: Any = None) -> None:
+        """Set shapes and addresses on `context` (default: the phase's shared context)."""
+        context = context if context is not None else self.contexts[phase]
         plan = binding_plan(self.manifest, phase, slot.cache.batch, slot.cache.capacity, seq, self.single_engine,
                             positions)
         for binding in plan:
@@ -224,8 +239,8 @@ class TrtBackend:
             context.set_tensor_address(binding.name, slot.buffers[binding.buffer].ptr)
         slot.bound[phase] = {b.name: int(context.get_tensor_address(b.name)) for b in plan if not b.is_input}
 
-    def _execute(self, phase: str) -> None:
-        if not self.contexts[phase].execute_async_v3(int(self.stream)):
+    def _execute(self, context: Any, phase: str) -> None:
+        if not context.execute_async_v3(int(self.stream)):
             raise KvforgeError(f"TensorRT failed to run the {phase} engine")
 
     def _finish(self, slot: TrtSlot, phase: str, rows: np.ndarray | None = None) -> np.ndarray:

@@ -319,6 +319,25 @@ def test_nothing_reaches_the_stream_while_another_slot_captures(make_backend, ca
     assert fake.violations == []
 
 
+@pytest.mark.parametrize("single_engine", [False, True], ids=["two-engines", "single-engine"])
+def test_each_captured_slot_has_its_own_warmed_up_decode_context(make_backend, single_engine) -> None:
+    backend, fake = make_backend(single_engine=single_engine)
+    slots = [backend.allocate(1, 64), backend.allocate(2, 128)]
+    for slot in slots:
+        _steps(backend, slot, 2)  # the second decode step is captured
+    for _ in range(2):  # replays, interleaved with the other slot's
+        for slot in slots:
+            backend.decode(slot, np.ones(slot.cache.batch, np.int64))
+            slot.cache.past_lens += 1
+    assert backend.graph_keys(slots) == [(1, 64), (2, 128)]
+    assert fake.violations == []
+    captured = [event["context"] for graph in fake.graphs.values() for event in graph]
+    assert len(captured) == 2 and captured[0] is not captured[1]
+    decode_profile = 1 if single_engine else 0
+    assert all(context.profile == decode_profile for context in captured)
+    assert all(context.engine.name.startswith("prefill" if single_engine else "decode") for context in captured)
+
+
 def test_the_stand_ins_flag_what_they_model() -> None:
     # Each check can fire: the tests above pass only because the backend avoids these.
     fake = FakeCuda(devices=2)
