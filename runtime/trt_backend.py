@@ -15,6 +15,8 @@
 - Everything that reaches the stream (allocation memsets, uploads, runs, captures, downloads, syncs)
   happens under one lock: a capture in one thread can never record, or be invalidated by, another
   thread's work. Concurrent requests each keep their own cache and interleave their steps.
+- `device_id` is made the current GPU before the stream and the engines are created, and again in
+  whichever thread calls in (CUDA's current device is per thread).
 
 TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
 Not verified on a GPU with TensorRT (none was available); the plain logic it runs on is in
@@ -25,13 +27,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvforge.errors import BackendUnavailableError, CapacityError, KvforgeError, ManifestError
+from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, ManifestError
 from kvforge.runtime import cuda
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.engine_plan import (
@@ -70,8 +74,8 @@ class TrtSlot:
 
 
 class TrtBackend:
-    """Options: `engine_dir` (default EXPORT_DIR/engines), `device_id`, `cuda_graphs` (replay decode
-    steps from a CUDA graph, default True)."""
+    """Options: `engine_dir` (default EXPORT_DIR/engines), `device_id` (the GPU to run on, default 0),
+    `cuda_graphs` (replay decode steps from a CUDA graph, default True)."""
 
     def __init__(self, folder: str | Path, manifest: dict[str, Any], engine_dir: str | Path | None = None,
                  device_id: int = 0, cuda_graphs: bool = True) -> None:
@@ -81,8 +85,13 @@ class TrtBackend:
         self.engine_dir = Path(engine_dir) if engine_dir is not None else self.folder / ENGINE_DIR_NAME
         self.engines_manifest = load_engines_manifest(self.engine_dir, self.folder)
         trt = import_tensorrt()
-        if cuda.device_count() == 0:
+        count = cuda.device_count()
+        if count == 0:
             raise BackendUnavailableError("the trt backend needs an NVIDIA GPU; CUDA reports none")
+        if not 0 <= int(device_id) < count:
+            raise InputError(f"device_id {device_id} but CUDA reports {count} GPUs (0..{count - 1})")
+        self.device_id = int(device_id)
+        cuda.set_device(self.device_id)  # the stream, the engines and their contexts belong to this GPU
         check_runtime_matches(self.engines_manifest, trt.__version__, cuda.device_info(device_id)["compute_capability"])
         if manifest["target"] == "trt":
             from kvforge.plugins import trt_plugin
@@ -134,6 +143,14 @@ class TrtBackend:
             context.set_optimization_profile_async(int(entry["profile"]), int(self.stream))
         return context
 
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """The lock, with this backend's GPU current in the calling thread. All stream work happens under it,
+        so none can land in (or break) a CUDA graph another thread is capturing."""
+        with self._lock:
+            cuda.set_device(self.device_id)
+            yield
+
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> TrtSlot:
         if batch > self.limits.max_batch:
@@ -149,7 +166,7 @@ class TrtBackend:
                  "logits": batch * MAX_POSITIONS * self.vocab_size * 4}
         for i in range(self.num_layers):
             sizes[f"key.{i}"] = sizes[f"value.{i}"] = kv_bytes
-        with self._lock:  # the buffers' zeroing memsets go on the stream
+        with self._on_device():  # the buffers' zeroing memsets go on the stream
             buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
             self.stream.synchronize()
             logits = cuda.PinnedArray((batch, self.vocab_size), np.float32)
@@ -168,7 +185,7 @@ class TrtBackend:
         positions = index.shape[1]
         if positions > MAX_POSITIONS:
             raise CapacityError(f"{positions} logits positions per row; the engines return at most {MAX_POSITIONS}")
-        with self._lock:
+        with self._on_device():
             slot.buffers["input_ids"].upload(input_ids.astype(np.int64), self.stream)
             slot.buffers["logits_index"].upload(index, self.stream)
             slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
@@ -184,7 +201,7 @@ class TrtBackend:
 
     def decode(self, slot: TrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         slot.cache.check_fits(1, running)
-        with self._lock:
+        with self._on_device():
             slot.buffers["decode_ids"].upload(np.asarray(token_ids, dtype=np.int64).reshape(-1, 1), self.stream)
             slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
             if slot.graph is not None:
@@ -218,7 +235,7 @@ class TrtBackend:
         out = []
         for kind in ("key", "value"):
             raw = np.empty(shape, dtype={"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.kv_dtype])
-            with self._lock:
+            with self._on_device():
                 slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
                 self.stream.synchronize()
             if self.kv_dtype == "bfloat16":  # numpy has no bfloat16: widen the bit pattern to float32

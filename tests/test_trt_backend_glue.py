@@ -338,6 +338,32 @@ def test_each_captured_slot_has_its_own_warmed_up_decode_context(make_backend, s
     assert all(context.engine.name.startswith("prefill" if single_engine else "decode") for context in captured)
 
 
+def test_the_chosen_gpu_is_current_in_every_thread_that_calls_in(make_backend) -> None:
+    backend, fake = make_backend(devices=2, device_id=1)
+    slot_box = []
+
+    def serve() -> None:  # a fresh thread's current device is 0 until something selects another
+        slot = backend.allocate(2, 64)
+        _steps(backend, slot, 3)
+        backend.read_kv(slot, 1)
+        slot_box.append(slot)
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    worker.join(timeout=10)
+    assert slot_box and backend.graph_keys(slot_box) == [(2, 64)]
+    assert [state["device"] for state in fake.streams.values()] == [1]
+    assert set(fake.malloc_devices) == {1}
+    assert fake.violations == []
+
+
+def test_a_device_id_beyond_the_gpus_is_refused(make_backend) -> None:
+    from kvforge.errors import InputError
+
+    with pytest.raises(InputError, match="device_id 2 but CUDA reports 2 GPUs"):
+        make_backend(devices=2, device_id=2)
+
+
 def test_the_stand_ins_flag_what_they_model() -> None:
     # Each check can fire: the tests above pass only because the backend avoids these.
     fake = FakeCuda(devices=2)
