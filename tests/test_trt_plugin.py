@@ -140,6 +140,33 @@ def test_prefill_plan_uses_prefill_tiles_and_a_symbolic_grid(trt_plugin) -> None
     assert [a.value for a in extra] == [2, 300, 4096]
 
 
+def test_a_capped_build_compiles_a_variant_within_48_kib(trt_plugin) -> None:
+    # TensorRT's KernelLaunchParams has no documented opt-in above 48 KiB of dynamic shared memory.
+    inputs = descs(2, 1, 32, 8, 128, 4096)
+    _, (_, _, default, _) = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    assert default.shared_mem > 48 * 1024  # the default decode tiles need more: the cap has work to do
+    trt_plugin.register(max_shared_kib=48)  # already registered: only the build's choice changes
+    try:
+        _, (name, ptx, params, extra) = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    finally:
+        trt_plugin.register()
+    assert 0 < params.shared_mem <= 48 * 1024
+    kernel = trt_plugin_kernel(trt_plugin, inputs, regime="decode", max_shared_kib=48)
+    assert (name, ptx, params.shared_mem) == (kernel.name, kernel.ptx, kernel.shared_mem)
+    assert params.block_x == kernel.num_warps * 32
+    assert (params.grid_x.value, params.grid_y.value) == launch.launch_grid(2, 1, 8, 4, 1, kernel.block_m)[:2]
+    assert [a.value for a in extra] == [2, 1, 4096]
+
+
+def test_shared_memory_cap_arguments_are_checked() -> None:
+    from kvforge.plugins.ptx import compile_kernel
+
+    with pytest.raises(ValueError, match="max_shared_kib must be a positive number of KiB, got 0"):
+        compile_kernel("sm_90", max_shared_kib=0)
+    with pytest.raises(ValueError, match="needs fit_shared=True"):
+        compile_kernel("sm_90", max_shared_kib=48, fit_shared=False)
+
+
 @pytest.mark.parametrize(("dtype", "head_dim", "message"), [
     (fake.DataType.INT8, 128, "supports float16, bfloat16 and float32, not INT8"),
     (fake.DataType.HALF, 96, "head_dim must be a power of two"),
@@ -156,10 +183,11 @@ def test_plan_is_a_plain_function() -> None:
     assert plan.regime == "prefill" and plan.compile_kwargs()["tensorrt"] is True
     assert aot_plan("float16", 128, 1, 32, 8, 0.1, 0.0, 4096, "sm_90").regime == "decode"
     assert aot_plan("float16", 128, 4, 32, 8, 0.1, 0.0, 0, "sm_90").regime == "decode"  # 4 x 4 rows: spec verify
+    assert aot_plan("float16", 128, 1, 32, 8, 0.1, 0.0, 0, "sm_90", 48).compile_kwargs()["max_shared_kib"] == 48
 
 
-def trt_plugin_kernel(module, inputs, regime: str):
+def trt_plugin_kernel(module, inputs, regime: str, **kw):
     from kvforge.plugins.ptx import compile_kernel
 
     return compile_kernel(arch="sm_90", dtype="float16", head_dim=128, num_heads=32, kv_num_heads=8,
-                          scale=ATTRS["scale"], regime=regime, num_splits=1, tensorrt=True)
+                          scale=ATTRS["scale"], regime=regime, num_splits=1, tensorrt=True, **kw)
