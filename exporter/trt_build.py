@@ -94,13 +94,16 @@ def build_engines(
     force: bool = False,
     progress: Callable[[str], None] | None = None,
     tensorrt: str = "auto",
+    plugin_shared_kib: int | None = None,
 ) -> dict[str, Any]:
     """Build (or reuse) the engines of an export folder; returns engines.json's content. `tensorrt`:
-    "auto", "tensorrt" or "tensorrt-rtx" (runtime/tensorrt_flavor.py)."""
+    "auto", "tensorrt" or "tensorrt-rtx" (runtime/tensorrt_flavor.py). `plugin_shared_kib` (trt target):
+    cap the attention plugin's dynamic shared memory (e.g. 48)."""
     say = progress or (lambda _msg: None)
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
-    options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine)
+    options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine,
+                                    plugin_shared_kib)
     engine_dir = Path(engine_dir) if engine_dir is not None else export_dir / ENGINE_DIR_NAME
     if engine_dir.resolve() == export_dir.resolve() or engine_dir.resolve() in export_dir.resolve().parents:
         raise InputError(
@@ -119,7 +122,7 @@ def build_engines(
     if plugin is not None:
         from kvforge.plugins import trt_plugin
 
-        trt_plugin.register()
+        trt_plugin.register(max_shared_kib=options.plugin_shared_kib)
     started = time.perf_counter()
     timing = (engine_dir / TIMING_CACHE).read_bytes() if (engine_dir / TIMING_CACHE).is_file() else b""
     builds: dict[str, dict[str, Any]] = {}

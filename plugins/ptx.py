@@ -147,10 +147,16 @@ def _request(
     assume_aligned: bool = True,
     fit_shared: bool = True,
     tensorrt: bool = False,
+    max_shared_kib: int | None = None,
 ) -> dict:
     """Normalise the arguments into the JSON-able request that keys the cache and feeds the compile."""
     if tensorrt and num_splits != 1:
         raise ValueError("the TensorRT variant has no workspace, so it runs num_splits=1")
+    if max_shared_kib is not None:
+        if isinstance(max_shared_kib, bool) or not isinstance(max_shared_kib, int) or max_shared_kib < 1:
+            raise ValueError(f"max_shared_kib must be a positive number of KiB, got {max_shared_kib!r}")
+        if not fit_shared:
+            raise ValueError("max_shared_kib caps the shared memory by shrinking the tiles: it needs fit_shared=True")
     if dtype not in launch.TRITON_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of float16, bfloat16, float32")
     if regime not in ("decode", "prefill"):
@@ -179,6 +185,7 @@ def _request(
         "assume_aligned": bool(assume_aligned),
         "fit_shared": bool(fit_shared),
         "tensorrt": bool(tensorrt),
+        "max_shared": max_shared_kib * 1024 if max_shared_kib is not None else None,
     }
 
 
@@ -214,6 +221,11 @@ def _compile_here(request: dict) -> dict:
         request["num_warps"],
         request["num_stages"],
     )
+    # What the launch may use: the arch's opt-in limit, or less when asked (e.g. 48 KiB, the most a kernel gets
+    # without opting in, which a launcher such as TensorRT's ahead-of-time plugin path may not do).
+    limit = launch.max_shared_bytes(request["arch"])
+    if request.get("max_shared"):
+        limit = min(limit, request["max_shared"])
     while True:
         constants = {**constants, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n}
         source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
@@ -225,9 +237,14 @@ def _compile_here(request: dict) -> dict:
         meta = compiled.metadata
         # A variant needing more shared memory than the arch offers would fail at launch: shrink it.
         smaller = launch.shrink_config(config) if request["fit_shared"] else None
-        if meta.shared <= launch.max_shared_bytes(request["arch"]) or smaller is None:
+        if meta.shared <= limit or smaller is None:
             break
         config = smaller
+    if request.get("max_shared") and meta.shared > limit:
+        raise ValueError(
+            f"the attention kernel needs {meta.shared} bytes of shared memory even at its smallest tiles, more "
+            f"than the {request['max_shared'] // 1024} KiB asked for; allow more"
+        )
     constants = {name: value for name, value in constants.items() if name in launch.CONSTEXPR_PARAMS}
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, scratch, 0):
@@ -360,6 +377,7 @@ def compile_kernel(
     assume_aligned: bool = True,
     fit_shared: bool = True,
     tensorrt: bool = False,
+    max_shared_kib: int | None = None,
     cache: bool = True,
 ) -> CompiledKernel:
     """Compile one variant to PTX for `arch` (sm_80, sm_86, sm_89, sm_90, ...) without a GPU.
@@ -369,7 +387,9 @@ def compile_kernel(
     which needs the workspace. `scale` defaults to 1/sqrt(head_dim). `ptx_version` is the PTX ISA
     (87 = 8.7, loadable by CUDA 12.8+ drivers); None takes the newest that triton's ptxas supports.
     `fit_shared` shrinks stages / blocks until the kernel's shared memory fits the arch (sm_86 and
-    sm_89 offer 99 KiB); the CompiledKernel reports the sizes it was compiled with.
+    sm_89 offer 99 KiB); the CompiledKernel reports the sizes it was compiled with. `max_shared_kib`
+    lowers that limit (48: no opt-in above the default 48 KiB is needed to launch it), and raises
+    ValueError if even the smallest tiles do not fit.
     `tensorrt` compiles the variant TensorRT's ahead-of-time plugin path launches: num_splits=1, no
     workspace parameters, and the entry takes exactly plugins/attention_launch.TENSORRT_PARAMS (inputs,
     int32 scalars, outputs): TensorRT passes those and nothing else, so triton's two scratch pointers,
@@ -380,6 +400,7 @@ def compile_kernel(
         scale=scale, softcap=softcap, sliding_window=sliding_window, regime=regime, num_splits=num_splits,
         block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         ptx_version=ptx_version, assume_aligned=assume_aligned, fit_shared=fit_shared, tensorrt=tensorrt,
+        max_shared_kib=max_shared_kib,
     )  # fmt: skip
     return compile_kernels([variant], cache=cache)[0]
 

@@ -1,6 +1,7 @@
 """The few CUDA runtime calls the TensorRT backend needs, through cuda-python (`cuda.bindings`).
 
-Device buffers, pinned host buffers, one stream, and CUDA graphs. Torch-free, as the runtime must be.
+Device selection, device buffers, pinned host buffers, one stream, and CUDA graphs. Torch-free, as the
+runtime must be.
 Every call's status is checked; a failure raises with CUDA's error name.
 """
 
@@ -50,7 +51,15 @@ def device_info(device_id: int = 0) -> dict[str, str]:
     return {"name": name.rstrip("\0"), "compute_capability": f"{props.major}.{props.minor}"}
 
 
+def set_device(device_id: int) -> None:
+    """Make `device_id` the calling thread's current GPU: CUDA's current device is per thread, and streams,
+    allocations and launches go to the current one."""
+    check(_cudart().cudaSetDevice(int(device_id)))
+
+
 class Stream:
+    """A stream of the GPU current when it is created."""
+
     def __init__(self) -> None:
         self.handle = check(_cudart().cudaStreamCreate())
 
@@ -62,7 +71,8 @@ class Stream:
 
 
 class DeviceBuffer:
-    """`nbytes` of device memory, zeroed on allocation."""
+    """`nbytes` of device memory on the current GPU, zeroed by a memset enqueued on `stream` (so the caller
+    must not hand a stream that may be capturing a CUDA graph, and synchronizes before relying on the zeros)."""
 
     def __init__(self, nbytes: int, stream: Stream) -> None:
         cudart = _cudart()

@@ -40,6 +40,7 @@ class BuildOptions:
     max_input_len: int
     max_seq_len: int
     single_engine: bool
+    plugin_shared_kib: int | None = None  # trt target: the attention plugin's shared memory cap (KiB)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -50,7 +51,7 @@ def _positive(name: str, value: Any) -> int:
 
 def resolve_build_options(
     manifest: dict[str, Any], dtype: str | None = None, max_batch: int = 1, max_input_len: int | None = None,
-    max_seq_len: int | None = None, single_engine: bool = False,
+    max_seq_len: int | None = None, single_engine: bool = False, plugin_shared_kib: int | None = None,
 ) -> BuildOptions:
     """Check `kvforge build`'s flags against the export and fill in the defaults."""
     target, export_dtype = manifest["target"], manifest["dtype"]
@@ -71,8 +72,13 @@ def resolve_build_options(
     max_input_len = _positive("--max-input-len", max_input_len if max_input_len is not None else max_seq_len)
     if max_input_len > max_seq_len:
         raise InputError(f"--max-input-len {max_input_len} exceeds --max-seq-len {max_seq_len}")
+    if plugin_shared_kib is not None:
+        _positive("--plugin-shared-mem", plugin_shared_kib)
+        if target != "trt":
+            raise InputError(f"--plugin-shared-mem sizes kvforge's attention plugin, which a {target}-target export "
+                             "does not use; drop it (or export with --target trt)")
     return BuildOptions(export_dtype, _positive("--max-batch", max_batch), max_input_len, max_seq_len,
-                        bool(single_engine))
+                        bool(single_engine), plugin_shared_kib)
 
 
 Shape = tuple[int, ...]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,8 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 def installed_flavors() -> list[str]:
     """The flavours whose Python module is installed (nothing imported)."""
-    return [flavor for flavor in FLAVORS if importlib.util.find_spec(_MODULES[flavor]) is not None]
+    return [flavor for flavor in FLAVORS
+            if _MODULES[flavor] in sys.modules or importlib.util.find_spec(_MODULES[flavor]) is not None]
 
 
 def load_tensorrt(flavor: str = "auto") -> TensorRT:

@@ -4,29 +4,42 @@
   and present_* (`set_tensor_address` with the same pointer; the `trt` target's plugin declares the
   aliasing, TensorRT's native attention import writes through TensorScatter in place).
 - Input shapes are set per run; `execute_async_v3` runs on one CUDA stream.
-- A decode step of a slot has fixed shapes and addresses, so after one ordinary run it is captured
-  in a CUDA graph and replayed (one graph per slot: batch x capacity bucket); only the token ids and
-  `past_lens` are uploaded before each replay.
+- A decode step of a slot has fixed shapes and addresses, so from its second decode step on it is
+  replayed from a CUDA graph (one graph per slot: batch x capacity bucket); only the token ids and
+  `past_lens` are uploaded before each replay. TensorRT wants one execution context per captured graph
+  and an enqueue right before the capture, so a slot that captures gets its own decode context (the
+  decode engine's, on the decode profile), whose warm-up run (this step's run) is followed by a
+  stream sync, then the capture. Each such context holds its own activation memory.
+- Slots that do not capture, and every prefill, share one context per phase, bound before each run.
 - Logits come back through a pinned host buffer; the Generator samples on the host.
-- Contexts are shared between slots, so runs are serialized with a lock: concurrent requests each
-  keep their own cache and interleave their steps.
+- Everything that reaches the stream (allocation memsets, uploads, runs, captures, downloads, syncs)
+  happens under one lock: a capture in one thread can never record, or be invalidated by, another
+  thread's work. Concurrent requests each keep their own cache and interleave their steps.
+- `device_id` is made the current GPU before the stream and the engines are created, and again in
+  whichever thread calls in (CUDA's current device is per thread).
+
+- The engines load under the TensorRT flavour that built them (standard TensorRT or TensorRT-RTX,
+  runtime/tensorrt_flavor.py). `onnx`-target engines fix the cache capacity at --max-seq-len, so
+  every slot is allocated at that one capacity.
 
 TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
-Not verified on a GPU with TensorRT (none was available); the plain logic it runs on is in
-runtime/engine_plan.py and tested on the CPU.
+Not verified on a GPU with TensorRT (none was available); engines are built for real with TensorRT-RTX
+on the CPU, and the logic here is tested against stand-ins (tests/test_trt_backend_glue.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvforge.errors import BackendUnavailableError, CapacityError, KvforgeError, ManifestError
+from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, ManifestError
 from kvforge.runtime import cuda
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.engine_plan import (
@@ -37,20 +50,10 @@ from kvforge.runtime.engine_plan import (
     graph_key,
     load_engines_manifest,
 )
-from kvforge.runtime.kv_cache import CacheState, capacity_buckets
+from kvforge.runtime.kv_cache import CacheState
+from kvforge.runtime.tensorrt_flavor import load_tensorrt
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def import_tensorrt() -> Any:
-    try:
-        import tensorrt
-    except ImportError as err:
-        raise BackendUnavailableError(
-            "the trt backend needs TensorRT's Python package (tensorrt), which is not installed: on a machine "
-            "with an NVIDIA GPU, pip install 'kvforge[trt]' (see README, GPU machines)"
-        ) from err
-    return tensorrt
 
 
 @dataclass
@@ -59,13 +62,14 @@ class TrtSlot:
     buffers: dict[str, cuda.DeviceBuffer]
     logits: cuda.PinnedArray
     bound: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> output name -> address
-    graph: cuda.Graph | None = None
+    context: Any = None  # the slot's own decode execution context, created when its decode is captured
+    graph: cuda.Graph | None = None  # captured on `context`
     decode_runs: int = 0
 
 
 class TrtBackend:
-    """Options: `engine_dir` (default EXPORT_DIR/engines), `device_id`, `cuda_graphs` (replay decode
-    steps from a CUDA graph, default True)."""
+    """Options: `engine_dir` (default EXPORT_DIR/engines), `device_id` (the GPU to run on, default 0),
+    `cuda_graphs` (replay decode steps from a CUDA graph, default True)."""
 
     def __init__(self, folder: str | Path, manifest: dict[str, Any], engine_dir: str | Path | None = None,
                  device_id: int = 0, cuda_graphs: bool = True) -> None:
@@ -74,10 +78,19 @@ class TrtBackend:
         self.manifest = manifest
         self.engine_dir = Path(engine_dir) if engine_dir is not None else self.folder / ENGINE_DIR_NAME
         self.engines_manifest = load_engines_manifest(self.engine_dir, self.folder)
-        trt = import_tensorrt()
-        if cuda.device_count() == 0:
+        # The flavour that built the engines (standard TensorRT or TensorRT-RTX) is the one that loads them.
+        built_with = self.engines_manifest.get("tensorrt", {})
+        self.tensorrt = load_tensorrt(built_with.get("flavor", "auto"))
+        trt = self.tensorrt.module
+        count = cuda.device_count()
+        if count == 0:
             raise BackendUnavailableError("the trt backend needs an NVIDIA GPU; CUDA reports none")
-        check_runtime_matches(self.engines_manifest, trt.__version__, cuda.device_info(device_id)["compute_capability"])
+        if not 0 <= int(device_id) < count:
+            raise InputError(f"device_id {device_id} but CUDA reports {count} GPUs (0..{count - 1})")
+        self.device_id = int(device_id)
+        cuda.set_device(self.device_id)  # the stream, the engines and their contexts belong to this GPU
+        check_runtime_matches(self.engines_manifest, self.tensorrt.record(),
+                              cuda.device_info(device_id)["compute_capability"])
         if manifest["target"] == "trt":
             from kvforge.plugins import trt_plugin
 
@@ -87,24 +100,22 @@ class TrtBackend:
         options = self.engines_manifest["options"]
         self.single_engine = bool(options["single_engine"])
         self.max_input_len = int(options["max_input_len"])
+        # `onnx`-target engines fix the capacity at --max-seq-len (TensorRT's KV-cache-update layer needs it
+        # static): their one bucket is that capacity, and every slot is allocated at it.
+        self.static_capacity = bool(self.engines_manifest.get("static_capacity", False))
         self.limits = Limits(int(options["max_batch"]), int(options["max_seq_len"]),
-                             capacity_buckets(int(options["max_seq_len"])))
+                             tuple(int(c) for c in self.engines_manifest["capacity_buckets"]))
         self.runs = {"prefill": 0, "decode": 0}
         self.allocations = 0
         self._lock = threading.Lock()
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         self._engines: dict[str, Any] = {}
-        self.contexts: dict[str, Any] = {}
+        self.contexts: dict[str, Any] = {}  # the shared context of each phase
         for phase, entry in self.engines_manifest["engines"].items():
             engine = self._engines.get(entry["file"]) or self._load_engine(entry["file"])
             self._engines[entry["file"]] = engine
-            context = engine.create_execution_context()
-            if context is None:
-                raise KvforgeError(f"TensorRT could not create an execution context for {entry['file']}")
-            if entry["profile"]:
-                context.set_optimization_profile_async(int(entry["profile"]), int(self.stream))
-            self.contexts[phase] = context
+            self.contexts[phase] = self._new_context(phase)
         kv = manifest["kv_cache"]
         self.num_layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
         self.kv_dtype = kv["dtype"]
@@ -122,12 +133,33 @@ class TrtBackend:
             raise KvforgeError(f"TensorRT could not load {self.engine_dir / name}; rebuild with `kvforge build --force`")
         return engine
 
+    def _new_context(self, phase: str) -> Any:
+        """An execution context of `phase`'s engine on `phase`'s optimization profile (the decode profile is
+        1 in a --single-engine engine)."""
+        entry = self.engines_manifest["engines"][phase]
+        context = self._engines[entry["file"]].create_execution_context()
+        if context is None:
+            raise KvforgeError(f"TensorRT could not create an execution context for {entry['file']}")
+        if entry["profile"]:
+            context.set_optimization_profile_async(int(entry["profile"]), int(self.stream))
+        return context
+
+    @contextmanager
+    def _on_device(self) -> Iterator[None]:
+        """The lock, with this backend's GPU current in the calling thread. All stream work happens under it,
+        so none can land in (or break) a CUDA graph another thread is capturing."""
+        with self._lock:
+            cuda.set_device(self.device_id)
+            yield
+
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> TrtSlot:
         if batch > self.limits.max_batch:
             raise CapacityError(f"{batch} rows but the engines were built for --max-batch {self.limits.max_batch}")
         if capacity > self.limits.max_capacity:
             raise CapacityError(f"capacity {capacity} but the engines were built for --max-seq-len {self.limits.max_capacity}")
+        if self.static_capacity:
+            capacity = self.limits.max_capacity
         cache = CacheState(self.num_layers, batch, self.kv_heads, capacity, self.head_dim, self.kv_dtype,
                            self.limits.max_capacity)
         kv_bytes = batch * self.kv_heads * capacity * self.head_dim * ITEMSIZE[self.kv_dtype]
@@ -137,10 +169,12 @@ class TrtBackend:
                  "logits": batch * MAX_POSITIONS * self.vocab_size * 4}
         for i in range(self.num_layers):
             sizes[f"key.{i}"] = sizes[f"value.{i}"] = kv_bytes
-        buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
-        self.stream.synchronize()
-        self.allocations += 1
-        return TrtSlot(cache, buffers, cuda.PinnedArray((batch, self.vocab_size), np.float32))
+        with self._on_device():  # the buffers' zeroing memsets go on the stream
+            buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
+            self.stream.synchronize()
+            logits = cuda.PinnedArray((batch, self.vocab_size), np.float32)
+            self.allocations += 1
+        return TrtSlot(cache, buffers, logits)
 
     def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """logits_index [B] -> logits [B, V]; [B, K] -> [B, K, V] (K <= MAX_POSITIONS)."""
@@ -154,12 +188,12 @@ class TrtBackend:
         positions = index.shape[1]
         if positions > MAX_POSITIONS:
             raise CapacityError(f"{positions} logits positions per row; the engines return at most {MAX_POSITIONS}")
-        with self._lock:
+        with self._on_device():
             slot.buffers["input_ids"].upload(input_ids.astype(np.int64), self.stream)
             slot.buffers["logits_index"].upload(index, self.stream)
             slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
             self._bind(slot, "prefill", seq, positions)
-            self._execute("prefill")
+            self._execute(self.contexts["prefill"], "prefill")
             if per_row:
                 return self._finish(slot, "prefill")
             wide = np.empty((batch, positions, self.vocab_size), dtype=np.float32)
@@ -170,19 +204,22 @@ class TrtBackend:
 
     def decode(self, slot: TrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         slot.cache.check_fits(1, running)
-        with self._lock:
+        with self._on_device():
             slot.buffers["decode_ids"].upload(np.asarray(token_ids, dtype=np.int64).reshape(-1, 1), self.stream)
             slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
             if slot.graph is not None:
                 slot.graph.launch(self.stream)
             elif self.cuda_graphs and slot.decode_runs >= 1:
-                # The first run set TensorRT up for these shapes; capture the next and replay it after.
-                self._bind(slot, "decode", 1)
-                slot.graph = cuda.Graph(self.stream, lambda: self._execute("decode"))
-                slot.graph.launch(self.stream)
+                # A context of its own (no other slot rebinds it between capture and replay), warmed up by
+                # this step's run and a sync right before the capture; the graph replays from the next step.
+                context = slot.context = self._new_context("decode")
+                self._bind(slot, "decode", 1, context)
+                self._execute(context, "decode")
+                self.stream.synchronize()
+                slot.graph = cuda.Graph(self.stream, lambda: self._execute(context, "decode"))
             else:
                 self._bind(slot, "decode", 1)
-                self._execute("decode")
+                self._execute(self.contexts["decode"], "decode")
             slot.decode_runs += 1
             return self._finish(slot, "decode", running)
 
@@ -201,16 +238,18 @@ class TrtBackend:
         out = []
         for kind in ("key", "value"):
             raw = np.empty(shape, dtype={"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.kv_dtype])
-            slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
-            self.stream.synchronize()
+            with self._on_device():
+                slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
+                self.stream.synchronize()
             if self.kv_dtype == "bfloat16":  # numpy has no bfloat16: widen the bit pattern to float32
                 raw = (raw.astype(np.uint32) << 16).view(np.float32)
             out.append(raw)
         return out[0], out[1]
 
     # -- running --------------------------------------------------------------------------------
-    def _bind(self, slot: TrtSlot, phase: str, seq: int, positions: int = 1) -> None:
-        context = self.contexts[phase]
+    def _bind(self, slot: TrtSlot, phase: str, seq: int, positions: int = 1, context: Any = None) -> None:
+        """Set shapes and addresses on `context` (default: the phase's shared context)."""
+        context = context if context is not None else self.contexts[phase]
         plan = binding_plan(self.manifest, phase, slot.cache.batch, slot.cache.capacity, seq, self.single_engine,
                             positions)
         for binding in plan:
@@ -220,8 +259,8 @@ class TrtBackend:
             context.set_tensor_address(binding.name, slot.buffers[binding.buffer].ptr)
         slot.bound[phase] = {b.name: int(context.get_tensor_address(b.name)) for b in plan if not b.is_input}
 
-    def _execute(self, phase: str) -> None:
-        if not self.contexts[phase].execute_async_v3(int(self.stream)):
+    def _execute(self, context: Any, phase: str) -> None:
+        if not context.execute_async_v3(int(self.stream)):
             raise KvforgeError(f"TensorRT failed to run the {phase} engine")
 
     def _finish(self, slot: TrtSlot, phase: str, rows: np.ndarray | None = None) -> np.ndarray:

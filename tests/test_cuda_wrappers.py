@@ -61,3 +61,12 @@ def test_errors_raise_with_cudas_name() -> None:
 
     with pytest.raises(KvforgeError, match="CUDA error cudaError"):
         cuda.check(cudart.cudaSetDevice(10_000))
+
+
+def test_set_device_makes_the_gpu_current_in_this_thread() -> None:
+    from cuda.bindings import runtime as cudart
+
+    last = cuda.device_count() - 1
+    cuda.set_device(last)
+    assert cuda.check(cudart.cudaGetDevice()) == last
+    cuda.set_device(0)

@@ -21,13 +21,17 @@ from kvforge.runtime.engine_plan import (
     binding_plan,
     build_key,
     check_runtime_matches,
+    engine_capacity_buckets,
     engine_layout,
     engines_manifest,
     graph_key,
     load_engines_manifest,
     profile_shapes,
     resolve_build_options,
+    static_capacity,
 )
+
+TRT = {"flavor": "tensorrt", "version": "10.15.1"}
 
 
 def _manifest(target: str = "trt", dtype: str = "fp16", layers: int = 2, max_capacity: int = 8192) -> dict:
@@ -86,24 +90,42 @@ def test_engine_layout_and_weight_copies(tmp_path) -> None:
     assert engine_layout(one)["decode"] == {"file": "prefill.engine", "graph": "prefill", "profile": 1}
     (tmp_path / "kvforge.json").write_text("{}")
     gpu = {"name": "GPU", "compute_capability": "9.0"}
-    rec_two = engines_manifest(tmp_path, _manifest(), two, "k", "10.15.1", gpu, {}, 1.0, "0.1.0")
-    rec_one = engines_manifest(tmp_path, _manifest(), one, "k", "10.15.1", gpu, {}, 1.0, "0.1.0")
+    rec_two = engines_manifest(tmp_path, _manifest(), two, "k", TRT, gpu, {}, 1.0, "0.1.0")
+    rec_one = engines_manifest(tmp_path, _manifest(), one, "k", TRT, gpu, {}, 1.0, "0.1.0")
     assert rec_two["weights_on_gpu_bytes"] == 2000 and rec_one["weights_on_gpu_bytes"] == 1000
     assert rec_two["capacity_buckets"][0] == 64 and rec_two["capacity_buckets"][-1] == 4096
+    assert rec_two["static_capacity"] is False
     assert rec_two["profiles"]["decode"]["input_ids"] == [[1, 1], [1, 1], [1, 1]]
+    # K and V, 2 layers, 2 KV heads, head_dim 64, fp16, at capacity 4096 for one row.
+    assert rec_two["kv_cache_bytes_at_max"] == 2 * 2 * 2 * 64 * 2 * 4096
+
+
+def test_onnx_target_engines_fix_the_capacity() -> None:
+    # TensorRT's KV-cache-update layer (from TensorScatter) needs the capacity static: min = opt = max.
+    manifest = _manifest(target="onnx")
+    options = resolve_build_options(manifest, max_batch=4, max_seq_len=1024)
+    assert static_capacity(manifest) and not static_capacity(_manifest(target="trt"))
+    assert engine_capacity_buckets(manifest, options) == (1024,)
+    for phase in ("prefill", "decode"):
+        assert profile_shapes(manifest, options, phase)["past_value.0"] == (
+            (1, 2, 1024, 64), (4, 2, 1024, 64), (4, 2, 1024, 64))
 
 
 def test_build_key_changes_with_every_input() -> None:
     manifest, options = _manifest(), resolve_build_options(_manifest())
-    base = build_key(manifest, options, "10.15.1", "9.0", "0.1.0")
-    assert base == build_key(copy.deepcopy(manifest), options, "10.15.1", "9.0", "0.1.0")
+    plugin = {"kernel_source": "abc", "triton": "3.6.0"}
+    base = build_key(manifest, options, TRT, "9.0", "0.1.0", plugin)
+    assert base == build_key(copy.deepcopy(manifest), options, dict(TRT), "9.0", "0.1.0", dict(plugin))
     changed = copy.deepcopy(manifest)
     changed["files"]["model.weights"]["sha256"] = "d"
-    assert build_key(changed, options, "10.15.1", "9.0", "0.1.0") != base
-    assert build_key(manifest, resolve_build_options(manifest, max_batch=2), "10.15.1", "9.0", "0.1.0") != base
-    assert build_key(manifest, options, "10.16.0", "9.0", "0.1.0") != base
-    assert build_key(manifest, options, "10.15.1", "8.9", "0.1.0") != base
-    assert build_key(manifest, options, "10.15.1", "9.0", "0.2.0") != base
+    assert build_key(changed, options, TRT, "9.0", "0.1.0", plugin) != base
+    assert build_key(manifest, resolve_build_options(manifest, max_batch=2), TRT, "9.0", "0.1.0", plugin) != base
+    assert build_key(manifest, options, {**TRT, "version": "10.16.0"}, "9.0", "0.1.0", plugin) != base
+    assert build_key(manifest, options, {"flavor": "tensorrt-rtx", "version": "10.15.1"}, "9.0", "0.1.0", plugin) != base
+    assert build_key(manifest, options, TRT, "8.9", "0.1.0", plugin) != base
+    assert build_key(manifest, options, TRT, "9.0", "0.2.0", plugin) != base
+    assert build_key(manifest, options, TRT, "9.0", "0.1.0", {**plugin, "kernel_source": "abd"}) != base
+    assert build_key(manifest, options, TRT, "9.0", "0.1.0", {**plugin, "triton": "3.7.0"}) != base
 
 
 def _engine_folder(tmp_path, export, **change) -> object:
@@ -112,8 +134,8 @@ def _engine_folder(tmp_path, export, **change) -> object:
     (engines / "prefill.engine").write_bytes(b"x" * 10)
     from kvforge.manifest import sha256_file
 
-    record = {"format": "kvforge-engines/1", "export": {"manifest_sha256": sha256_file(export / "kvforge.json")},
-              "files": {"prefill.engine": {"sha256": "s", "bytes": 10}}, "tensorrt": "10.15.1",
+    record = {"format": "kvforge-engines/2", "export": {"manifest_sha256": sha256_file(export / "kvforge.json")},
+              "files": {"prefill.engine": {"sha256": "s", "bytes": 10}}, "tensorrt": TRT,
               "gpu": {"compute_capability": "9.0"}}
     record.update(change)
     (engines / ENGINES_MANIFEST).write_text(json.dumps(record))
@@ -128,11 +150,16 @@ def test_engine_manifest_checks(tmp_path) -> None:
         load_engines_manifest(tmp_path / "none", export)
     engines = _engine_folder(tmp_path, export)
     record = load_engines_manifest(engines, export)
-    check_runtime_matches(record, "10.15.1", "9.0")
-    with pytest.raises(ManifestError, match="built with TensorRT 10.15.1, this is 10.16.0"):
-        check_runtime_matches(record, "10.16.0", "9.0")
+    check_runtime_matches(record, TRT, "9.0")
+    with pytest.raises(ManifestError, match="built with tensorrt 10.15.1, this is tensorrt 10.16.0"):
+        check_runtime_matches(record, {**TRT, "version": "10.16.0"}, "9.0")
+    with pytest.raises(ManifestError, match="built with tensorrt 10.15.1, this is tensorrt-rtx 1.7.1"):
+        check_runtime_matches(record, {"flavor": "tensorrt-rtx", "version": "1.7.1"}, "9.0")
     with pytest.raises(ManifestError, match="built for compute capability 9.0, this GPU is 8.9"):
-        check_runtime_matches(record, "10.15.1", "8.9")
+        check_runtime_matches(record, TRT, "8.9")
+    # TensorRT-RTX engines are portable and specialised for the GPU when loaded: no architecture check.
+    rtx = {"flavor": "tensorrt-rtx", "version": "1.7.1.116"}
+    check_runtime_matches({**record, "tensorrt": rtx, "gpu": {"compute_capability": "8.0, 8.6, 8.9, 12.0+"}}, rtx, "8.9")
     (engines / "prefill.engine").write_bytes(b"x")
     with pytest.raises(ManifestError, match="missing or truncated"):
         load_engines_manifest(engines, export)
@@ -182,17 +209,20 @@ def test_graph_keys_follow_slots() -> None:
     assert graph_key(4, 256) == (4, 256) != graph_key(4, 512)
 
 
-def test_build_without_tensorrt_is_one_line_and_writes_nothing(exported, tmp_path) -> None:
+def test_build_without_tensorrt_is_one_line_and_writes_nothing(exported, tmp_path, monkeypatch) -> None:
     import shutil
 
+    from kvforge.runtime import tensorrt_flavor
+
+    monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: [])  # as on a machine without either
     folder = shutil.copytree(exported("llama-tiny", "trt"), tmp_path / "export")
     before = sorted(p.name for p in folder.iterdir())
     result = CliRunner().invoke(main, ["build", str(folder), "--max-batch", "2"])
     assert result.exit_code == 2
     lines = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
     assert len(lines) == 1 and "Traceback" not in result.stderr
-    assert "kvforge build needs TensorRT's Python package (tensorrt)" in lines[0]
-    assert "pip install 'kvforge[trt]'" in lines[0]
+    assert "TensorRT is not installed" in lines[0]
+    assert "pip install 'kvforge[trt-rtx]'" in lines[0] and "pip install 'kvforge[trt]'" in lines[0]
     assert sorted(p.name for p in folder.iterdir()) == before  # no engines/ folder, no staging
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 

@@ -98,3 +98,25 @@ def test_demo_answers_with_the_real_model_from_its_cache(real) -> None:
     assert info["chat"] is True and info["random_weights"] is False
     assert "Paris" in info["text"] and "export_s" not in info  # reused the export made above
     assert info["prepare_s"] < 30
+
+
+def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path) -> None:
+    # TensorRT-RTX's ahead-of-time builder on the CPU: the real model's fp16 `onnx`-target graphs, two
+    # engines and one with two profiles. Running them needs a GPU (tests/test_gpu_backends.py).
+    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+    from kvforge.exporter.trt_build import build_engines
+
+    out = tmp_path / f"{REAL_NAME}-onnx-fp16"
+    export_model(GGUF, out, target="onnx", dtype="fp16", hf_dir=real["hf"])  # reuses the conversion
+    weights = (out / "model.weights").stat().st_size
+    for single in (False, True):
+        engines = tmp_path / f"engines-{single}"
+        record = build_engines(out, engines, max_batch=2, max_seq_len=1024, single_engine=single)
+        assert set(record["builds"]) == ({"prefill.engine"} if single else {"prefill.engine", "decode.engine"})
+        for name, built in record["builds"].items():
+            print(f"SmolLM2 fp16 single={single} {name}: {built['bytes'] / 1e6:.1f} MB in {built['seconds']:.1f}s, "
+                  f"attention {built['attention']}")
+            assert built["attention"] == "fused" and built["bytes"] == (engines / name).stat().st_size
+            assert built["bytes"] > weights  # the engine embeds the weights
+        assert record["capacity_buckets"] == [1024]
+        assert record["kv_cache_bytes_at_max"] == 2 * 30 * 3 * 64 * 2 * 1024 * 2  # K+V, 30 layers, 3 KV heads

@@ -8,7 +8,7 @@ that the returned PTX, grid and arguments compute the attention is tested on a G
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import re
 import subprocess
 import sys
@@ -25,18 +25,26 @@ pytest.importorskip("triton")
 def trt_plugin(monkeypatch, tmp_path):
     monkeypatch.setenv("KVFORGE_TRT_ARCH", "sm_90")
     monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path / "ptx"))
-    saved = {name: sys.modules.get(name) for name in ("tensorrt", "tensorrt.plugin")}
-    fake.install()
-    import kvforge.plugins.trt_plugin as module
+    with installed_fake():
+        fake.install()
+        import kvforge.plugins.trt_plugin as module
 
-    module = importlib.reload(module)  # a fresh `_registered`
-    module.register()
-    yield module
-    for name, mod in saved.items():
-        if mod is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = mod
+        module.register()
+        yield module
+
+
+@contextlib.contextmanager
+def installed_fake():
+    """Put back whatever `tensorrt` modules were there before (fake.install() replaces them)."""
+    saved = {name: sys.modules.get(name) for name in ("tensorrt", "tensorrt.plugin")}
+    try:
+        yield
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
 
 
 def descs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, capacity: int, dtype=fake.DataType.HALF,
@@ -59,6 +67,41 @@ ATTRS = {"num_heads": 32, "kv_num_heads": 8, "scale": 128**-0.5, "softcap": 0.0,
 def test_importing_the_plugin_module_needs_no_tensorrt() -> None:
     code = "import sys, kvforge.plugins.trt_plugin; assert 'tensorrt' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_stand_in_refuses_a_duplicate_registration_like_tensorrt() -> None:
+    # tensorrt/plugin/_lib.py's register raises ValueError when op.<namespace>.<name> is already defined.
+    with installed_fake():
+        trtp = fake.install()
+
+        def describe(q, num_heads):
+            return q.like()
+
+        # Live types, as tensorrt.plugin reads them (this file's annotations are strings).
+        describe.__annotations__ = {"q": trtp.TensorDesc, "num_heads": int, "return": tuple}
+        trtp.register("kvforge::Probe")(describe)
+        with pytest.raises(ValueError, match="already has a definition for 'Probe'"):
+            trtp.register("kvforge::Probe")(describe)
+        fresh = fake.install()  # a new TensorRT starts empty
+        assert not hasattr(fresh.op, "kvforge") and fake.REGISTRY == {}
+
+
+def test_register_asks_each_tensorrt_not_a_process_flag() -> None:
+    # A stand-in registered first (the GPU kernel test does that), then another TensorRT in the same
+    # process (a real build in the same pytest run): the second must get the plugin too.
+    from kvforge.plugins import trt_plugin
+
+    with installed_fake():
+        first = fake.install()
+        trt_plugin.register()
+        assert hasattr(first.op.kvforge, "KVCacheAttention")
+        second = fake.install()
+        trt_plugin.register()
+        trt_plugin.register()  # again into the same TensorRT: no duplicate (TensorRT would raise)
+        assert hasattr(second.op.kvforge, "KVCacheAttention")
+        assert "aot" in fake.REGISTRY["kvforge::KVCacheAttention"]
+        creator = sys.modules["tensorrt"].get_plugin_registry().get_creator("KVCacheAttention", "1", "kvforge")
+        assert creator is not None and creator.plugin_namespace == "kvforge"
 
 
 def test_registration_declares_aliased_caches_and_the_documented_schema(trt_plugin) -> None:
@@ -97,6 +140,33 @@ def test_prefill_plan_uses_prefill_tiles_and_a_symbolic_grid(trt_plugin) -> None
     assert [a.value for a in extra] == [2, 300, 4096]
 
 
+def test_a_capped_build_compiles_a_variant_within_48_kib(trt_plugin) -> None:
+    # TensorRT's KernelLaunchParams has no documented opt-in above 48 KiB of dynamic shared memory.
+    inputs = descs(2, 1, 32, 8, 128, 4096)
+    _, (_, _, default, _) = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    assert default.shared_mem > 48 * 1024  # the default decode tiles need more: the cap has work to do
+    trt_plugin.register(max_shared_kib=48)  # already registered: only the build's choice changes
+    try:
+        _, (name, ptx, params, extra) = fake.run_aot("kvforge::KVCacheAttention", inputs, ATTRS)
+    finally:
+        trt_plugin.register()
+    assert 0 < params.shared_mem <= 48 * 1024
+    kernel = trt_plugin_kernel(trt_plugin, inputs, regime="decode", max_shared_kib=48)
+    assert (name, ptx, params.shared_mem) == (kernel.name, kernel.ptx, kernel.shared_mem)
+    assert params.block_x == kernel.num_warps * 32
+    assert (params.grid_x.value, params.grid_y.value) == launch.launch_grid(2, 1, 8, 4, 1, kernel.block_m)[:2]
+    assert [a.value for a in extra] == [2, 1, 4096]
+
+
+def test_shared_memory_cap_arguments_are_checked() -> None:
+    from kvforge.plugins.ptx import compile_kernel
+
+    with pytest.raises(ValueError, match="max_shared_kib must be a positive number of KiB, got 0"):
+        compile_kernel("sm_90", max_shared_kib=0)
+    with pytest.raises(ValueError, match="needs fit_shared=True"):
+        compile_kernel("sm_90", max_shared_kib=48, fit_shared=False)
+
+
 @pytest.mark.parametrize(("dtype", "head_dim", "message"), [
     (fake.DataType.INT8, 128, "supports float16, bfloat16 and float32, not INT8"),
     (fake.DataType.HALF, 96, "head_dim must be a power of two"),
@@ -113,10 +183,11 @@ def test_plan_is_a_plain_function() -> None:
     assert plan.regime == "prefill" and plan.compile_kwargs()["tensorrt"] is True
     assert aot_plan("float16", 128, 1, 32, 8, 0.1, 0.0, 4096, "sm_90").regime == "decode"
     assert aot_plan("float16", 128, 4, 32, 8, 0.1, 0.0, 0, "sm_90").regime == "decode"  # 4 x 4 rows: spec verify
+    assert aot_plan("float16", 128, 1, 32, 8, 0.1, 0.0, 0, "sm_90", 48).compile_kwargs()["max_shared_kib"] == 48
 
 
-def trt_plugin_kernel(module, inputs, regime: str):
+def trt_plugin_kernel(module, inputs, regime: str, **kw):
     from kvforge.plugins.ptx import compile_kernel
 
     return compile_kernel(arch="sm_90", dtype="float16", head_dim=128, num_heads=32, kv_num_heads=8,
-                          scale=ATTRS["scale"], regime=regime, num_splits=1, tensorrt=True)
+                          scale=ATTRS["scale"], regime=regime, num_splits=1, tensorrt=True, **kw)
