@@ -41,3 +41,27 @@ def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
         return made[key]
 
     return get
+
+
+# Real TensorRT builds (tests/test_trt_build_real.py, tests/test_real_model.py) report what they built here;
+# the lines are printed at the end of the run, so CI's log shows every engine's build time and size.
+ENGINE_BUILDS: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def engine_report():
+    """engine_report(folder_name, engines.json record): note each engine's build seconds, bytes, attention."""
+
+    def add(label: str, record: dict) -> None:
+        for name, built in sorted(record["builds"].items()):
+            ENGINE_BUILDS.append(f"{label:<38} {name:<15} {record['options']['dtype']:<5} "
+                                 f"{built['bytes'] / 1e6:8.2f} MB {built['seconds']:7.2f} s  {built['attention']}")
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if ENGINE_BUILDS:
+        terminalreporter.section("TensorRT engines built (TensorRT-RTX, ahead of time on the CPU)")
+        for line in ENGINE_BUILDS:
+            terminalreporter.write_line(line)

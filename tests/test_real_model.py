@@ -100,7 +100,7 @@ def test_demo_answers_with_the_real_model_from_its_cache(real) -> None:
     assert info["prepare_s"] < 30
 
 
-def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path) -> None:
+def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path, engine_report) -> None:
     # TensorRT-RTX's ahead-of-time builder on the CPU: the real model's fp16 `onnx`-target graphs, two
     # engines and one with two profiles. Running them needs a GPU (tests/test_gpu_backends.py).
     pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
@@ -113,9 +113,8 @@ def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path) -> None
         engines = tmp_path / f"engines-{single}"
         record = build_engines(out, engines, max_batch=2, max_seq_len=1024, single_engine=single)
         assert set(record["builds"]) == ({"prefill.engine"} if single else {"prefill.engine", "decode.engine"})
+        engine_report(f"{REAL_NAME}-onnx-fp16" + (" --single-engine" if single else ""), record)
         for name, built in record["builds"].items():
-            print(f"SmolLM2 fp16 single={single} {name}: {built['bytes'] / 1e6:.1f} MB in {built['seconds']:.1f}s, "
-                  f"attention {built['attention']}")
             assert built["attention"] == "fused" and built["bytes"] == (engines / name).stat().st_size
             assert built["bytes"] > weights  # the engine embeds the weights
         assert record["capacity_buckets"] == [1024]

@@ -48,7 +48,8 @@ def _layer_counts(folder, graph: str) -> tuple[dict[str, int], int]:
     return counts, softcapped
 
 
-def _check_record(record: dict, folder, single: bool, dtype: str) -> None:
+def _check_record(record: dict, folder, single: bool, dtype: str, report) -> None:
+    report(folder.name + (" --single-engine" if single else ""), record)
     files = {"prefill.engine"} if single else {"prefill.engine", "decode.engine"}
     assert set(record["files"]) == set(record["builds"]) == files
     assert record["tensorrt"]["flavor"] == "tensorrt-rtx" and record["static_capacity"] is True
@@ -56,7 +57,6 @@ def _check_record(record: dict, folder, single: bool, dtype: str) -> None:
     for name, built in record["builds"].items():
         assert built["bytes"] == (folder / "engines" / name).stat().st_size > 0 and built["seconds"] > 0
         assert built["attention"] in ("fused", "decomposed", "decomposed (softcap)")
-        print(f"{folder.name} {name}: {built['bytes'] / 1e6:.2f} MB, {built['seconds']:.2f}s, {built['attention']}")
     for phase in record["engines"]:
         assert record["profiles"][phase]["past_key.0"][0][2] == MAX_SEQ_LEN  # min capacity = max: static
     on_disk = json.loads((folder / "engines" / ENGINES_MANIFEST).read_text())
@@ -64,7 +64,7 @@ def _check_record(record: dict, folder, single: bool, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("recipe", FAMILY_RECIPES)
-def test_every_family_builds_real_engines_in_fp16(recipe, exported, hf_folder) -> None:
+def test_every_family_builds_real_engines_in_fp16(recipe, exported, engine_report) -> None:
     folder = exported(recipe, "onnx", "fp16")
     layers = load_manifest(folder)["kv_cache"]["num_layers"]
     for graph in ("prefill", "decode"):
@@ -76,22 +76,22 @@ def test_every_family_builds_real_engines_in_fp16(recipe, exported, hf_folder) -
         assert softcapped == (layers if recipe == "gemma2-tiny" else 0)
         assert counts.get("KV_CACHE_UPDATE") == 2 * layers, counts
     record = build_engines(folder, max_batch=2, max_seq_len=MAX_SEQ_LEN, force=True)
-    _check_record(record, folder, single=False, dtype="fp16")
+    _check_record(record, folder, single=False, dtype="fp16", report=engine_report)
 
 
 @pytest.mark.parametrize("recipe", FAMILY_RECIPES)
-def test_every_family_builds_in_fp32_decomposing_where_needed(recipe, exported) -> None:
+def test_every_family_builds_in_fp32_decomposing_where_needed(recipe, exported, engine_report) -> None:
     folder = exported(recipe, "onnx", "fp32")
     record = build_engines(folder, max_batch=2, max_seq_len=MAX_SEQ_LEN, force=True)
-    _check_record(record, folder, single=False, dtype="fp32")
+    _check_record(record, folder, single=False, dtype="fp32", report=engine_report)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-def test_single_engine_builds_with_two_profiles(dtype, exported, tmp_path) -> None:
-    folder = shutil.copytree(exported("llama-tiny", "onnx", dtype), tmp_path / "export")
+def test_single_engine_builds_with_two_profiles(dtype, exported, tmp_path, engine_report) -> None:
+    folder = shutil.copytree(exported("llama-tiny", "onnx", dtype), tmp_path / f"llama-tiny-onnx-{dtype}")
     shutil.rmtree(folder / "engines", ignore_errors=True)
     record = build_engines(folder, max_batch=2, max_seq_len=MAX_SEQ_LEN, single_engine=True)
-    _check_record(record, folder, single=True, dtype=dtype)
+    _check_record(record, folder, single=True, dtype=dtype, report=engine_report)
     assert record["engines"]["decode"] == {"file": "prefill.engine", "graph": "prefill", "profile": 1}
     assert record["profiles"]["decode"]["input_ids"][2] == [2, 1]
     assert record["weights_on_gpu_bytes"] == record["weights_bytes"]  # one engine: the weights once
