@@ -300,25 +300,41 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: str | Path) -> None:
-    try:
-        import matplotlib
+def check_plot(path: str | Path) -> None:
+    """Fail before any measuring if `--plot PATH` could not be drawn or written."""
+    import importlib.util
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise BackendUnavailableError("--plot needs matplotlib: pip install 'kvforge[bench]'") from err
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise InputError(f"--plot writes a PNG; give a path ending in .png, got {path}")
+    if not path.parent.resolve().is_dir():
+        raise InputError(f"--plot {path}: the folder {path.parent} does not exist")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BackendUnavailableError("--plot needs matplotlib: pip install 'kvforge[bench]'")
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    check_plot(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     names = list(report["systems"])
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, (metric, label) in zip(axes, (("decode_tokens_per_s", "decode tokens/s"), ("ttft_ms", "time to first token (ms)"),
-                                          ("peak_rss_mb", "peak RSS (MB)")), strict=True):
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    metrics = (("decode_tokens_per_s", "decode tokens/s (higher is better)", "{:.1f}"),
+               ("ttft_ms", "time to first token, ms (lower is better)", "{:.1f}"),
+               ("peak_rss_mb", "peak RSS, MB (lower is better)", "{:.0f}"))
+    for ax, (metric, label, fmt) in zip(axes, metrics, strict=True):
         values = [report["systems"][n][metric] for n in names]
         spreads = [report["systems"][n][f"{metric}_spread"] for n in names]
         errors = [[v - s[0] for v, s in zip(values, spreads, strict=True)], [s[1] - v for v, s in zip(values, spreads, strict=True)]]
-        ax.bar(names, values, yerr=errors, color=["#2f6db5"] + ["#999999"] * (len(names) - 1))
-        ax.set_title(label)
+        bars = ax.bar(names, values, yerr=errors, capsize=4, color=["#2f6db5"] + ["#999999"] * (len(names) - 1))
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], label_type="center", color="white")
+        ax.set_title(label, fontsize=10)
     fig.suptitle(f"{Path(report['export']).name}: prompt {report['prompt_len']}, {report['new_tokens']} new, "
-                 f"batch {report['batch']}, {report['threads']} threads")
+                 f"batch {report['batch']}, {report['threads']} threads; bars: median, whiskers: min-max of "
+                 f"{report['repeat']} rounds", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -143,6 +143,30 @@ def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool,
                        f"vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
                        f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
                        f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
+        hint = dequantised_hint(manifest)
+        if hint:
+            click.echo(hint, err=True)
+
+
+def dequantised_hint(manifest: dict[str, Any]) -> str | None:
+    """A quantised GGUF exported without --quantize grows to the export's dtype: say so and what to do."""
+    gguf = manifest["model"].get("source_gguf") or {}
+    quantized = sorted(t for t in gguf.get("tensor_types", {}) if t not in ("F32", "F16", "BF16"))
+    if not quantized or manifest.get("quantization"):
+        return None
+    weights = sum(r["bytes"] for name, r in manifest["files"].items() if name.endswith(".weights"))
+    return (f"note: the GGUF's {'/'.join(quantized)} weights ({human_bytes(gguf['bytes'])}) were dequantised to "
+            f"{manifest['dtype']} ({human_bytes(weights)}); --quantize int4 (target ort) keeps them at 4 bits")
+
+
+def human_bytes(count: int) -> str:
+    """1234 -> '1.2 KB', 269030016 -> '269.0 MB' (decimal units, as the sizes in README)."""
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -289,10 +313,15 @@ def generate(
             click.echo(prefix + (result.text[i] if result.text is not None else ",".join(map(str, tokens))))
     click.echo(
         f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
-        f"{sum(map(len, result.tokens))} tokens"
+        f"{sum(map(len, result.tokens))} tokens generated"
         + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculate else ""),
         err=True,
     )
+    cut = [i for i, reason in enumerate(result.finish_reason) if reason == "length"]
+    if cut and not ignore_eos:
+        which = "" if len(result.finish_reason) == 1 else f" (prompt {', '.join(map(str, cut))})"
+        click.echo(f"stopped at --max-new-tokens ({max_new_tokens}){which}, not at an end-of-sequence token; "
+                   "raise --max-new-tokens for a longer answer", err=True)
 
 
 @main.command()
@@ -345,11 +374,14 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
     """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth), optionally against peers."""
     from kvforge import bench as bench_module
 
+    if plot is not None:  # before the rounds, not after minutes of measuring
+        bench_module.check_plot(plot)
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers,
                                     say=_progress(False))
     if plot is not None:
         bench_module.plot(report, plot)
+        click.echo(f"kvforge: plot written to {plot}", err=True)
     if as_json:
         _emit_json(report)
     else:
@@ -420,7 +452,7 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
             items = ", ".join(f"{io['name']} {io.get('dtype', '?')}{io.get('shape', '')}" for io in shown)
             click.echo(f"    {kind}: {items}" + (f", ... (+{more})" if more > 0 else ""))
     for name, record in info["files"].items():
-        click.echo(f"  {name}: {record['bytes'] / 1e6:.2f} MB")
+        click.echo(f"  {name}: {human_bytes(record['bytes'])}")
     click.echo("  verified: every file matches its sha256" if verify else
                "  checked: file sizes, and sha256 of the small files (--verify re-hashes the weights too)")
 

@@ -110,8 +110,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         temperature = _number(body, "temperature", None, float, 0.0, 2.0)
         top_p = _number(body, "top_p", None, float, 0.0, 1.0)
         seed = _number(body, "seed", None, int, 0, 2**63 - 1)
-        if _number(body, "n", 1, int, 1, 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
+        if _number(body, "n", 1, int) != 1:
+            raise ApiError(400, f"only n=1 is supported (one choice per request), got {body.get('n')!r}", param="n")
         if temperature is None and top_p is None:
             return generator.default_sampling.with_overrides(seed=seed)
         if temperature == 0.0:

