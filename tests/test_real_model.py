@@ -62,6 +62,16 @@ def test_real_model_answers_through_its_chat_template(real) -> None:
     assert streamed == result.text[0]
 
 
+def test_the_export_says_what_its_time_covers_and_the_conversion_is_shown(real) -> None:
+    messages = real["messages"]
+    assert any(m.startswith("converting SmolLM2-135M-Instruct") for m in messages)  # the slow step is shown
+    done = [m for m in messages if m.startswith("exported to ")]
+    assert len(done) == 2  # ort, then onnx (which reuses the conversion)
+    assert "load, trace, optimise and write took" in done[0] and "converting the GGUF before it took" in done[0]
+    assert "converting the GGUF" not in done[1]
+    assert any("reusing" in m for m in messages)
+
+
 def test_gguf_conversion_is_reused_and_recorded(real, tmp_path) -> None:
     marker = json.loads((real["hf"] / "kvforge_gguf.json").read_text())
     assert marker["tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}

@@ -74,3 +74,16 @@ def test_server_says_only_one_choice_is_supported(exported) -> None:
         response = client.post("/v1/completions", json={"prompt": "x", "n": 2})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "only n=1 is supported (one choice per request), got 2"
+
+
+def test_demo_says_what_its_counts_and_times_cover(tmp_path) -> None:
+    result = CliRunner().invoke(main, ["demo", "-o", str(tmp_path / "demo"), "--recipe", "demo-llama",
+                                       "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert "8 tokens generated" in result.stdout
+    timings = next(line for line in result.stdout.splitlines() if line.startswith("timings:"))
+    assert timings.startswith("timings:   export ") and "time to first token" in timings
+    # Every progress line is stamped with the time since the command began.
+    progress = [line for line in result.stderr.splitlines() if line.startswith("[kvforge] ")]
+    assert progress and all(line.startswith("[kvforge] [") for line in progress)
+    assert any("load, trace, optimise and write took" in line for line in progress)
