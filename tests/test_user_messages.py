@@ -87,3 +87,10 @@ def test_demo_says_what_its_counts_and_times_cover(tmp_path) -> None:
     progress = [line for line in result.stderr.splitlines() if line.startswith("[kvforge] ")]
     assert progress and all(line.startswith("[kvforge] [") for line in progress)
     assert any("load, trace, optimise and write took" in line for line in progress)
+
+
+def test_what_readme_creates_in_a_checkout_is_ignored_by_git() -> None:
+    from pathlib import Path
+
+    ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().split()
+    assert ".venv/" in ignored and "kvforge-demo/" in ignored  # README's venv and the demo's cache
