@@ -8,6 +8,7 @@ folder and renamed into place at the end, so a failed export leaves nothing that
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -307,7 +308,22 @@ def _chat_template_source(folder: Path) -> str | None:
     return None
 
 
-def _tool_versions() -> dict[str, str]:
+def exporter_source_digest() -> str:
+    """sha256 (16 hex) of the code that decides an export's bytes: kvforge's exporter, model adapters and
+    attention op. The version string alone does not change between commits, so a cached export (the
+    demo's) is reused only when this matches too."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package in ("kvforge.exporter", "kvforge.models", "kvforge.plugins"):
+        folder = Path(next(iter(importlib.import_module(package).__path__)))
+        for file in sorted(folder.glob("*.py")):
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def tool_versions() -> dict[str, str]:
+    """The versions of the packages an export's bytes depend on (recorded in the manifest)."""
     versions = {}
     for package in ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
         try:
@@ -469,6 +485,7 @@ def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes)
     return {
         "format": FORMAT,
         "kvforge_version": __version__,
+        "kvforge_source": exporter_source_digest(),
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "model": {
             "source": str(model_dir),
@@ -506,5 +523,5 @@ def _manifest(config, model_dir, target, dtype, graphs, folder, head_dim, sizes)
         "chat_template": _chat_template_source(folder),
         "files": files,
         "generation": generation,
-        "tools": _tool_versions(),
+        "tools": tool_versions(),
     }

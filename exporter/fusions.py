@@ -99,9 +99,17 @@ def drop_reshape_round_trips(model: ir.Model) -> int:
 
 
 def rotary_caches(model, max_positions: int, dtype) -> tuple[np.ndarray, np.ndarray] | None:
-    """cos and sin caches [max_positions, head_dim / 2] from a HF model's own rotary embedding (rope
+    """cos and sin caches [max_positions, head_dim / 2] for a HF model's rotary embedding (rope
     scaling and attention scaling included), or None where the model has no single, half-duplicated
-    rotary table (then RoPE stays in the graph)."""
+    rotary table (then RoPE stays in the graph).
+
+    The tables are a fixed function of the module's own fp32 `inv_freq` and `attention_scaling`,
+    computed with numpy, not by running the module: HF's angle (fp32 position times fp32 inv_freq,
+    one IEEE multiply, so the same bits on every machine), then cos/sin of that angle in float64,
+    rounded once to fp32. Running the module would take cos/sin from whichever vectorised kernel
+    the torch build picks for the CPU (MKL's VML, SLEEF, libm), each off by an ulp in a different ~5%
+    of the entries; an export must not depend on the machine or process it runs in. The module's own tables (what HF eager uses at run time) still decide whether the fold is
+    valid: ours must match them to within rounding, else RoPE stays in the graph."""
     import torch
 
     rope = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -110,17 +118,26 @@ def rotary_caches(model, max_positions: int, dtype) -> tuple[np.ndarray, np.ndar
     # switch the model's own buffer if asked for all positions at once).
     if rope is None or not isinstance(getattr(rope, "rope_type", None), str) or rope.rope_type in ("longrope", "dynamic"):
         return None
-    with torch.no_grad():
-        positions = torch.arange(max_positions)[None]
-        cos, sin = rope(torch.zeros(1, dtype=torch.float32), positions)
-    cos, sin = cos[0].float().numpy(), sin[0].float().numpy()
     config = model.config
-    if cos.shape[-1] != (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inv_freq = rope.inv_freq.detach().float().cpu().numpy()  # HF's forward casts it to fp32 too
+    if 2 * inv_freq.shape[-1] != head_dim:
         return None  # partial rotary (Phi-4-mini): RoPE stays in the graph
-    half = cos.shape[-1] // 2
-    if not (np.array_equal(cos[:, :half], cos[:, half:]) and np.array_equal(sin[:, :half], sin[:, half:])):
-        return None
-    return cos[:, :half].astype(dtype), sin[:, :half].astype(dtype)
+    scaling = float(getattr(rope, "attention_scaling", 1.0))
+    angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]  # fp32, as HF
+    cos = (np.cos(angles.astype(np.float64)) * scaling).astype(np.float32)
+    sin = (np.sin(angles.astype(np.float64)) * scaling).astype(np.float32)
+    with torch.no_grad():
+        hf_cos, hf_sin = rope(torch.zeros(1, dtype=torch.float32), torch.arange(max_positions)[None])
+    hf_cos, hf_sin = hf_cos[0].float().numpy(), hf_sin[0].float().numpy()
+    # torch's cos/sin are within an ulp or two of ours (~1e-7); a module that computes its table
+    # some other way (another angle, no half duplication) differs by far more.
+    tolerance = 1e-6 * max(1.0, abs(scaling))
+    for ours, theirs in ((cos, hf_cos), (sin, hf_sin)):
+        full = np.concatenate([ours, ours], axis=-1)
+        if theirs.shape != full.shape or not np.abs(theirs - full).max() <= tolerance:
+            return None
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def fuse_for_ort(model: ir.Model) -> dict[str, int]:

@@ -40,7 +40,10 @@ def installed_real_model() -> Path | None:
 
 
 def _cached_export(export_dir: Path, target: str, source: Path, gguf_sha256: str | None) -> bool:
-    """True if `export_dir` is a complete export of `source` for `target` by this kvforge version."""
+    """True if `export_dir` is a complete export of `source` for `target` by this kvforge (version and
+    exporter source) and the same tool versions."""
+    from kvforge.exporter.export import exporter_source_digest, tool_versions
+
     if not (export_dir / MANIFEST_NAME).is_file():
         return False
     try:
@@ -49,6 +52,10 @@ def _cached_export(export_dir: Path, target: str, source: Path, gguf_sha256: str
         return False
     model = manifest["model"]
     if manifest["target"] != target or manifest.get("kvforge_version") != __version__:
+        return False
+    # The same kvforge version with another torch/transformers/onnxscript... can trace a different
+    # graph; reusing such an export would make the demo's export differ from a fresh `kvforge export`.
+    if manifest.get("tools") != tool_versions() or manifest.get("kvforge_source") != exporter_source_digest():
         return False
     if model.get("source") != str(source.resolve()):
         return False

@@ -8,6 +8,7 @@ Layout of the file (format "kvforge/2"; /1 had logits_index [B] and prefill logi
     {
       "format": "kvforge/2",
       "kvforge_version": "0.1.0",
+      "kvforge_source": "fe8adf7b45d7cd39",   # digest of the exporter code (a cached export is reused only if equal)
       "created": "2026-11-22T02:30:00Z",
       "model": {"source": "/abs/path", "architecture": "LlamaForCausalLM", "model_type": "llama",
                 "vocab_size": 512, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
