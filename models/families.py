@@ -130,8 +130,8 @@ def family_for(config: Any) -> Family:
 # What each lowering target runs in, for the README's support table.
 TARGET_DTYPES = {
     "ort": "fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` (measured on Llama and Qwen2)",
-    "onnx": "fp32, fp16, bf16 (any runtime with opset-24 Attention and TensorScatter)",
-    "trt": "fp16, bf16 (TensorRT on a GPU); fp32 through the CPU emulation",
+    "onnx": "fp32, fp16, bf16 (any runtime with opset-24 Attention and TensorScatter; TensorRT or TensorRT-RTX engines through `kvforge build`)",
+    "trt": "fp16, bf16 (standard TensorRT on a GPU; not with TensorRT-RTX); fp32 through the CPU emulation",
 }
 
 

@@ -130,14 +130,6 @@ def test_in_process_and_cli_exports_are_identical(hf_folder, tmp_path) -> None:
     assert_same_export(tmp_path / "in-process", tmp_path / "cli")
 
 
-@pytest.mark.slow
-def test_real_model_demo_export_equals_a_cli_export(real, tmp_path) -> None:
-    # The case: SmolLM2-135M exported the demo's way (GGUF converted, then exported, in one
-    # process: the `real` fixture) and by `kvforge export` of the converted folder in a fresh process.
-    _cli_export(real["hf"], tmp_path / "cli", threads=1)
-    assert_same_export(real["ort"], tmp_path / "cli")
-
-
 def test_the_demo_does_not_reuse_an_export_made_by_other_exporter_code(tmp_path) -> None:
     # kvforge's version string is the same across commits: the demo's cache must also match the exporter's
     # source digest (and the tool versions), or it re-exports instead of serving a stale export.

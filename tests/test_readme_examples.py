@@ -63,11 +63,16 @@ def test_the_demo_and_the_commands_on_its_export(workdir) -> None:
     assert "PASS" in result.stdout  # parity on the demo's own export
 
 
-def test_export_of_the_gguf_where_readme_says_it_is(workdir) -> None:
+def test_export_of_the_gguf_where_readme_says_it_is(workdir, real) -> None:
     script = readme_block("installed_real_model()")
     _run(script, workdir, timeout=900)
     manifest = (workdir / "smollm2-onnx" / "kvforge.json").read_text()
     assert '"target": "onnx"' in manifest and "SmolLM2-135M-Instruct" in manifest
+    # Issue 17's case: the same GGUF converted and exported in a fresh `kvforge export` process gives the
+    # very export the in-process path (the demo's way: the `real` fixture) gave, constants included.
+    from test_export_reproducible import assert_same_export
+
+    assert_same_export(real["onnx"], workdir / "smollm2-onnx")
 
 
 def test_python_api_example(workdir) -> None:
