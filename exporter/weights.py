@@ -11,6 +11,19 @@ import onnx_ir as ir
 SIZE_THRESHOLD = 1024
 
 
+# torch.onnx records each node's Python stack trace, which names FX's generated code by a per-process
+# counter ("<eval_with_key>.92"): the same model exported in two processes would differ in bytes.
+STACK_TRACE_KEY = "pkg.torch.onnx.stack_trace"
+
+
+def drop_stack_traces(model: ir.Model) -> None:
+    """Remove the per-process stack-trace metadata from every node (subgraphs and functions too)."""
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            node.metadata_props.pop(STACK_TRACE_KEY, None)
+
+
 def save_with_shared_weights(models: dict[str, ir.Model], folder: Path, weights_name: str) -> dict[str, int]:
     """Save `{phase: model}` as `folder/{phase}.onnx`, all large initializers in one file.
 
@@ -38,5 +51,6 @@ def save_with_shared_weights(models: dict[str, ir.Model], folder: Path, weights_
         for name, value in model.graph.initializers.items():
             if (phase, name) in keys:
                 value.const_value = by_key[keys[(phase, name)]]
+        drop_stack_traces(model)
         ir.save(model, folder / f"{phase}.onnx")
     return {"weights_bytes": sum(t.nbytes for t in unique.values()), "unshared_bytes": total}
