@@ -366,9 +366,14 @@ def export_model(
         # A GGUF file: convert it (or reuse its conversion) to a Hugging Face folder, then export that.
         hf_dir = Path(hf_dir) if hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
         check_output(out_dir, [gguf_file.resolve(), hf_dir.absolute()], force=force, marker=MANIFEST_NAME)
-        converting = time.perf_counter()
-        model_dir = convert_gguf(gguf_file, hf_dir, progress=say)
-        converted_s = time.perf_counter() - converting
+        converting, converted = time.perf_counter(), []
+
+        def watch(message: str) -> None:  # a reused conversion is not reported as one
+            converted.append(message.startswith("converting "))
+            say(message)
+
+        model_dir = convert_gguf(gguf_file, hf_dir, progress=watch)
+        converted_s = time.perf_counter() - converting if any(converted) else None
         gguf_record = json.loads((Path(model_dir) / GGUF_MARKER).read_text())
     model_dir = Path(model_dir).resolve()
     if target not in TARGETS:
@@ -465,7 +470,7 @@ def export_model(
             ) from err
         except Exception as err:
             raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {_one_line(err)}") from err
-    before = f"; converting the GGUF before it took {converted_s:.1f} s" if converted_s is not None and converted_s >= 1 else ""
+    before = f"; converting the GGUF before it took {converted_s:.1f} s" if converted_s is not None else ""
     say(f"exported to {out_dir}: load, trace, optimise and write took {time.perf_counter() - started:.1f} s{before}")
     return manifest
 
