@@ -130,22 +130,24 @@ def test_in_process_and_cli_exports_are_identical(hf_folder, tmp_path) -> None:
     assert_same_export(tmp_path / "in-process", tmp_path / "cli")
 
 
-def test_the_demo_does_not_reuse_an_export_made_by_other_exporter_code(tmp_path) -> None:
+def test_the_demo_does_not_reuse_an_export_made_by_other_exporter_code(exported, hf_folder, tmp_path) -> None:
     # kvforge's version string is the same across commits: the demo's cache must also match the exporter's
     # source digest (and the tool versions), or it re-exports instead of serving a stale export.
     import json
+    import shutil
 
-    from click.testing import CliRunner
-
-    from kvforge.cli import main
+    from kvforge.demo import _cached_export
     from kvforge.exporter.export import exporter_source_digest
 
-    args = ["demo", "-o", str(tmp_path / "demo"), "--recipe", "demo-llama", "--max-new-tokens", "4", "--json"]
-    first = json.loads(CliRunner().invoke(main, args).stdout)
-    manifest_path = tmp_path / "demo" / "export-ort" / "kvforge.json"
-    manifest = json.loads(manifest_path.read_text())
-    assert manifest["kvforge_source"] == exporter_source_digest() and "export_s" in first
-    assert "export_s" not in json.loads(CliRunner().invoke(main, args).stdout)  # reused while unchanged
+    folder = shutil.copytree(exported("llama-tiny"), tmp_path / "export")
+    source = hf_folder("llama-tiny")
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    assert manifest["kvforge_source"] == exporter_source_digest()
+    assert _cached_export(folder, "ort", source, None)  # reused while nothing changed
     manifest["kvforge_source"] = "0" * 16  # as if written by another commit of the exporter
-    manifest_path.write_text(json.dumps(manifest))
-    assert "export_s" in json.loads(CliRunner().invoke(main, args).stdout)  # exported again
+    (folder / "kvforge.json").write_text(json.dumps(manifest))
+    assert not _cached_export(folder, "ort", source, None)
+    manifest["kvforge_source"] = exporter_source_digest()
+    manifest["tools"]["torch"] = "0.0.1"  # or by another torch
+    (folder / "kvforge.json").write_text(json.dumps(manifest))
+    assert not _cached_export(folder, "ort", source, None)
