@@ -28,6 +28,7 @@ ENGINE_DIR_NAME = "engines"
 TIMING_CACHE = "timing.cache"
 BUILD_TARGETS = ("trt", "onnx")  # `ort` uses ONNX Runtime's contrib attention, which TensorRT cannot import
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per element of the KV cache dtypes
 DEFAULT_MAX_SEQ_LEN = 4096
 # The prefill engines return logits for up to this many positions per row (speculative verification).
 MAX_POSITIONS = 16
@@ -165,8 +166,7 @@ def engines_manifest(
     copies = len({entry["file"] for entry in engines.values()})
     buckets = engine_capacity_buckets(export_manifest, options)
     kv = export_manifest["kv_cache"]
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(kv.get("dtype", "float32"), 4)
-    per_row = 2 * int(kv["num_layers"]) * int(kv["num_kv_heads"]) * int(kv["head_dim"]) * itemsize
+    per_row = 2 * int(kv["num_layers"]) * int(kv["num_kv_heads"]) * int(kv["head_dim"]) * ITEMSIZE[kv["dtype"]]
     return {
         "format": ENGINES_FORMAT,
         "kvforge_version": kvforge_version,

@@ -44,6 +44,7 @@ from kvforge.runtime import cuda
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.engine_plan import (
     ENGINE_DIR_NAME,
+    ITEMSIZE,
     MAX_POSITIONS,
     binding_plan,
     check_runtime_matches,
@@ -52,8 +53,6 @@ from kvforge.runtime.engine_plan import (
 )
 from kvforge.runtime.kv_cache import CacheState
 from kvforge.runtime.tensorrt_flavor import load_tensorrt
-
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
