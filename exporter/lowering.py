@@ -12,15 +12,14 @@ graph and shared by every layer's node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx_ir as ir
 
+from kvforge.contract import INPUT_IDS
 from kvforge.errors import ExportError
 from kvforge.plugins.torch_op import DOMAIN, OP_TYPE
+from kvforge.targets import Target
 
-TARGETS = ("ort", "onnx", "trt")
 # TensorRT's ONNX parser ignores node domains and finds a plugin by op type plus the node attributes
 # plugin_namespace / plugin_version. The domain is the one onnxruntime-extensions' Python ops use, so
 # the CPU emulation (runtime/emulate.py) can serve the very same node.
@@ -105,7 +104,7 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
     q0, past_lens = first.inputs[0], first.inputs[5]
     # The query length from the graph's input_ids, not from layer 0's q: that would keep layer 0's
     # rotary path alive after it is folded into attention.
-    ids = next((value for value in graph.inputs if value.name == "input_ids"), q0)
+    ids = next((value for value in graph.inputs if value.name == INPUT_IDS), q0)
     shared = ir.tape.Tape()
     seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
     seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
@@ -238,24 +237,21 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
     graph.opset_imports[TRT_PLUGIN_DOMAIN] = 1
 
 
-_PASSES: dict[str, Callable[[ir.Graph, list[ir.Node]], None]] = {
-    "ort": lower_to_ort, "onnx": lower_to_onnx, "trt": lower_to_trt,
-}
-
-
-def lower(model: ir.Model, target: str, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> ir.Model:
-    """Rewrite every canonical attention node of `model` in place for `target`. `rotary`: the
-    model's cos/sin caches, which the `ort` target folds into its attention op."""
-    if target not in _PASSES:
-        raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> ir.Model:
+    """Rewrite every canonical attention node of `model` in place with `target`'s pass (the function
+    of this module that the registry entry names). `rotary`: the model's cos/sin caches, which the
+    `ort` target folds into its attention op."""
+    lowering = globals().get(target.lowering)
+    if lowering is None:
+        raise ExportError(f"target {target.name!r} names lowering pass {target.lowering!r}, which {__name__} lacks")
     graph = model.graph
     canonical = _canonical_nodes(graph)
     if not canonical:
         raise ExportError("the exported graph has no kvforge attention node; attention was not routed through the op")
-    if target == "ort":
-        lower_to_ort(graph, canonical, rotary)
+    if target.ort_fusions:
+        lowering(graph, canonical, rotary)
     else:
-        _PASSES[target](graph, canonical)
+        lowering(graph, canonical)
     graph.opset_imports.pop(DOMAIN, None)
     # The rotary and layout ops folded into attention are now unused (and the fusion's functions).
     ir.passes.common.RemoveUnusedNodesPass()(model)

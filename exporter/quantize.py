@@ -9,7 +9,6 @@ through a Transpose is materialised, so the quantiser sees a constant) and recor
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kvforge.errors import ExportError, InputError
+from kvforge.exporter.trace import quiet_logger
 
 BITS = {"int4": 4, "int8": 8}
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -97,20 +97,21 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     _materialise_transposed_weights(model)
     vocab_nodes = _vocab_nodes(model, vocab_size)
     proto = ir.to_proto(model)
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
     bits = BITS[quantize]
-    try:
-        if bits == 4 and lm_head_bits == 8 and vocab_nodes:
-            # ONNX Runtime's GatherBlockQuantized takes 4 bits only: the embedding stays int4.
-            head = [name for name, op in vocab_nodes.items() if op == "MatMul"]
-            # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
-            others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
-            proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
-            proto = _run_quantizer(proto, 4, block_size, accuracy_level, nodes_to_exclude=head)
-        else:
-            proto = _run_quantizer(proto, bits, block_size, accuracy_level)
-    except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
-        raise ExportError(f"ONNX Runtime's {quantize} quantiser failed: {type(err).__name__}: {err}") from err
+    # The quantiser's INFO lines would bury the progress; its logger is restored afterwards.
+    with quiet_logger("onnxruntime.quantization"):
+        try:
+            if bits == 4 and lm_head_bits == 8 and vocab_nodes:
+                # ONNX Runtime's GatherBlockQuantized takes 4 bits only: the embedding stays int4.
+                head = [name for name, op in vocab_nodes.items() if op == "MatMul"]
+                # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
+                others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
+                proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
+                proto = _run_quantizer(proto, 4, block_size, accuracy_level, nodes_to_exclude=head)
+            else:
+                proto = _run_quantizer(proto, bits, block_size, accuracy_level)
+        except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
+            raise ExportError(f"ONNX Runtime's {quantize} quantiser failed: {type(err).__name__}: {err}") from err
     quantized = ir.from_proto(proto)
     ops = Counter(node.op_type for node in quantized.graph)
     bits_of = Counter(int(node.attributes["bits"].value) for node in quantized.graph

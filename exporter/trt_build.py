@@ -1,8 +1,8 @@
 """`kvforge build`: an export folder's graphs -> TensorRT engines (prefill + decode, or one engine with two
-profiles), written atomically into the engine folder with engines.json (runtime/engine_plan.py).
+profiles), written atomically into the engine folder with engines.json (kvforge/engine_plan.py).
 
 Works with standard TensorRT (>= 10.15, on a GPU) or TensorRT for RTX (ahead of time, on any machine,
-CPU included), through runtime/tensorrt_flavor.py.
+CPU included), through kvforge/tensorrt_flavor.py.
 
 - `onnx` target: standard Attention + TensorScatter, imported natively as TensorRT's attention and
   KV-cache-update layers. The KV-cache-update layer needs the cache's capacity static, so the graphs'
@@ -12,7 +12,7 @@ CPU included), through runtime/tensorrt_flavor.py.
 - `trt` target: kvforge's plugin (registered before parsing, its PTX compiled for the GPU) through
   `tensorrt.plugin`; TensorRT-RTX has no such module, so there it is refused in one line.
 
-Engines are reused when nothing they depend on changed (runtime/engine_plan.build_key).
+Engines are reused when nothing they depend on changed (kvforge/engine_plan.build_key).
 """
 
 from __future__ import annotations
@@ -24,11 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge import __version__
-from kvforge.errors import BackendUnavailableError, ExportError, InputError
-from kvforge.exporter.trt_graph import tensorrt_graph
-from kvforge.manifest import file_record, load_manifest, read_graph
-from kvforge.output_folder import StagedFolder, check_output
-from kvforge.runtime.engine_plan import (
+from kvforge.contract import KVLayout, ModelSpec
+from kvforge.engine_plan import (
     ENGINE_DIR_NAME,
     ENGINES_MANIFEST,
     TIMING_CACHE,
@@ -40,7 +37,12 @@ from kvforge.runtime.engine_plan import (
     resolve_build_options,
     static_capacity,
 )
-from kvforge.runtime.tensorrt_flavor import RTX_PORTABLE, TensorRT, load_tensorrt
+from kvforge.errors import BackendUnavailableError, ExportError, InputError
+from kvforge.exporter.trt_graph import tensorrt_graph
+from kvforge.manifest import file_record, load_manifest, read_graph
+from kvforge.output_folder import StagedFolder, check_output
+from kvforge.targets import get_target
+from kvforge.tensorrt_flavor import RTX_PORTABLE, TensorRT, load_tensorrt
 
 # TensorRT's builder says this when an attention layer has no dedicated kernel for its shape and dtype.
 NEEDS_DECOMPOSABLE = "not supported by a dedicated kernel"
@@ -52,7 +54,7 @@ def build_target(trt: TensorRT) -> dict[str, str]:
     if trt.builds_without_gpu:
         return {"name": "any supported GPU (ahead-of-time build)", "compute_capability": RTX_PORTABLE}
     try:
-        from kvforge.runtime import cuda
+        from kvforge import cuda
 
         count = cuda.device_count()
     except BackendUnavailableError as err:
@@ -70,11 +72,12 @@ def build_target(trt: TensorRT) -> dict[str, str]:
 
 def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] | None:
     """For the `trt` target: refuse where the plugin cannot be built, else what its PTX depends on."""
-    if manifest["target"] != "trt":
+    target = get_target(manifest["target"])
+    if target.plugin is None:
         return None
     if trt.plugin_module() is None:
         raise BackendUnavailableError(
-            f"a trt-target export cannot be built with {trt.label}: kvforge's attention plugin is embedded "
+            f"a {target.name}-target export cannot be built with {trt.label}: kvforge's attention plugin is embedded "
             "through tensorrt.plugin (ahead-of-time kernels), which TensorRT-RTX does not have; export with "
             "--target onnx (TensorRT's own attention), or build on a GPU machine with TensorRT >= 10.15"
         )
@@ -97,7 +100,7 @@ def build_engines(
     plugin_shared_kib: int | None = None,
 ) -> dict[str, Any]:
     """Build (or reuse) the engines of an export folder; returns engines.json's content. `tensorrt`:
-    "auto", "tensorrt" or "tensorrt-rtx" (runtime/tensorrt_flavor.py). `plugin_shared_kib` (trt target):
+    "auto", "tensorrt" or "tensorrt-rtx" (kvforge/tensorrt_flavor.py). `plugin_shared_kib` (trt target):
     cap the attention plugin's dynamic shared memory (e.g. 48)."""
     say = progress or (lambda _msg: None)
     export_dir = Path(export_dir)
@@ -193,12 +196,10 @@ def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest:
     nodes had to be decomposed. The weights stay in the export's file; the parser reads them there."""
     read_graph(export_dir, manifest, graph)  # checks the file's sha256 before TensorRT reads it
     path = export_dir / manifest["graphs"][graph]["file"]
-    caches = {entry["name"] for entry in manifest["graphs"][graph]["inputs"]
-              if entry["name"].startswith(("past_key.", "past_value."))}
-    caches |= {name.replace("past_", "present_") for name in caches}
-    model = manifest["model"]
+    kv = KVLayout.from_manifest(manifest)
+    caches = set(kv.cache_inputs()) | set(kv.cache_outputs())
     proto, decomposed = tensorrt_graph(path, caches, options.max_seq_len if static_capacity(manifest) else None,
-                                       int(model["num_heads"]), int(model["num_kv_heads"]), int(model["head_dim"]))
+                                       ModelSpec.from_manifest(manifest).num_heads, kv.num_kv_heads, kv.head_dim)
     network = builder.create_network(1 << int(trt.module.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.module.OnnxParser(network, log.logger)
     if not parser.parse(proto.SerializeToString(), str(path)):
@@ -226,7 +227,7 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
     builder = trt.module.Builder(log.logger)
     network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, options, graph)
     # TensorRT's attention layer cannot softcap: those layers are plain ops (exporter/trt_graph.py).
-    attention = "plugin" if manifest["target"] == "trt" else "decomposed (softcap)" if softcapped else "fused"
+    attention = "plugin" if get_target(manifest["target"]).plugin is not None else "decomposed (softcap)" if softcapped else "fused"
     for attempt in ("fused", "decomposed"):
         if attempt == "decomposed":
             say(f"  {trt.label} has no dedicated attention kernel for {graph} ({options.dtype}, head_dim "
@@ -251,7 +252,7 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
 def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: BuildOptions, graph: str,
             timing: bytes, say: Callable[[str], None]) -> Any:
     config = builder.create_builder_config()
-    if manifest["target"] == "trt":
+    if get_target(manifest["target"]).plugin is not None:
         # The plugin's present_* outputs alias past_* (in-place cache update).
         feature = getattr(trt.module.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
         if feature is not None:

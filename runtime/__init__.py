@@ -1,9 +1,26 @@
 """kvforge runtime: run an export folder (prefill + decode over an in-place KV cache).
 
 Stands alone: imports neither torch, transformers nor onnx (only numpy, onnxruntime, tokenizers).
+The names below are imported when first used, so `kvforge.runtime.backend` (the backend registry)
+can be read without loading ONNX Runtime.
 """
 
-from kvforge.runtime.generator import GenerationResult, GenerationStream, Generator, StepEvent
-from kvforge.runtime.sampling import SamplingConfig
+from __future__ import annotations
 
-__all__ = ["GenerationResult", "GenerationStream", "Generator", "SamplingConfig", "StepEvent"]
+import importlib
+from typing import Any
+
+_LAZY = {
+    "GenerationResult": "kvforge.runtime.generator",
+    "GenerationStream": "kvforge.runtime.generator",
+    "Generator": "kvforge.runtime.generator",
+    "StepEvent": "kvforge.runtime.generator",
+    "SamplingConfig": "kvforge.runtime.sampling",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvforge.runtime' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """The runtime's one seam: a backend runs an export's prefill and decode over KV caches it owns.
 
-    backend = create_backend("ort-cpu", folder, manifest, threads=2)   # or "ort-cuda", "emulate", "trt"
+    backend = create_backend("ort-cpu", folder, manifest, threads=2)   # or "ort-cuda", "emulate", "tensorrt"
     slot = backend.allocate(batch, capacity)      # KV cache on the backend's device, bound in place
     logits = backend.prefill(slot, input_ids, logits_index)   # [B, V] float32 on the host
     logits = backend.decode(slot, token_ids, running)         # one token per row
@@ -10,20 +10,27 @@ A slot is what one request runs on: the cache buffers (bound as both past_* and 
 bindings, and `slot.cache`, the host-side state the Generator advances (`past_lens`, capacity
 checks). `Generator` knows only this protocol; backend options (ONNX Runtime's session mode and
 threads, TensorRT's engine folder) are the backend's keyword arguments.
+
+Adding a backend: an entry in REGISTRY (its class, given lazily as "module:Class", and the export
+targets it runs) plus its own module. Backend names never equal a target's name.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvforge.contract import KVLayout, capacity_buckets
 from kvforge.errors import InputError
-from kvforge.runtime.kv_cache import CacheState, capacity_buckets
+from kvforge.targets import TARGETS, get_target
+
+if TYPE_CHECKING:  # the registry is read by the CLI without loading ONNX Runtime
+    from kvforge.runtime.kv_cache import CacheState
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,10 @@ class Limits:
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], max_batch: int | None = None,
                       max_capacity: int | None = None) -> Limits:
-        cap = int(manifest["kv_cache"]["max_capacity"])
+        cap = KVLayout.from_manifest(manifest).max_capacity
         if max_capacity is not None:
             cap = min(cap, int(max_capacity))
-        return cls(max_batch, cap, capacity_buckets(cap), 1 if manifest["target"] == "ort" else None)
+        return cls(max_batch, cap, capacity_buckets(cap), get_target(manifest["target"]).continue_batch)
 
 
 class Slot(Protocol):
@@ -70,73 +77,57 @@ class Backend(Protocol):
     def read_kv(self, slot: Slot, layer: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-def _ort_cpu(folder: Path, manifest: dict, **options: Any) -> Backend:
-    from kvforge.runtime.ort_backend import OrtBackend
+@dataclass(frozen=True)
+class BackendEntry:
+    """A registered backend: its class ("module:Class", imported when first used, so that naming a
+    backend never imports another's stack), fixed keyword arguments, and the targets it runs."""
 
-    return OrtBackend(folder, manifest, device="cpu", **options)
+    cls: str
+    targets: tuple[str, ...]
+    fixed: dict[str, Any] = field(default_factory=dict)
 
+    def load(self) -> type:
+        module, name = self.cls.split(":")
+        return getattr(importlib.import_module(module), name)
 
-def _ort_cuda(folder: Path, manifest: dict, **options: Any) -> Backend:
-    from kvforge.runtime.ort_backend import OrtBackend
-
-    return OrtBackend(folder, manifest, device="cuda", **options)
-
-
-def _emulate(folder: Path, manifest: dict, **options: Any) -> Backend:
-    from kvforge.runtime.ort_backend import EmulateBackend
-
-    return EmulateBackend(folder, manifest, **options)
-
-
-def _trt(folder: Path, manifest: dict, **options: Any) -> Backend:
-    from kvforge.runtime.trt_backend import TrtBackend
-
-    return TrtBackend(folder, manifest, **options)
+    def options(self) -> list[str]:
+        """The keyword options a caller may give (the class's, less the ones every backend gets)."""
+        hidden = {"self", "folder", "manifest", *self.fixed}
+        return [p for p in inspect.signature(self.load().__init__).parameters if p not in hidden]
 
 
-# name -> (factory, the export targets it runs)
-REGISTRY: dict[str, tuple[Callable[..., Backend], tuple[str, ...]]] = {
-    "ort-cpu": (_ort_cpu, ("ort", "onnx")),
-    "ort-cuda": (_ort_cuda, ("ort", "onnx")),
-    "emulate": (_emulate, ("trt",)),
-    "trt": (_trt, ("trt", "onnx")),
+REGISTRY: dict[str, BackendEntry] = {
+    "ort-cpu": BackendEntry("kvforge.runtime.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cpu"}),
+    "ort-cuda": BackendEntry("kvforge.runtime.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cuda"}),
+    "emulate": BackendEntry("kvforge.runtime.ort_backend:EmulateBackend", ("trt",)),
+    "tensorrt": BackendEntry("kvforge.runtime.trt_backend:TrtBackend", ("trt", "onnx")),
 }
-# The backend a target runs on when none is named: one that works without a GPU.
-DEFAULT_FOR_TARGET = {"ort": "ort-cpu", "onnx": "ort-cpu", "trt": "emulate"}
+# Earlier names, refused with the new one (a backend's name never equals a target's).
+RENAMED = {"trt": "tensorrt"}
+assert not set(REGISTRY) & set(TARGETS), "a backend and a target share a name"
 
 
 def default_backend(manifest: dict[str, Any]) -> str:
-    return DEFAULT_FOR_TARGET.get(manifest["target"], "ort-cpu")
-
-
-def _options_of(name: str) -> list[str]:
-    factory_target = {"ort-cpu": "OrtBackend", "ort-cuda": "OrtBackend", "emulate": "EmulateBackend",
-                      "trt": "TrtBackend"}[name]
-    if name == "trt":
-        from kvforge.runtime import trt_backend as module
-    else:
-        from kvforge.runtime import ort_backend as module
-    params = inspect.signature(getattr(module, factory_target).__init__).parameters
-    hidden = {"self", "folder", "manifest", "device"}
-    return [p for p in params if p not in hidden]
+    """The backend a target runs on when none is named: one that works without a GPU."""
+    return get_target(manifest["target"]).default_backend
 
 
 def create_backend(name: str, folder: str | Path, manifest: dict[str, Any], **options: Any) -> Backend:
     """The backend `name` for an export folder, with its own keyword options (checked here)."""
+    if name in RENAMED:
+        raise InputError(f"backend {name!r} is now called {RENAMED[name]!r}; use backend {RENAMED[name]!r}")
     if name not in REGISTRY:
         raise InputError(f"unknown backend {name!r}; choose one of {', '.join(REGISTRY)}")
-    factory, targets = REGISTRY[name]
-    target = manifest["target"]
-    if target not in targets:
-        if target == "trt":
-            raise InputError(
-                f"{folder} is a trt-target export (its attention is kvforge's TensorRT plugin): run it with "
-                "backend 'trt' (TensorRT engines from `kvforge build`) or 'emulate' (CPU emulation)"
-            )
-        runs = [n for n, (_, t) in REGISTRY.items() if target in t]
-        raise InputError(f"backend {name!r} does not run {target}-target exports like {folder}; use one of {', '.join(runs)}")
-    allowed = _options_of(name)
+    entry = REGISTRY[name]
+    target = get_target(manifest["target"])
+    if target.name not in entry.targets:
+        runs = [n for n, e in REGISTRY.items() if target.name in e.targets]
+        what = f" (its attention is {target.summary})" if target.plugin is not None else ""
+        raise InputError(
+            f"backend {name!r} does not run {target.name}-target exports like {folder}{what}; use one of {', '.join(runs)}"
+        )
+    allowed = entry.options()
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InputError(f"backend {name!r} has no option {', '.join(unknown)}; its options are {', '.join(allowed)}")
-    return factory(Path(folder), manifest, **options)
+    return entry.load()(Path(folder), manifest, **entry.fixed, **options)

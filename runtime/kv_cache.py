@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from kvforge.contract import KVLayout, cache_input
 from kvforge.errors import CapacityError, InputError, ManifestError
 
 KV_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -27,22 +28,6 @@ def needed_positions(prompt_lens: list[int], max_new_tokens: int) -> int:
     """Cache positions a request writes: the longest prompt plus every generated token but the
     last, which is returned and never fed back."""
     return max(prompt_lens) + max_new_tokens - 1
-
-
-MIN_BUCKET = 64
-
-
-def capacity_buckets(max_capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
-    """Capacities a cache is allocated at: powers of two from `smallest`, then `max_capacity`. Requests
-    of different lengths then share buffers, bindings (and CUDA graphs, TensorRT profiles) while
-    never holding more than twice the positions they need."""
-    buckets = []
-    size = smallest
-    while size < max_capacity:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_capacity)
-    return tuple(buckets)
 
 
 def choose_capacity(
@@ -149,17 +134,17 @@ class KVCache(CacheState):
     def from_manifest(
         cls, manifest: dict[str, Any], batch: int, capacity: int, device: str = "cpu", device_id: int = 0
     ) -> KVCache:
-        kv = manifest["kv_cache"]
+        kv = KVLayout.from_manifest(manifest)
         return cls(
-            num_layers=kv["num_layers"],
+            num_layers=kv.num_layers,
             batch=batch,
-            num_kv_heads=kv["num_kv_heads"],
+            num_kv_heads=kv.num_kv_heads,
             capacity=capacity,
-            head_dim=kv["head_dim"],
-            dtype=kv["dtype"],
+            head_dim=kv.head_dim,
+            dtype=kv.dtype,
             device=device,
             device_id=device_id,
-            max_capacity=kv.get("max_capacity"),
+            max_capacity=kv.max_capacity,
         )
 
     def host_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -173,8 +158,8 @@ class KVCache(CacheState):
         """Device address of every buffer, by graph input name."""
         out = {}
         for i, (key, value) in enumerate(zip(self.keys, self.values, strict=True)):
-            out[f"past_key.{i}"] = key.data_ptr()
-            out[f"past_value.{i}"] = value.data_ptr()
+            out[cache_input("key", i)] = key.data_ptr()
+            out[cache_input("value", i)] = value.data_ptr()
         return out
 
     def read(self, layer: int) -> tuple[np.ndarray, np.ndarray]:

@@ -18,8 +18,21 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from kvforge.contract import (
+    INPUT_IDS,
+    LOGITS,
+    LOGITS_INDEX,
+    LOGITS_POSITIONS,
+    PAST_LENS,
+    GraphIO,
+    KVLayout,
+    ModelSpec,
+    cache_input,
+    cache_output,
+    parse_cache_name,
+)
 from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ManifestError
-from kvforge.manifest import read_graph
+from kvforge.manifest import io_entry, io_names, read_graph
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.kv_cache import KVCache
 
@@ -31,16 +44,6 @@ SESSION_MODES = ("single", "shared", "separate")
 LOGITS_DTYPES = {"float32": np.float32, "float16": np.float16}
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
                "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16"}
-
-
-def expected_io(phase: str, num_layers: int) -> tuple[list[str], list[str]]:
-    """Graph input and output names of a phase under the KV cache contract."""
-    inputs = ["input_ids", "past_lens"] + (["logits_index"] if phase == "prefill" else [])
-    outputs = ["logits"]
-    for i in range(num_layers):
-        inputs += [f"past_key.{i}", f"past_value.{i}"]
-        outputs += [f"present_key.{i}", f"present_value.{i}"]
-    return inputs, outputs
 
 
 def providers_for(device: str, device_id: int = 0) -> list[Any]:
@@ -93,7 +96,8 @@ class OrtBackend:
         max_capacity: int | None = None,
     ) -> None:
         self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
-        if manifest["kv_cache"]["dtype"] == "bfloat16" and device == "cpu":
+        self.kv = KVLayout.from_manifest(manifest)
+        if self.kv.dtype == "bfloat16" and device == "cpu":
             raise InputError(
                 f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
                 "use --backend ort-cuda or trt, or export with --dtype fp16 or fp32"
@@ -102,7 +106,7 @@ class OrtBackend:
         self.manifest = manifest
         self.device = device
         self.device_id = device_id
-        self.num_layers = int(manifest["kv_cache"]["num_layers"])
+        self.num_layers = self.kv.num_layers
         providers = providers_for(device, device_id)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InputError(f"threads must be a positive integer, got {threads!r}")
@@ -111,7 +115,6 @@ class OrtBackend:
         self.session_mode = sessions
         self.sessions: dict[str, ort.InferenceSession] = {}
         for phase in ("prefill", "decode"):
-            self._check_manifest_io(phase, self.manifest["graphs"][phase])
             if sessions == "single" and phase == "decode":
                 # The prefill graph takes any S, so S=1 is a decode step: one session, one copy of
                 # the weights, and ORT may prepack them (its CPU matmuls are faster packed).
@@ -138,7 +141,7 @@ class OrtBackend:
                 raise ManifestError(f"ONNX Runtime could not load {file}: {_one_line(err)}; re-run the export") from err
             self._check_session_io(phase, self.sessions[phase])
         self.logits_dtype = self._logits_dtype()
-        self.vocab_size = int(manifest["model"]["vocab_size"])
+        self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
         self.runs = {"prefill": 0, "decode": 0}
         self.allocations = 0
         self._runs_lock = threading.Lock()
@@ -148,43 +151,32 @@ class OrtBackend:
         self.limits = Limits.from_manifest(manifest, max_capacity=max_capacity)
 
     # -- checks ---------------------------------------------------------------------------------
-    def _check_manifest_io(self, phase: str, graph: dict[str, Any]) -> None:
-        want_in, want_out = expected_io(phase, self.num_layers)
-        have_in = [entry["name"] for entry in graph.get("inputs", [])]
-        have_out = [entry["name"] for entry in graph.get("outputs", [])]
-        if sorted(have_in) != sorted(want_in) or sorted(have_out) != sorted(want_out):
-            raise ManifestError(
-                f"the manifest's {phase} graph IO does not follow the KV cache contract: inputs {have_in}, "
-                f"outputs {have_out}; expected inputs {want_in} and outputs {want_out}; re-run the export"
-            )
-
     def _check_session_io(self, phase: str, session: ort.InferenceSession) -> None:
-        want_in, want_out = expected_io(phase, self.num_layers)
+        want = GraphIO.of(phase, self.kv)
         file = self.manifest["graphs"][phase]["file"]
         have_in = [node.name for node in session.get_inputs()]
         have_out = [node.name for node in session.get_outputs()]
-        if sorted(have_in) != sorted(want_in) or sorted(have_out) != sorted(want_out):
+        if sorted(have_in) != sorted(want.inputs) or sorted(have_out) != sorted(want.outputs):
             raise ManifestError(
                 f"{file} has inputs {have_in} and outputs {have_out}, "
                 f"which disagree with its manifest; the folder was modified, re-run the export"
             )
         # Dtypes and fixed dimensions the manifest states must be the graph's: the runtime sizes its
         # buffers from the manifest, so a mismatch would only show as an ONNX Runtime error mid-run.
-        declared = {e["name"]: e for e in self.manifest["graphs"][phase]["inputs"] + self.manifest["graphs"][phase]["outputs"]}
-        kv = self.manifest["kv_cache"]
+        kv = self.kv
         for node in list(session.get_inputs()) + list(session.get_outputs()):
-            entry = declared.get(node.name, {})
+            entry = io_entry(self.manifest, phase, node.name) or {}
             dtype = _ORT_DTYPES.get(node.type, node.type)
             if "dtype" in entry and entry["dtype"] != dtype:
                 raise ManifestError(
                     f"{file}: {node.name} is {dtype} but the manifest says {entry['dtype']}; re-run the export"
                 )
             wanted = entry.get("shape")
-            if node.name.startswith(("past_key.", "past_value.", "present_key.", "present_value.")):
-                wanted = [None, kv["num_kv_heads"], None, kv["head_dim"]]
-                if dtype != kv["dtype"]:
+            if parse_cache_name(node.name) is not None:
+                wanted = [None, kv.num_kv_heads, None, kv.head_dim]
+                if dtype != kv.dtype:
                     raise ManifestError(
-                        f"{file}: {node.name} is {dtype} but the manifest's KV cache dtype is {kv['dtype']}; "
+                        f"{file}: {node.name} is {dtype} but the manifest's KV cache dtype is {kv.dtype}; "
                         "re-run the export"
                     )
             if wanted is None:
@@ -200,13 +192,13 @@ class OrtBackend:
                 )
 
     def _logits_dtype(self) -> type:
-        for entry in self.manifest["graphs"]["decode"]["outputs"]:
-            if entry["name"] == "logits":
-                dtype = entry.get("dtype", "float32")
-                if dtype not in LOGITS_DTYPES:
-                    raise ManifestError(f"logits dtype {dtype!r} is not supported; expected {sorted(LOGITS_DTYPES)}")
-                return LOGITS_DTYPES[dtype]
-        raise ManifestError("the manifest's decode graph has no 'logits' output; re-run the export")
+        entry = io_entry(self.manifest, "decode", LOGITS)
+        if entry is None or LOGITS not in io_names(self.manifest["graphs"]["decode"], "outputs"):
+            raise ManifestError(f"the manifest's decode graph has no {LOGITS!r} output; re-run the export")
+        dtype = entry.get("dtype", "float32")
+        if dtype not in LOGITS_DTYPES:
+            raise ManifestError(f"logits dtype {dtype!r} is not supported; expected {sorted(LOGITS_DTYPES)}")
+        return LOGITS_DTYPES[dtype]
 
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> OrtSlot:
@@ -243,30 +235,30 @@ class OrtBackend:
         # The OrtValues wrap these arrays, so a decode step only writes numpy. The prefill graph
         # returns logits per selected position, [B, K, V]; with K = 1 that is the same memory as the
         # decode graph's [B, V], so one buffer serves both.
+        # Keyed by the IO name each value is bound to (decode's own inputs have their own keys).
         slot.host_values = {
             "decode_ids": ort.OrtValue.ortvalue_from_numpy(slot.decode_ids),
-            "past_lens": ort.OrtValue.ortvalue_from_numpy(cache.past_lens),
-            "logits": ort.OrtValue.ortvalue_from_numpy(slot.logits),
-            "logits_positions": ort.OrtValue.ortvalue_from_numpy(slot.logits.reshape(batch, 1, self.vocab_size)),
+            PAST_LENS: ort.OrtValue.ortvalue_from_numpy(cache.past_lens),
+            LOGITS: ort.OrtValue.ortvalue_from_numpy(slot.logits),
+            LOGITS_POSITIONS: ort.OrtValue.ortvalue_from_numpy(slot.logits.reshape(batch, 1, self.vocab_size)),
             "decode_index": ort.OrtValue.ortvalue_from_numpy(slot.decode_index),
         }
         for phase, session in self.sessions.items():
             binding = session.io_binding()
             order: list[str] = []
-            binding.bind_ortvalue_input("past_lens", slot.host_values["past_lens"])
+            binding.bind_ortvalue_input(PAST_LENS, slot.host_values[PAST_LENS])
             if phase == "decode":
-                binding.bind_ortvalue_input("input_ids", slot.host_values["decode_ids"])
+                binding.bind_ortvalue_input(INPUT_IDS, slot.host_values["decode_ids"])
                 if self.session_mode == "single":
-                    binding.bind_ortvalue_input("logits_index", slot.host_values["decode_index"])
+                    binding.bind_ortvalue_input(LOGITS_INDEX, slot.host_values["decode_index"])
             per_position = phase == "prefill" or self.session_mode == "single"  # the prefill graph runs
-            binding.bind_ortvalue_output("logits", slot.host_values["logits_positions" if per_position else "logits"])
-            order.append("logits")
-            for i in range(cache.num_layers):
-                binding.bind_ortvalue_input(f"past_key.{i}", cache.keys[i])
-                binding.bind_ortvalue_output(f"present_key.{i}", cache.keys[i])
-                binding.bind_ortvalue_input(f"past_value.{i}", cache.values[i])
-                binding.bind_ortvalue_output(f"present_value.{i}", cache.values[i])
-                order += [f"present_key.{i}", f"present_value.{i}"]
+            binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS if per_position else LOGITS])
+            order.append(LOGITS)
+            for layer, kind in self.kv.buffers():
+                buffer = (cache.keys if kind == "key" else cache.values)[layer]
+                binding.bind_ortvalue_input(cache_input(kind, layer), buffer)
+                binding.bind_ortvalue_output(cache_output(kind, layer), buffer)
+                order.append(cache_output(kind, layer))
             slot.bindings[phase] = binding
             slot.output_order[phase] = order
         return slot
@@ -283,14 +275,14 @@ class OrtBackend:
         index = index.reshape(index.shape[0], -1)
         # Prefill runs once per request (or per verification), so binding fresh arrays costs little.
         slot.prefill_inputs = (np.ascontiguousarray(input_ids, dtype=np.int64), index)
-        binding.bind_cpu_input("input_ids", slot.prefill_inputs[0])
-        binding.bind_cpu_input("logits_index", index)
+        binding.bind_cpu_input(INPUT_IDS, slot.prefill_inputs[0])
+        binding.bind_cpu_input(LOGITS_INDEX, index)
         if index.shape[1] == 1:
-            binding.bind_ortvalue_output("logits", slot.host_values["logits_positions"])
+            binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS])
             logits = self._run(slot, "prefill")
             return logits if per_row else logits.reshape(index.shape[0], 1, self.vocab_size)
         wide = np.empty((index.shape[0], index.shape[1], self.vocab_size), dtype=self.logits_dtype)
-        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(wide))
+        binding.bind_ortvalue_output(LOGITS, ort.OrtValue.ortvalue_from_numpy(wide))
         self._run(slot, "prefill")
         return wide.astype(np.float32, copy=False)
 
@@ -341,7 +333,7 @@ class EmulateBackend(OrtBackend):
         if manifest["kv_cache"]["dtype"] == "bfloat16":
             raise InputError(
                 f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend 'emulate' "
-                "cannot run it; build TensorRT engines (--backend trt), or export with --dtype fp32"
+                "cannot run it; build TensorRT engines (--backend tensorrt), or export with --dtype fp32"
             )
         if manifest["kv_cache"]["dtype"] != "float32":
             raise InputError(

@@ -1,4 +1,4 @@
-"""TensorRT backend (`--backend trt`): the engines `kvforge build` wrote, over device KV buffers bound in place.
+"""TensorRT backend (`--backend tensorrt`): the engines `kvforge build` wrote, over device KV buffers bound in place.
 
 - Each slot owns its device buffers: per layer one key and one value buffer, bound as both past_*
   and present_* (`set_tensor_address` with the same pointer; the `trt` target's plugin declares the
@@ -19,7 +19,7 @@
   whichever thread calls in (CUDA's current device is per thread).
 
 - The engines load under the TensorRT flavour that built them (standard TensorRT or TensorRT-RTX,
-  runtime/tensorrt_flavor.py). `onnx`-target engines fix the cache capacity at --max-seq-len, so
+  kvforge/tensorrt_flavor.py). `onnx`-target engines fix the cache capacity at --max-seq-len, so
   every slot is allocated at that one capacity.
 
 TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
@@ -39,20 +39,30 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, ManifestError
-from kvforge.runtime import cuda
-from kvforge.runtime.backend import Limits
-from kvforge.runtime.engine_plan import (
+from kvforge import cuda
+from kvforge.contract import (
+    INPUT_IDS,
+    LOGITS,
+    LOGITS_INDEX,
+    PAST_LENS,
+    KVLayout,
+    ModelSpec,
+    buffer_name,
+    cache_input,
+)
+from kvforge.engine_plan import (
     ENGINE_DIR_NAME,
-    ITEMSIZE,
     MAX_POSITIONS,
     binding_plan,
     check_runtime_matches,
     graph_key,
     load_engines_manifest,
 )
+from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, ManifestError
+from kvforge.runtime.backend import Limits
 from kvforge.runtime.kv_cache import CacheState
-from kvforge.runtime.tensorrt_flavor import load_tensorrt
+from kvforge.targets import get_target
+from kvforge.tensorrt_flavor import load_tensorrt
 
 
 @dataclass
@@ -72,7 +82,7 @@ class TrtBackend:
 
     def __init__(self, folder: str | Path, manifest: dict[str, Any], engine_dir: str | Path | None = None,
                  device_id: int = 0, cuda_graphs: bool = True) -> None:
-        self.name = "trt"
+        self.name = "tensorrt"
         self.folder = Path(folder)
         self.manifest = manifest
         self.engine_dir = Path(engine_dir) if engine_dir is not None else self.folder / ENGINE_DIR_NAME
@@ -90,7 +100,7 @@ class TrtBackend:
         cuda.set_device(self.device_id)  # the stream, the engines and their contexts belong to this GPU
         check_runtime_matches(self.engines_manifest, self.tensorrt.record(),
                               cuda.device_info(device_id)["compute_capability"])
-        if manifest["target"] == "trt":
+        if get_target(manifest["target"]).plugin is not None:
             from kvforge.plugins import trt_plugin
 
             trt_plugin.register()  # the plugin's creator, for engines that ask for it at load
@@ -115,10 +125,10 @@ class TrtBackend:
             engine = self._engines.get(entry["file"]) or self._load_engine(entry["file"])
             self._engines[entry["file"]] = engine
             self.contexts[phase] = self._new_context(phase)
-        kv = manifest["kv_cache"]
-        self.num_layers, self.kv_heads, self.head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
-        self.kv_dtype = kv["dtype"]
-        self.vocab_size = int(manifest["model"]["vocab_size"])
+        self.kv = kv = KVLayout.from_manifest(manifest)
+        self.num_layers, self.kv_heads, self.head_dim = kv.num_layers, kv.num_kv_heads, kv.head_dim
+        self.kv_dtype = kv.dtype
+        self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
 
     def _load_engine(self, name: str) -> Any:
         # What is hashed is what is loaded: the bytes checked against engines.json go to TensorRT.
@@ -161,13 +171,14 @@ class TrtBackend:
             capacity = self.limits.max_capacity
         cache = CacheState(self.num_layers, batch, self.kv_heads, capacity, self.head_dim, self.kv_dtype,
                            self.limits.max_capacity)
-        kv_bytes = batch * self.kv_heads * capacity * self.head_dim * ITEMSIZE[self.kv_dtype]
+        kv_bytes = self.kv.bytes(batch, capacity) // (2 * self.num_layers)  # one key or value buffer
         seq = min(self.max_input_len, capacity)
-        sizes = {"input_ids": batch * seq * 8, "decode_ids": batch * 8, "past_lens": batch * 4,
-                 "logits_index": batch * MAX_POSITIONS * 8, "decode_index": batch * 8,
-                 "logits": batch * MAX_POSITIONS * self.vocab_size * 4}
-        for i in range(self.num_layers):
-            sizes[f"key.{i}"] = sizes[f"value.{i}"] = kv_bytes
+        # Buffers by the names binding_plan() (kvforge/engine_plan.py) gives them.
+        sizes = {INPUT_IDS: batch * seq * 8, "decode_ids": batch * 8, PAST_LENS: batch * 4,
+                 LOGITS_INDEX: batch * MAX_POSITIONS * 8, "decode_index": batch * 8,
+                 LOGITS: batch * MAX_POSITIONS * self.vocab_size * 4}
+        for layer, kind in self.kv.buffers():
+            sizes[buffer_name(kind, layer)] = kv_bytes
         with self._on_device():  # the buffers' zeroing memsets go on the stream
             buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
             self.stream.synchronize()
@@ -188,15 +199,15 @@ class TrtBackend:
         if positions > MAX_POSITIONS:
             raise CapacityError(f"{positions} logits positions per row; the engines return at most {MAX_POSITIONS}")
         with self._on_device():
-            slot.buffers["input_ids"].upload(input_ids.astype(np.int64), self.stream)
-            slot.buffers["logits_index"].upload(index, self.stream)
-            slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
+            slot.buffers[INPUT_IDS].upload(input_ids.astype(np.int64), self.stream)
+            slot.buffers[LOGITS_INDEX].upload(index, self.stream)
+            slot.buffers[PAST_LENS].upload(slot.cache.past_lens, self.stream)
             self._bind(slot, "prefill", seq, positions)
             self._execute(self.contexts["prefill"], "prefill")
             if per_row:
                 return self._finish(slot, "prefill")
             wide = np.empty((batch, positions, self.vocab_size), dtype=np.float32)
-            slot.buffers["logits"].download(wide, self.stream)
+            slot.buffers[LOGITS].download(wide, self.stream)
             self.stream.synchronize()
             self.runs["prefill"] += 1
             return wide
@@ -205,7 +216,7 @@ class TrtBackend:
         slot.cache.check_fits(1, running)
         with self._on_device():
             slot.buffers["decode_ids"].upload(np.asarray(token_ids, dtype=np.int64).reshape(-1, 1), self.stream)
-            slot.buffers["past_lens"].upload(slot.cache.past_lens, self.stream)
+            slot.buffers[PAST_LENS].upload(slot.cache.past_lens, self.stream)
             if slot.graph is not None:
                 slot.graph.launch(self.stream)
             elif self.cuda_graphs and slot.decode_runs >= 1:
@@ -223,11 +234,7 @@ class TrtBackend:
             return self._finish(slot, "decode", running)
 
     def kv_addresses(self, slot: TrtSlot) -> dict[str, int]:
-        out = {}
-        for i in range(self.num_layers):
-            out[f"past_key.{i}"] = slot.buffers[f"key.{i}"].ptr
-            out[f"past_value.{i}"] = slot.buffers[f"value.{i}"].ptr
-        return out
+        return {cache_input(kind, layer): slot.buffers[buffer_name(kind, layer)].ptr for layer, kind in self.kv.buffers()}
 
     def bound_output_addresses(self, slot: TrtSlot, phase: str) -> dict[str, int]:
         return dict(slot.bound.get(phase, {}))
@@ -265,10 +272,10 @@ class TrtBackend:
     def _finish(self, slot: TrtSlot, phase: str, rows: np.ndarray | None = None) -> np.ndarray:
         logits = slot.logits.array
         if rows is None or rows.all():
-            slot.buffers["logits"].download(logits, self.stream)
+            slot.buffers[LOGITS].download(logits, self.stream)
         else:  # only the rows that still sample come back; finished rows' logits are never read
             for b in np.flatnonzero(rows):
-                slot.buffers["logits"].download(logits[b], self.stream, offset=int(b) * logits[b].nbytes)
+                slot.buffers[LOGITS].download(logits[b], self.stream, offset=int(b) * logits[b].nbytes)
         self.stream.synchronize()
         self.runs[phase] += 1
         return slot.logits.array

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.errors import BackendUnavailableError, InputError, ManifestError  # noqa: E402
-from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.runtime.backend import create_backend  # noqa: E402
 
@@ -35,7 +35,7 @@ def test_registry_names_and_options(exported) -> None:
     with pytest.raises(InputError, match="backend 'ort-cpu' has no option engine_dir; its options are device_id, threads, sessions, max_capacity"):
         Generator(folder, engine_dir="x")
     with pytest.raises(InputError, match="backend 'trt' has no option sessions; its options are engine_dir, device_id, cuda_graphs"):
-        Generator(exported("llama-tiny", "trt"), backend="trt", sessions="single")
+        Generator(exported("llama-tiny", "trt"), backend="tensorrt", sessions="single")
     with pytest.raises(InputError, match="backend 'emulate' does not run ort-target exports .* use one of ort-cpu, ort-cuda"):
         Generator(folder, backend="emulate")
     assert Generator(folder).backend_name == "ort-cpu"
@@ -123,7 +123,7 @@ def test_parity_against_another_backend(hf_folder, exported) -> None:
 def test_trt_backend_without_engines_or_tensorrt_says_what_to_do(exported, tmp_path) -> None:
     folder = shutil.copytree(exported("llama-tiny", "trt"), tmp_path / "export")
     with pytest.raises(ManifestError, match="no TensorRT engines were built there; run `kvforge build"):
-        Generator(folder, backend="trt")
+        Generator(folder, backend="tensorrt")
     # An engine folder that passes its checks: then TensorRT itself is what is missing.
     from kvforge.manifest import sha256_file
 
@@ -135,8 +135,8 @@ def test_trt_backend_without_engines_or_tensorrt_says_what_to_do(exported, tmp_p
         "tensorrt": {"flavor": "tensorrt", "version": "10.15.1"},
     }))
     with pytest.raises(BackendUnavailableError, match=r"TensorRT \(tensorrt\) is not installed.* pip install 'kvforge\[trt\]'"):
-        Generator(folder, backend="trt")
-    result = CliRunner().invoke(main, ["generate", str(folder), "--backend", "trt", "--prompt-ids", "1,2"])
+        Generator(folder, backend="tensorrt")
+    result = CliRunner().invoke(main, ["generate", str(folder), "--backend", "tensorrt", "--prompt-ids", "1,2"])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "tensorrt" in result.stderr
 
 

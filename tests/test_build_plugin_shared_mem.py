@@ -12,15 +12,15 @@ import pytest
 from click.testing import CliRunner
 
 from kvforge.cli import main
+from kvforge.engine_plan import ENGINES_MANIFEST, build_key, engines_manifest, resolve_build_options
 from kvforge.errors import InputError
-from kvforge.runtime.engine_plan import ENGINES_MANIFEST, build_key, engines_manifest, resolve_build_options
 
 
 def _manifest(target: str = "trt") -> dict:
     names = ["input_ids", "past_lens"] + [f"past_{k}.0" for k in ("key", "value")]
     return {
         "target": target, "dtype": "fp16",
-        "model": {"vocab_size": 64},
+        "model": {"vocab_size": 64, "num_heads": 4},
         "kv_cache": {"num_layers": 1, "num_kv_heads": 2, "head_dim": 64, "max_capacity": 512, "dtype": "float16"},
         "graphs": {phase: {"file": f"{phase}.onnx", "inputs": [{"name": n} for n in names]}
                    for phase in ("prefill", "decode")},

@@ -1,4 +1,4 @@
-"""runtime/cuda.py (what the TensorRT backend allocates, copies and replays with) on a real GPU.
+"""kvforge/cuda.py (what the TensorRT backend allocates, copies and replays with) on a real GPU.
 
 Marked `gpu`: skips without cuda-python or a CUDA device."""
 
@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 pytest.importorskip("cuda.bindings")
 
-from kvforge.runtime import cuda  # noqa: E402
+from kvforge import cuda  # noqa: E402
 
 if cuda.device_count() == 0:
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

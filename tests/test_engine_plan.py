@@ -1,4 +1,4 @@
-"""TensorRT engines as plain data (runtime/engine_plan.py) and `kvforge build` without TensorRT.
+"""TensorRT engines as plain data (kvforge/engine_plan.py) and `kvforge build` without TensorRT.
 
 TensorRT cannot be installed on these machines: what the build and the TensorRT backend decide
 (options, profiles, layouts, the engine manifest and its checks, binding plans) is tested here; the
@@ -14,8 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvforge.cli import main
-from kvforge.errors import InputError, ManifestError
-from kvforge.runtime.engine_plan import (
+from kvforge.engine_plan import (
     ENGINES_MANIFEST,
     BuildOptions,
     binding_plan,
@@ -30,6 +29,7 @@ from kvforge.runtime.engine_plan import (
     resolve_build_options,
     static_capacity,
 )
+from kvforge.errors import InputError, ManifestError
 
 TRT = {"flavor": "tensorrt", "version": "10.15.1"}
 
@@ -42,7 +42,7 @@ def _manifest(target: str = "trt", dtype: str = "fp16", layers: int = 2, max_cap
 
     return {
         "target": target, "dtype": dtype,
-        "model": {"vocab_size": 512},
+        "model": {"vocab_size": 512, "num_heads": 4},
         "kv_cache": {"num_layers": layers, "num_kv_heads": 2, "head_dim": 64, "max_capacity": max_capacity,
                      "dtype": "float16"},
         "graphs": {"prefill": {"inputs": io("prefill")}, "decode": {"inputs": io("decode")}},
@@ -212,7 +212,7 @@ def test_graph_keys_follow_slots() -> None:
 def test_build_without_tensorrt_is_one_line_and_writes_nothing(exported, tmp_path, monkeypatch) -> None:
     import shutil
 
-    from kvforge.runtime import tensorrt_flavor
+    from kvforge import tensorrt_flavor
 
     monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: [])  # as on a machine without either
     folder = shutil.copytree(exported("llama-tiny", "trt"), tmp_path / "export")

@@ -23,7 +23,7 @@ ATTENTION_OP = {"ort": ("com.microsoft", "GroupQueryAttention"), "onnx": ("", "A
 def test_one_fused_attention_node_per_layer_and_no_softmax(target: str, exported) -> None:
     folder = exported("qwen3-tiny", target)
     manifest = load_manifest(folder, verify_hashes=True)
-    layers = manifest["model"]["num_layers"]
+    layers = manifest["kv_cache"]["num_layers"]
     for phase in ("prefill", "decode"):
         graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
         ops = [(node.domain, node.op_type) for node in graph.node]

@@ -23,8 +23,8 @@ onnx = pytest.importorskip("onnx")
 
 from onnx import numpy_helper  # noqa: E402
 
-from kvforge.exporter.export import load_hf_model  # noqa: E402
 from kvforge.exporter.fusions import rotary_caches  # noqa: E402
+from kvforge.exporter.load import load_hf_model  # noqa: E402
 
 GRAPHS = ("prefill.onnx", "decode.onnx")
 

@@ -20,7 +20,8 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 from kvforge.errors import UnsupportedModelError  # noqa: E402
-from kvforge.exporter.export import export_model, load_hf_model  # noqa: E402
+from kvforge.exporter.export import export_model
+from kvforge.exporter.load import load_hf_model  # noqa: E402
 from kvforge.models.families import FAMILIES, family_for, support_table  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES, build_model  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402

@@ -340,7 +340,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
          "/etc/passwd", {"sha256": "0", "bytes": 1})))], 2, "'/etc/passwd' outside the export folder"),
     ("inspect-manifest-wrong-format",
      lambda c: ["inspect", str(c.edit_manifest(c.export_copy(), lambda m: m.__setitem__("format", "kvforge/0")))], 2,
-     "this kvforge reads 'kvforge/2'"),
+     "this kvforge reads 'kvforge/3'"),
 ]
 
 

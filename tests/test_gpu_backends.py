@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 pytest.importorskip("torch")
 
-from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 
 PROMPTS = [[1, 50, 60, 70, 80, 90], [1, 33, 44]]
@@ -31,7 +31,7 @@ def _need_ort_cuda() -> None:
 def _need_tensorrt() -> None:
     if importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("cuda") is None:
         pytest.skip("needs TensorRT and cuda-python (pip install 'kvforge[trt]') on an NVIDIA GPU")
-    from kvforge.runtime import cuda
+    from kvforge import cuda
 
     if cuda.device_count() == 0:
         pytest.skip("needs an NVIDIA GPU")
@@ -64,11 +64,11 @@ def test_tensorrt_engines_match_hf(target, dtype, single, hf_folder, exported, t
     print(f"build {target} {dtype} single={single}: {time.perf_counter() - started:.1f}s, "
           f"weights on GPU {record['weights_on_gpu_bytes']} bytes")
     assert build_engines(folder, engine_dir, max_batch=4, max_seq_len=512, single_engine=single) == record  # reused
-    report = run_parity(hf_folder("mistral-tiny"), folder, new_tokens=32, backend="trt",
+    report = run_parity(hf_folder("mistral-tiny"), folder, new_tokens=32, backend="tensorrt",
                         backend_options={"engine_dir": engine_dir})
     print(report.summary())
     assert report.passed, report.summary()
-    gen = Generator(folder, backend="trt", engine_dir=engine_dir)
+    gen = Generator(folder, backend="tensorrt", engine_dir=engine_dir)
     result = gen.generate(PROMPTS, max_new_tokens=16, greedy=True, ignore_eos=True)
     print(f"trt: ttft {result.ttft_ms:.2f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s")
     addresses = gen.kv_buffer_addresses()

@@ -1,7 +1,7 @@
 """The fault and abuse suite, part 2: `kill -9` during an export and during a `--force` replacement.
 
-A subprocess export is killed at a named point (KVFORGE_FAULT_POINT makes it SIGKILL itself there)
-or after a delay. Afterwards the output path must hold either the complete old export or the
+A subprocess export is killed at a named point (the subprocess adds a fault hook that SIGKILLs it
+there, then runs the CLI) or after a delay. Afterwards the output path must hold either the complete old export or the
 complete new one (every file re-hashed, and it generates), never a mix or nothing; the next export
 of the same output must clean up whatever the killed run left behind.
 """
@@ -9,7 +9,6 @@ of the same output must clean up whatever the killed run left behind.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvforge.manifest import load_manifest
-from kvforge.output_folder import FAULT_ENV, StagedFolder, clean_stale
+from kvforge.output_folder import StagedFolder, clean_stale
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -28,13 +27,24 @@ pytestmark = pytest.mark.slow
 OLD_TARGET, NEW_TARGET = "onnx", "ort"  # the manifest's target tells the old export from the new
 
 
-def _export_cmd(model: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "kvforge.cli", "export", str(model), "-o", str(out), "--force", "--target", NEW_TARGET]
+# `python -c KILL_AT POINT ARGS...`: the CLI with a fault hook that SIGKILLs the process at POINT.
+KILL_AT = """
+import os, signal, sys
+from kvforge import output_folder
+point = sys.argv.pop(1)
+output_folder.FAULT_HOOKS.append(lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == point else None)
+from kvforge.cli import main
+main()
+"""
+
+
+def _export_cmd(model: Path, out: Path, fault: str | None = None) -> list[str]:
+    head = [sys.executable, "-c", KILL_AT, fault] if fault else [sys.executable, "-m", "kvforge.cli"]
+    return [*head, "export", str(model), "-o", str(out), "--force", "--target", NEW_TARGET]
 
 
 def _run(model: Path, out: Path, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, FAULT_ENV: fault} if fault else dict(os.environ)
-    return subprocess.run(_export_cmd(model, out), env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(_export_cmd(model, out, fault), capture_output=True, text=True, timeout=600)
 
 
 def _state(out: Path) -> str:

@@ -11,10 +11,14 @@ import pytest
 
 pytest.importorskip("torch")
 
+from kvforge import parity as parity_module  # noqa: E402
 from kvforge.errors import InputError  # noqa: E402
-from kvforge.exporter import parity as parity_module  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.manifest import load_manifest  # noqa: E402
+from kvforge.parity import (
+    measure_quantized,  # noqa: E402
+    run_parity,  # noqa: E402
+)
 from kvforge.runtime import Generator  # noqa: E402
 
 RECIPE = "llama3-tiny"  # tied embeddings: the lm_head is the transposed embedding
@@ -47,11 +51,15 @@ def test_quantized_export_has_no_fp32_matmul_and_records_its_cost(bits: str, qua
     ops, model = _ops(folder)
     assert ops["MatMul"] == 0 and ops["MatMulNBits"] > 0  # the lm_head too
     assert {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {int(bits[3:])}
+    assert "accuracy" not in json.loads((folder / "kvforge.json").read_text())["quantization"]
+    measured = measure_quantized(folder)  # what `kvforge export --quantize` runs after the export
     manifest = json.loads((folder / "kvforge.json").read_text())
     quant = manifest["quantization"]
     assert quant["bits"] == int(bits[3:]) and quant["block_size"] == 32
     assert quant["embedding_quantized"] == (bits == "int4")  # GatherBlockQuantized is 4-bit only
     accuracy = quant["accuracy"]  # against HF eager fp32
+    assert accuracy == measured
+    load_manifest(folder, verify_hashes=True)  # the recorded measurement leaves a valid export
     steps = int(accuracy["greedy_agreement"].split("/")[1])
     assert steps == 3 * 32
     assert accuracy["perplexity"] > 0 and accuracy["reference_perplexity"] > 0

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 from kvforge.cli import main  # noqa: E402
 from kvforge.demo import REAL_NAME, installed_real_model  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.exporter.parity import run_parity  # noqa: E402
+from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 
 GGUF = installed_real_model()

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvforge.exporter.export import load_hf_model  # noqa: E402
+from kvforge.exporter.load import load_hf_model  # noqa: E402
 from kvforge.exporter.wrapper import GraphWrapper  # noqa: E402
 
 

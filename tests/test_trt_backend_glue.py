@@ -1,4 +1,4 @@
-"""The TensorRT backend's CUDA discipline, on the CPU: runtime/trt_backend.py and runtime/cuda.py over a
+"""The TensorRT backend's CUDA discipline, on the CPU: runtime/trt_backend.py and kvforge/cuda.py over a
 stand-in of cuda-python's runtime API and of TensorRT's runtime that record what reaches each stream.
 
 What the stand-ins flag (as `FakeCuda.violations`), each a way the real pair goes wrong:
@@ -25,21 +25,21 @@ import types
 import numpy as np
 import pytest
 
-from kvforge.manifest import file_record
-from kvforge.runtime import cuda
-from kvforge.runtime.engine_plan import (
+from kvforge import cuda
+from kvforge.engine_plan import (
     ENGINE_DIR_NAME,
     ENGINES_MANIFEST,
     engines_manifest,
     resolve_build_options,
 )
+from kvforge.manifest import file_record
 
 TRT_VERSION = "10.15.1"
 SUCCESS = 0
 
 
 class FakeCuda:
-    """cuda.bindings.runtime, as far as runtime/cuda.py uses it, recording every stream operation."""
+    """cuda.bindings.runtime, as far as kvforge/cuda.py uses it, recording every stream operation."""
 
     cudaError_t = types.SimpleNamespace(cudaSuccess=SUCCESS)
     cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2,
@@ -249,7 +249,7 @@ def _manifest(layers: int = 2, max_capacity: int = 256, target: str = "trt") -> 
 
     return {
         "target": target, "dtype": "fp16",
-        "model": {"vocab_size": 64},
+        "model": {"vocab_size": 64, "num_heads": 4},
         "kv_cache": {"num_layers": layers, "num_kv_heads": 2, "head_dim": 16, "max_capacity": max_capacity,
                      "dtype": "float16"},
         "graphs": {"prefill": {"inputs": io("prefill")}, "decode": {"inputs": io("decode")}},

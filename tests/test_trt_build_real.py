@@ -20,11 +20,11 @@ pytest.importorskip("torch")
 pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
 
 from kvforge.cli import main  # noqa: E402
+from kvforge.engine_plan import ENGINES_MANIFEST, resolve_build_options  # noqa: E402
 from kvforge.exporter.trt_build import _network, build_engines  # noqa: E402
 from kvforge.manifest import load_manifest  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402
-from kvforge.runtime.engine_plan import ENGINES_MANIFEST, resolve_build_options  # noqa: E402
-from kvforge.runtime.tensorrt_flavor import load_tensorrt  # noqa: E402
+from kvforge.tensorrt_flavor import load_tensorrt  # noqa: E402
 
 MAX_SEQ_LEN = 64
 

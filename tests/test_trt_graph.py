@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 
 import onnxruntime as ort  # noqa: E402
 
+from kvforge.contract import KVLayout  # noqa: E402
 from kvforge.exporter.trt_graph import tensorrt_graph  # noqa: E402
 from kvforge.manifest import load_manifest  # noqa: E402
 
@@ -27,11 +28,10 @@ def _session(folder, graph: str, rewrite: bool) -> tuple[ort.InferenceSession, i
     path = folder / f"{graph}.onnx"
     decomposed = 0
     if rewrite:
-        model = manifest["model"]
-        caches = {e["name"] for e in manifest["graphs"][graph]["inputs"] if e["name"].startswith(("past_key", "past_value"))}
-        caches |= {n.replace("past_", "present_") for n in caches}
-        proto, decomposed = tensorrt_graph(path, caches, CAPACITY, model["num_heads"], model["num_kv_heads"],
-                                           model["head_dim"])
+        kv = KVLayout.from_manifest(manifest)
+        caches = set(kv.cache_inputs()) | set(kv.cache_outputs())
+        proto, decomposed = tensorrt_graph(path, caches, CAPACITY, manifest["model"]["num_heads"], kv.num_kv_heads,
+                                           kv.head_dim)
         path = folder / f"{graph}.rewritten.onnx"  # beside the weights file its initializers point into
         onnx.save(proto, str(path))
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), decomposed
@@ -84,8 +84,8 @@ def test_softcap_decomposition_is_sensitive_to_the_softcap(exported, tmp_path) -
     original = trt_graph._float_attr
     trt_graph._float_attr = no_cap
     try:
-        proto, _ = tensorrt_graph(folder / "prefill.onnx", set(), None, model["num_heads"], model["num_kv_heads"],
-                                  model["head_dim"])
+        kv = KVLayout.from_manifest(manifest)
+        proto, _ = tensorrt_graph(folder / "prefill.onnx", set(), None, model["num_heads"], kv.num_kv_heads, kv.head_dim)
     finally:
         trt_graph._float_attr = original
     onnx.save(proto, str(folder / "uncapped.onnx"))

@@ -21,8 +21,8 @@ onnx = pytest.importorskip("onnx")
 from kvforge.cli import main  # noqa: E402
 from kvforge.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.exporter.parity import run_parity  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (every family, through the numpy reference)
+from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator, emulate  # noqa: E402
 
 ATOL_FP32 = 1e-3
@@ -43,7 +43,7 @@ def test_the_plugin_node_replaces_attention_once_per_layer(exported) -> None:
     for phase in ("prefill", "decode"):
         graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
         nodes = [n for n in graph.node if n.op_type == "KVCacheAttention"]
-        assert len(nodes) == manifest["model"]["num_layers"]
+        assert len(nodes) == manifest["kv_cache"]["num_layers"]
         assert not any(n.op_type in ("Softmax", "GroupQueryAttention", "Attention") for n in graph.node)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
         assert attrs["plugin_namespace"] == b"kvforge" and attrs["plugin_version"] == b"1"

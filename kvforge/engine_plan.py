@@ -17,18 +17,27 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvforge.contract import (
+    INPUT_IDS,
+    LOGITS,
+    LOGITS_INDEX,
+    PAST_LENS,
+    KVLayout,
+    ModelSpec,
+    buffer_name,
+    cache_input,
+    cache_output,
+    capacity_buckets,
+)
 from kvforge.errors import InputError, ManifestError
-from kvforge.manifest import MANIFEST_NAME, resolve_in_folder, sha256_file
-from kvforge.runtime.kv_cache import capacity_buckets
+from kvforge.manifest import MANIFEST_NAME, io_names, resolve_in_folder, sha256_file
+from kvforge.targets import get_target
 
 # /2: TensorRT recorded as {flavor, version}, the compute target, per-engine build records.
 ENGINES_FORMAT = "kvforge-engines/2"
 ENGINES_MANIFEST = "engines.json"
 ENGINE_DIR_NAME = "engines"
 TIMING_CACHE = "timing.cache"
-BUILD_TARGETS = ("trt", "onnx")  # `ort` uses ONNX Runtime's contrib attention, which TensorRT cannot import
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per element of the KV cache dtypes
 DEFAULT_MAX_SEQ_LEN = 4096
 # The prefill engines return logits for up to this many positions per row (speculative verification).
 MAX_POSITIONS = 16
@@ -55,18 +64,15 @@ def resolve_build_options(
     max_seq_len: int | None = None, single_engine: bool = False, plugin_shared_kib: int | None = None,
 ) -> BuildOptions:
     """Check `kvforge build`'s flags against the export and fill in the defaults."""
-    target, export_dtype = manifest["target"], manifest["dtype"]
-    if target not in BUILD_TARGETS:
-        raise InputError(
-            f"a {target}-target export cannot be built into TensorRT engines (its attention is ONNX Runtime's "
-            "GroupQueryAttention, which TensorRT does not import): export with --target trt or --target onnx"
-        )
+    target, export_dtype = get_target(manifest["target"]), manifest["dtype"]
+    if not target.buildable:
+        raise InputError(f"a {target.name}-target export cannot be built into TensorRT engines ({target.build_refusal})")
     if dtype is not None and dtype != export_dtype:
         raise InputError(
             f"--dtype {dtype} but the export is {export_dtype}: engines are strongly typed, built in the export's "
             f"dtype; re-export with --dtype {dtype}"
         )
-    limit = int(manifest["kv_cache"]["max_capacity"])
+    limit = KVLayout.from_manifest(manifest).max_capacity
     max_seq_len = _positive("--max-seq-len", max_seq_len if max_seq_len is not None else min(limit, DEFAULT_MAX_SEQ_LEN))
     if max_seq_len > limit:
         raise InputError(f"--max-seq-len {max_seq_len} exceeds the model's {limit} positions")
@@ -75,9 +81,9 @@ def resolve_build_options(
         raise InputError(f"--max-input-len {max_input_len} exceeds --max-seq-len {max_seq_len}")
     if plugin_shared_kib is not None:
         _positive("--plugin-shared-mem", plugin_shared_kib)
-        if target != "trt":
-            raise InputError(f"--plugin-shared-mem sizes kvforge's attention plugin, which a {target}-target export "
-                             "does not use; drop it (or export with --target trt)")
+        if target.plugin is None:
+            raise InputError(f"--plugin-shared-mem sizes kvforge's attention plugin, which a {target.name}-target "
+                             "export does not use; drop it (or export with --target trt)")
     return BuildOptions(export_dtype, _positive("--max-batch", max_batch), max_input_len, max_seq_len,
                         bool(single_engine), plugin_shared_kib)
 
@@ -89,7 +95,7 @@ def static_capacity(manifest: dict[str, Any]) -> bool:
     """Whether the engines fix the cache capacity at --max-seq-len. The `onnx` target's TensorScatter
     becomes TensorRT's KV-cache-update layer, which needs the capacity dimension static at build time
     (a dynamic one fails to parse); kvforge's plugin (`trt` target) takes any capacity."""
-    return manifest["target"] == "onnx"
+    return get_target(manifest["target"]).static_engine_capacity
 
 
 def engine_capacity_buckets(manifest: dict[str, Any], options: BuildOptions) -> tuple[int, ...]:
@@ -105,24 +111,20 @@ def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) 
     1..max_input_len for prefill and 1 for decode, cache capacity 1..max_seq_len (or --max-seq-len
     alone where it is static). The optimum is the largest bucket the runtime allocates at and the full
     batch."""
-    kv = manifest["kv_cache"]
-    heads, head_dim = int(kv["num_kv_heads"]), int(kv["head_dim"])
+    kv = KVLayout.from_manifest(manifest)
     b, c = options.max_batch, options.max_seq_len
     s = options.max_input_len if phase == "prefill" else 1
     opt_c = engine_capacity_buckets(manifest, options)[-1]
     low_c = c if static_capacity(manifest) else 1
     shapes: dict[str, tuple[Shape, Shape, Shape]] = {
-        "input_ids": ((1, 1), (b, s), (b, s)) if phase == "prefill" else ((1, 1), (b, 1), (b, 1)),
-        "past_lens": ((1,), (b,), (b,)),
+        INPUT_IDS: ((1, 1), (b, s), (b, s)) if phase == "prefill" else ((1, 1), (b, 1), (b, 1)),
+        PAST_LENS: ((1,), (b,), (b,)),
     }
-    graph_inputs = {entry["name"] for entry in manifest["graphs"]["prefill"]["inputs"]}
     if phase == "prefill" or options.single_engine:
-        if "logits_index" in graph_inputs:
-            positions = MAX_POSITIONS if phase == "prefill" else 1
-            shapes["logits_index"] = ((1, 1), (b, 1), (b, positions))
-    for i in range(int(kv["num_layers"])):
-        for kind in ("key", "value"):
-            shapes[f"past_{kind}.{i}"] = ((1, heads, low_c, head_dim), (b, heads, opt_c, head_dim), (b, heads, c, head_dim))
+        positions = MAX_POSITIONS if phase == "prefill" else 1
+        shapes[LOGITS_INDEX] = ((1, 1), (b, 1), (b, positions))
+    for layer, kind in kv.buffers():
+        shapes[cache_input(kind, layer)] = (kv.shape(1, low_c), kv.shape(b, opt_c), kv.shape(b, c))
     return shapes
 
 
@@ -165,8 +167,7 @@ def engines_manifest(
     engines = engine_layout(options)
     copies = len({entry["file"] for entry in engines.values()})
     buckets = engine_capacity_buckets(export_manifest, options)
-    kv = export_manifest["kv_cache"]
-    per_row = 2 * int(kv["num_layers"]) * int(kv["num_kv_heads"]) * int(kv["head_dim"]) * ITEMSIZE[kv["dtype"]]
+    kv = KVLayout.from_manifest(export_manifest)
     return {
         "format": ENGINES_FORMAT,
         "kvforge_version": kvforge_version,
@@ -179,7 +180,7 @@ def engines_manifest(
         "static_capacity": static_capacity(export_manifest),
         "capacity_buckets": list(buckets),
         # The KV cache a request of --max-batch rows holds at the largest capacity (both K and V, all layers).
-        "kv_cache_bytes_at_max": per_row * options.max_batch * buckets[-1],
+        "kv_cache_bytes_at_max": kv.bytes(options.max_batch, buckets[-1]),
         "engines": engines,
         "profiles": {phase: {name: [list(s) for s in shapes] for name, shapes in
                              profile_shapes(export_manifest, options, phase).items()} for phase in engines},
@@ -256,26 +257,24 @@ def binding_plan(manifest: dict[str, Any], phase: str, batch: int, capacity: int
     """The tensors of one prefill or decode run and their buffers. past_key.i and present_key.i
     name the same buffer: TensorRT writes the new rows in place. `positions`: logits per row
     (prefill; decode has one)."""
-    kv = manifest["kv_cache"]
-    layers, heads, head_dim = int(kv["num_layers"]), int(kv["num_kv_heads"]), int(kv["head_dim"])
-    vocab = int(manifest["model"]["vocab_size"])
+    kv = KVLayout.from_manifest(manifest)
+    vocab = ModelSpec.from_manifest(manifest).vocab_size
     graph = "prefill" if phase == "prefill" or single_engine else "decode"
-    inputs = {entry["name"] for entry in manifest["graphs"][graph]["inputs"]}
-    ids = "input_ids" if phase == "prefill" else "decode_ids"
-    plan = [Binding("input_ids", (batch, seq), ids, True), Binding("past_lens", (batch,), "past_lens", True)]
+    # Buffer names: the IO name where one buffer serves it; decode's own inputs have their own buffers.
+    ids = INPUT_IDS if phase == "prefill" else "decode_ids"
+    plan = [Binding(INPUT_IDS, (batch, seq), ids, True), Binding(PAST_LENS, (batch,), PAST_LENS, True)]
     per_position = graph == "prefill"
-    if "logits_index" in inputs:
-        index = "logits_index" if phase == "prefill" else "decode_index"
-        plan.append(Binding("logits_index", (batch, positions if phase == "prefill" else 1), index, True))
+    if LOGITS_INDEX in io_names(manifest["graphs"][graph], "inputs"):
+        index = LOGITS_INDEX if phase == "prefill" else "decode_index"
+        plan.append(Binding(LOGITS_INDEX, (batch, positions if phase == "prefill" else 1), index, True))
     if per_position:
-        plan.append(Binding("logits", (batch, positions if phase == "prefill" else 1, vocab), "logits", False))
+        plan.append(Binding(LOGITS, (batch, positions if phase == "prefill" else 1, vocab), LOGITS, False))
     else:
-        plan.append(Binding("logits", (batch, vocab), "logits", False))
-    for i in range(layers):
-        for kind in ("key", "value"):
-            shape = (batch, heads, capacity, head_dim)
-            plan.append(Binding(f"past_{kind}.{i}", shape, f"{kind}.{i}", True))
-            plan.append(Binding(f"present_{kind}.{i}", shape, f"{kind}.{i}", False))
+        plan.append(Binding(LOGITS, (batch, vocab), LOGITS, False))
+    for layer, kind in kv.buffers():
+        shape = kv.shape(batch, capacity)
+        plan.append(Binding(cache_input(kind, layer), shape, buffer_name(kind, layer), True))
+        plan.append(Binding(cache_output(kind, layer), shape, buffer_name(kind, layer), False))
     return plan
 
 

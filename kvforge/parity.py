@@ -202,7 +202,7 @@ def run_parity(
     import torch
     from transformers import GenerationConfig
 
-    from kvforge.exporter.export import load_hf_model
+    from kvforge.exporter.load import load_hf_model
     from kvforge.runtime import Generator
 
     say = progress or (lambda _msg: None)
@@ -303,3 +303,28 @@ def _perplexity(generator: Any, model: Any, max_tokens: int, dtype: str) -> dict
         "export": export_ppl, "hf": hf_ppl, "relative_difference": abs(export_ppl / hf_ppl - 1.0),
         "tolerance": PERPLEXITY_RTOL[dtype],
     }
+
+
+def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, hf_model: Any = None) -> dict[str, Any]:
+    """A quantised export against the fp32 model it came from (Hugging Face eager, which the fp32
+    export matches to ~1e-4): max logit error, greedy agreement over 32 tokens on kvforge's parity
+    prompts, and perplexity on 1024 tokens of its fixed text. Recorded in the export's manifest as
+    `quantization.accuracy` (measured on the published export, after the export wrote it)."""
+    from kvforge.manifest import record_section
+
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    if not manifest.get("quantization"):
+        raise InputError(f"{folder} is not a quantised export (it was exported without --quantize)")
+    model_dir = Path(model_dir if model_dir is not None else manifest["model"]["source"])
+    report = run_parity(model_dir, folder, new_tokens=32, hf_model=hf_model)
+    steps = sum(len(p.step_max_abs_err) for p in report.prompts)
+    agree = sum(len(p.step_max_abs_err) - len(p.mismatched_steps) - len(p.tie_steps) for p in report.prompts)
+    ppl = report.perplexity or {}
+    accuracy = {"reference": "fp32 model (Hugging Face eager)", "max_abs_logit_err": round(float(report.max_abs_err), 4),
+                "greedy_agreement": f"{agree}/{steps}", "perplexity": round(ppl.get("export", float("nan")), 4),
+                "reference_perplexity": round(ppl.get("hf", float("nan")), 4),
+                "perplexity_relative_increase": round(ppl.get("export", 0) / ppl.get("hf", 1) - 1, 5),
+                "perplexity_tokens": ppl.get("tokens")}
+    record_section(folder, "quantization", {**manifest["quantization"], "accuracy": accuracy})
+    return accuracy
