@@ -108,16 +108,20 @@ def _chat_template_source(folder: Path) -> str | None:
 
 
 def exporter_source_digest() -> str:
-    """sha256 (16 hex) of the code that decides an export's bytes: kvforge's exporter, model adapters and
-    attention op. The version string alone does not change between commits, so a cached export (the
-    demo's) is reused only when this matches too."""
+    """sha256 (16 hex) of the code that decides an export's bytes: kvforge's exporter, model adapters,
+    attention op, and the contracts and manifest form they follow. The version string alone does not
+    change between commits, so a cached export (the demo's) is reused only when this matches too."""
     import importlib
 
+    import kvforge
+
     digest = hashlib.sha256()
+    base = Path(next(iter(kvforge.__path__)))
+    files = [base / f"{name}.py" for name in ("contract", "targets", "manifest")]
     for package in ("kvforge.exporter", "kvforge.models", "kvforge.plugins"):
-        folder = Path(next(iter(importlib.import_module(package).__path__)))
-        for file in sorted(folder.glob("*.py")):
-            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        files += sorted(Path(next(iter(importlib.import_module(package).__path__))).glob("*.py"))
+    for file in files:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
     return digest.hexdigest()[:16]
 
 

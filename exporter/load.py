@@ -62,13 +62,16 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32"):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # kvforge prints its own progress; keep stderr readable
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
     family_for(config)
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_weight_files(model_dir)
+    # kvforge prints its own progress: transformers' bar is off for this load only, so an application
+    # that embeds the exporter keeps its own setting.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True,
@@ -79,4 +82,7 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32"):
             f"could not load the weights of {model_dir}: {type(err).__name__}: {one_line(err)}; "
             "the files may be truncated or corrupted"
         ) from err
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval()

@@ -12,6 +12,8 @@ graph and shared by every layer's node.
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import onnx_ir as ir
 
@@ -239,11 +241,10 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
 
 def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> ir.Model:
     """Rewrite every canonical attention node of `model` in place with `target`'s pass (the function
-    of this module that the registry entry names). `rotary`: the model's cos/sin caches, which the
-    `ort` target folds into its attention op."""
-    lowering = globals().get(target.lowering)
-    if lowering is None:
-        raise ExportError(f"target {target.name!r} names lowering pass {target.lowering!r}, which {__name__} lacks")
+    its registry entry names). `rotary`: the model's cos/sin caches, which targets with ONNX Runtime's
+    fusions fold into their attention op."""
+    module, name = target.lowering.split(":")
+    lowering = getattr(importlib.import_module(module), name)
     graph = model.graph
     canonical = _canonical_nodes(graph)
     if not canonical:

@@ -29,7 +29,7 @@ DEFAULT_PROMPTS = (
     "def main(): return 42",
 )
 DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 0.15, "bf16": 0.5}
-# Perplexity on a fixed text shipped with kvforge (exporter/data/perplexity.txt, ~3000 tokens of
+# Perplexity on a fixed text shipped with kvforge (kvforge/data/perplexity.txt, ~3000 tokens of
 # original prose), in independent windows, HF vs export. Tolerance on |ppl_export / ppl_hf - 1|.
 PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 PERPLEXITY_WINDOW = 256

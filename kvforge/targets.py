@@ -2,7 +2,9 @@
 built from it. One entry per target; the exporter, the engine build, the backends and the CLI read
 these fields and never compare a target's name themselves.
 
-Adding a target: an entry here plus its lowering pass in exporter/lowering.py (named by `lowering`).
+Adding a target: an entry here plus its lowering pass (a function named by `lowering`, in
+exporter/lowering.py or a module of its own); the backends that run it list it in
+runtime/backend.py's REGISTRY.
 Plain Python, so the runtime and the CLI can read it without the exporter's stack.
 """
 
@@ -18,7 +20,7 @@ from kvforge.errors import InputError
 class Target:
     name: str
     summary: str  # the attention op the target lowers to
-    lowering: str  # the pass in kvforge.exporter.lowering that rewrites the canonical node
+    lowering: str  # "module:function": the pass that rewrites the canonical node (imported at export)
     dtypes: tuple[str, ...]  # export dtypes the target accepts
     support: str  # what it runs in, for README's support table
     default_backend: str  # the backend a Generator uses when none is named: one that needs no GPU
@@ -49,7 +51,7 @@ TARGETS: dict[str, Target] = {
         Target(
             name="ort",
             summary="ONNX Runtime's com.microsoft.GroupQueryAttention (in place when past/present share one OrtValue)",
-            lowering="lower_to_ort",
+            lowering="kvforge.exporter.lowering:lower_to_ort",
             dtypes=tuple(DTYPES),
             support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` "
                     "(measured on Llama and Qwen2)",
@@ -63,7 +65,7 @@ TARGETS: dict[str, Target] = {
         Target(
             name="onnx",
             summary="standard ONNX Attention (opset 24) with TensorScatter for the in-place cache update",
-            lowering="lower_to_onnx",
+            lowering="kvforge.exporter.lowering:lower_to_onnx",
             dtypes=tuple(DTYPES),
             support="fp32, fp16, bf16 (any runtime with opset-24 Attention and TensorScatter; TensorRT or "
                     "TensorRT-RTX engines through `kvforge build`)",
@@ -73,7 +75,7 @@ TARGETS: dict[str, Target] = {
         Target(
             name="trt",
             summary="kvforge's TensorRT plugin node, implemented by its Triton kernel",
-            lowering="lower_to_trt",
+            lowering="kvforge.exporter.lowering:lower_to_trt",
             dtypes=tuple(DTYPES),
             support="fp16, bf16 (standard TensorRT on a GPU; not with TensorRT-RTX); fp32 through the CPU emulation",
             default_backend="emulate",

@@ -127,25 +127,19 @@ def family_for(config: Any) -> Family:
     return family
 
 
-# What each lowering target runs in, for the README's support table.
-TARGET_DTYPES = {
-    "ort": "fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` (measured on Llama and Qwen2)",
-    "onnx": "fp32, fp16, bf16 (any runtime with opset-24 Attention and TensorScatter; TensorRT or TensorRT-RTX engines through `kvforge build`)",
-    "trt": "fp16, bf16 (standard TensorRT on a GPU; not with TensorRT-RTX); fp32 through the CPU emulation",
-}
-
-
 def support_table() -> str:
     """The README's table of supported families x targets, generated from FAMILIES and the recipes
     (a test checks README against it, so the two cannot drift)."""
     from kvforge.models.recipes import FAMILY_RECIPES, RECIPES
+    from kvforge.targets import TARGETS
 
-    lines = ["| Family (`model_type`) | Architecture | What it exercises | `ort` | `onnx` | `trt` | Tiny recipes (parity-tested) |",
-             "|---|---|---|---|---|---|---|"]
+    columns = " | ".join(f"`{name}`" for name in TARGETS)
+    lines = [f"| Family (`model_type`) | Architecture | What it exercises | {columns} | Tiny recipes (parity-tested) |",
+             "|---|---|---|" + "---|" * len(TARGETS) + "---|"]
     for family in FAMILIES.values():
         recipes = [f"`{name}`" for name in FAMILY_RECIPES if RECIPES[name].model_type == family.model_type]
-        lines.append(f"| `{family.model_type}` | {', '.join(family.architectures)} | {family.notes} | ✓ | ✓ | ✓ | "
-                     f"{', '.join(recipes)} |")
+        lines.append(f"| `{family.model_type}` | {', '.join(family.architectures)} | {family.notes} | "
+                     + "✓ | " * len(TARGETS) + f"{', '.join(recipes)} |")
     lines += ["", "| Target | dtypes |", "|---|---|"]
-    lines += [f"| `{target}` | {dtypes} |" for target, dtypes in TARGET_DTYPES.items()]
+    lines += [f"| `{target.name}` | {target.support} |" for target in TARGETS.values()]
     return "\n".join(lines)

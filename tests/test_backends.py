@@ -30,11 +30,11 @@ def _reference_emulation(monkeypatch):
 def test_registry_names_and_options(exported) -> None:
     folder = exported("llama-tiny", "ort")
     manifest = json.loads((folder / "kvforge.json").read_text())
-    with pytest.raises(InputError, match="unknown backend 'tpu'; choose one of ort-cpu, ort-cuda, emulate, trt"):
+    with pytest.raises(InputError, match="unknown backend 'tpu'; choose one of ort-cpu, ort-cuda, emulate, tensorrt"):
         create_backend("tpu", folder, manifest)
     with pytest.raises(InputError, match="backend 'ort-cpu' has no option engine_dir; its options are device_id, threads, sessions, max_capacity"):
         Generator(folder, engine_dir="x")
-    with pytest.raises(InputError, match="backend 'trt' has no option sessions; its options are engine_dir, device_id, cuda_graphs"):
+    with pytest.raises(InputError, match="backend 'tensorrt' has no option sessions; its options are engine_dir, device_id, cuda_graphs"):
         Generator(exported("llama-tiny", "trt"), backend="tensorrt", sessions="single")
     with pytest.raises(InputError, match="backend 'emulate' does not run ort-target exports .* use one of ort-cpu, ort-cuda"):
         Generator(folder, backend="emulate")

@@ -87,6 +87,15 @@ def test_target_registry() -> None:
         get_target("tensorrt")
 
 
+def test_every_target_names_a_lowering_pass_that_exists() -> None:
+    pytest.importorskip("onnx_ir")
+    import importlib
+
+    for target in TARGETS.values():
+        module, name = target.lowering.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), target.name
+
+
 def test_backend_and_target_names_never_meet() -> None:
     from kvforge.runtime.backend import REGISTRY, create_backend
 

@@ -3,7 +3,7 @@
 Exported from the GGUF file for both CPU targets; Hugging Face eager on the converted folder is the
 reference. Stated tolerances (fp32): max abs logit error <= 1e-3 per step, exact greedy agreement
 for 32 new tokens on real prompts (teacher-forced and via HF's generate()), perplexity on 1024 tokens
-of exporter/data/perplexity.txt within a relative 1e-3 of HF's. Skipped (with the reason) where the
+of kvforge/data/perplexity.txt within a relative 1e-3 of HF's. Skipped (with the reason) where the
 wheel is not installed; README's install line installs it, so CI runs these.
 """
 
