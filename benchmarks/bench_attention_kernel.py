@@ -26,6 +26,8 @@ import math
 import sys
 import time
 
+from kvforge.contract import AttentionAttrs
+
 H, HKV, D = 32, 8, 128
 PREFILL_SEQS = (512, 1024, 2048, 4096)
 DECODE_CAPACITIES = (1024, 4096, 8192, 16384, 32768)
@@ -85,10 +87,10 @@ def _check(c: dict, torch, kernel, reference) -> float:
     scale = 1.0 / math.sqrt(D)
     # fp32 eager reference on fp32 copies of the same (rounded) inputs.
     ref_out, ref_key, _ = reference(
-        *(t.float() if t.is_floating_point() else t for t in x.values()), H, HKV, scale
+        *(t.float() if t.is_floating_point() else t for t in x.values()), AttentionAttrs(H, HKV, scale)
     )
     key, value = x["past_key"].clone(), x["past_value"].clone()
-    out = kernel(x["q"], x["k"], x["v"], key, value, x["past_lens"], H, HKV, scale)
+    out = kernel(x["q"], x["k"], x["v"], key, value, x["past_lens"], AttentionAttrs(H, HKV, scale))
     torch.cuda.synchronize()
     if not torch.equal(key.float(), ref_key):
         return float("inf")
@@ -102,8 +104,10 @@ def _bench_one(c: dict, torch, triton, kernel) -> dict:
     b, s, past = c["batch"], c["seq"], c["past"]
     key, value, lens = x["past_key"], x["past_value"], x["past_lens"]
 
+    attrs = AttentionAttrs(H, HKV, scale)
+
     def run_kernel():
-        return kernel(x["q"], x["k"], x["v"], key, value, lens, H, HKV, scale)
+        return kernel(x["q"], x["k"], x["v"], key, value, lens, attrs)
 
     q4 = x["q"].view(b, s, H, D).transpose(1, 2)
     if c["kind"] == "prefill":

@@ -1,9 +1,9 @@
-"""Lowering passes: rewrite each canonical `kvforge::KVCacheAttention` node for a target.
+"""Lowering passes: rewrite each canonical attention node (kvforge.contract.CANONICAL_OP) for a target.
 
 - `ort`:  com.microsoft.GroupQueryAttention (in place when past/present share one OrtValue).
 - `onnx`: standard ONNX Attention (opset 24) + TensorScatter for the in-place cache update.
-- `trt`:  kvforge's TensorRT plugin node (`KVCacheAttention`, plugin_namespace "kvforge",
-          plugin_version "1"), implemented by the Triton kernel (plugins/trt_plugin.py); the same
+- `trt`:  kvforge's TensorRT plugin node (kvforge.contract.PLUGIN: its op type, plugin_namespace and
+          plugin_version), implemented by the Triton kernel (plugins/trt_plugin.py); the same
           inputs, outputs and attributes as the canonical node.
 
 Values that depend only on `past_lens` and the shapes (lengths, causal mask) are built once per
@@ -17,18 +17,11 @@ import importlib
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.contract import INPUT_IDS
+from kvforge.contract import ATTENTION_OUTPUTS, CANONICAL_OP, INPUT_IDS, PLUGIN, AttentionAttrs
 from kvforge.errors import ExportError
-from kvforge.plugins.torch_op import DOMAIN, OP_TYPE
 from kvforge.targets import Target
 
-# TensorRT's ONNX parser ignores node domains and finds a plugin by op type plus the node attributes
-# plugin_namespace / plugin_version. The domain is the one onnxruntime-extensions' Python ops use, so
-# the CPU emulation (runtime/emulate.py) can serve the very same node.
-TRT_PLUGIN_OP = "KVCacheAttention"
-TRT_PLUGIN_DOMAIN = "ai.onnx.contrib"
-TRT_PLUGIN_NAMESPACE = "kvforge"
-TRT_PLUGIN_VERSION = "1"
+DOMAIN = CANONICAL_OP.domain  # the canonical node's domain, dropped from the graph once lowered
 
 
 def _const(tape: ir.tape.Tape, array: np.ndarray, name: str) -> ir.Value:
@@ -40,7 +33,7 @@ def _attrs(node: ir.Node) -> dict:
 
 
 def _canonical_nodes(graph: ir.Graph) -> list[ir.Node]:
-    return [node for node in graph if node.domain == DOMAIN and node.op_type == OP_TYPE]
+    return [node for node in graph if node.domain == CANONICAL_OP.domain and node.op_type == CANONICAL_OP.op_type]
 
 
 def _replace(graph: ir.Graph, node: ir.Node, tape: ir.tape.Tape, new_outputs: list[ir.Value]) -> None:
@@ -217,26 +210,22 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
 
 
 def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
+    """The plugin node per layer. TensorRT's ONNX parser ignores node domains and finds a plugin by op
+    type plus the node attributes plugin_namespace / plugin_version; the node's domain is the one
+    onnxruntime-extensions' Python ops use, so the CPU emulation (runtime/emulate.py) serves the very
+    same node."""
     for node in canonical:
-        attrs = _attrs(node)
+        attrs = AttentionAttrs.from_mapping(_attrs(node))
         tape = ir.tape.Tape()
-        out, present_key, present_value = tape.op_multi_out(
-            TRT_PLUGIN_OP,
+        outputs = tape.op_multi_out(
+            PLUGIN.name,
             list(node.inputs),
-            attributes={
-                "plugin_namespace": TRT_PLUGIN_NAMESPACE,
-                "plugin_version": TRT_PLUGIN_VERSION,
-                "num_heads": attrs["num_heads"],
-                "kv_num_heads": attrs["kv_num_heads"],
-                "scale": attrs["scale"],
-                "softcap": attrs["softcap"],
-                "sliding_window": attrs["sliding_window"],
-            },
-            domain=TRT_PLUGIN_DOMAIN,
-            num_outputs=3,
+            attributes={**PLUGIN.node_attributes(), **attrs.as_dict()},
+            domain=PLUGIN.onnx_domain,
+            num_outputs=len(ATTENTION_OUTPUTS),
         )
-        _replace(graph, node, tape, [out, present_key, present_value])
-    graph.opset_imports[TRT_PLUGIN_DOMAIN] = 1
+        _replace(graph, node, tape, list(outputs))
+    graph.opset_imports[PLUGIN.onnx_domain] = 1
 
 
 def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> ir.Model:

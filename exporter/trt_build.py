@@ -86,6 +86,18 @@ def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] 
     return kernel_identity()
 
 
+def _check_plugin_arch(manifest: dict[str, Any], arch: str) -> str:
+    from kvforge.plugins import trt_plugin
+
+    if manifest["target"] != "trt":
+        raise InputError(f"--arch picks the attention plugin's GPU architecture; a {manifest['target']}-target "
+                         "export does not use the plugin")
+    try:
+        return trt_plugin.check_arch(arch)
+    except ValueError as err:
+        raise InputError(f"--arch: {err}") from None
+
+
 def build_engines(
     export_dir: str | Path,
     engine_dir: str | Path | None = None,
@@ -98,15 +110,19 @@ def build_engines(
     progress: Callable[[str], None] | None = None,
     tensorrt: str = "auto",
     plugin_shared_kib: int | None = None,
+    plugin_arch: str | None = None,
 ) -> dict[str, Any]:
     """Build (or reuse) the engines of an export folder; returns engines.json's content. `tensorrt`:
     "auto", "tensorrt" or "tensorrt-rtx" (kvforge/tensorrt_flavor.py). `plugin_shared_kib` (trt target):
-    cap the attention plugin's dynamic shared memory (e.g. 48)."""
+    cap the attention plugin's dynamic shared memory (e.g. 48). `plugin_arch` (trt target): the GPU
+    architecture to compile the plugin's kernel for (e.g. sm_90; default: the build GPU's)."""
     say = progress or (lambda _msg: None)
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
     options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine,
                                     plugin_shared_kib)
+    if plugin_arch is not None:
+        plugin_arch = _check_plugin_arch(manifest, plugin_arch)
     engine_dir = Path(engine_dir) if engine_dir is not None else export_dir / ENGINE_DIR_NAME
     if engine_dir.resolve() == export_dir.resolve() or engine_dir.resolve() in export_dir.resolve().parents:
         raise InputError(
@@ -116,6 +132,8 @@ def build_engines(
     check_output(engine_dir, [], force=True, marker=ENGINES_MANIFEST, what="kvforge engine folder")
     trt = load_tensorrt(tensorrt)
     plugin = _plugin_identity(trt, manifest)
+    if plugin is not None and plugin_arch is not None:
+        plugin = {**plugin, "arch": plugin_arch}  # PTX for another architecture: other engines
     gpu = build_target(trt)
     key = build_key(manifest, options, trt.record(), gpu["compute_capability"], __version__, plugin)
     existing = _up_to_date(engine_dir, key)
@@ -125,7 +143,7 @@ def build_engines(
     if plugin is not None:
         from kvforge.plugins import trt_plugin
 
-        trt_plugin.register(max_shared_kib=options.plugin_shared_kib)
+        trt_plugin.register(max_shared_kib=options.plugin_shared_kib, arch=plugin_arch)
     started = time.perf_counter()
     timing = (engine_dir / TIMING_CACHE).read_bytes() if (engine_dir / TIMING_CACHE).is_file() else b""
     builds: dict[str, dict[str, Any]] = {}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from kvforge.contract import AttentionAttrs
 from kvforge.models.families import family_for
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
 
@@ -46,6 +47,8 @@ def kvforge_attention(
     kv_heads = key.shape[1]
     layer = module.layer_idx
     past_key, past_value = kvforge_state.past[layer]
+    attrs = AttentionAttrs(num_heads, kv_heads, float(scaling if scaling is not None else head_dim**-0.5),
+                           float(softcap or 0.0), int(sliding_window or 0))
     out, present_key, present_value = torch.ops.kvforge.kv_cache_attention(
         query.transpose(1, 2).reshape(batch, seq, num_heads * head_dim),
         key.transpose(1, 2).reshape(batch, seq, kv_heads * head_dim),
@@ -53,11 +56,7 @@ def kvforge_attention(
         past_key,
         past_value,
         kvforge_state.past_lens,
-        num_heads,
-        kv_heads,
-        float(scaling if scaling is not None else head_dim**-0.5),
-        float(softcap or 0.0),
-        int(sliding_window or 0),
+        *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
     kvforge_state.present[layer] = (present_key, present_value)
     return out.view(batch, seq, num_heads, head_dim), None

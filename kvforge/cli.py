@@ -201,20 +201,24 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--plugin-shared-mem", "plugin_shared_kib", type=int, metavar="KIB",
               help="trt target: compile the attention plugin within this much shared memory (48: no opt-in "
                    "above 48 KiB needed to launch it; smaller tiles). Default: up to the GPU's limit.")
+@click.option("--arch", "plugin_arch", metavar="SM",
+              help="trt target: the GPU architecture to compile the attention plugin for (e.g. sm_90). Default: "
+                   "the build GPU's.")
 @click.option("--force", is_flag=True, help="Rebuild even when the engines are up to date.")
 @click.option("--tensorrt", "flavor", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx"]), default="auto",
               show_default=True, help="Which TensorRT builds: standard TensorRT (needs a GPU) or TensorRT-RTX (builds "
               "on any machine); auto prefers standard TensorRT where both are installed.")
 @click.option("--json", "as_json", is_flag=True, help="Print engines.json (per-engine build seconds and bytes).")
 def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batch: int, max_input_len: int | None,
-          max_seq_len: int | None, single_engine: bool, plugin_shared_kib: int | None, force: bool, flavor: str,
-          as_json: bool) -> None:
+          max_seq_len: int | None, single_engine: bool, plugin_shared_kib: int | None, plugin_arch: str | None,
+          force: bool, flavor: str, as_json: bool) -> None:
     """Build TensorRT engines from an export folder (target onnx, or trt with standard TensorRT)."""
     from kvforge.exporter.trt_build import build_engines
 
     progress = _progress(as_json)
     record = build_engines(export_dir, engine_dir, dtype, max_batch, max_input_len, max_seq_len, single_engine,
-                           force, progress=progress, tensorrt=flavor, plugin_shared_kib=plugin_shared_kib)
+                           force, progress=progress, tensorrt=flavor, plugin_shared_kib=plugin_shared_kib,
+                           plugin_arch=plugin_arch)
     progress.close()
     if as_json:
         _emit_json(record)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, get_type_hints
 
 from kvforge.errors import ManifestError
 
@@ -217,6 +217,12 @@ class AttentionAttrs:
         """From a node's attributes (extra keys, such as the plugin's, are ignored)."""
         return cls(int(values["num_heads"]), int(values["kv_num_heads"]), float(values["scale"]),
                    float(values.get("softcap", 0.0)), int(values.get("sliding_window", 0)))
+
+    @classmethod
+    def types(cls) -> dict[str, type]:
+        """Each attribute's Python type (int or float), by name: what schemas and op bridges declare."""
+        hints = get_type_hints(cls)
+        return {name: hints[name] for name in cls.names()}
 
 
 @dataclass(frozen=True)

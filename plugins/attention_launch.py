@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-INPUT_PARAMS = ("q", "k", "v", "past_key", "past_value", "past_lens")
+from kvforge.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, PAST_LENS, AttentionAttrs
+
+INPUT_PARAMS = ATTENTION_INPUTS
 SCALAR_PARAMS = ("batch", "seq_len", "capacity")
-OUTPUT_PARAMS = ("out", "present_key", "present_value")
+OUTPUT_PARAMS = ATTENTION_OUTPUTS
 WORKSPACE_PARAMS = ("partials", "counters")
 CONSTEXPR_PARAMS = (
     "NUM_HEADS",
@@ -211,24 +213,18 @@ def workspace_bytes(
 
 
 def constexprs(
-    num_heads: int,
-    kv_num_heads: int,
-    head_dim: int,
-    scale: float,
-    softcap: float,
-    sliding_window: int,
-    config: KernelConfig,
-    dot_fp32: bool = False,
+    attrs: AttentionAttrs, head_dim: int, config: KernelConfig, dot_fp32: bool = False
 ) -> dict[str, int | float]:
-    """The compile-time constants of one variant, by parameter name (dot_fp32: for the interpreter only)."""
-    check_shapes(num_heads, kv_num_heads, head_dim)
+    """The compile-time constants of one variant, by parameter name (dot_fp32: for the interpreter only):
+    the op's attributes become the kernel's constants here and nowhere else."""
+    check_shapes(attrs.num_heads, attrs.kv_num_heads, head_dim)
     return {
-        "NUM_HEADS": int(num_heads),
-        "KV_HEADS": int(kv_num_heads),
+        "NUM_HEADS": int(attrs.num_heads),
+        "KV_HEADS": int(attrs.kv_num_heads),
         "HEAD_DIM": int(head_dim),
-        "SCALE": float(scale),
-        "SOFTCAP": float(softcap),
-        "WINDOW": int(sliding_window),
+        "SCALE": float(attrs.scale),
+        "SOFTCAP": float(attrs.softcap),
+        "WINDOW": int(attrs.sliding_window),
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "NUM_SPLITS": config.num_splits,
@@ -242,11 +238,10 @@ def signature(dtype: str) -> dict[str, str]:
         ty = TRITON_DTYPES[dtype]
     except KeyError:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of float16, bfloat16, float32") from None
-    types = {
-        name: f"*{ty}"
-        for name in ("q", "k", "v", "past_key", "past_value", "out", "present_key", "present_value")
-    }
-    types.update({"past_lens": "*i32", "partials": "*fp32", "counters": "*i32"})
+    # Activations and caches in the op's dtype, the lengths int32, the workspace (partials, counters) fp32 / int32.
+    types = {name: f"*{ty}" for name in INPUT_PARAMS + OUTPUT_PARAMS}
+    types[PAST_LENS] = "*i32"
+    types.update(dict(zip(WORKSPACE_PARAMS, ("*fp32", "*i32"), strict=True)))
     types.update({name: "i32" for name in SCALAR_PARAMS})
     return {name: types[name] for name in RUNTIME_PARAMS}
 

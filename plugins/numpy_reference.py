@@ -1,13 +1,15 @@
 """The fused attention op's semantics in numpy: the torch-free twin of plugins/reference.py.
 
-The runtime's CPU emulation of the `trt` target serves the plugin node with it when asked
-(KVFORGE_EMULATE=reference), so that path needs neither torch nor triton. Unlike the torch reference
+The runtime's CPU emulation of the `trt` target serves the plugin node with it when asked (backend
+option emulation="reference"), so that path needs neither torch nor triton. Unlike the torch reference
 it writes the new rows into `past_key` / `past_value` in place, as the TensorRT plugin does.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from kvforge.contract import AttentionAttrs
 
 
 def kv_cache_attention_(
@@ -17,14 +19,12 @@ def kv_cache_attention_(
     past_key: np.ndarray,
     past_value: np.ndarray,
     past_lens: np.ndarray,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float,
-    softcap: float = 0.0,
-    sliding_window: int = 0,
+    attrs: AttentionAttrs,
 ) -> np.ndarray:
     """Append k/v at past_lens[b] + t into the caches (in place) and return the attention output
     [B, S, H*D] in q's dtype. Scores and softmax in float64 (an oracle, not a fast path)."""
+    num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
+    softcap, sliding_window = attrs.softcap, attrs.sliding_window
     batch, seq, _ = q.shape
     capacity, head_dim = past_key.shape[2], past_key.shape[3]
     if int(np.max(past_lens)) + seq > capacity:
@@ -39,7 +39,7 @@ def kv_cache_attention_(
     group = num_heads // kv_num_heads
     keys = np.repeat(past_key, group, axis=1).astype(np.float64)
     values = np.repeat(past_value, group, axis=1).astype(np.float64)
-    scores = q4.astype(np.float64) @ keys.transpose(0, 1, 3, 2) * scale  # [B, H, S, C]
+    scores = q4.astype(np.float64) @ keys.transpose(0, 1, 3, 2) * attrs.scale  # [B, H, S, C]
     if softcap > 0.0:
         scores = softcap * np.tanh(scores / softcap)
     cache_pos = np.arange(capacity)

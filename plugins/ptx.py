@@ -4,10 +4,11 @@ TensorRT's ahead-of-time plugin path takes PTX plus the launch facts (kernel nam
 memory, grid); nothing else of the plugin's attributes reaches the engine, so the head layout, scale,
 softcap, window and block sizes are compiled in as constants (see plugins/attention_launch.py).
 
-    compile_kernel(arch="sm_90", dtype="float16", head_dim=128, num_heads=32, kv_num_heads=8)
+    compile_kernel(KernelVariant(arch="sm_90", dtype="float16", head_dim=128, attrs=AttentionAttrs(32, 8, s)))
+    compile_kernel(arch="sm_90", dtype="float16", head_dim=128, num_heads=32, kv_num_heads=8)  (the same)
         -> CompiledKernel(name, ptx, num_warps, shared_mem, block_m, ..., params)
     compile_ptx(...) -> {kernel name: PTX text}
-    compile_kernels([{...}, {...}]) -> [CompiledKernel, ...]   (several at once)
+    compile_kernels([variant, ...]) -> [CompiledKernel, ...]   (several at once)
 
 Results are cached in memory and on disk (KVFORGE_PTX_CACHE, default ~/.cache/kvforge/ptx), keyed by
 every parameter, the triton version and the kernel's source, so a cache hit does not import triton.
@@ -31,10 +32,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+from kvforge.contract import AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -127,66 +131,83 @@ def _stdlib_compilable() -> bool:
     return isinstance(triton.language.standard.cdiv, JITFunction)
 
 
-def _request(
-    arch: str | int = "sm_90",
-    dtype: str = "float16",
-    head_dim: int = 128,
-    num_heads: int = 32,
-    kv_num_heads: int = 8,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    sliding_window: int = 0,
-    *,
-    regime: str = "decode",
-    num_splits: int = 1,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    ptx_version: int | None = DEFAULT_PTX_VERSION,
-    assume_aligned: bool = True,
-    fit_shared: bool = True,
-    tensorrt: bool = False,
-    max_shared_kib: int | None = None,
-) -> dict:
-    """Normalise the arguments into the JSON-able request that keys the cache and feeds the compile."""
-    if tensorrt and num_splits != 1:
-        raise ValueError("the TensorRT variant has no workspace, so it runs num_splits=1")
-    if max_shared_kib is not None:
-        if isinstance(max_shared_kib, bool) or not isinstance(max_shared_kib, int) or max_shared_kib < 1:
-            raise ValueError(f"max_shared_kib must be a positive number of KiB, got {max_shared_kib!r}")
-        if not fit_shared:
-            raise ValueError("max_shared_kib caps the shared memory by shrinking the tiles: it needs fit_shared=True")
-    if dtype not in launch.TRITON_DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of float16, bfloat16, float32")
-    if regime not in ("decode", "prefill"):
-        raise ValueError(f"regime must be 'decode' or 'prefill'; got {regime!r}")
-    group = launch.check_shapes(num_heads, kv_num_heads, head_dim)
-    # Block sizes for a representative shape of the regime; the kernel is correct for any shape.
-    seq = 1 if regime == "decode" else 4096
-    config = launch.choose_config(1, seq, kv_num_heads, group, head_dim, 1 << 20, num_splits)
-    config = dataclasses.replace(
-        config,
-        block_m=block_m or config.block_m,
-        block_n=block_n or config.block_n,
-        num_warps=num_warps or config.num_warps,
-        num_stages=num_stages or config.num_stages,
-    )
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    constants = launch.constexprs(num_heads, kv_num_heads, head_dim, scale, softcap, sliding_window, config)
-    return {
-        "arch": _arch_number(arch),
-        "dtype": launch.TRITON_DTYPES[dtype],
-        "constants": constants,
-        "num_warps": config.num_warps,
-        "num_stages": config.num_stages,
-        "ptx_version": ptx_version,
-        "assume_aligned": bool(assume_aligned),
-        "fit_shared": bool(fit_shared),
-        "tensorrt": bool(tensorrt),
-        "max_shared": max_shared_kib * 1024 if max_shared_kib is not None else None,
-    }
+@dataclass(frozen=True)
+class KernelVariant:
+    """One variant of the kernel to compile: the op's attributes (compiled in as constants), the target
+    and the launch choices. Hashable and plain, so a plan can hand it over and a cache can key on it."""
+
+    arch: str | int = "sm_90"  # sm_80, sm_86, sm_89, sm_90, ... (or 90)
+    dtype: str = "float16"
+    head_dim: int = 128
+    attrs: AttentionAttrs | None = None  # None: 32 query heads over 8 KV heads, scale 1/sqrt(head_dim)
+    # "decode" (a few tokens, long cache: rows = the GQA group, padded to 16) or "prefill" (flash tiles).
+    regime: str = "decode"
+    num_splits: int = 1  # > 1: the flash-decoding variant, which needs the workspace
+    block_m: int | None = None  # None: the regime's choice (block_n, num_warps, num_stages likewise)
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    # The PTX ISA (87 = 8.7, loadable by CUDA 12.8+ drivers); None: the newest triton's ptxas supports.
+    ptx_version: int | None = DEFAULT_PTX_VERSION
+    assume_aligned: bool = True
+    fit_shared: bool = True  # shrink stages / blocks until the shared memory fits the arch
+    tensorrt: bool = False  # TensorRT's ahead-of-time launch: num_splits=1, no workspace, no scratch
+    max_shared_kib: int | None = None  # a lower shared memory limit than the arch's (48: no opt-in)
+
+    @classmethod
+    def of(cls, **fields: Any) -> KernelVariant:
+        """From flat keywords: this class's fields, with AttentionAttrs' own fields accepted in place of
+        `attrs` (each missing one takes attention()'s default; scale=None is 1/sqrt(head_dim))."""
+        given = {name: fields.pop(name) for name in AttentionAttrs.names() if name in fields}
+        if given:
+            if fields.get("attrs") is not None:
+                raise TypeError(f"pass attrs or {', '.join(given)}, not both")
+            base = cls(head_dim=fields.get("head_dim", cls.head_dim)).attention().as_dict()
+            fields["attrs"] = AttentionAttrs(**{**base, **{k: v for k, v in given.items() if v is not None}})
+        return cls(**fields)
+
+    def attention(self) -> AttentionAttrs:
+        """The attributes compiled in."""
+        return self.attrs if self.attrs is not None else AttentionAttrs(32, 8, 1.0 / math.sqrt(self.head_dim))
+
+    def request(self) -> dict:
+        """The JSON-able request that keys the cache and feeds the compile (arguments checked here)."""
+        if self.tensorrt and self.num_splits != 1:
+            raise ValueError("the TensorRT variant has no workspace, so it runs num_splits=1")
+        cap = self.max_shared_kib
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"max_shared_kib must be a positive number of KiB, got {cap!r}")
+            if not self.fit_shared:
+                raise ValueError("max_shared_kib caps the shared memory by shrinking the tiles: it needs fit_shared=True")
+        if self.dtype not in launch.TRITON_DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; expected one of float16, bfloat16, float32")
+        if self.regime not in ("decode", "prefill"):
+            raise ValueError(f"regime must be 'decode' or 'prefill'; got {self.regime!r}")
+        attrs = self.attention()
+        group = launch.check_shapes(attrs.num_heads, attrs.kv_num_heads, self.head_dim)
+        # Block sizes for a representative shape of the regime; the kernel is correct for any shape.
+        seq = 1 if self.regime == "decode" else 4096
+        config = launch.choose_config(1, seq, attrs.kv_num_heads, group, self.head_dim, 1 << 20, self.num_splits)
+        config = dataclasses.replace(
+            config,
+            block_m=self.block_m or config.block_m,
+            block_n=self.block_n or config.block_n,
+            num_warps=self.num_warps or config.num_warps,
+            num_stages=self.num_stages or config.num_stages,
+        )
+        return {
+            "arch": _arch_number(self.arch),
+            "dtype": launch.TRITON_DTYPES[self.dtype],
+            "constants": launch.constexprs(attrs, self.head_dim, config),
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+            "ptx_version": self.ptx_version,
+            "assume_aligned": bool(self.assume_aligned),
+            "fit_shared": bool(self.fit_shared),
+            "tensorrt": bool(self.tensorrt),
+            "max_shared": cap * 1024 if cap is not None else None,
+        }
 
 
 def _compile_here(request: dict) -> dict:
@@ -309,13 +330,19 @@ def _kernel(request: dict, result: dict) -> CompiledKernel:
 _MEMORY: dict[str, CompiledKernel] = {}
 
 
-def compile_kernels(variants: list[dict], cache: bool = True) -> list[CompiledKernel]:
-    """Compile several variants (each a dict of compile_kernel's keyword arguments) in one go.
+def _variant(variant: KernelVariant | Mapping[str, Any]) -> KernelVariant:
+    return variant if isinstance(variant, KernelVariant) else KernelVariant.of(**variant)
+
+
+def compile_kernels(
+    variants: Iterable[KernelVariant | Mapping[str, Any]], cache: bool = True
+) -> list[CompiledKernel]:
+    """Compile several variants (each a KernelVariant, or a dict of KernelVariant.of's keywords) in one go.
 
     Cache misses compile together: in this process, or in one child process when TRITON_INTERPRET
     is in force (one triton import for all of them).
     """
-    requests = [_request(**variant) for variant in variants]
+    requests = [variant.request() for variant in map(_variant, variants)]
     triton_version = _triton_version()
     source = _source_digest()
     keys = [
@@ -358,34 +385,11 @@ def compile_kernels(variants: list[dict], cache: bool = True) -> list[CompiledKe
 
 
 def compile_kernel(
-    arch: str | int = "sm_90",
-    dtype: str = "float16",
-    head_dim: int = 128,
-    num_heads: int = 32,
-    kv_num_heads: int = 8,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    sliding_window: int = 0,
-    *,
-    regime: str = "decode",
-    num_splits: int = 1,
-    block_m: int | None = None,
-    block_n: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    ptx_version: int | None = DEFAULT_PTX_VERSION,
-    assume_aligned: bool = True,
-    fit_shared: bool = True,
-    tensorrt: bool = False,
-    max_shared_kib: int | None = None,
-    cache: bool = True,
+    variant: KernelVariant | None = None, /, *, cache: bool = True, **fields: Any
 ) -> CompiledKernel:
-    """Compile one variant to PTX for `arch` (sm_80, sm_86, sm_89, sm_90, ...) without a GPU.
+    """Compile one variant to PTX for its arch (sm_80, sm_86, sm_89, sm_90, ...) without a GPU: `variant`,
+    or one made of `fields` (KernelVariant.of: `arch=`, `dtype=`, `head_dim=`, `num_heads=`, ...).
 
-    `regime` picks block sizes: "decode" (a few tokens, long cache: rows = the GQA group, padded to
-    16) or "prefill" (flash-attention tiles). `num_splits` > 1 compiles the flash-decoding variant,
-    which needs the workspace. `scale` defaults to 1/sqrt(head_dim). `ptx_version` is the PTX ISA
-    (87 = 8.7, loadable by CUDA 12.8+ drivers); None takes the newest that triton's ptxas supports.
     `fit_shared` shrinks stages / blocks until the kernel's shared memory fits the arch (sm_86 and
     sm_89 offer 99 KiB); the CompiledKernel reports the sizes it was compiled with. `max_shared_kib`
     lowers that limit (48: no opt-in above the default 48 KiB is needed to launch it), and raises
@@ -395,31 +399,14 @@ def compile_kernel(
     int32 scalars, outputs): TensorRT passes those and nothing else, so triton's two scratch pointers,
     unused by this kernel, are removed from the PTX (drop_scratch_params checks they are unused).
     """
-    variant = dict(
-        arch=arch, dtype=dtype, head_dim=head_dim, num_heads=num_heads, kv_num_heads=kv_num_heads,
-        scale=scale, softcap=softcap, sliding_window=sliding_window, regime=regime, num_splits=num_splits,
-        block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        ptx_version=ptx_version, assume_aligned=assume_aligned, fit_shared=fit_shared, tensorrt=tensorrt,
-        max_shared_kib=max_shared_kib,
-    )  # fmt: skip
-    return compile_kernels([variant], cache=cache)[0]
+    if variant is not None and (fields or not isinstance(variant, KernelVariant)):
+        raise TypeError("compile_kernel takes a KernelVariant or its fields as keywords (arch=, dtype=, ...), not both")
+    return compile_kernels([variant if variant is not None else KernelVariant.of(**fields)], cache=cache)[0]
 
 
-def compile_ptx(
-    arch: str | int = "sm_90",
-    dtype: str = "float16",
-    head_dim: int = 128,
-    num_heads: int = 32,
-    kv_num_heads: int = 8,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    sliding_window: int = 0,
-    **kw,
-) -> dict[str, str]:
-    """{kernel name: PTX text} for one variant; see compile_kernel for the keyword arguments."""
-    kernel = compile_kernel(
-        arch, dtype, head_dim, num_heads, kv_num_heads, scale, softcap, sliding_window, **kw
-    )
+def compile_ptx(variant: KernelVariant | None = None, /, **fields: Any) -> dict[str, str]:
+    """{kernel name: PTX text} for one variant; see compile_kernel."""
+    kernel = compile_kernel(variant, **fields)
     return {kernel.name: kernel.ptx}
 
 

@@ -1,9 +1,10 @@
 """The fused attention op's semantics, in torch: the reference every lowering is checked against.
 
-Inputs (canonical node, domain `kvforge`, op `KVCacheAttention`):
+Inputs (kvforge.contract.ATTENTION_INPUTS of the canonical node, kvforge.contract.CANONICAL_OP):
   q [B, S, H*D], k [B, S, Hkv*D], v [B, S, Hkv*D]   (after RoPE / q-k norms)
   past_key, past_value [B, Hkv, C, D]                (the cache, capacity C)
   past_lens [B] int32                                (cached tokens per row before this call)
+Attributes: kvforge.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
 Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
 New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
 0 .. past_lens[b] + t (and, with a sliding window W, only those > past_lens[b] + t - W).
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.contract import AttentionAttrs
+
 
 def kv_cache_attention(
     q: torch.Tensor,
@@ -21,12 +24,10 @@ def kv_cache_attention(
     past_key: torch.Tensor,
     past_value: torch.Tensor,
     past_lens: torch.Tensor,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float,
-    softcap: float = 0.0,
-    sliding_window: int = 0,
+    attrs: AttentionAttrs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
+    softcap, sliding_window = attrs.softcap, attrs.sliding_window
     batch, seq, _ = q.shape
     head_dim = past_key.shape[-1]
     capacity = past_key.shape[2]
@@ -42,7 +43,7 @@ def kv_cache_attention(
     group = num_heads // kv_num_heads
     keys = present_key.repeat_interleave(group, dim=1).float()
     values = present_value.repeat_interleave(group, dim=1).float()
-    scores = torch.matmul(q4.float(), keys.transpose(-1, -2)) * scale  # [B, H, S, C]
+    scores = torch.matmul(q4.float(), keys.transpose(-1, -2)) * attrs.scale  # [B, H, S, C]
     if softcap > 0.0:
         scores = softcap * torch.tanh(scores / softcap)
     cache_pos = torch.arange(capacity, device=q.device)

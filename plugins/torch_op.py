@@ -1,26 +1,31 @@
 """`torch.ops.kvforge.kv_cache_attention`: the custom op HF attention is routed through at export.
 
 Its eager implementation is the reference (plugins/reference.py); the dynamo exporter turns each
-call into one `kvforge::KVCacheAttention` node through `custom_translation_table`.
+call into one canonical node (kvforge.contract.CANONICAL_OP) through `custom_translation_table`.
+The op's inputs, outputs and attributes are the contract's (ATTENTION_INPUTS, ATTENTION_OUTPUTS,
+AttentionAttrs); torch.library and the translation need them spelled out as parameters, which
+`_check_signature` holds to the contract's order.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import onnx
 import torch
 from onnxscript import values as osv
 
+from kvforge.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, CANONICAL_OP, PAST_LENS, AttentionAttrs
 from kvforge.plugins import reference
 
-DOMAIN = "kvforge"
-OP_TYPE = "KVCacheAttention"
-INPUTS = ("q", "k", "v", "past_key", "past_value", "past_lens")
-OUTPUTS = ("out", "present_key", "present_value")
-ATTRIBUTES = ("num_heads", "kv_num_heads", "scale", "softcap", "sliding_window")
+
+def _check_signature(fn) -> None:
+    names = tuple(inspect.signature(fn).parameters)
+    if names != ATTENTION_INPUTS + AttentionAttrs.names():
+        raise RuntimeError(f"{fn.__name__} takes {names}, not the contract's attention op")
 
 
-@torch.library.custom_op("kvforge::kv_cache_attention", mutates_args=())
-def kv_cache_attention(
+def _kv_cache_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -33,53 +38,56 @@ def kv_cache_attention(
     softcap: float,
     sliding_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return reference.kv_cache_attention(
-        q, k, v, past_key, past_value, past_lens, num_heads, kv_num_heads, scale, softcap, sliding_window
-    )
+    attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
+    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs)
+
+
+_check_signature(_kv_cache_attention)
+kv_cache_attention = torch.library.custom_op("kvforge::kv_cache_attention", mutates_args=())(_kv_cache_attention)
 
 
 @kv_cache_attention.register_fake
-def _(q, k, v, past_key, past_value, past_lens, num_heads, kv_num_heads, scale, softcap, sliding_window):
+def _(q, k, v, past_key, past_value, *_):
     return torch.empty_like(q), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+# ONNX attribute types of the attributes' Python types.
+_ONNX_ATTR_TYPES = {int: onnx.defs.OpSchema.AttrType.INT, float: onnx.defs.OpSchema.AttrType.FLOAT}
 
 
 def _register_schema() -> None:
     # The translation needs to know the op has three outputs; onnx learns that from a schema.
-    if onnx.defs.has(OP_TYPE, DOMAIN):
+    if onnx.defs.has(CANONICAL_OP.op_type, CANONICAL_OP.domain):
         return
-    attr = onnx.defs.OpSchema.Attribute
-    types = onnx.defs.OpSchema.AttrType
+    param = onnx.defs.OpSchema.FormalParameter
     schema = onnx.defs.OpSchema(
-        OP_TYPE,
-        DOMAIN,
-        1,
-        inputs=[onnx.defs.OpSchema.FormalParameter(name, "T" if name != "past_lens" else "I") for name in INPUTS],
-        outputs=[onnx.defs.OpSchema.FormalParameter(name, "T") for name in OUTPUTS],
+        CANONICAL_OP.op_type,
+        CANONICAL_OP.domain,
+        CANONICAL_OP.version,
+        inputs=[param(name, "I" if name == PAST_LENS else "T") for name in ATTENTION_INPUTS],
+        outputs=[param(name, "T") for name in ATTENTION_OUTPUTS],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
             ("I", ["tensor(int32)"], "cached tokens per row"),
         ],
         attributes=[
-            attr("num_heads", types.INT, "query heads"),
-            attr("kv_num_heads", types.INT, "key/value heads"),
-            attr("scale", types.FLOAT, "softmax scale"),
-            attr("softcap", types.FLOAT, "logit softcap, 0 = off"),
-            attr("sliding_window", types.INT, "attend only the last W positions, 0 = off"),
+            onnx.defs.OpSchema.Attribute(name, _ONNX_ATTR_TYPES[kind], f"kvforge.contract.AttentionAttrs.{name}")
+            for name, kind in AttentionAttrs.types().items()
         ],
     )
     onnx.defs.register_schema(schema)
 
 
 _register_schema()
-_opset = osv.Opset(DOMAIN, 1)
+_opset = osv.Opset(CANONICAL_OP.domain, CANONICAL_OP.version)
 
 
 def onnx_translation(q, k, v, past_key, past_value, past_lens, num_heads, kv_num_heads, scale, softcap, sliding_window):
-    return _opset.KVCacheAttention(
-        q, k, v, past_key, past_value, past_lens,
-        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, softcap=softcap,
-        sliding_window=sliding_window, _outputs=3,
-    )
+    attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
+    node = getattr(_opset, CANONICAL_OP.op_type)
+    return node(q, k, v, past_key, past_value, past_lens, **attrs.as_dict(), _outputs=len(ATTENTION_OUTPUTS))
 
+
+_check_signature(onnx_translation)
 
 CUSTOM_TRANSLATION_TABLE = {torch.ops.kvforge.kv_cache_attention.default: onnx_translation}

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from kvforge.contract import AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -309,12 +310,8 @@ def _plan(
     batch: int,
     seq: int,
     capacity: int,
-    num_heads: int,
-    kv_num_heads: int,
     head_dim: int,
-    scale: float,
-    softcap: float,
-    sliding_window: int,
+    attrs: AttentionAttrs,
     num_splits: int | None,
     block_m: int | None,
     block_n: int | None,
@@ -323,7 +320,8 @@ def _plan(
     dot_fp32: bool,
 ) -> tuple[launch.KernelConfig, tuple[int, int, int], tuple[int, int], dict]:
     """Config, grid, workspace sizes and constexprs of a call; cached, as decode repeats the same shapes."""
-    group = num_heads // kv_num_heads
+    kv_num_heads = attrs.kv_num_heads
+    group = attrs.num_heads // kv_num_heads
     if config is None:
         config = launch.choose_config(
             batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms
@@ -338,9 +336,7 @@ def _plan(
     workspace = launch.workspace_shape(
         batch, seq, kv_num_heads, group, head_dim, config.num_splits, config.block_m
     )
-    consts = launch.constexprs(
-        num_heads, kv_num_heads, head_dim, scale, softcap, sliding_window, config, dot_fp32
-    )
+    consts = launch.constexprs(attrs, head_dim, config, dot_fp32)
     return config, grid, workspace, consts
 
 
@@ -351,11 +347,8 @@ def kv_cache_attention_triton(
     past_key: torch.Tensor,
     past_value: torch.Tensor,
     past_lens: torch.Tensor,
-    num_heads: int,
-    kv_num_heads: int,
-    scale: float,
-    softcap: float = 0.0,
-    sliding_window: int = 0,
+    attrs: AttentionAttrs,
+    *,
     num_splits: int | None = None,
     interpret: bool | None = None,
     block_m: int | None = None,
@@ -364,7 +357,8 @@ def kv_cache_attention_triton(
 ) -> torch.Tensor:
     """Append k/v into past_key/past_value in place (rows past_lens[b] + t) and return the attention output.
 
-    q [B, S, H*D], k/v [B, S, Hkv*D], past_key/past_value [B, Hkv, C, D] contiguous, past_lens [B]
+    q [B, S, H*D], k/v [B, S, Hkv*D] (H, Hkv: attrs.num_heads, attrs.kv_num_heads), past_key/past_value
+    [B, Hkv, C, D] contiguous, past_lens [B]
     int32 with past_lens + S <= C (checked on CPU tensors; on the GPU the kernel only masks writes
     past the capacity, it does not sync to check). `num_splits` forces the key split count (None:
     from the shapes). `interpret` picks Triton's interpreter (default: for CPU tensors, or when
@@ -373,6 +367,7 @@ def kv_cache_attention_triton(
     """
     batch, seq, q_width = q.shape
     _, _, capacity, head_dim = past_key.shape
+    num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
     launch.check_shapes(num_heads, kv_num_heads, head_dim)
     if (
         q_width != num_heads * head_dim
@@ -408,10 +403,7 @@ def kv_cache_attention_triton(
     num_sms = _num_sms(device) if device.type == "cuda" else launch.DEFAULT_NUM_SMS
     # The interpreter's tl.dot mishandles bf16 (see the kernel); the compiled kernel never upcasts.
     dot_fp32 = interpret and q.dtype == torch.bfloat16
-    plan_key = (
-        batch, seq, capacity, num_heads, kv_num_heads, head_dim, float(scale), float(softcap),
-        int(sliding_window), num_splits, block_m, block_n,
-    )  # fmt: skip
+    plan_key = (batch, seq, capacity, head_dim, attrs, num_splits, block_m, block_n)
     config = _FITTED.get((device, plan_key), config)
     kernel = interpreted_kernel() if interpret else compiled_kernel()
     while True:

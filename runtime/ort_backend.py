@@ -317,7 +317,8 @@ class OrtBackend:
 
 class EmulateBackend(OrtBackend):
     """The `trt` target's graphs on ONNX Runtime CPU, kvforge's plugin node served in Python
-    (runtime/emulate.py). Same options as ort-cpu."""
+    (runtime/emulate.py). Same options as ort-cpu, plus `emulation`: "triton" (the Triton kernel under
+    its interpreter; default) or "reference" (the numpy reference, torch-free). Fixed per backend."""
 
     def __init__(
         self,
@@ -327,9 +328,11 @@ class EmulateBackend(OrtBackend):
         threads: int | None = None,
         sessions: str = "single",
         max_capacity: int | None = None,
+        emulation: str | None = None,
     ) -> None:
-        from kvforge.runtime.emulate import custom_ops_library
+        from kvforge.runtime import emulate
 
+        self.emulation = emulate.resolve_mode(emulation)
         if manifest["kv_cache"]["dtype"] == "bfloat16":
             raise InputError(
                 f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend 'emulate' "
@@ -340,9 +343,15 @@ class EmulateBackend(OrtBackend):
                 f"backend 'emulate' runs fp32 trt exports only ({folder} is {manifest['dtype']}): its Python "
                 "op bridge has no float16/bfloat16; export with --dtype fp32, or build TensorRT engines"
             )
-        self.custom_ops_library = custom_ops_library()
+        self.custom_ops_library = emulate.custom_ops_library(self.emulation)
+        self._serving = emulate.serving
         super().__init__(folder, manifest, "cpu", device_id, threads, sessions, max_capacity)
         self.name = "emulate"
+
+    def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
+        # The plugin op is registered once per process: tell it which implementation this backend runs.
+        with self._serving(self.emulation):
+            return super()._run(slot, phase)
 
 
 def _one_line(err: BaseException) -> str:

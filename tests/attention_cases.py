@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.contract import AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 from kvforge.plugins import triton_attention as ta
 from kvforge.plugins.reference import kv_cache_attention
@@ -129,8 +130,8 @@ def check_case(case: Case, device: str | torch.device, interpret: bool, seed: in
     """Run kernel and reference, assert output / caches / workspace; returns max |out - ref|."""
     inputs = make_inputs(case, device, seed)
     scale = 1.0 / math.sqrt(case.head_dim)
-    heads = (case.num_heads, case.kv_heads, scale, case.softcap, case.window)
-    ref_out, ref_key, ref_value = kv_cache_attention(*inputs.values(), *heads)
+    attrs = AttentionAttrs(case.num_heads, case.kv_heads, scale, case.softcap, case.window)
+    ref_out, ref_key, ref_value = kv_cache_attention(*inputs.values(), attrs)
 
     if case.num_splits and case.num_splits > 1:
         # Poison the split partials: the combine must read only what this launch wrote.
@@ -147,7 +148,7 @@ def check_case(case: Case, device: str | torch.device, interpret: bool, seed: in
 
     key, value = inputs["past_key"].clone(), inputs["past_value"].clone()
     out = ta.kv_cache_attention_triton(
-        inputs["q"], inputs["k"], inputs["v"], key, value, inputs["past_lens"], *heads,
+        inputs["q"], inputs["k"], inputs["v"], key, value, inputs["past_lens"], attrs,
         num_splits=case.num_splits, interpret=interpret, block_m=case.block_m, block_n=case.block_n,
     )  # fmt: skip
 

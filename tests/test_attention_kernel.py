@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from attention_cases import CASES, TOLERANCES, Case, check_case, make_inputs  # noqa: E402
 
+from kvforge.contract import AttentionAttrs  # noqa: E402
 from kvforge.plugins import attention_launch as launch  # noqa: E402
 from kvforge.plugins import triton_attention as ta  # noqa: E402
 from kvforge.plugins.reference import kv_cache_attention  # noqa: E402
@@ -32,7 +33,7 @@ def test_decode_loop_reuses_workspace() -> None:
     # the rows the previous steps appended and a workspace the previous launch left clean.
     case = Case("loop", 2, 5, 8, 2, 32, 24, (0, 6))
     inputs = make_inputs(case, "cpu", seed=1)
-    heads = (8, 2, 1.0 / math.sqrt(32))
+    attrs = AttentionAttrs(8, 2, 1.0 / math.sqrt(32))
     ref_key, ref_value = inputs["past_key"].clone(), inputs["past_value"].clone()
     key, value = inputs["past_key"].clone(), inputs["past_value"].clone()
     lens = inputs["past_lens"].clone()
@@ -40,8 +41,8 @@ def test_decode_loop_reuses_workspace() -> None:
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
     for step in range(4):
         splits = 1 if step == 0 else 3
-        ref_out, ref_key, ref_value = kv_cache_attention(q, k, v, ref_key, ref_value, lens, *heads)
-        out = ta.run_interpreted(q, k, v, key, value, lens, *heads, num_splits=splits, block_n=16)
+        ref_out, ref_key, ref_value = kv_cache_attention(q, k, v, ref_key, ref_value, lens, attrs)
+        out = ta.run_interpreted(q, k, v, key, value, lens, attrs, num_splits=splits, block_n=16)
         torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=1e-5)
         assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
         lens = lens + q.shape[1]
@@ -62,7 +63,7 @@ def test_rejects_bad_calls() -> None:
     case = Case("bad", 1, 4, 4, 2, 32, 8, (5,))
     inputs = make_inputs(case, "cpu")
     with pytest.raises(ValueError, match="capacity"):
-        ta.run_interpreted(*inputs.values(), 4, 2, 0.1)
+        ta.run_interpreted(*inputs.values(), AttentionAttrs(4, 2, 0.1))
     with pytest.raises(ValueError, match="multiple"):
         launch.check_shapes(6, 4, 64)
     with pytest.raises(ValueError, match="power of two"):
@@ -163,13 +164,14 @@ def ptx_cache(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize("arch", PTX_ARCHS)
 def test_compile_ptx_targets_arch(arch: str, dtype: str, head_dim: int, ptx_cache) -> None:
     from kvforge.plugins import compile_kernel, compile_ptx
-    from kvforge.plugins.ptx import ptx_target
+    from kvforge.plugins.ptx import KernelVariant, ptx_target
 
-    ptx = compile_ptx(arch, dtype, head_dim, num_heads=32, kv_num_heads=8)
+    ptx = compile_ptx(arch=arch, dtype=dtype, head_dim=head_dim, num_heads=32, kv_num_heads=8)
     ((name, text),) = ptx.items()
     assert ptx_target(text).startswith(arch)  # sm_90 comes out as sm_90a
     assert f".entry {name}(" in text
-    kernel = compile_kernel(arch, dtype, head_dim, num_heads=32, kv_num_heads=8)
+    variant = KernelVariant(arch, dtype, head_dim, AttentionAttrs(32, 8, 1.0 / math.sqrt(head_dim)))
+    kernel = compile_kernel(variant)  # the same variant as the keywords above: cached, the same PTX
     assert kernel.ptx == text and kernel.block_m == 16 and kernel.num_warps >= 4
     assert 0 < kernel.shared_mem <= 227 * 1024
     # The runtime parameters, then the two scratch pointers triton appends to every kernel.
@@ -180,8 +182,8 @@ def test_compile_fits_the_arch_shared_memory(ptx_cache) -> None:
     from kvforge.plugins import compile_kernel
 
     kw = {"dtype": "bfloat16", "head_dim": 256, "num_heads": 8, "kv_num_heads": 2, "regime": "prefill"}
-    big = compile_kernel("sm_90", **kw)
-    small = compile_kernel("sm_86", **kw)
+    big = compile_kernel(arch="sm_90", **kw)
+    small = compile_kernel(arch="sm_86", **kw)
     assert big.shared_mem > launch.max_shared_bytes(86)  # so sm_86 really had to shrink
     assert small.shared_mem <= launch.max_shared_bytes(86)
     assert small.block_m < big.block_m and small.constants["BLOCK_M"] == small.block_m
@@ -191,7 +193,7 @@ def test_compile_ptx_under_triton_interpret(ptx_cache) -> None:
     # CI may set TRITON_INTERPRET=1; compiling must still work (it moves to a child process).
     code = (
         "import json, triton; from kvforge.plugins import compile_kernel; "
-        "k = compile_kernel('sm_80', 'float16', 64, num_heads=4, kv_num_heads=2, sliding_window=8, "
+        "k = compile_kernel(arch='sm_80', dtype='float16', head_dim=64, num_heads=4, kv_num_heads=2, sliding_window=8, "
         "regime='prefill', num_splits=1); "
         "print(json.dumps([k.name, k.ptx[:4000], k.block_m]))"
     )

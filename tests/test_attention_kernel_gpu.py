@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from attention_cases import CASES, Case, check_case, make_inputs  # noqa: E402
 
+from kvforge.contract import PLUGIN, AttentionAttrs  # noqa: E402
 from kvforge.plugins import attention_launch as launch  # noqa: E402
 from kvforge.plugins import triton_attention as ta  # noqa: E402
 from kvforge.plugins.reference import kv_cache_attention  # noqa: E402
@@ -42,10 +43,11 @@ def test_launcher_shrinks_a_config_the_gpu_cannot_hold() -> None:
     case = Case("oversized", 1, 300, 8, 4, 256, 512, (50,), "bf16")
     config = launch.KernelConfig(block_m=256, block_n=128, num_splits=1, num_warps=8, num_stages=4)
     inputs = make_inputs(case, "cuda")
-    ref_out, ref_key, _ = kv_cache_attention(*inputs.values(), 8, 4, 1 / 16)
+    attrs = AttentionAttrs(8, 4, 1 / 16)
+    ref_out, ref_key, _ = kv_cache_attention(*inputs.values(), attrs)
     key, value = inputs["past_key"].clone(), inputs["past_value"].clone()
     out = ta.kv_cache_attention_triton(
-        inputs["q"], inputs["k"], inputs["v"], key, value, inputs["past_lens"], 8, 4, 1 / 16, config=config
+        inputs["q"], inputs["k"], inputs["v"], key, value, inputs["past_lens"], attrs, config=config
     )
     assert torch.equal(key, ref_key)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
@@ -74,7 +76,8 @@ def test_aot_ptx_runs_through_the_driver_api(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setenv("KVFORGE_PTX_CACHE", str(tmp_path))
     major, minor = torch.cuda.get_device_capability()
-    kernel = compile_kernel(f"sm_{major}{minor}", "float16", 64, num_heads=16, kv_num_heads=2, num_splits=4)
+    kernel = compile_kernel(arch=f"sm_{major}{minor}", dtype="float16", head_dim=64, num_heads=16, kv_num_heads=2,
+                            num_splits=4)
 
     def ok(result):
         err = result[0] if isinstance(result, tuple) else result
@@ -96,7 +99,7 @@ def test_aot_ptx_runs_through_the_driver_api(tmp_path, monkeypatch) -> None:
     counters = torch.zeros(counters_n, dtype=torch.int32, device="cuda")
     for _step in range(2):
         ref_out, ref_key, ref_value = kv_cache_attention(
-            x["q"], x["k"], x["v"], key.clone(), value.clone(), x["past_lens"], 16, 2, 1 / math.sqrt(64)
+            x["q"], x["k"], x["v"], key.clone(), value.clone(), x["past_lens"], AttentionAttrs(16, 2, 1 / math.sqrt(64))
         )
         out = torch.empty_like(x["q"])
         pointers = [x[n].data_ptr() for n in ("q", "k", "v")] + [key.data_ptr(), value.data_ptr()]
@@ -157,9 +160,8 @@ def test_tensorrt_aot_launch_computes_the_attention(batch, seq, past, dtype, win
         inputs += [fake.TensorDesc([b, s, e(kv_heads * head_dim)], trt_dtype)] * 2
         inputs += [fake.TensorDesc([b, e(kv_heads), c, e(head_dim)], trt_dtype)] * 2
         inputs += [fake.TensorDesc([b], fake.DataType.INT32)]
-        attrs = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 1 / math.sqrt(head_dim),
-                 "softcap": softcap, "sliding_window": window}
-        _, (name, ptx, params, extra) = fake.run_aot("kvforge::KVCacheAttention", inputs, attrs)
+        attrs = AttentionAttrs(heads, kv_heads, 1 / math.sqrt(head_dim), softcap, window)
+        _, (name, ptx, params, extra) = fake.run_aot(PLUGIN.id, inputs, attrs.as_dict())
     finally:
         for key, mod in saved.items():
             sys.modules.pop(key, None) if mod is None else sys.modules.__setitem__(key, mod)
@@ -180,8 +182,7 @@ def test_tensorrt_aot_launch_computes_the_attention(batch, seq, past, dtype, win
     x = make_inputs(case, "cuda")
     key, value = x["past_key"].clone(), x["past_value"].clone()
     ref_out, ref_key, ref_value = kv_cache_attention(
-        x["q"], x["k"], x["v"], key.clone(), value.clone(), x["past_lens"], heads, kv_heads,
-        1 / math.sqrt(head_dim), softcap, window,
+        x["q"], x["k"], x["v"], key.clone(), value.clone(), x["past_lens"], attrs
     )
     out = torch.full_like(x["q"], float("nan"))
     values = (*(x[n].data_ptr() for n in ("q", "k", "v")), key.data_ptr(), value.data_ptr(),

@@ -24,7 +24,11 @@ HERE = [("ort-cpu", "ort"), ("ort-cpu", "onnx"), ("emulate", "trt")]
 
 @pytest.fixture(autouse=True)
 def _reference_emulation(monkeypatch):
-    monkeypatch.setenv("KVFORGE_EMULATE", "reference")  # fast; the Triton path is tested in test_trt_target
+    from kvforge.runtime import emulate
+
+    # The emulate backend's default emulation, for the backends made here without the option: the numpy
+    # reference is fast; the Triton path is tested in test_trt_target.
+    monkeypatch.setattr(emulate, "DEFAULT_MODE", "reference")
 
 
 def test_registry_names_and_options(exported) -> None:

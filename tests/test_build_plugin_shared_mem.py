@@ -1,5 +1,5 @@
-"""`kvforge build --plugin-shared-mem KIB`: from the command line through build_engines and the build options
-(engines.json's "options", the build key) to the plugin's registration, without TensorRT.
+"""`kvforge build --plugin-shared-mem KIB` and `--arch SM`: from the command line through build_engines and the
+build options (engines.json's "options", the build key) to the plugin's registration, without TensorRT.
 
 The compile itself (a variant within the cap) is tested in tests/test_trt_plugin.py."""
 
@@ -60,7 +60,8 @@ def test_kvforge_build_hands_the_cap_to_the_plugin_and_records_it(monkeypatch, t
     monkeypatch.setattr(trt_build, "_plugin_identity", lambda trt, manifest: {"kernel_source": "k", "triton": "t"})
     monkeypatch.setattr(trt_build, "build_target", lambda trt: {"name": "GPU", "compute_capability": "9.0"})
     monkeypatch.setattr(trt_build, "_build_one", lambda *args: (b"engine", b"timing", "plugin"))
-    monkeypatch.setattr(trt_plugin, "register", lambda max_shared_kib=None: registered.append(max_shared_kib))
+    monkeypatch.setattr(trt_plugin, "register",
+                        lambda max_shared_kib=None, arch=None: registered.append(max_shared_kib))
     result = CliRunner().invoke(main, ["build", str(export), "--plugin-shared-mem", "48", "--json"])
     assert result.exit_code == 0, result.output
     assert registered == [48]
@@ -72,3 +73,36 @@ def test_kvforge_build_hands_the_cap_to_the_plugin_and_records_it(monkeypatch, t
     assert registered == [48]
     assert CliRunner().invoke(main, ["build", str(export)]).exit_code == 0
     assert registered == [48, None]
+
+
+def test_kvforge_build_hands_the_architecture_to_the_plugin(monkeypatch, tmp_path) -> None:
+    # The plugin's PTX architecture is a build option, not an environment variable.
+    from kvforge.exporter import trt_build
+    from kvforge.plugins import trt_plugin
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "kvforge.json").write_text("{}")
+    target = {"name": "trt"}
+    registered: list[tuple] = []
+    monkeypatch.setattr(trt_build, "load_manifest", lambda folder: _manifest(target["name"]))
+    trt = types.SimpleNamespace(label="TensorRT 10.15.1", record=lambda: {"flavor": "tensorrt", "version": "10.15.1"},
+                                builds_without_gpu=False, plugin_module=lambda: object())
+    monkeypatch.setattr(trt_build, "load_tensorrt", lambda flavor: trt)
+    monkeypatch.setattr(trt_build, "_plugin_identity", lambda trt, manifest: {"kernel_source": "k", "triton": "t"})
+    monkeypatch.setattr(trt_build, "build_target", lambda trt: {"name": "GPU", "compute_capability": "9.0"})
+    monkeypatch.setattr(trt_build, "_build_one", lambda *args: (b"engine", b"timing", "plugin"))
+    monkeypatch.setattr(trt_plugin, "register", lambda max_shared_kib=None, arch=None: registered.append((max_shared_kib, arch)))
+    result = CliRunner().invoke(main, ["build", str(export), "--arch", "sm_80", "--json"])
+    assert result.exit_code == 0, result.output
+    assert registered == [(None, "sm_80")]
+    # Other PTX, other engines: another architecture is not "up to date".
+    assert CliRunner().invoke(main, ["build", str(export), "--arch", "sm_80"]).exit_code == 0
+    assert registered == [(None, "sm_80")]
+    assert CliRunner().invoke(main, ["build", str(export), "--arch", "sm_90"]).exit_code == 0
+    assert registered == [(None, "sm_80"), (None, "sm_90")]
+    result = CliRunner().invoke(main, ["build", str(export), "--arch", "hopper"])
+    assert result.exit_code != 0 and "--arch: the plugin's GPU architecture must look like sm_90, got 'hopper'" in result.output
+    target["name"] = "onnx"
+    result = CliRunner().invoke(main, ["build", str(export), "--arch", "sm_90"])
+    assert result.exit_code != 0 and "onnx-target export does not use the plugin" in result.output

@@ -79,6 +79,15 @@ def test_graph_io_follows_the_kv_layout() -> None:
     assert capacity_buckets(300) == (64, 128, 256, 300)
 
 
+def test_the_plugin_identity_is_what_built_engines_ask_for() -> None:
+    # Pinned here: engines built earlier and TensorRT's parser find the plugin by exactly these.
+    assert (PLUGIN.name, PLUGIN.namespace, PLUGIN.version, PLUGIN.onnx_domain) == (
+        "KVCacheAttention", "kvforge", "1", "ai.onnx.contrib")
+    assert PLUGIN.id == "kvforge::KVCacheAttention"
+    assert PLUGIN.node_attributes() == {"plugin_namespace": "kvforge", "plugin_version": "1"}
+    assert (contract.CANONICAL_OP.domain, contract.CANONICAL_OP.op_type) == ("kvforge", "KVCacheAttention")
+
+
 def test_target_registry() -> None:
     assert set(TARGETS) == {"ort", "onnx", "trt"}
     assert [t.name for t in TARGETS.values() if t.buildable] == ["onnx", "trt"]

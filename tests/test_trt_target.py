@@ -1,7 +1,8 @@
 """The `trt` export target, run end to end on the CPU emulation (runtime/emulate.py).
 
-The plugin node is served by the numpy reference (KVFORGE_EMULATE=reference) for every family and
-by the Triton kernel under the interpreter (the default) for two; both against Hugging Face eager.
+The plugin node is served by the numpy reference (the emulate backend's option emulation="reference")
+for every family and by the Triton kernel under the interpreter (the default) for two; both against
+Hugging Face eager.
 Stated tolerance (fp32): max abs logit error <= 1e-3 per step and exact greedy agreement for 32 new
 tokens, teacher-forced and via HF's own generate().
 """
@@ -19,6 +20,7 @@ pytest.importorskip("onnxruntime_extensions")
 onnx = pytest.importorskip("onnx")
 
 from kvforge.cli import main  # noqa: E402
+from kvforge.contract import PLUGIN  # noqa: E402
 from kvforge.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (every family, through the numpy reference)
@@ -26,6 +28,27 @@ from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator, emulate  # noqa: E402
 
 ATOL_FP32 = 1e-3
+REFERENCE = {"emulation": "reference"}  # the emulate backend's option: the numpy reference serves the plugin
+
+
+def _spy(monkeypatch, module, name: str) -> list:
+    """Record each call of module.<name> (which still runs): which implementation served the plugin."""
+    calls: list = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _implementations(monkeypatch) -> dict[str, list]:
+    from kvforge.plugins import numpy_reference, triton_attention
+
+    return {"reference": _spy(monkeypatch, numpy_reference, "kv_cache_attention_"),
+            "triton": _spy(monkeypatch, triton_attention, "kv_cache_attention_triton")}
 
 
 def _assert_parity(report) -> None:
@@ -42,11 +65,12 @@ def test_the_plugin_node_replaces_attention_once_per_layer(exported) -> None:
     manifest = json.loads((folder / "kvforge.json").read_text())
     for phase in ("prefill", "decode"):
         graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
-        nodes = [n for n in graph.node if n.op_type == "KVCacheAttention"]
+        nodes = [n for n in graph.node if n.op_type == PLUGIN.name]
         assert len(nodes) == manifest["kv_cache"]["num_layers"]
+        assert {n.domain for n in nodes} == {PLUGIN.onnx_domain}
         assert not any(n.op_type in ("Softmax", "GroupQueryAttention", "Attention") for n in graph.node)
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
-        assert attrs["plugin_namespace"] == b"kvforge" and attrs["plugin_version"] == b"1"
+        assert {name: attrs[name].decode() for name in PLUGIN.node_attributes()} == PLUGIN.node_attributes()
         assert attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2
         assert abs(attrs["scale"] - 32**-0.5) < 1e-7  # qwen3-tiny: head_dim 32
         assert list(nodes[0].input)[3:5] == ["past_key.0", "past_value.0"]
@@ -54,27 +78,26 @@ def test_the_plugin_node_replaces_attention_once_per_layer(exported) -> None:
 
 @pytest.mark.parametrize("recipe", FAMILY_RECIPES)
 def test_family_through_the_numpy_reference_matches_hf(recipe, hf_folder, exported, monkeypatch) -> None:
-    monkeypatch.setenv("KVFORGE_EMULATE", "reference")
-    before = emulate.CALLS["reference"]
-    report = run_parity(hf_folder(recipe), exported(recipe, "trt"), new_tokens=32, atol=ATOL_FP32)
+    calls = _implementations(monkeypatch)
+    report = run_parity(hf_folder(recipe), exported(recipe, "trt"), new_tokens=32, atol=ATOL_FP32,
+                        backend_options=REFERENCE)
     assert report.backend == "emulate"
     _assert_parity(report)
-    assert emulate.CALLS["reference"] > before
+    assert calls["reference"] and not calls["triton"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["mistral-tiny", "qwen3-tiny"])  # a 16-token window; head_dim 32
 def test_family_through_the_triton_kernel_matches_hf(recipe, hf_folder, exported, monkeypatch) -> None:
-    monkeypatch.delenv("KVFORGE_EMULATE", raising=False)
-    before = emulate.CALLS["triton"]
+    calls = _implementations(monkeypatch)  # no emulation option: the default, the Triton kernel
     report = run_parity(hf_folder(recipe), exported(recipe, "trt"), new_tokens=32, atol=ATOL_FP32,
                         sessions="single", perplexity_tokens=64)  # the interpreter is slow: a short text
     _assert_parity(report)
-    assert emulate.CALLS["triton"] > before
+    assert calls["triton"] and not calls["reference"]
 
 
 def test_cli_parity_passes_on_a_trt_export(hf_folder, exported, monkeypatch) -> None:
-    monkeypatch.setenv("KVFORGE_EMULATE", "reference")
+    monkeypatch.setattr(emulate, "DEFAULT_MODE", "reference")  # fast; the CLI has no emulation flag
     result = CliRunner().invoke(main, ["parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny", "trt")),
                                        "--new-tokens", "32", "--json"])
     assert result.exit_code == 0, result.stderr
@@ -86,8 +109,7 @@ def test_cli_parity_passes_on_a_trt_export(hf_folder, exported, monkeypatch) -> 
 def test_emulated_decode_updates_the_bound_cache_in_place(mode, exported, monkeypatch) -> None:
     # Same proof as for the other targets: past and present are bound to one buffer per layer, the
     # addresses never change, and a marker beyond every row's tokens survives the whole generation.
-    monkeypatch.setenv("KVFORGE_EMULATE", mode)
-    gen = Generator(exported("llama-tiny", "trt"))
+    gen = Generator(exported("llama-tiny", "trt"), emulation=mode)
     prompts = [[1, 50, 60, 70, 80], [1, 33]]
     stream = gen.stream(prompts, max_new_tokens=6, greedy=True, ignore_eos=True, capacity=16)
     addresses = None
@@ -113,13 +135,16 @@ def test_emulated_decode_updates_the_bound_cache_in_place(mode, exported, monkey
 
 def test_reference_and_triton_emulation_agree_on_logits(exported, monkeypatch) -> None:
     folder = exported("mistral-tiny", "trt")
+    calls = _implementations(monkeypatch)
+    generators = {mode: Generator(folder, emulation=mode) for mode in ("reference", "triton")}  # side by side
     logits = {}
-    for mode in ("reference", "triton"):
-        monkeypatch.setenv("KVFORGE_EMULATE", mode)
-        result = Generator(folder).generate([[1, 5, 9, 11, 200, 7]], max_new_tokens=6, greedy=True,
+    for mode, generator in generators.items():
+        result = generator.generate([[1, 5, 9, 11, 200, 7]], max_new_tokens=6, greedy=True,
                                             ignore_eos=True, keep_logits=True)
         logits[mode] = np.stack(result.logits)
     np.testing.assert_allclose(logits["triton"], logits["reference"], atol=1e-4, rtol=0)
+    # Each backend kept its own emulation: both implementations ran, equally often.
+    assert len(calls["triton"]) == len(calls["reference"]) > 0
 
 
 def test_unsupported_head_dim_fails_at_export_with_what_is_supported(tmp_path) -> None:
@@ -144,22 +169,20 @@ def test_emulate_without_its_extra_says_which_extra(exported, monkeypatch) -> No
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    monkeypatch.delenv("KVFORGE_EMULATE", raising=False)
     with pytest.raises(BackendUnavailableError, match=r"needs triton: pip install torch==2.13.0 && pip install 'kvforge\[emulate\]'"):
         Generator(exported("llama-tiny", "trt"))
-    monkeypatch.setenv("KVFORGE_EMULATE", "reference")  # the numpy reference needs no triton
-    assert Generator(exported("llama-tiny", "trt")).generate([[1, 5]], max_new_tokens=2).tokens
+    # the numpy reference needs no triton
+    assert Generator(exported("llama-tiny", "trt"), **REFERENCE).generate([[1, 5]], max_new_tokens=2).tokens
 
 
-def test_backends_refuse_targets_they_cannot_run(exported, monkeypatch) -> None:
-    monkeypatch.setenv("KVFORGE_EMULATE", "reference")
-    with pytest.raises(InputError, match="is a trt-target export .* run it with backend 'trt' .* or 'emulate'"):
+def test_backends_refuse_targets_they_cannot_run(exported) -> None:
+    with pytest.raises(InputError, match="backend 'ort-cpu' does not run trt-target exports .*its attention is "
+                                         "kvforge's TensorRT plugin node.*; use one of emulate, tensorrt"):
         Generator(exported("llama-tiny", "trt"), backend="ort-cpu")
     with pytest.raises(InputError, match="backend 'emulate' does not run ort-target exports"):
         Generator(exported("llama-tiny", "ort"), backend="emulate")
-    monkeypatch.setenv("KVFORGE_EMULATE", "magic")
-    with pytest.raises(BackendUnavailableError, match="KVFORGE_EMULATE='magic' is not a mode"):
-        Generator(exported("llama-tiny", "trt"))
+    with pytest.raises(InputError, match="emulation='magic' is not an emulation of the plugin; choose one of triton, reference"):
+        Generator(exported("llama-tiny", "trt"), emulation="magic")
 
 
 def test_bf16_trt_export_is_written_and_refused_by_cpu_backends(exported) -> None:
@@ -167,7 +190,7 @@ def test_bf16_trt_export_is_written_and_refused_by_cpu_backends(exported) -> Non
     manifest = json.loads((folder / "kvforge.json").read_text())
     assert manifest["dtype"] == "bf16" and manifest["kv_cache"]["dtype"] == "bfloat16"
     graph = onnx.load(folder / "decode.onnx", load_external_data=False).graph
-    assert sum(n.op_type == "KVCacheAttention" for n in graph.node) == 2
+    assert sum(n.op_type == PLUGIN.name for n in graph.node) == 2
     assert graph.input[3].type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16
     with pytest.raises(InputError, match="bf16 export: ONNX Runtime CPU has no bfloat16 kernels"):
         Generator(folder)
