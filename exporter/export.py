@@ -31,7 +31,7 @@ from kvforge.manifest import MANIFEST_NAME, compose, file_record, io_spec, write
 from kvforge.models.families import family_for
 from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
 from kvforge.output_folder import StagedFolder, check_output, fault_point
-from kvforge.targets import Target, get_target
+from kvforge.targets import TARGETS, Target, get_target
 
 TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 WEIGHTS_NAME = "model.weights"
@@ -69,13 +69,14 @@ def _check_kernel_shapes(config, head_dim: int, target: Target, dtype: str) -> N
     """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
     from kvforge.plugins import attention_launch
 
+    others = " or ".join(f"--target {name}" for name, t in TARGETS.items() if not t.kernel_shapes)
     try:
         attention_launch.check_shapes(config.num_attention_heads, family_for(config).kv_heads(config), head_dim)
     except ValueError as err:
         raise UnsupportedModelError(
             f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
             f"head_dim {', '.join(map(str, TRT_HEAD_DIMS))}, query heads a multiple of the KV heads, and "
-            f"dtype {', '.join(target.dtypes)}; use another --target for this model"
+            f"dtype {', '.join(target.dtypes)}; use {others} for this model"
         ) from err
     if dtype not in target.dtypes:
         raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.dtypes)}, not {dtype!r}")
