@@ -36,8 +36,13 @@ class FinishReason(str, enum.Enum):
     CANCELLED = "cancelled"  # the caller cancelled it (scheduler: the client went away, shutdown)
     ERROR = "error"  # the backend failed while it ran (scheduler)
 
-    def __str__(self) -> str:  # Python 3.11 formats str-mixin enums as "FinishReason.EOS" otherwise
+    # As the plain strings they were: print(result.finish_reason) shows ['eos'], f"{reason}" gives eos
+    # (Python 3.11 formats str-mixin enums as "FinishReason.EOS" otherwise).
+    def __str__(self) -> str:
         return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 def openai_finish_reason(reason: str) -> str:
