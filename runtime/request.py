@@ -59,6 +59,8 @@ class Speculation:
     draft_len: int = DEFAULT_DRAFT_LEN
 
     def __post_init__(self) -> None:
+        if not isinstance(self.method, str):
+            raise InputError(f"the speculation method must be a str, got {self.method!r}")
         try:
             check_speculation(self.method, self.draft_len)
         except ValueError as err:
