@@ -51,13 +51,13 @@ def _peak_rss_mb() -> float:
 
 # -- workers (one process each) ---------------------------------------------------------------------
 def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
-    from kvforge.runtime import Generator
+    from kvforge.runtime import GenerationRequest, Generator
 
     gen = Generator(path, threads=threads)
-    vocab = int(gen.manifest["model"]["vocab_size"])
-    prompts = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]  # different lengths
-    gen.generate(prompts, max_new_tokens=8, greedy=True, ignore_eos=True)  # warm-up
-    result = gen.generate(prompts, max_new_tokens=new, greedy=True, ignore_eos=True)
+    prompts = [prompt_ids(prompt_len - 3 * b, b, gen.vocab_size) for b in range(batch)]  # different lengths
+    request = GenerationRequest(prompts, new, ignore_eos=True)  # greedy
+    gen.generate(request.replace(max_new_tokens=8))  # warm-up
+    result = gen.generate(request)
     steps = result.steps
     return {"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
             "step_ms": result.decode_ms / max(steps, 1)}

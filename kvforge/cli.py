@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,6 +19,9 @@ from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, Pa
 from kvforge.progress import StepProgress
 from kvforge.runtime.backend import REGISTRY as BACKENDS
 from kvforge.targets import TARGETS
+
+if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
+    from kvforge.runtime import GenerationRequest, Generator
 
 
 def _one_line(text: str) -> str:
@@ -262,47 +265,32 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
               show_default=True, type=int,
               help="With --speculate: most tokens drafted per step.")
 @click.option("--json", "as_json", is_flag=True)
-def generate(
-    export_dir: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], chat_text: str | None,
-    system_text: str | None, max_new_tokens: int, greedy: bool,
-    temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None, capacity: int | None,
-    backend: str | None, threads: int | None, sessions: str | None, engine_dir: Path | None, stream: bool,
-    verify: bool, ignore_eos: bool, speculate: str | None, draft_len: int, as_json: bool,
-) -> None:
+def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> None:
     """Generate from an export folder."""
     from kvforge.runtime import Generator
+    from kvforge.runtime.prompts import RenderedChat
 
-    if sum(map(bool, (prompts, prompt_ids, chat_text is not None))) != 1:
+    if sum(map(bool, (options["prompts"], options["prompt_ids"], options["chat_text"] is not None))) != 1:
         raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
-    if system_text is not None and chat_text is None:
+    if options["system_text"] is not None and options["chat_text"] is None:
         raise InputError("--system goes with --chat")
-    batch: Any = list(prompts) if prompts else [_parse_ids(ids) for ids in prompt_ids]
-    generator = Generator(export_dir, backend=backend, verify_hashes=verify,
-                          **_backend_options(threads=threads, sessions=sessions, engine_dir=engine_dir))
-    options = dict(
-        max_new_tokens=max_new_tokens, greedy=True if greedy else None, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, capacity=capacity, ignore_eos=ignore_eos,
-        speculate=speculate, draft_len=draft_len,
-    )
-    if speculate is not None and options["greedy"] is None and not any((temperature, top_k, top_p)):
-        options["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
-    if chat_text is not None:
-        messages = ([{"role": "system", "content": system_text}] if system_text is not None else [])
-        messages.append({"role": "user", "content": chat_text})
-        from kvforge.runtime.generator import RenderedChat
-
-        batch = RenderedChat(generator.chat_ids(messages))
+    batch = list(options["prompts"]) or [_parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
+    generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
+                          **_backend_options(threads=options["threads"], sessions=options["sessions"],
+                                             engine_dir=options["engine_dir"]))
+    request = _generation_request(generator, batch, options)
     # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
-    streaming = stream and not as_json and (chat_text is not None or len(batch) == 1)
+    streaming = stream and not as_json and (isinstance(request.prompts, RenderedChat) or len(request.prompts) == 1)
     if streaming:
-        events = generator.stream(batch, **options)
+        events = generator.stream(request)
         for event in events:
             piece = event.text[0] if event.text is not None else f"{event.token_ids[0]} "
             click.echo(piece or "", nl=False)
         click.echo()
         result = events.result
     else:
-        result = generator.generate(batch, **options)
+        result = generator.generate(request)
+    speculation = request.speculation
     payload = {
         "tokens": result.tokens,
         "text": result.text,
@@ -316,9 +304,9 @@ def generate(
         "backend": generator.backend_name,
         "sessions": getattr(generator.backend, "session_mode", None),
     }
-    if speculate is not None:
+    if speculation is not None:
         payload["speculation"] = {
-            "method": speculate, "draft_len": draft_len, "draft_tokens": result.draft_tokens,
+            "method": speculation.method, "draft_len": speculation.draft_len, "draft_tokens": result.draft_tokens,
             "accepted_tokens": result.accepted_tokens,
             "acceptance_rate": round(result.accepted_tokens / result.draft_tokens, 4) if result.draft_tokens else 0.0,
         }
@@ -332,14 +320,36 @@ def generate(
     click.echo(
         f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
         f"{sum(map(len, result.tokens))} tokens generated"
-        + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculate else ""),
+        + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculation else ""),
         err=True,
     )
     cut = [i for i, reason in enumerate(result.finish_reason) if reason == "length"]
-    if cut and not ignore_eos:
+    if cut and not request.ignore_eos:
         which = "" if len(result.finish_reason) == 1 else f" (prompt {', '.join(map(str, cut))})"
-        click.echo(f"stopped at --max-new-tokens ({max_new_tokens}){which}, not at an end-of-sequence token; "
+        click.echo(f"stopped at --max-new-tokens ({request.max_new_tokens}){which}, not at an end-of-sequence token; "
                    "raise --max-new-tokens for a longer answer", err=True)
+
+
+def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:
+    """The GenerationRequest of `kvforge generate`'s options: the prompts (`batch`) or the chat,
+    sampling, limits, speculation."""
+    from kvforge.runtime.prompts import RenderedChat
+
+    if options["chat_text"] is not None:
+        messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None
+                    else [])
+        messages.append({"role": "user", "content": options["chat_text"]})
+        prompts: Any = RenderedChat(generator.chat_ids(messages))
+    else:
+        prompts = batch
+    sampling = {"greedy": True if options["greedy"] else None,
+                **{key: options[key] for key in ("temperature", "top_k", "top_p", "seed")}}
+    if options["speculate"] is not None and sampling["greedy"] is None \
+            and not any(options[key] for key in ("temperature", "top_k", "top_p")):
+        sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
+    return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
+                             ignore_eos=options["ignore_eos"], speculate=options["speculate"],
+                             draft_len=options["draft_len"], **sampling)
 
 
 @main.command()

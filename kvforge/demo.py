@@ -76,7 +76,7 @@ def run_demo(
     from kvforge.models.gguf import GGUF_MARKER
     from kvforge.models.recipes import RECIPE_MARKER, RECIPES, materialize
     from kvforge.output_folder import check_output
-    from kvforge.runtime import Generator
+    from kvforge.runtime import GenerationRequest, Generator
 
     say = say or (lambda _msg: None)
     out_dir = Path(out_dir)
@@ -129,10 +129,10 @@ def run_demo(
     real = gguf is not None
     text_prompt = prompt or (REAL_PROMPT if real else RANDOM_PROMPT)
     if real:
-        stream = generator.chat(text_prompt, stream=True, max_new_tokens=max_new_tokens, greedy=True)
+        stream = generator.chat_stream(text_prompt, max_new_tokens=max_new_tokens, greedy=True)
     else:
         # Random weights hit EOS at arbitrary points; run to max_new_tokens so the timings mean something.
-        stream = generator.stream(text_prompt, max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True)
+        stream = generator.stream(GenerationRequest(text_prompt, max_new_tokens, ignore_eos=True))
     for event in stream:
         if emit is not None and event.text is not None:
             emit(event.text[0])

@@ -203,7 +203,7 @@ def run_parity(
     from transformers import GenerationConfig
 
     from kvforge.exporter.load import load_hf_model
-    from kvforge.runtime import Generator
+    from kvforge.runtime import GenerationRequest, Generator
 
     say = progress or (lambda _msg: None)
     if new_tokens < 1:
@@ -241,8 +241,8 @@ def run_parity(
         ids = generator.tokenizer.encode(text)
         say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
         try:
-            result = generator.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True,
-                                        keep_logits=True)
+            request = GenerationRequest([ids], new_tokens, ignore_eos=True, keep_logits=True)  # greedy
+            result = generator.generate(request)
         except NumericalError as err:
             report.prompts.append(PromptParity(text, len(ids), [], [], [], [], [], [],
                                                error=f"the export's logits are NaN at step {err.step}"))
@@ -265,7 +265,7 @@ def run_parity(
                              mismatched, ties)
         entry.hf_stopped_at_eos = bool(generated) and len(generated) < len(tokens) and generated[-1] in generator.eos_token_ids
         if other is not None:
-            theirs = other.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True, keep_logits=True)
+            theirs = other.generate(request)
             same = min(_first_difference(theirs.tokens[0], tokens), len(tokens) - 1)
             their_logits = np.stack([step[0] for step in theirs.logits[: same + 1]]).astype(np.float32)
             entry.against_tokens = theirs.tokens[0]

@@ -60,9 +60,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-    from kvforge.runtime import Generator
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Delta, Done, Scheduler, ServeRequest
+    from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime.request import FinishReason, openai_finish_reason
+    from kvforge.runtime.scheduler import Delta, Done, Scheduler
 
     options = {"threads": threads} if threads is not None else {}
     generator = Generator(export_dir, **options)
@@ -106,23 +106,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                            code="model_not_found")
         return body
 
-    def _sampling(body: dict) -> SamplingConfig:
-        temperature = _number(body, "temperature", None, float, 0.0, 2.0)
-        top_p = _number(body, "top_p", None, float, 0.0, 1.0)
-        seed = _number(body, "seed", None, int, 0, 2**63 - 1)
-        if _number(body, "n", 1, int) != 1:
-            raise ApiError(400, f"only n=1 is supported (one choice per request), got {body.get('n')!r}", param="n")
-        if temperature is None and top_p is None:
-            return generator.default_sampling.with_overrides(seed=seed)
-        if temperature == 0.0:
-            return SamplingConfig(greedy=True)
-        try:
-            return generator.default_sampling.with_overrides(greedy=False, temperature=temperature, top_p=top_p,
-                                                             seed=seed)
-        except InputError as err:
-            raise ApiError(400, str(err)) from err
-
-    def _serve_request(body: dict, prompt_ids: list[int]) -> ServeRequest:
+    def _generation_request(body: dict, prompt_ids: list[int]) -> GenerationRequest:
+        """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
         max_tokens = _number(body, "max_tokens", None, int, 1, scheduler.capacity)
         if max_tokens is None:
             max_tokens = _number(body, "max_completion_tokens", 16, int, 1, scheduler.capacity)
@@ -132,13 +117,24 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         if stop is not None and (not isinstance(stop, list) or len(stop) > 4
                                  or not all(isinstance(s, str) and s for s in stop)):
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
-        return ServeRequest(prompt_ids, max_tokens, _sampling(body), stop=tuple(stop or ()))
+        temperature = _number(body, "temperature", None, float, 0.0, 2.0)
+        top_p = _number(body, "top_p", None, float, 0.0, 1.0)
+        seed = _number(body, "seed", None, int, 0, 2**63 - 1)
+        if _number(body, "n", 1, int) != 1:
+            raise ApiError(400, f"only n=1 is supported (one choice per request), got {body.get('n')!r}", param="n")
+        # OpenAI's temperature 0 is greedy decoding (top_p and seed then do nothing).
+        sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
+                                    {"temperature": temperature, "top_p": top_p, "seed": seed})
+        try:
+            return generator.request(prompt_ids, max_tokens, stop=stop, **sampling)
+        except InputError as err:
+            raise ApiError(400, str(err)) from err
 
-    async def _run(request: Request, serve: ServeRequest, stream: bool, kind: str, rid: str):
+    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, rid: str):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
-            handle = scheduler.submit(serve, on_event=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+            handle = scheduler.submit(generation, on_event=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
         except QueueFullError as err:
             raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from err
         except CapacityError as err:
@@ -161,9 +157,6 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                     "total_tokens": done.prompt_tokens + done.completion_tokens,
                     "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
-        def reason_of(done: Done) -> str:
-            return "length" if done.finish_reason == "length" else "stop"
-
         if stream:
             async def sse():
                 if kind == "chat":
@@ -176,10 +169,10 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                         if isinstance(event, Delta):  # one chunk per token, text "" while held back
                             yield f"data: {json.dumps(chunk(event.text, None))}\n\n"
                             continue
-                        if event.finish_reason == "error":
+                        if event.finish_reason == FinishReason.ERROR:
                             yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
                         else:
-                            last = chunk("", reason_of(event))
+                            last = chunk("", openai_finish_reason(event.finish_reason))
                             last["usage"] = usage(event)
                             yield f"data: {json.dumps(last)}\n\n"
                         yield "data: [DONE]\n\n"
@@ -199,14 +192,14 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                 break
         finally:
             handle.cancel()
-        if event.finish_reason == "error":
+        if event.finish_reason == FinishReason.ERROR:
             raise ApiError(500, event.error or "generation failed", kind="server_error")
         text = "".join(parts)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason_of(event)}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": openai_finish_reason(event.finish_reason)}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason_of(event), "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": openai_finish_reason(event.finish_reason), "logprobs": None}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
                 "usage": usage(event)}
@@ -229,8 +222,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             ids = list(prompt)
         else:
             raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
-        serve = _serve_request(body, ids)
-        return await _run(request, serve, _stream_flag(body), "text", f"cmpl-{uuid.uuid4().hex}")
+        generation = _generation_request(body, ids)
+        return await _run(request, generation, _stream_flag(body), "text", f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -242,8 +235,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             ids = generator.chat_ids(messages)
         except InputError as err:
             raise ApiError(400, str(err), param="messages") from err
-        serve = _serve_request(body, ids)
-        return await _run(request, serve, _stream_flag(body), "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        generation = _generation_request(body, ids)
+        return await _run(request, generation, _stream_flag(body), "chat", f"chatcmpl-{uuid.uuid4().hex}")
 
     @app.get("/v1/models")
     async def models():

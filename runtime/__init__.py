@@ -11,11 +11,14 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "GenerationResult": "kvforge.runtime.generator",
-    "GenerationStream": "kvforge.runtime.generator",
+    "FinishReason": "kvforge.runtime.request",
+    "GenerationRequest": "kvforge.runtime.request",
+    "GenerationResult": "kvforge.runtime.decode_loop",
+    "GenerationStream": "kvforge.runtime.decode_loop",
     "Generator": "kvforge.runtime.generator",
-    "StepEvent": "kvforge.runtime.generator",
     "SamplingConfig": "kvforge.runtime.sampling",
+    "Speculation": "kvforge.runtime.request",
+    "StepEvent": "kvforge.runtime.decode_loop",
 }
 __all__ = sorted(_LAZY)
 

@@ -13,7 +13,9 @@ used first out). A later prompt that starts with the same tokens, as the next tu
 copies those rows and prefills only what follows: the KV of position t depends only on tokens
 0..t, so the result is the same as prefilling everything.
 
-Torch-free; the backend must keep its KV cache in host memory (ort-cpu, emulate).
+Requests are GenerationRequests (runtime/request.py) with one prompt; they end with the same
+FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free; the backend must keep
+its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`.
 """
 
 from __future__ import annotations
@@ -24,25 +26,17 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvforge.errors import CapacityError, InputError, KvforgeError, QueueFullError
-from kvforge.runtime.sampling import Sampler, SamplingConfig
+from kvforge.runtime.generator import Generator
+from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
+from kvforge.runtime.sampling import Sampler
 
 DEFAULT_MAX_SEQ_LEN = 4096
-
-
-@dataclass(frozen=True)
-class ServeRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_token_ids: frozenset[int] = frozenset()
-    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
-    ignore_eos: bool = False
 
 
 @dataclass
@@ -55,7 +49,7 @@ class Delta:
 
 @dataclass
 class Done:
-    finish_reason: str  # "stop" (EOS, stop token or stop string) | "length" | "cancelled" | "error"
+    finish_reason: FinishReason  # EOS | STOP (stop token or string) | LENGTH | CANCELLED | ERROR
     prompt_tokens: int
     completion_tokens: int
     prefilled_tokens: int  # prompt positions actually run through the graph
@@ -71,7 +65,7 @@ class RequestHandle:
     """What `Scheduler.submit` returns: iterate it (blocking) for Delta events ending with Done, or
     pass `on_event` to submit to receive them from the scheduler thread instead."""
 
-    def __init__(self, request: ServeRequest, request_id: int, on_event: Callable[[Event], None] | None) -> None:
+    def __init__(self, request: GenerationRequest, request_id: int, on_event: Callable[[Event], None] | None) -> None:
         self.request = request
         self.id = request_id
         self._queue: queue.Queue[Event] | None = None if on_event is not None else queue.Queue()
@@ -80,7 +74,7 @@ class RequestHandle:
         self.done: Done | None = None
 
     def cancel(self) -> None:
-        """Stop generating for this request (the client went away); it ends with "cancelled"."""
+        """Stop generating for this request (the client went away); it ends with CANCELLED."""
         self.cancelled.set()
 
     def emit(self, event: Event) -> None:
@@ -163,26 +157,25 @@ class PrefixStore:
 class _Active:
     """A request being prefilled or decoded."""
 
-    def __init__(self, handle: RequestHandle, detok: Any) -> None:
+    def __init__(self, handle: RequestHandle, prompt_ids: list[int], stopper: Stopper) -> None:
         self.handle = handle
         self.request = handle.request
+        self.prompt_ids = prompt_ids
         self.sampler = Sampler(self.request.sampling)
-        self.detok = detok
+        self.stopper = stopper
         self.tokens: list[int] = []
         self.row = -1
         self.prefilled = 0  # prompt positions in the staging cache
         self.cached = 0
         self.started = time.perf_counter()
         self.ttft_ms: float | None = None
-        self.text = ""  # all stable text so far
-        self.sent = 0  # characters of it already emitted
 
 
 class Scheduler:
     """Continuous batching over `generator`'s backend (see the module docstring). Start it with
     `start()` (a daemon thread) and stop it with `close()`."""
 
-    def __init__(self, generator: Any, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
+    def __init__(self, generator: Generator, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
                  max_queue: int = 64, prefix_cache_bytes: int = 256 << 20) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -235,32 +228,34 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def submit(self, request: ServeRequest, on_event: Callable[[Event], None] | None = None) -> RequestHandle:
-        """Queue a request. Raises InputError / CapacityError for a request that can never run and
-        QueueFullError when `max_queue` requests already wait."""
-        prompt = request.prompt_ids
-        if not prompt:
-            raise InputError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.generator.vocab_size
-               for t in prompt):
-            raise InputError(f"prompt token ids must be integers in [0, {self.generator.vocab_size})")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise InputError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
-        needed = len(prompt) + request.max_tokens - 1
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None] | None = None) -> RequestHandle:
+        """Queue a request (one prompt). Raises InputError / CapacityError for a request that can never
+        run and QueueFullError when `max_queue` requests already wait."""
+        unsupported = [name for name, given in (("capacity", request.capacity is not None),
+                                                ("keep_logits", request.keep_logits),
+                                                ("speculation", request.speculation is not None)) if given]
+        if unsupported:
+            raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
+                             "max_seq_len positions per request)")
+        rows, _ = self.generator.prompt_ids(request)
+        if len(rows) != 1:
+            raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")
+        prompt = rows[0]
+        needed = len(prompt) + request.max_new_tokens - 1
         if needed > self.capacity:
-            raise CapacityError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({request.max_tokens}) needs "
-                                f"{needed} positions; this server holds {self.capacity} per request")
-        if request.stop and self.generator.tokenizer is None:
-            raise InputError("stop strings need the export's tokenizer.json")
+            raise CapacityError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+                                f"needs {needed} positions; this server holds {self.capacity} per request")
         handle = RequestHandle(request, next(self._ids), on_event)
-        detok = self.generator.tokenizer.incremental() if self.generator.tokenizer is not None else None
+        # Text is always decoded (the server sends it, whatever form the prompt came in).
+        tokenizer = self.generator.tokenizer
+        stopper = Stopper(request, self.eos, tokenizer.incremental() if tokenizer is not None else None)
         with self._cond:
             if self._closed:
                 raise KvforgeError("the scheduler is closed")
             if len(self._waiting) >= self.max_queue:
                 self.stats["rejected"] += 1
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})")
-            self._waiting.append(_Active(handle, detok))
+            self._waiting.append(_Active(handle, prompt, stopper))
             self.stats["requests"] += 1
             self._cond.notify_all()
         return handle
@@ -289,9 +284,9 @@ class Scheduler:
             except Exception as err:  # a backend failure ends every request in flight, not the server
                 message = str(err) if isinstance(err, KvforgeError) else f"{type(err).__name__}: {err}"
                 self._fail_all(message)
-        self._fail_all("the server is shutting down", reason="cancelled")
+        self._fail_all("the server is shutting down", reason=FinishReason.CANCELLED)
 
-    def _fail_all(self, message: str, reason: str = "error") -> None:
+    def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         with self._cond:
             active = [a for a in self._running if a is not None] + list(self._waiting)
             if self._prefilling is not None:
@@ -300,7 +295,7 @@ class Scheduler:
             self._waiting.clear()
             self._prefilling = None
         for a in active:
-            self._finish(a, reason, error=message if reason == "error" else None, keep=False)
+            self._finish(a, reason, error=message if reason == FinishReason.ERROR else None, keep=False)
 
     def _free_row(self) -> int | None:
         return next((r for r, a in enumerate(self._running) if a is None), None)
@@ -312,10 +307,10 @@ class Scheduler:
                     return
                 active = self._waiting.popleft()
             if active.handle.cancelled.is_set():
-                self._finish(active, "cancelled", keep=False)
+                self._finish(active, FinishReason.CANCELLED, keep=False)
                 return
             self._prefilling = active
-            prompt = active.request.prompt_ids
+            prompt = active.prompt_ids
             cached, kv = self.prefixes.lookup(prompt)
             if cached:
                 for (key, value), (stored_k, stored_v) in zip(self._stage_rows, kv, strict=True):
@@ -326,11 +321,11 @@ class Scheduler:
         active = self._prefilling
         if active.handle.cancelled.is_set():
             self._prefilling = None
-            self._finish(active, "cancelled", keep=False)
+            self._finish(active, FinishReason.CANCELLED, keep=False)
             return
-        prompt = active.request.prompt_ids
+        prompt = active.prompt_ids
         chunk = prompt[active.prefilled: active.prefilled + self.prefill_chunk]
-        logits = self.generator._checked(
+        logits = self.generator.check_logits(
             self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64)), 0)
         active.prefilled += len(chunk)
         self.stage.cache.past_lens[0] = active.prefilled
@@ -358,7 +353,7 @@ class Scheduler:
         live = [a for a in self._running if a is not None]
         for a in live:
             if a.handle.cancelled.is_set():
-                self._release(a, "cancelled", keep=False)
+                self._release(a, FinishReason.CANCELLED, keep=False)
         live = [a for a in self._running if a is not None]
         if not live:
             return
@@ -368,7 +363,7 @@ class Scheduler:
         for a in live:
             feed[a.row] = a.tokens[-1]
             running[a.row] = True
-        logits = self.generator._checked(self.backend.decode(self.slot, feed, running), 1)
+        logits = self.generator.check_logits(self.backend.decode(self.slot, feed, running), 1)
         self.slot.cache.past_lens[running] += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(live)
@@ -380,43 +375,23 @@ class Scheduler:
     def _accept(self, a: _Active, token: int) -> None:
         a.tokens.append(token)
         self.stats["completion_tokens"] += 1
-        request = a.request
-        reason = None
-        if (token in self.eos and not request.ignore_eos) or token in request.stop_token_ids:
-            reason = "stop"
-        elif len(a.tokens) >= request.max_tokens:
-            reason = "length"
-        text = ""
-        if a.detok is not None:  # special tokens (EOS) decode to nothing
-            text = a.detok.add(token) + (a.detok.flush() if reason is not None else "")
-        a.text += text
-        emit_upto = len(a.text)
-        if request.stop:
-            hits = [i for i in (a.text.find(s, max(0, a.sent - len(s))) for s in request.stop) if i >= 0]
-            if hits:
-                emit_upto, reason = min(hits), "stop"
-            elif reason is None:
-                # Hold back what could be the start of a stop string.
-                emit_upto = max(a.sent, len(a.text) - max(len(s) for s in request.stop) + 1)
-        delta = a.text[a.sent: emit_upto]
-        a.sent = max(a.sent, emit_upto)
-        a.handle.emit(Delta([token], delta))
-        if reason is not None:
-            self._release(a, reason)
+        a.handle.emit(Delta([token], a.stopper.add(token)))
+        if a.stopper.reason is not None:
+            self._release(a, a.stopper.reason)
 
-    def _release(self, a: _Active, reason: str, keep: bool = True) -> None:
+    def _release(self, a: _Active, reason: FinishReason, keep: bool = True) -> None:
         with self._cond:
             if a.row >= 0 and self._running[a.row] is a:
                 self._running[a.row] = None
         self._finish(a, reason, keep=keep)
 
-    def _finish(self, a: _Active, reason: str, error: str | None = None, keep: bool = True) -> None:
+    def _finish(self, a: _Active, reason: FinishReason, error: str | None = None, keep: bool = True) -> None:
         if keep and a.row >= 0 and a.tokens:
             # Positions written for this request: the prompt and every generated token but the last.
-            written = list(a.request.prompt_ids) + a.tokens[:-1]
+            written = a.prompt_ids + a.tokens[:-1]
             n = len(written)
             self.prefixes.store(written, [(k[a.row, :, :n].copy(), v[a.row, :, :n].copy()) for k, v in self._rows])
         if a.row >= 0:
             self.slot.cache.past_lens[a.row] = 0
-        a.handle.emit(Done(reason, len(a.request.prompt_ids), len(a.tokens), a.prefilled - a.cached, a.cached,
+        a.handle.emit(Done(reason, len(a.prompt_ids), len(a.tokens), a.prefilled - a.cached, a.cached,
                            a.ttft_ms, error))

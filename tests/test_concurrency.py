@@ -117,4 +117,4 @@ def test_500_generations_keep_resident_memory_flat(folder) -> None:
     gc.collect()
     grown = _rss_bytes() - before
     assert grown < 4 * 1024 * 1024, f"resident memory grew by {grown / 1e6:.1f} MB over 500 generations"
-    assert len(gen._idle) <= gen.max_idle_slots
+    assert gen.slots.idle <= gen.max_idle_slots

@@ -57,8 +57,8 @@ def test_real_model_answers_through_its_chat_template(real) -> None:
     gen = Generator(real["ort"])
     result = gen.chat("What is the capital of France?", max_new_tokens=32, greedy=True)
     assert "Paris" in result.text[0] and result.finish_reason == ["eos"]
-    streamed = "".join(event.text[0] for event in gen.chat("What is the capital of France?", stream=True,
-                                                              max_new_tokens=32, greedy=True))
+    streamed = "".join(event.text[0] for event in gen.chat_stream("What is the capital of France?",
+                                                                  max_new_tokens=32, greedy=True))
     assert streamed == result.text[0]
 
 

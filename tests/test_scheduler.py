@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from kvforge.errors import CapacityError, InputError, QueueFullError
-from kvforge.runtime import Generator
+from kvforge.runtime import FinishReason, GenerationRequest, Generator
 from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Delta, Done, Scheduler, ServeRequest
+from kvforge.runtime.scheduler import Delta, Done, Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 300, 12, 12, 8, 90], [1, 2, 3], list(range(100, 140)),
            [44] * 9, [9, 8, 7, 6, 5, 4, 3, 2]]
@@ -29,8 +29,8 @@ def served(request, exported):
     scheduler.close()
 
 
-def _request(prompt: list[int], n: int = 16, **options) -> ServeRequest:
-    return ServeRequest(prompt, n, SamplingConfig(greedy=True), ignore_eos=True, **options)
+def _request(prompt: list[int], n: int = 16, **options) -> GenerationRequest:
+    return GenerationRequest(prompt, n, SamplingConfig(greedy=True), ignore_eos=True, **options)
 
 
 def test_requests_in_one_batch_give_their_solo_tokens(served) -> None:
@@ -40,7 +40,7 @@ def test_requests_in_one_batch_give_their_solo_tokens(served) -> None:
     for handle, prompt, i in zip(handles, PROMPTS, range(len(PROMPTS)), strict=True):
         tokens, _, done = handle.result()
         assert tokens == _solo(generator, prompt, 12 + i), i
-        assert done.finish_reason == "length" and done.completion_tokens == 12 + i
+        assert done.finish_reason == FinishReason.LENGTH == "length" and done.completion_tokens == 12 + i
     assert scheduler.snapshot()["running"] == 0
 
 
@@ -104,12 +104,15 @@ def test_bad_requests_and_a_full_queue(exported) -> None:
     scheduler = Scheduler(generator, max_batch=1, max_seq_len=64, max_queue=2)  # not started: nothing drains
     with pytest.raises(CapacityError, match="needs 79 positions; this server holds 64 per request"):
         scheduler.submit(_request(list(range(3, 43)), 40))
-    with pytest.raises(InputError, match="the prompt is empty"):
+    # Prompts and limits are checked where the Generator checks them (runtime/prompts.py, request.py).
+    with pytest.raises(InputError, match="no prompts given"):
         scheduler.submit(_request([], 4))
-    with pytest.raises(InputError, match=r"prompt token ids must be integers in \[0, 512\)"):
+    with pytest.raises(InputError, match=r"token id 99999, outside the vocabulary \[0, 512\)"):
         scheduler.submit(_request([5, 99999], 4))
-    with pytest.raises(InputError, match="max_tokens must be a positive integer"):
+    with pytest.raises(InputError, match="max_new_tokens must be an integer >= 1"):
         scheduler.submit(_request([5], 0))
+    with pytest.raises(InputError, match="one prompt per request, got 2"):
+        scheduler.submit(_request([[5], [6]], 4))
     scheduler.submit(_request([5], 4))
     scheduler.submit(_request([6], 4))
     with pytest.raises(QueueFullError, match=r"2 requests are already waiting \(max_queue 2\)"):

@@ -21,8 +21,7 @@ httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.runtime import Generator  # noqa: E402
-from kvforge.runtime.scheduler import ServeRequest  # noqa: E402
+from kvforge.runtime import GenerationRequest, Generator  # noqa: E402
 from kvforge.server import create_app  # noqa: E402
 
 KEY = "test-key"
@@ -214,7 +213,7 @@ def test_full_queue_is_429_and_a_closed_scheduler_is_503(exported) -> None:
     with TestClient(app) as client:
         scheduler.close()  # stop the loop so that queued requests stay queued
         scheduler._closed = False  # ... but keep accepting them: the queue fills
-        scheduler.submit(ServeRequest([5, 6], 2))
+        scheduler.submit(GenerationRequest([5, 6], 2))
         full = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
         assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
         scheduler._closed = True
