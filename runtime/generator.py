@@ -47,7 +47,7 @@ class Generator:
         verify_hashes: bool = False,
         **backend_options: Any,
     ) -> None:
-        """`backend`: a name ("ort-cpu", "ort-cuda", "emulate", "trt"), a Backend object, or None for
+        """`backend`: a name ("ort-cpu", "ort-cuda", "emulate", "tensorrt"), a Backend object, or None for
         the export's default (ort-cpu; emulate for a trt export). `backend_options` go to the backend
         (ONNX Runtime: threads, sessions, device_id, max_capacity; TensorRT: engine_dir, device_id,
         cuda_graphs); an option the backend does not have is an error. `verify_hashes` re-hashes

@@ -97,12 +97,15 @@ def test_family_through_the_triton_kernel_matches_hf(recipe, hf_folder, exported
 
 
 def test_cli_parity_passes_on_a_trt_export(hf_folder, exported, monkeypatch) -> None:
-    monkeypatch.setattr(emulate, "DEFAULT_MODE", "reference")  # fast; the CLI has no emulation flag
+    ran = []
+    real = emulate._RUNNERS["reference"]
+    monkeypatch.setitem(emulate._RUNNERS, "reference", lambda *args: ran.append(1) or real(*args))
     result = CliRunner().invoke(main, ["parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny", "trt")),
-                                       "--new-tokens", "32", "--json"])
+                                       "--new-tokens", "32", "--emulation", "reference", "--json"])  # fast
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["passed"] and report["backend"] == "emulate" and report["target"] == "trt"
+    assert ran  # --emulation reached the backend
 
 
 @pytest.mark.parametrize("mode", ["reference", "triton"])

@@ -1,0 +1,252 @@
+"""The `kvforge` commands that run an export: generate | parity | bench | serve (registered on the
+group in kvforge/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from kvforge.cli_common import (
+    BACKEND_CHOICES,
+    backend_options,
+    command_progress,
+    emit_json,
+    parse_ids,
+    require_export_extra,
+)
+from kvforge.errors import InputError, ParityError
+
+if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
+    from kvforge.runtime import GenerationRequest, Generator
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
+@click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
+@click.option("--system", "system_text", help="With --chat: a system message first.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says.")
+@click.option("--temperature", type=float)
+@click.option("--top-k", type=int)
+@click.option("--top-p", type=float)
+@click.option("--seed", type=int)
+@click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cpu (default for ort/onnx exports), ort-cuda, tensorrt (TensorRT engines from `kvforge "
+                   "build`), or emulate (default for trt exports: the TensorRT plugin emulated on the CPU).")
+@click.option("--threads", type=int, help="ONNX Runtime backends: intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default=None,
+              help="ONNX Runtime backends: single (default: one session runs both phases, one weight copy), "
+                   "shared (both graphs over one memory-mapped copy), separate (both graphs, two copies).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
+@click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
+              help="emulate backend: the Triton kernel under its interpreter (default) or the numpy reference "
+                   "(no torch or triton needed).")
+@click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
+@click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
+@click.option("--ignore-eos", is_flag=True, help="Run to --max-new-tokens even past end-of-sequence tokens.")
+@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
+              help="Speculative decoding with drafts copied from the context (greedy only; same tokens).")
+@click.option("--draft-len", default=6,  # runtime.speculate.DEFAULT_DRAFT_LEN (not imported: slow)
+              show_default=True, type=int,
+              help="With --speculate: most tokens drafted per step.")
+@click.option("--json", "as_json", is_flag=True)
+def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> None:
+    """Generate from an export folder."""
+    from kvforge.runtime import Generator
+    from kvforge.runtime.prompts import RenderedChat
+
+    if sum(map(bool, (options["prompts"], options["prompt_ids"], options["chat_text"] is not None))) != 1:
+        raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
+    if options["system_text"] is not None and options["chat_text"] is None:
+        raise InputError("--system goes with --chat")
+    batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
+    generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
+                          **backend_options(threads=options["threads"], sessions=options["sessions"],
+                                            engine_dir=options["engine_dir"], emulation=options["emulation"]))
+    request = _generation_request(generator, batch, options)
+    # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
+    streaming = stream and not as_json and (isinstance(request.prompts, RenderedChat) or len(request.prompts) == 1)
+    if streaming:
+        events = generator.stream(request)
+        for event in events:
+            piece = event.text[0] if event.text is not None else f"{event.token_ids[0]} "
+            click.echo(piece or "", nl=False)
+        click.echo()
+        result = events.result
+    else:
+        result = generator.generate(request)
+    speculation = request.speculation
+    payload = {
+        "tokens": result.tokens,
+        "text": result.text,
+        "prompt_tokens": result.prompt_tokens,
+        "finish_reason": result.finish_reason,
+        "ttft_ms": round(result.ttft_ms, 3),
+        "prefill_ms": round(result.prefill_ms, 3),
+        "decode_ms": round(result.decode_ms, 3),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        "steps": result.steps,
+        "backend": generator.backend_name,
+        "sessions": getattr(generator.backend, "session_mode", None),
+    }
+    if speculation is not None:
+        payload["speculation"] = {
+            "method": speculation.method, "draft_len": speculation.draft_len, "draft_tokens": result.draft_tokens,
+            "accepted_tokens": result.accepted_tokens,
+            "acceptance_rate": round(result.accepted_tokens / result.draft_tokens, 4) if result.draft_tokens else 0.0,
+        }
+    if as_json:
+        emit_json(payload)
+        return
+    if not streaming:
+        for i, tokens in enumerate(result.tokens):
+            prefix = f"[{i}] " if len(result.tokens) > 1 else ""
+            click.echo(prefix + (result.text[i] if result.text is not None else ",".join(map(str, tokens))))
+    click.echo(
+        f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
+        f"{sum(map(len, result.tokens))} tokens generated"
+        + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculation else ""),
+        err=True,
+    )
+    cut = [i for i, reason in enumerate(result.finish_reason) if reason == "length"]
+    if cut and not request.ignore_eos:
+        which = "" if len(result.finish_reason) == 1 else f" (prompt {', '.join(map(str, cut))})"
+        click.echo(f"stopped at --max-new-tokens ({request.max_new_tokens}){which}, not at an end-of-sequence token; "
+                   "raise --max-new-tokens for a longer answer", err=True)
+
+
+def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:
+    """The GenerationRequest of `kvforge generate`'s options: the prompts (`batch`) or the chat,
+    sampling, limits, speculation."""
+    from kvforge.runtime.prompts import RenderedChat
+
+    if options["chat_text"] is not None:
+        messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None
+                    else [])
+        messages.append({"role": "user", "content": options["chat_text"]})
+        prompts: Any = RenderedChat(generator.chat_ids(messages))
+    else:
+        prompts = batch
+    sampling = {"greedy": True if options["greedy"] else None,
+                **{key: options[key] for key in ("temperature", "top_k", "top_p", "seed")}}
+    if options["speculate"] is not None and sampling["greedy"] is None \
+            and not any(options[key] for key in ("temperature", "top_k", "top_p")):
+        sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
+    return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
+                             ignore_eos=options["ignore_eos"], speculate=options["speculate"],
+                             draft_len=options["draft_len"], **sampling)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--new-tokens", default=32, show_default=True, type=int)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
+@click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="The backend to check (default: the one `kvforge generate` runs by default).")
+@click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default=None,
+              help="ONNX Runtime backends: single (default, as generate), shared or separate (run decode.onnx too).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
+@click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
+              help="emulate backend: the Triton kernel under its interpreter (default) or the numpy reference "
+                   "(no torch or triton needed).")
+@click.option("--against", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="Also compare with another backend (same tolerance, same prompts).")
+@click.option("--perplexity-tokens", default=1024, show_default=True, type=int,
+              help="Perplexity of export vs HF on this many tokens of kvforge's fixed text (0: skip).")
+@click.option("--json", "as_json", is_flag=True)
+def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
+           backend: str | None, sessions: str | None, engine_dir: Path | None, emulation: str | None,
+           against: str | None, perplexity_tokens: int, as_json: bool) -> None:
+    """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
+    require_export_extra("parity")
+    from kvforge.parity import run_parity
+
+    progress = command_progress(as_json)
+    report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
+                        atol=atol, backend=backend, progress=progress, sessions=sessions,
+                        against=against, backend_options=backend_options(engine_dir=engine_dir, emulation=emulation),
+                        perplexity_tokens=perplexity_tokens)
+    progress.close()
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(report.summary())
+    if not report.passed:
+        raise ParityError(report.failure_reason())
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--batch", default=1, show_default=True, type=int, help="Rows (prompts of different lengths).")
+@click.option("--repeat", default=3, show_default=True, type=int, help="Rounds; medians are reported.")
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--compare", default="", help="Peers to run alongside, comma-separated: hf, ort-genai.")
+@click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib).")
+@click.option("--json", "as_json", is_flag=True)
+def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
+          plot: Path | None, as_json: bool) -> None:
+    """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth), optionally against peers."""
+    from kvforge import bench as bench_module
+
+    if plot is not None:  # before the rounds, not after minutes of measuring
+        bench_module.check_plot(plot)
+    peers = tuple(p.strip() for p in compare.split(",") if p.strip())
+    progress = command_progress(False)
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress)
+    progress.close()
+    if plot is not None:
+        bench_module.plot(report, plot)
+        click.echo(f"kvforge: plot written to {plot}", err=True)
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(bench_module.format_table(report))
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Rows of the running batch (requests decoded together).")
+@click.option("--max-seq-len", type=click.IntRange(2), default=None,
+              help="Positions per request, prompt + max_tokens (default: the export's max_capacity, at most 4096).")
+@click.option("--prefill-chunk", default=128, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens prefilled per step between decode steps of the running batch.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Requests that may wait; more get HTTP 429.")
+@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ (default: none).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
+@click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
+def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
+          max_queue: int, api_key: str | None, threads: int | None, use_ray: bool, replicas: int,
+          ray_address: str | None) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API with continuous batching."""
+    options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
+                   api_key=api_key, threads=threads)
+    where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
+
+    def ready() -> None:  # said once the app is built, so a bad export fails with one line only
+        click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 with {where} (Ctrl-C stops)", err=True)
+
+    if use_ray:
+        from kvforge.serve_ray import run as run_ray
+
+        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready, **options)
+        return
+    from kvforge.server import serve as run_server
+
+    run_server(export_dir, host=host, port=port, ready=ready, **options)
+
+
