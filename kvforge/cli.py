@@ -22,7 +22,7 @@ from kvforge.cli_common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     one_line,
     require_export_extra,
 )
-from kvforge.contract import DTYPES
+from kvforge.contract import DTYPES, KVLayout, ModelSpec
 from kvforge.errors import KvforgeError, ParityError
 from kvforge.targets import TARGETS
 
@@ -188,11 +188,10 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
         emit_json(info)
         return
     manifest = info["manifest"]
-    model = manifest["model"]
-    click.echo(f"{export_dir}: {model.get('architecture')} target={manifest['target']} dtype={manifest['dtype']}")
-    click.echo(f"  layers {model['num_layers']}, heads {model['num_heads']}/{model['num_kv_heads']} (q/kv), "
-               f"head_dim {model['head_dim']}, vocab {model['vocab_size']}, "
-               f"max capacity {manifest['kv_cache']['max_capacity']}")
+    model, kv = ModelSpec.from_manifest(manifest), KVLayout.from_manifest(manifest)
+    click.echo(f"{export_dir}: {model.architecture} target={manifest['target']} dtype={manifest['dtype']}")
+    click.echo(f"  layers {kv.num_layers}, heads {model.num_heads}/{kv.num_kv_heads} (q/kv), "
+               f"head_dim {kv.head_dim}, vocab {model.vocab_size}, max capacity {kv.max_capacity}")
     for phase, graph in info["graphs"].items():
         click.echo(f"  {phase}: {graph['file']} ({graph['nodes']} nodes; attention: {graph['attention_nodes']})")
         for kind in ("inputs", "outputs"):
