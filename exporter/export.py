@@ -9,6 +9,7 @@ and renamed into place at the end, so a failed export leaves nothing that looks 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -236,16 +237,50 @@ def export_model(
             staged.publish()
         except KvforgeError:
             raise
-        except OSError as err:
-            raise ExportError(
-                f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
-                "nothing was changed at the output"
-            ) from err
         except Exception as err:
+            if disk_full(err, out_dir.parent):
+                # Whatever layer failed (onnx-ir, numpy's tofile, shutil's copy naming the *source*
+                # file), the cause is the output's filesystem: name the output, not the model.
+                raise ExportError(
+                    f"no space left on device while writing {out_dir}; free space on that filesystem or choose another "
+                    "output folder; nothing was changed at the output"
+                ) from err
+            if isinstance(err, OSError):
+                raise ExportError(
+                    f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
+                    "nothing was changed at the output"
+                ) from err
             raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {one_line(err)}") from err
     before = f"; converting the GGUF before it took {converted_s:.1f} s" if converted_s is not None else ""
     say(f"exported to {out_dir}: load, trace, optimise and write took {time.perf_counter() - started:.1f} s{before}")
     return manifest
+
+
+# Below this much free space on the output's filesystem, a write error that gives no reason (numpy's
+# "problem writing element N to file", from a short fwrite) is taken to be a full disk.
+NEARLY_FULL_BYTES = 64 << 20
+
+
+def disk_full(err: BaseException, written: Path) -> bool:
+    """Whether `err` (or any exception in its chain) says the disk is full: errno ENOSPC or EDQUOT,
+    the OS's message for them, or a reasonless write error while `written`'s filesystem is nearly full."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(current)
+        if "No space left on device" in text or "ENOSPC" in text or "Disk quota exceeded" in text:
+            return True
+        if isinstance(current, OSError) and current.errno is None and "writ" in text:
+            try:
+                if shutil.disk_usage(written).free < NEARLY_FULL_BYTES:
+                    return True
+            except OSError:
+                pass
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _build_graphs(model, config, layout: KVLayout, target: Target, options: ExportOptions, torch_dtype, say, lap,

@@ -1,15 +1,18 @@
 """The `kvforge` command line: demo | export | build | inspect here; generate | parity | bench | serve
 in kvforge/cli_run.py; what they share in kvforge/cli_common.py.
 
-Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate);
-`--debug` shows the traceback. Every command has `--json` (one JSON object on stdout).
+Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
+130 for Ctrl-C); `--debug` shows the traceback. Output cut short by its reader (`| head`) ends
+quietly with 141, as a process killed by SIGPIPE. Every command has `--json` (one JSON object on stdout).
 """
 
 from __future__ import annotations
 
+import io
+import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -60,18 +63,75 @@ class _Group(click.Group):
                 raise
             click.echo(f"kvforge: error: {one_line(str(err))}", err=True)
             sys.exit(2)
+        except _PipeClosed as closed:
+            if not _stdout_closed():
+                _unexpected(closed.__cause__ or closed, debug)
+            # The reader of stdout went away (`kvforge generate ... | head`): not a failure of the
+            # command. Exit quietly as a process killed by SIGPIPE reports it (128 + 13), and point
+            # stdout at /dev/null so the interpreter's flush at exit does not complain again.
+            _silence_stdout()
+            sys.exit(SIGPIPE_EXIT)
         except Exception as err:  # a bug or an unexpected environment: still one line
-            if debug:
+            _unexpected(err, debug)
+        except BaseException as err:
+            # Not an Exception, yet not a request to stop: pyo3's PanicException (a Rust panic in
+            # tokenizers or safetensors) derives from BaseException. Still one line.
+            if isinstance(err, (SystemExit, KeyboardInterrupt, GeneratorExit)):
                 raise
-            click.echo(
-                f"kvforge: error: unexpected {type(err).__name__}: {one_line(str(err))} "
-                "(run `kvforge --debug ...` for the traceback)",
-                err=True,
-            )
-            sys.exit(2)
+            _unexpected(err, debug)
         if standalone_mode:
             sys.exit(result if isinstance(result, int) else 0)
         return result
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as err:
+            # Click turns any EPIPE into a silent exit 1 (the parity-failure code); decide here instead.
+            raise _PipeClosed() from err
+
+
+class _PipeClosed(Exception):
+    """A BrokenPipeError escaped a command (its cause); main() tells whether stdout's reader left."""
+
+
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`'s `yes`
+
+
+def _unexpected(err: BaseException, debug: bool) -> NoReturn:
+    """A bug, an unexpected environment or a crash in a native library: still one line, exit 2."""
+    if debug:
+        raise err
+    native = " (a panic inside a native library such as tokenizers)" if type(err).__name__ == "PanicException" else ""
+    click.echo(
+        f"kvforge: error: unexpected {type(err).__name__}{native}: {one_line(str(err))} "
+        "(run `kvforge --debug ...` for the traceback)",
+        err=True,
+    )
+    sys.exit(2)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader is gone (POLLERR on its write end). Without
+    a file descriptor or poll() to ask, a BrokenPipeError is taken to be stdout's."""
+    try:
+        import select
+
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return True
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file (a test runner's capture): nothing to flush at exit
 
 
 @click.group(cls=_Group)

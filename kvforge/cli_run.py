@@ -64,6 +64,8 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
         raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
     if options["system_text"] is not None and options["chat_text"] is None:
         raise InputError("--system goes with --chat")
+    for option in ("chat_text", "system_text"):  # (--prompt texts are checked with the prompts)
+        _check_utf8(f"--{option.removesuffix('_text')}", options[option])
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
     generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
                           **backend_options(threads=options["threads"], sessions=options["sessions"],
@@ -118,6 +120,19 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
         which = "" if len(result.finish_reason) == 1 else f" (prompt {', '.join(map(str, cut))})"
         click.echo(f"stopped at --max-new-tokens ({request.max_new_tokens}){which}, not at an end-of-sequence token; "
                    "raise --max-new-tokens for a longer answer", err=True)
+
+
+def _check_utf8(option: str, text: str | None) -> None:
+    """Bytes that are not UTF-8 on the command line (`$'\\xff'`) reach Python as lone surrogates,
+    which no tokenizer takes: say which option holds them, before loading anything."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"{option} is not valid UTF-8 text (undecodable bytes at character {err.start}); pass UTF-8 text"
+        ) from None
 
 
 def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:

@@ -149,6 +149,9 @@ class GraphIO:
             )
 
 
+MAX_VOCAB_SIZE = 1 << 24  # 16.7M: far beyond real vocabularies (~260k), far below a crafted 1e12
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What the runtime needs to know about the model besides its KV layout (manifest `model`)."""
@@ -179,11 +182,44 @@ class ModelSpec:
             value = model.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ManifestError(f"model.{name} must be a positive integer, got {value!r}; re-run the export")
+        if model["vocab_size"] > MAX_VOCAB_SIZE:  # buffers are sized from it: refuse before allocating
+            raise ManifestError(
+                f"model.vocab_size {model['vocab_size']} is beyond any real vocabulary (at most {MAX_VOCAB_SIZE}); "
+                "the manifest was crafted or corrupted: re-run the export"
+            )
+        # Each field's type is checked here, so a crafted value fails in one line naming it, not
+        # deep in the runtime (int("x") of a pad id, a list where a count goes).
+        for name in ("hidden_size", "max_position_embeddings"):
+            _check_optional_int(model, name, minimum=1)
+        _check_optional_int(model, "sliding_window", minimum=0)
+        for name in ("bos_token_id", "pad_token_id"):  # HF configs hold negative ids (-1) too
+            _check_optional_int(model, name)
+        eos = model.get("eos_token_id")
+        if not (eos is None or _is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
+            raise ManifestError(
+                f"model.eos_token_id must be an integer, a list of integers or null, got {eos!r}; re-run the export"
+            )
+        for name in ("source", "architecture", "model_type"):
+            if model.get(name) is not None and not isinstance(model[name], str):
+                raise ManifestError(f"model.{name} must be a string or null, got {model[name]!r}; re-run the export")
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in model.items() if k in known}
-        eos = values.get("eos_token_id")
         values["eos_token_id"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_optional_int(section: Mapping[str, Any], name: str, minimum: int | None = None) -> None:
+    """ManifestError unless model.`name` is absent, null or an integer (>= `minimum`)."""
+    value = section.get(name)
+    if value is None:
+        return
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        wanted = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ManifestError(f"model.{name} must be {wanted} or null, got {value!r}; re-run the export")
 
 
 # -- the fused attention op ----------------------------------------------------------------------

@@ -208,8 +208,9 @@ def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
         raise ManifestError(f"{path} is not valid JSON ({err}); run `kvforge build {export_dir} --force`") from err
     if not isinstance(data, dict) or data.get("format") != ENGINES_FORMAT:
         raise ManifestError(f"{path} is not a kvforge engine manifest ({ENGINES_FORMAT}); rebuild with `kvforge build`")
+    _check_engines_sections(data, path, export_dir)
     current = sha256_file(Path(export_dir) / MANIFEST_NAME)
-    if data.get("export", {}).get("manifest_sha256") != current:
+    if data["export"].get("manifest_sha256") != current:
         raise ManifestError(
             f"the engines in {engine_dir} were built from another export (or this one before it changed); "
             f"run `kvforge build {export_dir}` again"
@@ -219,6 +220,39 @@ def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
         if not file.is_file() or file.stat().st_size != record.get("bytes"):
             raise ManifestError(f"{file} is missing or truncated; run `kvforge build {export_dir} --force`")
     return data
+
+
+def _check_engines_sections(data: dict[str, Any], path: Path, export_dir: Path) -> None:
+    """The types of the engines.json sections the backend reads, so a crafted or damaged file fails
+    in one line naming the field (not with an AttributeError deep in the TensorRT backend)."""
+    def bad(field: str, wanted: str, value: Any) -> ManifestError:
+        return ManifestError(f"{path}: {field} must be {wanted}, got {value!r}; rebuild with "
+                             f"`kvforge build {export_dir} --force`")
+
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(data.get("export"), dict):
+        raise bad("'export'", "an object", data.get("export"))
+    for section in ("files", "tensorrt", "gpu", "options", "engines", "profiles", "builds"):
+        if section in data and not isinstance(data[section], dict):
+            raise bad(repr(section), "an object", data[section])
+    for name, record in data.get("files", {}).items():
+        if not isinstance(record, dict) or not isinstance(record.get("sha256"), str) or not count(record.get("bytes")):
+            raise bad(f"files[{name!r}]", "an object with 'sha256' and 'bytes'", record)
+    options = data.get("options", {})
+    for key in ("max_batch", "max_input_len", "max_seq_len"):
+        if key in options and not (count(options[key]) and options[key] > 0):
+            raise bad(f"options.{key}", "a positive integer", options[key])
+    buckets = data.get("capacity_buckets", [1])
+    if not isinstance(buckets, list) or not buckets or not all(count(c) and c > 0 for c in buckets):
+        raise bad("'capacity_buckets'", "a non-empty list of positive integers", buckets)
+    for phase, entry in data.get("engines", {}).items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not count(entry.get("profile", 0)):
+            raise bad(f"engines[{phase!r}]", "an object with 'file' and 'profile'", entry)
+        if entry["file"] not in data.get("files", {}):
+            raise ManifestError(f"{path}: the {phase} engine {entry['file']!r} is not listed in 'files', so it could "
+                                f"not be verified; rebuild with `kvforge build {export_dir} --force`")
 
 
 def check_runtime_matches(engines: dict[str, Any], tensorrt: dict[str, str], compute_capability: str) -> None:

@@ -38,7 +38,9 @@ What a load checks (see README, "Safety and guarantees"): the structure above; t
 the manifest names is a plain name inside the folder (no absolute paths, no `..`, no symlink out
 of it) and is listed in `files`; every listed file's size; the sha256 of every file under
 SMALL_FILE_BYTES (the graphs, tokenizer, configs); and with `verify_hashes` the sha256 of every
-file, weights included. The graph bytes the runtime hands to ONNX Runtime are the bytes it hashed.
+file, weights included. The graph bytes the runtime hands to ONNX Runtime are the bytes it hashed,
+and every external-data file those bytes name is listed in `files` (`read_graph`). The fields the
+runtime reads are type- and range-checked, sizes against the graphs' declared shapes.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kvforge.contract import PHASES, GraphIO, KVLayout, ModelSpec
+from kvforge.contract import LOGITS, PHASES, GraphIO, KVLayout, ModelSpec, parse_cache_name
 from kvforge.errors import ManifestError
+from kvforge.external_data import MalformedGraph, external_data_locations
 
 FORMAT = "kvforge/3"
 MANIFEST_NAME = "kvforge.json"
@@ -136,6 +139,12 @@ def resolve_in_folder(folder: Path, name: Any, what: str, kind: str = "export fo
     would leave the folder (absolute, `..`, or a symlink pointing outside)."""
     if not isinstance(name, str) or name == "":
         raise ManifestError(f"{folder / MANIFEST_NAME} names {what} {name!r}, which is not a file name; re-run the export")
+    if any(ord(char) < 32 or ord(char) == 127 for char in name):
+        # A NUL would stop the OS at it (Python refuses it outright); no export writes such names.
+        raise ManifestError(
+            f"{folder} lists {what} {name!r}, a name with a control character (NUL, newline, ...); refusing "
+            "to open it (the manifest was crafted or corrupted): re-run the export"
+        )
     pure = PurePosixPath(name.replace("\\", "/"))
     if pure.is_absolute() or ".." in pure.parts or name.startswith(("/", "\\")) or ":" in name:
         raise ManifestError(
@@ -197,9 +206,70 @@ def _validate(manifest: Any, path: Path) -> None:
             if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
                 raise ManifestError(f"{path}: graphs.{phase}.{kind} must be a list of {{'name': ...}}; re-run the export")
         GraphIO.of(phase, layout).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
+        _check_declared_shapes(manifest, phase, layout, path)
     weights = manifest.get("weights")
-    if weights is not None and weights not in files:
+    if weights is not None and (not isinstance(weights, str) or weights not in files):
         raise ManifestError(f"{path}: the weights file {weights!r} is not listed in 'files'; re-run the export")
+    _check_generation(manifest.get("generation"), path)
+
+
+def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayout, path: Path) -> None:
+    """The sizes the runtime allocates by (vocab_size, KV heads, head_dim) must be the ones the
+    graph entries declare: a crafted size would otherwise allocate by it (1e12 logits) or fail mid-run.
+    (The backends check these entries against the graph files themselves.)"""
+    vocab = manifest["model"]["vocab_size"]
+    for entry in manifest["graphs"][phase]["inputs"] + manifest["graphs"][phase]["outputs"]:
+        shape = entry.get("shape")
+        if shape is None:
+            continue
+        if not isinstance(shape, list) or not all(
+            isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in shape
+        ):
+            raise ManifestError(
+                f"{path}: graphs.{phase} {entry['name']} has shape {shape!r}; a shape is a list of sizes and names: "
+                "re-run the export"
+            )
+        if entry["name"] == LOGITS and shape and isinstance(shape[-1], int) and shape[-1] != vocab:
+            raise ManifestError(
+                f"{path}: model.vocab_size is {vocab}, but the {phase} graph's logits have {shape[-1]} per position; "
+                "the manifest was modified: re-run the export"
+            )
+        if parse_cache_name(entry["name"]) is not None and len(shape) == 4:
+            for axis, (what, want) in ((1, ("num_kv_heads", layout.num_kv_heads)), (3, ("head_dim", layout.head_dim))):
+                if isinstance(shape[axis], int) and shape[axis] != want:
+                    raise ManifestError(
+                        f"{path}: kv_cache.{what} is {want}, but the {phase} graph's {entry['name']} has shape "
+                        f"{shape}; the manifest was modified: re-run the export"
+                    )
+
+
+def _check_generation(generation: Any, path: Path) -> None:
+    """`generation` (generation_config.json's defaults): an object whose sampling keys have the
+    types the runtime reads them as."""
+    if generation is None:
+        return
+    if not isinstance(generation, dict):
+        raise ManifestError(
+            f"{path}: 'generation' must be an object (generation_config.json's defaults), got {generation!r}; "
+            "re-run the export"
+        )
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    checks = {
+        "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+        "temperature": (number, "a number"),
+        "top_p": (number, "a number"),
+        "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        "eos_token_id": (lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v)),
+            "an integer or a list of integers"),
+    }
+    for key, (valid, wanted) in checks.items():
+        value = generation.get(key)
+        if value is not None and not valid(value):
+            raise ManifestError(f"{path}: generation.{key} must be {wanted} or null, got {value!r}; re-run the export")
 
 
 def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, Any]:
@@ -247,4 +317,24 @@ def read_graph(folder: str | Path, manifest: dict[str, Any], phase: str) -> byte
         raise ManifestError(
             f"{path} does not match the sha256 in {MANIFEST_NAME}: the file was modified or corrupted; re-run the export"
         )
+    check_external_data(folder, manifest, phase, data)
     return data
+
+
+def check_external_data(folder: Path, manifest: dict[str, Any], phase: str, data: bytes) -> None:
+    """ManifestError unless every external-data file the graph `data` takes tensors from is a plain
+    name inside `folder` listed in the manifest's `files` (so its size is checked on every load and
+    its sha256 with verify): otherwise a graph could load weights that nothing verified."""
+    path = folder / manifest["graphs"][phase]["file"]
+    try:
+        locations = external_data_locations(data)
+    except MalformedGraph as err:
+        raise ManifestError(f"{path} is not a valid ONNX graph ({err}); re-run the export") from None
+    for location in sorted(locations):
+        resolve_in_folder(folder, location, f"the external data of the {phase} graph")
+        if str(PurePosixPath(location.replace("\\", "/"))) not in manifest["files"]:
+            raise ManifestError(
+                f"{path} takes tensors from {location!r}, which {MANIFEST_NAME} does not list in 'files' (it lists "
+                f"{manifest.get('weights')!r} as the weights), so they could not be verified; refusing to load it: "
+                "re-run the export"
+            )

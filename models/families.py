@@ -116,6 +116,18 @@ def family_for(config: Any) -> Family:
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         named = f" ({', '.join(map(str, architectures))})" if architectures else ""
+        claimed = {arch: other.model_type for other in FAMILIES.values() for arch in other.architectures
+                   if arch in architectures}
+        if claimed:
+            # transformers builds the model from model_type, so a supported class named in
+            # `architectures` does not make this config one of that family: say so, not just "unsupported".
+            arch, other = next(iter(claimed.items()))
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r}{named}: config.json's model_type decides the model family "
+                f"and it disagrees with its architectures, which names {arch} (model_type {other!r}); if the "
+                f"model really is a {other} model, set \"model_type\": \"{other}\" in config.json. kvforge "
+                f"supports {supported}"
+            )
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}{named}; kvforge supports {supported}"
         )

@@ -46,6 +46,12 @@ _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor
                "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16"}
 
 
+# ONNX Runtime logs a failed run on stderr itself (a raw, coloured line) before raising; the error
+# is re-raised here as one line with the same text, so its own log of runs is turned off (FATAL only).
+_QUIET_RUN = ort.RunOptions()
+_QUIET_RUN.log_severity_level = 4
+
+
 def providers_for(device: str, device_id: int = 0) -> list[Any]:
     if device == "cpu":
         return ["CPUExecutionProvider"]
@@ -164,6 +170,7 @@ class OrtBackend:
         # Dtypes and fixed dimensions the manifest states must be the graph's: the runtime sizes its
         # buffers from the manifest, so a mismatch would only show as an ONNX Runtime error mid-run.
         kv = self.kv
+        vocab = ModelSpec.from_manifest(self.manifest).vocab_size
         for node in list(session.get_inputs()) + list(session.get_outputs()):
             entry = io_entry(self.manifest, phase, node.name) or {}
             dtype = _ORT_DTYPES.get(node.type, node.type)
@@ -172,6 +179,13 @@ class OrtBackend:
                     f"{file}: {node.name} is {dtype} but the manifest says {entry['dtype']}; re-run the export"
                 )
             wanted = entry.get("shape")
+            if node.name == LOGITS and node.shape and isinstance(node.shape[-1], int) and node.shape[-1] != vocab:
+                # The logits buffers are sized by vocab_size: a manifest claiming another size (1e12)
+                # would allocate by it, or hand back garbage rows.
+                raise ManifestError(
+                    f"{file}: its logits have {node.shape[-1]} entries per position but the manifest's "
+                    f"model.vocab_size is {vocab}; the manifest was modified: re-run the export"
+                )
             if parse_cache_name(node.name) is not None:
                 wanted = [None, kv.num_kv_heads, None, kv.head_dim]
                 if dtype != kv.dtype:
@@ -297,7 +311,7 @@ class OrtBackend:
         binding = slot.bindings[phase]
         binding.synchronize_inputs()
         try:
-            self.sessions[phase].run_with_iobinding(binding)
+            self.sessions[phase].run_with_iobinding(binding, _QUIET_RUN)
         except Exception as err:  # ORT's own exception types; say which graph and why, on one line
             raise KvforgeError(
                 f"ONNX Runtime failed running the {phase} graph of {self.folder}: {_one_line(err)}"

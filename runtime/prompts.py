@@ -44,7 +44,13 @@ def parse_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: int
                   folder: str | Path) -> tuple[list[list[int]], bool]:
     """Token id rows for the prompts, and whether they came as text (then the output is decoded)."""
     if isinstance(prompts, RenderedChat):
-        return [[int(t) for t in prompts.ids]], True
+        if len(prompts.ids) == 0:
+            # A template that renders these messages to "" would reach the graph with no positions.
+            raise InputError(
+                "the prompt is empty: the chat template rendered these messages to no text (no tokens); "
+                "check the messages, or the export's chat template"
+            )
+        return _checked_rows([list(prompts.ids)], vocab_size), True
     if isinstance(prompts, str):
         prompts = [prompts]
     if isinstance(prompts, np.ndarray):
@@ -52,7 +58,8 @@ def parse_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: int
     if isinstance(prompts, (bytes, bytearray)):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-        raise InputError("no prompts given: pass a str, a list of str, or a list of token-id lists")
+        raise InputError("no prompts given (the prompt is empty): pass a str, a list of str, or a list of "
+                         "token-id lists")
     for i, p in enumerate(prompts):
         if isinstance(p, (bytes, bytearray)):
             raise InputError(f"prompt {i} is bytes; pass text as str (decode it from UTF-8 first)")
@@ -80,6 +87,11 @@ def parse_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: int
         text_mode = False
     else:
         raise InputError("prompts must be all text (str) or all token-id lists, not a mix")
+    return _checked_rows(rows, vocab_size), text_mode
+
+
+def _checked_rows(rows: list[list[Any]], vocab_size: int) -> list[list[int]]:
+    """The rows as ints, or InputError naming the first empty row or id outside the vocabulary."""
     for i, row in enumerate(rows):
         if len(row) == 0:
             raise InputError(f"prompt {i} has no tokens; give at least one token id")
@@ -90,4 +102,4 @@ def parse_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: int
                 raise InputError(
                     f"prompt {i} position {pos} has token id {int(token)}, outside the vocabulary [0, {vocab_size})"
                 )
-    return [[int(t) for t in row] for row in rows], text_mode
+    return [[int(t) for t in row] for row in rows]

@@ -33,6 +33,12 @@ class Tokenizer:
         as Hugging Face does with add_special_tokens=True (a rendered chat template has its own)."""
         if not isinstance(text, str):
             raise InputError(f"a text prompt must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:  # lone surrogates (undecodable bytes): tokenizers raises a TypeError
+            raise InputError(
+                f"the text is not valid UTF-8 (undecodable bytes at character {err.start}); pass UTF-8 text"
+            ) from None
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -177,6 +177,26 @@ def test_engine_manifest_paths_stay_inside(tmp_path) -> None:
         load_engines_manifest(engines, export)
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"export": "x"}, "'export' must be an object, got 'x'"),
+    ({"files": ["prefill.engine"]}, "'files' must be an object"),
+    ({"files": {"prefill.engine": {"sha256": "s", "bytes": "10"}}}, r"files\['prefill.engine'\] must be an object with"),
+    ({"options": {"max_batch": "8"}}, "options.max_batch must be a positive integer, got '8'"),
+    ({"capacity_buckets": "64"}, "'capacity_buckets' must be a non-empty list of positive integers"),
+    ({"engines": {"prefill": "prefill.engine"}}, r"engines\['prefill'\] must be an object with 'file' and 'profile'"),
+    ({"engines": {"prefill": {"file": "other.engine", "profile": 0}}}, "'other.engine' is not listed in 'files'"),
+    ({"tensorrt": "10.15"}, "'tensorrt' must be an object"),
+])
+def test_engine_manifest_types_are_checked(tmp_path, change, message) -> None:
+    """A crafted engines.json fails in one ManifestError naming the field, not an AttributeError."""
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "kvforge.json").write_text("{}")
+    engines = _engine_folder(tmp_path, export, **change)
+    with pytest.raises(ManifestError, match=message):
+        load_engines_manifest(engines, export)
+
+
 @pytest.mark.parametrize("single", [False, True])
 def test_binding_plan_binds_past_and_present_to_one_buffer(single: bool) -> None:
     manifest = _manifest(layers=3)

@@ -8,6 +8,7 @@ sizes and hashes before and after). The model folders the cases start from are c
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,6 +165,39 @@ def _other_export_graph(ctx: Ctx, listed: bool) -> Path:
     return ctx.edit_manifest(folder, change)
 
 
+CONTENTS = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # a chat template: the messages' text
+
+
+def _chat_template(ctx: Ctx, template: str) -> Path:
+    """An export whose tokenizer_config.json carries `template` (recorded in the manifest, as an export would)."""
+    folder = ctx.export_copy()
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config))
+    ctx.rehash(folder, "tokenizer_config.json")
+    return folder
+
+
+def _unlisted_external_data(ctx: Ctx) -> Path:
+    """The prefill graph re-pointed at an unlisted copy of the weights inside the folder, its hash
+    re-recorded: the graph itself is "verified", the weights it loads are not."""
+    folder = ctx.export_copy()
+    shutil.copy(folder / "model.weights", folder / "other.weights")  # same length as "model.weights"
+    graph = folder / "prefill.onnx"
+    data = graph.read_bytes()
+    assert b"model.weights" in data
+    graph.write_bytes(data.replace(b"model.weights", b"other.weights"))
+    ctx.rehash(folder, "prefill.onnx")
+    return folder
+
+
+def _no_io_shapes(manifest: dict) -> None:
+    for graph in manifest["graphs"].values():
+        for entry in graph["inputs"] + graph["outputs"]:
+            entry.pop("shape", None)
+
+
 def _demo_over(ctx: Ctx, name: str) -> Path:
     """A folder where `name` is the user's own folder; with name="export", "model" is a real recipe folder."""
     root = ctx.tmp / "demo"
@@ -197,6 +232,10 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
                                  "-o", str(c.tmp / "out")], 2, "unsupported model_type 'falcon' (FalconForCausalLM); kvforge supports"),
     ("export-unknown-model-type", lambda c: ["export", str(_write_config(c.model_copy(), model_type="foo")),
                                              "-o", str(c.tmp / "out")], 2, "unsupported model_type 'foo' (LlamaForCausalLM)"),
+    ("export-model-type-disagrees-with-architectures",
+     lambda c: ["export", str(_write_config(c.model_copy(), model_type="bert")), "-o", str(c.tmp / "out")], 2,
+     "unsupported model_type 'bert' (LlamaForCausalLM): config.json's model_type decides the model family and it "
+     "disagrees with its architectures, which names LlamaForCausalLM (model_type 'llama')"),
     ("export-wrong-architecture",
      lambda c: ["export", str(_write_config(c.model_copy(), architectures=["LlamaForSequenceClassification"])),
                 "-o", str(c.tmp / "out")],
@@ -270,7 +309,42 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
     ("generate-garbage-graph", lambda c: ["generate", str(_garbage_graph(c, rehash=False)), "--prompt", "hi"], 2,
      "prefill.onnx does not match the sha256"),
     ("generate-garbage-graph-crafted-hash", lambda c: ["generate", str(_garbage_graph(c, rehash=True)), "--prompt", "hi"],
-     2, "ONNX Runtime could not load"),
+     2, "prefill.onnx is not a valid ONNX graph"),
+    # A graph's weights come from the files its external-data entries name: each must be listed (and so verified).
+    ("generate-graph-unlisted-external-data", lambda c: ["generate", str(_unlisted_external_data(c)), "--prompt", "hi"],
+     2, "takes tensors from 'other.weights', which kvforge.json does not list in 'files'"),
+    ("generate-verify-graph-unlisted-external-data",
+     lambda c: ["generate", str(_unlisted_external_data(c)), "--prompt", "hi", "--verify"],
+     2, "takes tensors from 'other.weights', which kvforge.json does not list in 'files'"),
+    # Crafted manifest values: each refused in one line naming the field, before anything runs.
+    ("generate-manifest-generation-a-list",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m.__setitem__("generation", [1]))),
+                "--prompt", "hi"], 2, "'generation' must be an object"),
+    ("generate-manifest-generation-temperature-a-string",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["generation"].update(
+         do_sample=True, temperature="hot"))), "--prompt", "hi"], 2, "generation.temperature must be a number"),
+    ("generate-manifest-pad-token-a-string",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["model"].__setitem__("pad_token_id", "x"))),
+                "--prompt", "hi"], 2, "model.pad_token_id must be an integer or null, got 'x'"),
+    ("generate-manifest-eos-a-dict",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["model"].__setitem__("eos_token_id", {}))),
+                "--prompt", "hi"], 2, "model.eos_token_id must be an integer, a list of integers or null"),
+    ("generate-manifest-nul-in-file-name",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["files"].__setitem__(
+         "model\x00.weights", m["files"]["model.weights"]))), "--prompt", "hi"], 2, "a name with a control character"),
+    ("generate-manifest-vocab-1e12",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["model"].__setitem__("vocab_size", 10**12))),
+                "--prompt", "hi"], 2, "model.vocab_size 1000000000000 is beyond any real vocabulary"),
+    ("generate-manifest-vocab-disagrees-with-logits",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["model"].__setitem__("vocab_size", 4096))),
+                "--prompt", "hi"], 2, "model.vocab_size is 4096, but the prefill graph's logits have 512 per position"),
+    ("generate-manifest-vocab-disagrees-with-the-graph",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: (
+         m["model"].__setitem__("vocab_size", 4096), _no_io_shapes(m)))), "--prompt", "hi"], 2,
+     "its logits have 512 entries per position but the manifest's model.vocab_size is 4096"),
+    ("generate-manifest-weights-a-list",
+     lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m.__setitem__("weights", ["model.weights"]))),
+                "--prompt", "hi"], 2, "the weights file ['model.weights'] is not listed in 'files'"),
     ("generate-nan-weights", lambda c: ["generate", str(_nan_weights(c)), "--prompt", "hi"], 2,
      "the model produced NaN logits at step 0"),
     ("generate-manifest-kv-heads-disagree",
@@ -285,6 +359,14 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
     ("generate-no-tokenizer-text-prompt", lambda c: ["generate", str(_no_tokenizer(c)), "--prompt", "hi"], 2,
      "has no tokenizer.json, so prompts must be token ids"),
     # -- generate: bad options ----------------------------------------------------------------------
+    ("generate-chat-template-renders-empty", lambda c: ["generate", str(_chat_template(c, "")), "--chat", "hi"], 2,
+     "the prompt is empty: the chat template rendered these messages to no text"),
+    # `--chat $'caf\xe9'`: bytes that are not UTF-8 arrive as lone surrogates, which tokenizers refuses with a TypeError.
+    ("generate-chat-not-utf8", lambda c: ["generate", str(_chat_template(c, CONTENTS)), "--chat", "caf\udce9"], 2,
+     "--chat is not valid UTF-8 text (undecodable bytes at character 3)"),
+    ("generate-system-not-utf8",
+     lambda c: ["generate", str(_chat_template(c, CONTENTS)), "--chat", "hi", "--system", "\udcff"], 2,
+     "--system is not valid UTF-8 text"),
     ("generate-prompt-ids-not-ints", lambda c: ["generate", str(c.export), "--prompt-ids", "1,x"], 2,
      "--prompt-ids expects comma-separated integer token ids, got '1,x'"),
     ("generate-token-outside-vocab", lambda c: ["generate", str(c.export), "--prompt-ids", "1,999999"], 2,
@@ -335,6 +417,8 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
      2, "lacks the 'files' entry"),
     ("inspect-verify-flipped-weights", lambda c: ["inspect", str(_f(c.export_copy(), "model.weights")), "--verify"], 2,
      "model.weights does not match the sha256"),
+    ("inspect-verify-graph-unlisted-external-data", lambda c: ["inspect", str(_unlisted_external_data(c)), "--verify"],
+     2, "takes tensors from 'other.weights', which kvforge.json does not list in 'files'"),
     ("inspect-crafted-path",
      lambda c: ["inspect", str(c.edit_manifest(c.export_copy(), lambda m: m["files"].__setitem__(
          "/etc/passwd", {"sha256": "0", "bytes": 1})))], 2, "'/etc/passwd' outside the export folder"),
@@ -423,3 +507,144 @@ def test_help_and_version_still_exit_0() -> None:
     assert CliRunner().invoke(main, ["--help"]).exit_code == 0
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and "kvforge" in result.stdout
+
+
+# -- failures no folder can provoke: simulated ------------------------------------------------------
+def _one_line_error(result) -> str:
+    assert result.exit_code == 2, (result.stderr, result.exception)
+    assert result.stdout == "" and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("kvforge: error: ")
+    return result.stderr
+
+
+def _reasonless_write_error() -> OSError:
+    return OSError("problem writing element 13312 to file")  # numpy's tofile after a short fwrite: no errno
+
+
+@pytest.mark.parametrize(("failure", "free_bytes", "says_full"), [
+    # The source's file is named by shutil's copy when the *destination* is full: the message must not blame it.
+    (lambda model: OSError(errno.ENOSPC, "No space left on device", str(model / "model.safetensors")), None, True),
+    (lambda model: _chained(RuntimeError("failed to save the model"), OSError(errno.ENOSPC, "No space left")), None,
+     True),
+    (lambda model: _reasonless_write_error(), 4096, True),
+    (lambda model: _reasonless_write_error(), 10**12, False),  # plenty of room: not called a full disk
+], ids=["enospc-naming-the-source", "enospc-in-the-chain", "numpy-short-write-disk-nearly-full",
+        "numpy-short-write-disk-not-full"])
+def test_disk_full_while_exporting_names_the_output(failure, free_bytes, says_full, sources, tmp_path,
+                                                    monkeypatch) -> None:
+    import kvforge.exporter.export as export_module
+
+    model = sources[0]
+
+    def write(*_args, **_kwargs):
+        raise failure(model)
+
+    # The graphs are not built (seconds saved): the failure is in writing them.
+    monkeypatch.setattr(export_module, "_build_graphs", lambda *args, **kwargs: ({}, None))
+    monkeypatch.setattr(export_module, "save_with_shared_weights", write)
+    if free_bytes is not None:
+        monkeypatch.setattr(shutil, "disk_usage", lambda _path: SimpleNamespace(total=10**13, free=free_bytes))
+    out = tmp_path / "out"
+    line = _one_line_error(CliRunner().invoke(main, ["export", str(model), "-o", str(out)]))
+    if says_full:
+        assert f"no space left on device while writing {out};" in line, line
+        assert str(model) not in line, line
+    else:
+        assert "problem writing element 13312 to file" in line and "no space" not in line, line
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor a staging sibling
+
+
+def _chained(outer: BaseException, cause: BaseException) -> BaseException:
+    outer.__cause__ = cause
+    return outer
+
+
+def test_a_native_library_panic_is_one_line(sources, monkeypatch) -> None:
+    from kvforge.runtime.tokenizer import Tokenizer
+
+    class PanicException(BaseException):  # pyo3_runtime.PanicException's base: not an Exception
+        pass
+
+    def panic(*_args, **_kwargs):
+        raise PanicException("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(Tokenizer, "encode", panic)
+    line = _one_line_error(CliRunner().invoke(main, ["generate", str(sources[1]), "--prompt", "hi"]))
+    assert "unexpected PanicException (a panic inside a native library such as tokenizers): called" in line
+
+
+def test_text_that_is_not_utf8_is_refused_by_the_tokenizer(sources) -> None:
+    """The library path (and the server's): the tokenizer itself refuses lone surrogates in one line."""
+    from kvforge.errors import InputError
+    from kvforge.runtime.tokenizer import Tokenizer
+
+    with pytest.raises(InputError, match="not valid UTF-8 .undecodable bytes at character 3."):
+        Tokenizer(sources[1]).encode("caf\udce9")
+
+
+def test_generate_stream_into_a_closed_pipe_exits_quietly(sources) -> None:
+    """`kvforge generate --stream ... | head -c 10`: the reader leaves; no traceback, no error line,
+    and not exit 1 (a failed parity gate) but 141, as a process killed by SIGPIPE."""
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvforge.cli", "generate", str(sources[1]), "--prompt-ids", "1,5,9", "--stream",
+         "--max-new-tokens", "8", "--ignore-eos"],
+        stdout=write, stderr=subprocess.PIPE, text=True,
+    )
+    os.close(write)
+    os.close(read)  # before the child writes anything: its first write meets a pipe with no reader
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141, stderr
+    # (ONNX Runtime may log warnings of its own; kvforge adds nothing.)
+    assert "Traceback" not in stderr and "kvforge:" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def test_stdout_closed_tells_a_pipe_without_reader_from_an_open_one(monkeypatch) -> None:
+    """Only a BrokenPipeError on a stdout whose reader left is quiet; others stay one-line errors."""
+    import sys
+
+    from kvforge import cli
+
+    read, write = os.pipe()
+    with open(write, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert not cli._stdout_closed()
+        os.close(read)
+        assert cli._stdout_closed()
+
+
+def test_external_data_locations_match_onnx(sources) -> None:
+    """The runtime's onnx-free reader of external-data references against onnx's own parser."""
+    import onnx
+
+    from kvforge.external_data import MalformedGraph, external_data_locations
+
+    for phase in ("prefill", "decode"):
+        data = (sources[1] / f"{phase}.onnx").read_bytes()
+        model = onnx.load_from_string(data)
+        expected = {entry.value for tensor in model.graph.initializer for entry in tensor.external_data
+                    if entry.key == "location"}
+        assert external_data_locations(data) == expected == {"model.weights"}
+    with pytest.raises(MalformedGraph):
+        external_data_locations(np.random.default_rng(0).bytes(4096))
+
+
+def test_an_empty_rendered_prompt_is_refused_before_the_graph_runs(sources) -> None:
+    """Both the Generator and the serving Scheduler parse prompts in runtime/prompts.py: a chat
+    template that renders to "" is an InputError there, not an ONNX Runtime failure mid-run."""
+    from kvforge.errors import InputError
+    from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime.prompts import RenderedChat
+    from kvforge.runtime.sampling import SamplingConfig
+    from kvforge.runtime.scheduler import Scheduler
+
+    generator = Generator(sources[1])
+    with pytest.raises(InputError, match="the prompt is empty"):
+        generator.generate(RenderedChat([]), max_new_tokens=2)
+    scheduler = Scheduler(generator, max_batch=1, max_seq_len=64)  # not started: submit checks and queues
+    with pytest.raises(InputError, match="the prompt is empty"):
+        scheduler.submit(GenerationRequest(RenderedChat([]), 2, SamplingConfig(greedy=True)))
+    assert generator.runs == {"prefill": 0, "decode": 0}
