@@ -648,3 +648,16 @@ def test_an_empty_rendered_prompt_is_refused_before_the_graph_runs(sources) -> N
     with pytest.raises(InputError, match="the prompt is empty"):
         scheduler.submit(GenerationRequest(RenderedChat([]), 2, SamplingConfig(greedy=True)))
     assert generator.runs == {"prefill": 0, "decode": 0}
+
+
+def test_onnx_runtime_does_not_log_a_failed_run_itself(sources, capfd) -> None:
+    """A failed run is one KvforgeError line; ONNX Runtime's own coloured log line of it is not printed."""
+    from kvforge.errors import KvforgeError
+    from kvforge.runtime import Generator
+
+    backend = Generator(sources[1]).backend
+    slot = backend.allocate(1, 64)
+    capfd.readouterr()
+    with pytest.raises(KvforgeError, match="ONNX Runtime failed running the prefill graph"):
+        backend.prefill(slot, np.zeros((1, 0), np.int64), np.zeros((1,), np.int64))  # no positions
+    assert "onnxruntime" not in capfd.readouterr().err
