@@ -192,7 +192,9 @@ def test_engine_manifest_types_are_checked(tmp_path, change, message) -> None:
     export = tmp_path / "export"
     export.mkdir()
     (export / "kvforge.json").write_text("{}")
-    engines = _engine_folder(tmp_path, export, **change)
+    engines = _engine_folder(tmp_path, export)
+    record = json.loads((engines / ENGINES_MANIFEST).read_text())
+    (engines / ENGINES_MANIFEST).write_text(json.dumps({**record, **change}))
     with pytest.raises(ManifestError, match=message):
         load_engines_manifest(engines, export)
 

@@ -511,10 +511,12 @@ def test_help_and_version_still_exit_0() -> None:
 
 # -- failures no folder can provoke: simulated ------------------------------------------------------
 def _one_line_error(result) -> str:
+    """The failure's one line (after any "[kvforge] ..." progress lines), checked as the table checks it."""
     assert result.exit_code == 2, (result.stderr, result.exception)
-    assert result.stdout == "" and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith("kvforge: error: ")
-    return result.stderr
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
+    assert result.stdout == "" and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.endswith(lines[0] + "\n") and lines[0].startswith("kvforge: error: "), result.stderr
+    return lines[0]
 
 
 def _reasonless_write_error() -> OSError:
