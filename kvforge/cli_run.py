@@ -243,7 +243,7 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
     Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
     import signal
 
-    from kvforge.server import bind_socket, check_api_key
+    from kvforge.server import check_api_key
 
     check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
@@ -257,20 +257,16 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
     if use_ray:
         from kvforge.serve_ray import run as run_ray
 
-        bind_socket(host, port).close()  # a busy port or bad host: one line now, not after Ray has started
         run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready,
                 allowed_hosts=sorted(_allowed(host, allow_hosts)), **options)
         return
     from kvforge.server import serve as run_server
 
-    sock = bind_socket(host, port)  # busy port or bad host: one line and exit 2, before loading the model
-
     def terminated(_signum: int, _frame: Any) -> None:  # SIGTERM while loading: a clean stop, not death by signal
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, terminated)
-    stopped_by = run_server(export_dir, host=host, port=port, ready=ready, allow_hosts=allow_hosts, sock=sock,
-                            **options)
+    stopped_by = run_server(export_dir, host=host, port=port, ready=ready, allow_hosts=allow_hosts, **options)
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt  # kvforge: interrupted, exit 130 (cli._Group)
     if stopped_by == signal.SIGTERM:

@@ -640,14 +640,20 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           ready: Callable[[str], None] | None = None, allow_hosts: Iterable[str] = (),
           sock: socket.socket | None = None, **options: Any) -> int | None:
     """Run the app with uvicorn until SIGINT or SIGTERM; returns the signal that stopped it.
-    The socket is bound first (or given), then the app is built, then `ready(url)` is called."""
+    The app is built (a bad export fails first), then the socket bound (or `sock` taken: a busy
+    port or a bad host is an InputError), and only then is `ready(url)` called."""
     _require()
     import uvicorn
 
-    check_api_key(options.get("api_key"))
-    sock = sock if sock is not None else bind_socket(host, port)
+    app = create_app(export_dir, allowed_hosts=allowed_hosts_for(host, allow_hosts), **options)
     try:
-        app = create_app(export_dir, allowed_hosts=allowed_hosts_for(host, allow_hosts), **options)
+        sock = sock if sock is not None else bind_socket(host, port)
+    except InputError:
+        app.state.scheduler.close()  # uvicorn never ran, so its lifespan will not stop them
+        if app.state.renderer is not None:
+            app.state.renderer.close()
+        raise
+    try:
         bound_port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         if ready is not None:

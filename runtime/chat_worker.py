@@ -8,7 +8,7 @@ and replaces the child when it is late. The child only imports Jinja (and kvforg
 it starts in a fraction of a second and costs one round trip per chat request.
 
 Protocol (JSON lines on stdin/stdout): first the template {"template", "specials", "name",
-"max_chars", "memory_bytes"}, then per request {"messages", "add_generation_prompt"} answered by
+"max_chars", "memory_bytes"}, answered by {"ready": true} once it is compiled, then per request {"messages", "add_generation_prompt"} answered by
 {"text"} or {"error"}.
 """
 
@@ -26,6 +26,7 @@ from typing import Any
 from kvforge.errors import InputError
 
 RENDER_SECONDS = 2.0
+STARTUP_SECONDS = 60.0
 CHILD_MEMORY_BYTES = 1 << 30
 
 
@@ -47,7 +48,12 @@ class IsolatedRenderer:
 
     def start(self) -> IsolatedRenderer:
         with self._lock:
-            self._ensure()
+            try:
+                self._ensure()
+            except (OSError, EOFError) as err:
+                self._kill()
+                raise InputError(f"the chat template renderer (python -m kvforge.runtime.chat_worker) did not "
+                                 f"start: {err or type(err).__name__}; is Jinja2 installed?") from err
         return self
 
     def _ensure(self) -> subprocess.Popen:
@@ -63,6 +69,11 @@ class IsolatedRenderer:
                 start_new_session=True)  # Ctrl-C in the terminal goes to the server, which stops the child
             self._buffer = bytearray()
             self._send(self._setup)
+            # The child says when it has imported Jinja and compiled the template: a render's time
+            # limit never includes a (slow, on a busy machine) start.
+            if self._read_line(time.monotonic() + STARTUP_SECONDS) is None:
+                self._kill()
+                raise InputError(f"the chat template renderer did not start within {STARTUP_SECONDS:g} s")
         return self._proc
 
     def _send(self, obj: dict[str, Any]) -> None:
@@ -129,7 +140,7 @@ def _child() -> None:
     import resource
 
     from kvforge.errors import KvforgeError
-    from kvforge.runtime.chat import render
+    from kvforge.runtime.chat import _compile, render
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     line = stdin.readline()
@@ -141,6 +152,12 @@ def _child() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     except (ValueError, OSError):
         pass
+    try:
+        _compile(setup["template"])  # cached for the renders; a syntax error is reported by each render
+    except Exception:  # noqa: BLE001
+        pass
+    stdout.write(b'{"ready": true}\n')
+    stdout.flush()
     for line in iter(stdin.readline, b""):
         request = json.loads(line)
         try:
