@@ -206,8 +206,8 @@ def soak(export: Path, jobs: list[dict[str, Any]], args: argparse.Namespace) -> 
                     note("disconnected (finished first)")
                 except httpx.TimeoutException:
                     note("disconnected")
-        except httpx.HTTPError as err:
-            note("transport error", f"{type(err).__name__}: {err}")
+        except Exception as err:  # noqa: BLE001 (a transport error, a body that is not JSON ...: a failure)
+            note("client error", f"{type(err).__name__}: {err}")
 
     def client_thread(index: int, count: int) -> None:
         rng = random.Random(args.seed * 1000 + index)
@@ -247,8 +247,9 @@ def soak(export: Path, jobs: list[dict[str, Any]], args: argparse.Namespace) -> 
     total = sum(counts.values())
     print(f"requests: {total} in {seconds:.1f} s from {args.clients} clients: " +
           ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    print(f"good answers equal to solo: {counts['good'] + counts['good streamed'] - len([f for f in failures if f.startswith('good')])}"
-          f"/{counts['good'] + counts['good streamed']}")
+    good = counts["good"] + counts["good streamed"]
+    wrong = sum(f.startswith("good") for f in failures)
+    print(f"good answers equal to their solo output: {good - wrong}/{good}")
     print(f"server RSS: {rss_start / 1e6:.1f} MB after warm-up, {rss_end / 1e6:.1f} MB at the end "
           f"({growth_mb:+.1f} MB; peak {rss_peak[0] / 1e6:.1f} MB)")
     print(f"/health: {len(health)} probes, worst {worst * 1e3:.0f} ms, median "

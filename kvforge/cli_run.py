@@ -227,7 +227,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
 @click.option("--api-key", default=None,
               help="Require 'Authorization: Bearer KEY' on every path but /health and /metrics (default: none).")
 @click.option("--max-body-bytes", default=2 << 20, show_default=True, type=click.IntRange(1024),
-              help="Largest request body; bigger ones get HTTP 413 before they are read.")
+              help="Largest request body; bigger ones get HTTP 413 and are never parsed.")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
               help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
                    "bound address and loopback names are answered, against DNS rebinding.")

@@ -47,6 +47,8 @@ def _require():
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
+        # A lone surrogate echoed from the request would make the JSON response itself fail to encode.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -195,7 +197,8 @@ class _Guard:
             shown = host.decode("latin-1")[:100]
             return await refuse(ApiError(
                 421, f"this server does not answer for Host {shown!r} (a page on another site may be trying to "
-                     f"reach it); use http://127.0.0.1, or start it with --allow-host {shown.split(':')[0]}",
+                     f"reach it); use http://127.0.0.1, or, if that name is yours, start the server with "
+                     f"--allow-host {shown.split(':')[0]}",
                 code="host_not_allowed"))
         if self.expected is not None and scope["path"] not in self.OPEN_PATHS:
             if not hmac.compare_digest(headers.get("authorization", b""), self.expected):
@@ -511,15 +514,19 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
 
         parts: list[str] = []
         getter = asyncio.ensure_future(events.get())
+        checked = time.monotonic()
         try:
             while True:
-                # One pending get() (never cancelled, so no event is lost), and between events a
-                # check that the client is still there: a gone client's generation is cancelled.
+                # One pending get() (never cancelled, so no event is lost), and every
+                # NON_STREAM_POLL_S a check that the client is still there: a gone client's
+                # generation is cancelled.
                 done, _ = await asyncio.wait({getter}, timeout=NON_STREAM_POLL_S)
-                if not done:
+                if time.monotonic() - checked >= NON_STREAM_POLL_S:
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         handle.cancel()
                         return JSONResponse(ApiError(499, "the client closed the connection").body(), status_code=499)
+                if not done:
                     continue
                 event = getter.result()
                 if isinstance(event, Done):
