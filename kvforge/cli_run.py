@@ -239,29 +239,56 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
               help="Prompt tokens prefilled per step between decode steps of the running batch.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
               help="Requests that may wait; more get HTTP 429.")
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/ (default: none).")
+@click.option("--api-key", default=None,
+              help="Require 'Authorization: Bearer KEY' on every path but /health and /metrics (default: none).")
+@click.option("--max-body-bytes", default=2 << 20, show_default=True, type=click.IntRange(1024),
+              help="Largest request body; bigger ones get HTTP 413 and are never parsed.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
+                   "bound address and loopback names are answered, against DNS rebinding.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
-          max_queue: int, api_key: str | None, threads: int | None, use_ray: bool, replicas: int,
-          ray_address: str | None) -> None:
-    """Serve an export over an OpenAI-compatible HTTP API with continuous batching."""
+          max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
+          threads: int | None, use_ray: bool, replicas: int, ray_address: str | None) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
+
+    Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
+    import signal
+
+    from kvforge.server import check_api_key
+
+    check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
-                   api_key=api_key, threads=threads)
+                   api_key=api_key, threads=threads, max_body_bytes=max_body_bytes)
     where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
 
-    def ready() -> None:  # said once the app is built, so a bad export fails with one line only
-        click.echo(f"kvforge: serving {export_dir} on http://{host}:{port}/v1 with {where} (Ctrl-C stops)", err=True)
+    def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only
+        click.echo(f"kvforge: serving {export_dir} on {url or f'http://{host}:{port}/v1'} with {where} (Ctrl-C stops)",
+                   err=True)
 
     if use_ray:
         from kvforge.serve_ray import run as run_ray
 
-        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready, **options)
+        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready,
+                allowed_hosts=sorted(_allowed(host, allow_hosts)), **options)
         return
     from kvforge.server import serve as run_server
 
-    run_server(export_dir, host=host, port=port, ready=ready, **options)
+    def terminated(_signum: int, _frame: Any) -> None:  # SIGTERM while loading: a clean stop, not death by signal
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminated)
+    stopped_by = run_server(export_dir, host=host, port=port, ready=ready, allow_hosts=allow_hosts, **options)
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt  # kvforge: interrupted, exit 130 (cli._Group)
+    if stopped_by == signal.SIGTERM:
+        click.echo("kvforge: stopped (SIGTERM)", err=True)
 
 
+def _allowed(host: str, allow_hosts: tuple[str, ...]) -> frozenset[str]:
+    from kvforge.server import allowed_hosts_for
+
+    return allowed_hosts_for(host, allow_hosts)

@@ -63,6 +63,9 @@ def run(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, repli
     """Start (or join, with `address`) a Ray instance and serve until interrupted."""
     serve = _ray_serve()
     app = deployment(export_dir, replicas=replicas, **app_options)  # checks the folder before Ray starts
+    from kvforge.server import bind_socket
+
+    bind_socket(host, port).close()  # a busy port or a bad host: one line now, not after Ray has started
     import ray
 
     ray.init(address=address, include_dashboard=False, ignore_reinit_error=True)

@@ -2,21 +2,34 @@
 
 FastAPI + uvicorn (the `serve` extra). Endpoints: POST /v1/completions, POST /v1/chat/completions
 (streaming as server-sent events, or not), GET /v1/models, GET /health, GET /metrics (Prometheus
-text). Errors are OpenAI-shaped JSON, {"error": {"message", "type", "param", "code"}}: 400 invalid
-parameters or malformed JSON, 401 missing or wrong API key (when one is set), 404 unknown model,
-413 prompt over capacity, 429 queue full, 503 shutting down. A bad request never stops the server;
-a client that goes away mid-stream cancels its request.
+text). Errors are OpenAI-shaped JSON, {"error": {"message", "type", "param", "code"}}, whatever
+fails (a catch-all turns a bug into a 500 of that shape): 400 invalid or unsupported parameters or
+malformed JSON, 401 missing or wrong API key (when one is set), 404 unknown model or path, 413 body
+over `max_body_bytes` or prompt over capacity, 415 a POST that is not `application/json`, 421 a Host
+that is not this server's, 429 queue full, 503 shutting down. A bad request never stops the server;
+a client that goes away (streaming or not) cancels its request.
+
+Hostile clients and files: the body is read up to `max_body_bytes` before anything else; parsing,
+tokenizing and chat-template rendering run off the event loop (so /health keeps answering); the
+template is read once at load and rendered in a killable child process with time and size limits
+(runtime/chat_worker.py); the Host header is checked when `allowed_hosts` is given (`kvforge serve`
+always gives it), against DNS rebinding; a POST must be `application/json`, so a web page cannot
+send one without a CORS preflight.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
 # at runtime, and they are imported inside create_app.
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
-import secrets
+import signal
+import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +47,33 @@ def _require():
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
+        # A lone surrogate echoed from the request would make the JSON response itself fail to encode.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+
+DEFAULT_MAX_BODY_BYTES = 2 << 20  # a 2 MiB JSON body holds far more text than any context window
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
+NON_STREAM_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+
+# OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
+_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
+           "user", "stream_options"}
+FIELDS = {"text": _COMMON | {"prompt"}, "chat": _COMMON | {"messages"}}
+# Parameters it does not implement, accepted only with the value that changes nothing (or null),
+# so that a client asking for them learns that it does not get them.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
+    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
+    "response_format": ({"type": "text"},),
+}
 
 
 def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None, high: float | None = None):
@@ -52,50 +87,263 @@ def _number(body: dict, name: str, default: Any, kind: type, low: float | None =
     return kind(value)
 
 
+def _check_fields(body: dict[str, Any], kind: str) -> None:
+    """400 for a parameter the server would otherwise ignore (honest API: README lists them)."""
+    for key, value in body.items():
+        if key in FIELDS[kind] or value is None:
+            continue
+        if key in NEUTRAL:
+            if any(type(value) is type(n) and value == n for n in NEUTRAL[key]):
+                continue
+            raise ApiError(400, f"'{key}' is not supported by this server (it would be ignored); leave it out or "
+                                f"set it to {NEUTRAL[key][0]!r}", param=key, code="unsupported_parameter")
+        raise ApiError(400, f"unknown or unsupported parameter {key!r}; this server takes "
+                            f"{', '.join(sorted(FIELDS[kind]))}", param=key, code="unsupported_parameter")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' may only hold 'include_usage' (true or false); the usage is sent "
+                            "on the last chunk", param="stream_options")
+
+
+def _valid_text(text: str, where: str, param: str) -> str:
+    """`text`, or a 400 for a lone surrogate (JSON's "\\udce9" escape alone), which is not Unicode text
+    and which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"{where} holds {text[err.start:err.end]!r} at character {err.start}, a lone surrogate, "
+                            "which is not Unicode text; send valid UTF-8 (a \\ud800-\\udbff escape must be followed "
+                            "by a \\udc00-\\udfff one)", param=param) from None
+    return text
+
+
+def _message_content(content: Any, i: int) -> Any:
+    """OpenAI's content forms: a str, or a list of parts of which only text parts are taken
+    (joined by newlines); other parts are refused by name."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:80]
+            raise ApiError(400, f"messages[{i}].content[{j}] is a {shown} part; this server takes text parts only "
+                                "({'type': 'text', 'text': ...})", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class _Guard:
+    """ASGI middleware run before FastAPI sees a request: Host check (DNS rebinding), API key
+    (constant-time), and for POSTs the content type and a body read up to `max_body_bytes` (413
+    beyond it, before the rest arrives)."""
+
+    OPEN_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
+
+    def __init__(self, app: Any, api_key: str | None, allowed_hosts: frozenset[str] | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.allowed_hosts = allowed_hosts
+        self.max_body_bytes = max_body_bytes
+
+    def _host_ok(self, value: str) -> bool:
+        assert self.allowed_hosts is not None
+        if "*" in self.allowed_hosts:
+            return True
+        name = value.strip().lower()
+        if name.startswith("["):
+            name = name[1:name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.split(":")[0]
+        name = name.rstrip(".")
+        if name in self.allowed_hosts:
+            return True
+        if "*ip" in self.allowed_hosts:  # bound to a wildcard address: any IP literal (not a rebindable name)
+            with contextlib.suppress(ValueError):
+                ipaddress.ip_address(name)
+                return True
+        return False
+
+    @staticmethod
+    async def _drain(receive: Callable, size: int) -> bool:
+        """Read and drop the rest of an oversize body (up to DRAIN_BYTES, for at most 5 s), so that
+        the 413 reaches the client: closing a socket with unread data resets the connection and the
+        client may see that instead. False if the client went away."""
+        import anyio
+
+        with anyio.move_on_after(5):
+            while size <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return False
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        return True
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.responses import JSONResponse
+
+        headers = {k.decode("latin-1"): v for k, v in scope.get("headers", [])}
+
+        async def refuse(err: ApiError) -> None:
+            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+
+        host = headers.get("host")
+        if self.allowed_hosts is not None and host is not None and not self._host_ok(host.decode("latin-1")):
+            shown = host.decode("latin-1")[:100]
+            return await refuse(ApiError(
+                421, f"this server does not answer for Host {shown!r} (a page on another site may be trying to "
+                     f"reach it); use http://127.0.0.1, or, if that name is yours, start the server with "
+                     f"--allow-host {shown.split(':')[0]}",
+                code="host_not_allowed"))
+        if self.expected is not None and scope["path"] not in self.OPEN_PATHS:
+            if not hmac.compare_digest(headers.get("authorization", b""), self.expected):
+                return await refuse(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                             kind="authentication_error", code="invalid_api_key"))
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        ctype = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return await refuse(ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
+                                              f"{ctype or 'no content type'!r})", code="unsupported_media_type"))
+        too_big = ApiError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes "
+                                "(kvforge serve --max-body-bytes); send a shorter prompt", code="request_too_large")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await refuse(ApiError(400, "the Content-Length header is not a number"))
+            if int(length) > self.max_body_bytes:
+                if int(length) <= DRAIN_BYTES and not await self._drain(receive, 0):
+                    return None
+                return await refuse(too_big)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                if message.get("more_body", False) and not await self._drain(receive, size):
+                    return None
+                return await refuse(too_big)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:  # the body once, then the client's own messages (disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Refuse a key no client could ever send (every request would then be a 401)."""
+    if api_key is None:
+        return
+    if api_key == "" or api_key != api_key.strip():
+        raise InputError("--api-key is empty or has spaces around it, so no 'Authorization: Bearer KEY' header "
+                         "could match it; pass the key without surrounding whitespace")
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise InputError("--api-key must be printable ASCII (HTTP headers carry no other text), so this one could "
+                         "never match; choose another key")
+
+
+def allowed_hosts_for(host: str, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The Host names a server bound to `host` answers: loopback names, the bound address, and
+    `extra` (`--allow-host`; `*` allows all); bound to a wildcard address, also any IP literal and
+    this machine's names."""
+    names = {*LOOPBACK_HOSTS, host.strip("[]").lower(), *(h.strip().lower().rstrip(".") for h in extra)}
+    if host in ("0.0.0.0", "::", ""):
+        names |= {"*ip", socket.gethostname().lower(), socket.getfqdn().lower()}
+    return frozenset(names)
+
+
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,
                api_key: str | None = None, model_name: str | None = None, prefill_chunk: int = 128,
-               max_queue: int = 64, threads: int | None = None):
-    """The FastAPI app serving one export (also what the Ray Serve deployment wraps)."""
+               max_queue: int = 64, threads: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_hosts: Iterable[str] | None = None, template_seconds: float | None = None):
+    """The FastAPI app serving one export (also what the Ray Serve deployment wraps).
+    `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
+    `template_seconds`: the time one chat-template rendering may take."""
     _require()
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime.chat import check_messages
+    from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
     from kvforge.runtime.request import FinishReason, openai_finish_reason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
 
+    check_api_key(api_key)
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
+        raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
     options = {"threads": threads} if threads is not None else {}
     generator = Generator(export_dir, **options)
     scheduler = Scheduler(generator, max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                           max_queue=max_queue).start()
     name = model_name or Path(export_dir).resolve().name
     created = int(time.time())
+    capacity = scheduler.capacity
+    tokenizer = generator.tokenizer
+    # No prompt of more characters than this can fit: a token never covers more characters than
+    # its vocabulary string (x2 for normalizers that drop characters). Longer ones are refused
+    # before they are tokenized.
+    longest = max(map(len, tokenizer._tok.get_vocab(with_added_tokens=True)), default=1) if tokenizer else 1
+    max_prompt_chars = capacity * max(longest, 1) * 2 + 1024
+    template_error: KvforgeError | None = None
+    try:
+        template = generator.chat_template
+    except KvforgeError as err:  # no template (or a broken one): chat requests get this message
+        template, template_error = None, err
+    renderer = (IsolatedRenderer(template, seconds=template_seconds or RENDER_SECONDS).start()
+                if template is not None else None)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         scheduler.close()
+        if renderer is not None:
+            renderer.close()
 
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.scheduler = scheduler
     app.state.generator = generator
+    app.state.renderer = renderer
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       allowed_hosts=None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts))
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, err: ApiError):
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                err = ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                               kind="authentication_error", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, err: HTTPException):  # 404 / 405 in OpenAI's shape too
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(err.status_code, str(err.detail), kind=kind).body(), status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
 
-    async def _json(request: Request) -> dict[str, Any]:
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, err: Exception):  # a bug: still JSON, never a plain-text page
+        message = f"internal error: {type(err).__name__}: {err}"[:500]
+        return JSONResponse(ApiError(500, message, kind="server_error").body(), status_code=500)
+
+    def _parse(raw: bytes) -> dict[str, Any]:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply to parse; send a flatter JSON object") from None
         except (ValueError, UnicodeDecodeError) as err:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from err
         if not isinstance(body, dict):
@@ -106,17 +354,40 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                            code="model_not_found")
         return body
 
-    def _generation_request(body: dict, prompt_ids: list[int]) -> GenerationRequest:
+    def _too_long(what: str, size: str) -> ApiError:
+        return ApiError(413, f"{what} ({size}) does not fit this server's context of {capacity} tokens; shorten it",
+                        param="messages" if "conversation" in what else "prompt", code="context_length_exceeded")
+
+    def _encode(text: str, special: bool, what: str) -> list[int]:
+        assert tokenizer is not None
+        if len(text) > max_prompt_chars:
+            raise _too_long(what, f"{len(text)} characters")
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=special)
+        except KvforgeError as err:
+            raise ApiError(400, str(err), param="prompt") from err
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 (the tokenizer's Rust panics are BaseExceptions)
+            raise ApiError(400, f"the tokenizer could not encode {what}: {type(err).__name__}: {err}"[:300],
+                           param="prompt") from None
+        if len(ids) > capacity:
+            raise _too_long(what, f"{len(ids)} tokens")
+        return ids
+
+    def _generation_request(body: dict, prompt_ids: list[int], default_max: int) -> GenerationRequest:
         """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
-        max_tokens = _number(body, "max_tokens", None, int, 1, scheduler.capacity)
+        max_tokens = _number(body, "max_tokens", None, int, 1, capacity)
         if max_tokens is None:
-            max_tokens = _number(body, "max_completion_tokens", 16, int, 1, scheduler.capacity)
+            max_tokens = _number(body, "max_completion_tokens", default_max, int, 1, capacity)
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
         if stop is not None and (not isinstance(stop, list) or len(stop) > 4
                                  or not all(isinstance(s, str) and s for s in stop)):
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
+        for s in stop or []:
+            _valid_text(s, "'stop'", "stop")
         temperature = _number(body, "temperature", None, float, 0.0, 2.0)
         top_p = _number(body, "top_p", None, float, 0.0, 1.0)
         seed = _number(body, "seed", None, int, 0, 2**63 - 1)
@@ -129,6 +400,65 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             return generator.request(prompt_ids, max_tokens, stop=stop, **sampling)
         except InputError as err:
             raise ApiError(400, str(err)) from err
+
+    def _stream_flag(body: dict) -> bool:
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
+        return stream
+
+    def _prepare_completion(raw: bytes) -> tuple[GenerationRequest, bool]:
+        """Parse, check and tokenize a completion request (in a worker thread, off the event loop)."""
+        body = _parse(raw)
+        _check_fields(body, "text")
+        stream = _stream_flag(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ApiError(400, "this export has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
+            ids = _encode(_valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if len(prompt) > capacity:
+                raise _too_long("the prompt", f"{len(prompt)} tokens")
+            ids = list(prompt)
+        else:
+            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
+        return _generation_request(body, ids, 16), stream  # OpenAI's completions default: 16 tokens
+
+    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool]:
+        """Parse, check, render (in the template's child process) and tokenize a chat request."""
+        body = _parse(raw)
+        _check_fields(body, "chat")
+        stream = _stream_flag(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        if renderer is None:
+            raise ApiError(400, str(template_error), param="messages")
+        messages = [dict(m, content=_message_content(m.get("content"), i)) if isinstance(m, dict) else m
+                    for i, m in enumerate(messages)]
+        try:
+            checked = check_messages(messages)
+        except InputError as err:
+            raise ApiError(400, str(err), param="messages") from err
+        chars = 0
+        for i, message in enumerate(checked):
+            for key in ("role", "content"):
+                _valid_text(message[key], f"messages[{i}].{key}", "messages")
+            chars += len(message["content"])
+        if chars > max_prompt_chars:
+            raise _too_long("the conversation", f"{chars} characters")
+        try:
+            text = renderer.render(checked)
+        except InputError as err:
+            raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
+        ids = _encode(_valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
+        # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
+        return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream
+
+    async def _prepare(request: Request, prepare: Callable[[bytes], Any]) -> Any:
+        raw = await request.body()
+        return await asyncio.to_thread(prepare, raw)
 
     async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, rid: str):
         loop = asyncio.get_running_loop()
@@ -183,14 +513,28 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         parts: list[str] = []
+        getter = asyncio.ensure_future(events.get())
+        checked = time.monotonic()
         try:
             while True:
-                event = await events.get()
-                if isinstance(event, Delta):
-                    parts.append(event.text)
+                # One pending get() (never cancelled, so no event is lost), and every
+                # NON_STREAM_POLL_S a check that the client is still there: a gone client's
+                # generation is cancelled.
+                done, _ = await asyncio.wait({getter}, timeout=NON_STREAM_POLL_S)
+                if time.monotonic() - checked >= NON_STREAM_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        handle.cancel()
+                        return JSONResponse(ApiError(499, "the client closed the connection").body(), status_code=499)
+                if not done:
                     continue
-                break
+                event = getter.result()
+                if isinstance(event, Done):
+                    break
+                parts.append(event.text)
+                getter = asyncio.ensure_future(events.get())
         finally:
+            getter.cancel()
             handle.cancel()
         if event.finish_reason == FinishReason.ERROR:
             raise ApiError(500, event.error or "generation failed", kind="server_error")
@@ -204,39 +548,15 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
                 "usage": usage(event)}
 
-    def _stream_flag(body: dict) -> bool:
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
-        return stream
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            if generator.tokenizer is None:
-                raise ApiError(400, "this export has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-            ids = generator.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
-        generation = _generation_request(body, ids)
-        return await _run(request, generation, _stream_flag(body), "text", f"cmpl-{uuid.uuid4().hex}")
+        generation, stream = await _prepare(request, _prepare_completion)
+        return await _run(request, generation, stream, "text", f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        try:
-            ids = generator.chat_ids(messages)
-        except InputError as err:
-            raise ApiError(400, str(err), param="messages") from err
-        generation = _generation_request(body, ids)
-        return await _run(request, generation, _stream_flag(body), "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        generation, stream = await _prepare(request, _prepare_chat)
+        return await _run(request, generation, stream, "chat", f"chatcmpl-{uuid.uuid4().hex}")
 
     @app.get("/v1/models")
     async def models():
@@ -269,13 +589,86 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     return app
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or one InputError saying why not (busy port, bad host):
+    bound before the model loads and before "serving on ..." is said."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise InputError(f"cannot serve on --host {host!r}: not an address or a name this machine resolves "
+                         f"({getattr(err, 'strerror', None) or err}); use e.g. 127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart over TIME_WAIT
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        hint = ("another process is listening there: stop it or pick another --port"
+                if err.errno in (98, 48) else "check --host (an address of this machine) and --port")
+        raise InputError(f"cannot listen on {host}:{port}: {err.strerror or err}; {hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn's Server, with SIGINT and SIGTERM recorded in `stop_signal` (and not re-raised after
+    the graceful shutdown, as uvicorn does), so that `kvforge serve` exits 130 on Ctrl-C and 0 on
+    SIGTERM instead of dying by the signal."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stop_signal: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.stop_signal is None:
+                self.stop_signal = sig
+            super().handle_exit(sig, frame)  # a second Ctrl-C forces the exit
+
+    return Server(config)
+
+
 def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-          ready: Callable[[], None] | None = None, **options: Any) -> None:
-    """Run the app with uvicorn until interrupted; `ready()` is called once the app is built."""
+          ready: Callable[[str], None] | None = None, allow_hosts: Iterable[str] = (),
+          sock: socket.socket | None = None, **options: Any) -> int | None:
+    """Run the app with uvicorn until SIGINT or SIGTERM; returns the signal that stopped it.
+    The app is built (a bad export fails first), then the socket bound (or `sock` taken: a busy
+    port or a bad host is an InputError), and only then is `ready(url)` called."""
     _require()
     import uvicorn
 
-    app = create_app(export_dir, **options)
-    if ready is not None:
-        ready()
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    app = create_app(export_dir, allowed_hosts=allowed_hosts_for(host, allow_hosts), **options)
+    try:
+        sock = sock if sock is not None else bind_socket(host, port)
+    except InputError:
+        app.state.scheduler.close()  # uvicorn never ran, so its lifespan will not stop them
+        if app.state.renderer is not None:
+            app.state.renderer.close()
+        raise
+    try:
+        bound_port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        if ready is not None:
+            ready(f"http://{shown}:{bound_port}/v1")
+        # A stream still open 5 s after Ctrl-C / SIGTERM is cut: a stop request always stops.
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        server = _uvicorn_server(config)
+        server.run(sockets=[sock])
+        return server.stop_signal
+    finally:
+        sock.close()

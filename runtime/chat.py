@@ -4,12 +4,18 @@ template writes them itself).
 
 The template is untrusted text from a model folder, so it runs in Jinja's immutable sandbox, with the
 environment transformers uses: trim_blocks, lstrip_blocks, loop controls, a `tojson` that keeps
-non-ASCII text, and the `raise_exception` / `strftime_now` helpers templates call.
+non-ASCII text, and the `raise_exception` / `strftime_now` helpers templates call. The template is
+read (and hashed against the manifest) once, when the export is loaded; `render` bounds the output
+size and turns any failure of the template into an InputError that names it. A template can still
+loop forever in pure Python: the server renders in a separate process it can kill
+(runtime/chat_worker.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -18,6 +24,8 @@ from typing import Any
 from kvforge.errors import InputError, ManifestError
 
 ROLES = ("system", "user", "assistant", "tool")
+# A rendered prompt longer than this is a template gone wrong (no context window holds it).
+MAX_RENDERED_CHARS = 4 << 20
 
 
 @lru_cache(maxsize=8)
@@ -40,21 +48,72 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+@dataclass(frozen=True)
+class ChatTemplate:
+    """An export's chat template as read (once) at load: its text, the special tokens it may refer
+    to, and the file it came from (named in errors)."""
+
+    text: str
+    specials: dict[str, str] = field(default_factory=dict)
+    source: str = "the chat template"
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return render(self.text, messages, self.specials, add_generation_prompt, name=self.source)
+
+
+def _read_verified(folder: Path, name: str, manifest: dict[str, Any]) -> str | None:
+    """The text of `folder/name` (None if absent), refusing a link out of the folder and checking the
+    bytes read against the manifest's sha256 when it lists the file: what is hashed is what is used."""
+    from kvforge.manifest import resolve_in_folder
+
+    path = resolve_in_folder(Path(folder), name, f"the chat template file {name}")
+    if not path.is_file():
+        return None
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ManifestError(f"could not read {path}: {err.strerror or err}; re-run the export") from err
+    files = manifest.get("files")
+    record = files.get(name) if isinstance(files, dict) else None
+    if isinstance(record, dict) and hashlib.sha256(data).hexdigest() != record.get("sha256"):
+        raise ManifestError(f"{path} does not match the sha256 in kvforge.json: the file was modified or replaced "
+                            "after the export; re-run the export")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ManifestError(f"{path} is not UTF-8 text ({err}); re-run the export") from err
+
+
+def read_chat_template(folder: Path, manifest: dict[str, Any]) -> ChatTemplate | None:
+    """The export's chat template, read and verified once (None if the export has none)."""
+    template, specials, source = _load(Path(folder), manifest)
+    return None if template is None else ChatTemplate(template, specials, source)
+
+
 def load_chat_template(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
     """The export's chat template (or None) and the special tokens a template may refer to."""
+    template, specials, _ = _load(Path(folder), manifest)
+    return template, specials
+
+
+def _load(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, str], str]:
     config: dict[str, Any] = {}
+    config_text = _read_verified(folder, "tokenizer_config.json", manifest)
     config_file = folder / "tokenizer_config.json"
-    if config_file.is_file():
+    if config_text is not None:
         try:
-            config = json.loads(config_file.read_text())
-        except ValueError as err:
+            config = json.loads(config_text)
+        except (ValueError, RecursionError) as err:
             raise ManifestError(f"{config_file} is not valid JSON ({err}); re-run the export") from err
-    template = None
+        if not isinstance(config, dict):
+            raise ManifestError(f"{config_file} is not a JSON object; re-run the export")
+    template, where = None, "the chat template"
     source = manifest.get("chat_template")
-    if source == "chat_template.jinja" and (folder / source).is_file():
-        template = (folder / source).read_text()
-    elif isinstance(config.get("chat_template"), str):
-        template = config["chat_template"]
+    if source == "chat_template.jinja":
+        template = _read_verified(folder, source, manifest)
+        where = str(folder / source)
+    if template is None and isinstance(config.get("chat_template"), str):
+        template, where = config["chat_template"], f"the chat template in {config_file}"
     specials = {}
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
         value = config.get(name)
@@ -62,7 +121,7 @@ def load_chat_template(folder: Path, manifest: dict[str, Any]) -> tuple[str | No
             value = value.get("content")
         if isinstance(value, str):
             specials[name] = value
-    return template, specials
+    return template, specials, where
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
@@ -82,10 +141,30 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def render(template: str, messages: list[dict[str, str]], specials: dict[str, str],
-           add_generation_prompt: bool = True) -> str:
+           add_generation_prompt: bool = True, *, name: str = "the chat template",
+           max_chars: int = MAX_RENDERED_CHARS) -> str:
+    """The prompt text; any failure of the template (its own refusal, a Python error such as
+    `{{ 1/0 }}`, deep recursion, more than `max_chars` of output) is an InputError naming it."""
     import jinja2
 
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        # generate() yields the output piece by piece, so a runaway loop that writes is stopped at
+        # max_chars rather than after filling memory.
+        pieces, size = [], 0
+        for piece in _compile(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **specials):
+            size += len(piece)
+            if size > max_chars:
+                raise InputError(f"{name} rendered more than {max_chars} characters for these messages; "
+                                 "the template is broken (or loops): fix or replace it")
+            pieces.append(piece)
+        return "".join(pieces)
+    except InputError:
+        raise
     except jinja2.exceptions.TemplateError as err:
-        raise InputError(f"the chat template refused these messages: {err}") from err
+        raise InputError(f"{name} refused these messages: {err}") from err
+    except (RecursionError, MemoryError) as err:
+        raise InputError(f"{name} ran out of {'stack' if isinstance(err, RecursionError) else 'memory'} rendering "
+                         "these messages; the template is broken (or loops): fix or replace it") from err
+    except Exception as err:  # a template is code: 1/0, a bad attribute, a type error ...
+        raise InputError(f"{name} failed on these messages: {type(err).__name__}: {err}") from err

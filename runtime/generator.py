@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from kvforge.contract import ModelSpec
-from kvforge.errors import CapacityError, InputError, NumericalError
+from kvforge.errors import CapacityError, InputError, KvforgeError, NumericalError
 from kvforge.manifest import load_manifest
 from kvforge.runtime.backend import Backend, Slot, create_backend, default_backend
+from kvforge.runtime.chat import ChatTemplate, read_chat_template
 from kvforge.runtime.decode_loop import GenerationResult, GenerationStream, StepEvent, Steps, run_steps
 from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
 from kvforge.runtime.prompts import Prompts, RenderedChat, as_id_list, parse_prompts
@@ -62,6 +63,14 @@ class Generator:
                                        + as_id_list(generation.get("eos_token_id")))
         self.default_sampling = SamplingConfig.from_generation(generation)
         self.tokenizer = Tokenizer(self.folder) if (self.folder / TOKENIZER_FILE).is_file() else None
+        # The chat template is read and hashed once, here: a file swapped (or linked elsewhere) after
+        # the load is never rendered. A broken one fails only the chat calls, with its message.
+        self._chat_template: ChatTemplate | None = None
+        self._chat_template_error: KvforgeError | None = None
+        try:
+            self._chat_template = read_chat_template(self.folder, self.manifest)
+        except KvforgeError as err:
+            self._chat_template_error = err
         if backend is None or isinstance(backend, str):
             name = backend or default_backend(self.manifest)
             self.backend: Backend = create_backend(name, self.folder, self.manifest, **backend_options)
@@ -124,16 +133,23 @@ class Generator:
         """Token ids of a conversation rendered with the export's chat template, as transformers'
         apply_chat_template(..., tokenize=True) gives them. `messages`: [{"role", "content"}, ...] or
         one user message as a str."""
-        from kvforge.runtime.chat import check_messages, load_chat_template, render
+        from kvforge.runtime.chat import check_messages
 
+        text = self.chat_template.render(check_messages(messages), add_generation_prompt)
+        assert self.tokenizer is not None  # checked by chat_template
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The chat template read at load, or the InputError/ManifestError saying why there is none."""
         if self.tokenizer is None:
             raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so it cannot chat; pass token ids")
-        template, specials = load_chat_template(self.folder, self.manifest)
-        if template is None:
+        if self._chat_template_error is not None:
+            raise self._chat_template_error
+        if self._chat_template is None:
             raise InputError(f"{self.folder} has no chat template (the model's tokenizer came without one); "
                              "use a plain prompt instead")
-        text = render(template, check_messages(messages), specials, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._chat_template
 
     def prompt_ids(self, request: GenerationRequest) -> tuple[list[list[int]], bool]:
         """The request's prompts as token-id rows (checked against the vocabulary), and whether they

@@ -166,6 +166,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, wha
     base, _ = server
     kw = dict(request_kw)
     headers = kw.pop("headers", {"Authorization": f"Bearer {KEY}"})
+    if "content" in kw:  # raw bytes: say they are JSON (anything else is a 415)
+        headers = {**headers, "Content-Type": "application/json"}
     response = httpx.post(f"{base}{path}", headers=headers, timeout=30, **kw)
     assert response.status_code == status, (what, response.text)
     error = response.json()["error"]

@@ -1,0 +1,267 @@
+"""Soak test for `kvforge serve` against hostile and careless clients (issue 18's Done-when).
+
+    python benchmarks/soak_server.py --requests 2000 --clients 16
+
+Builds a tiny random-weight export (the llama-tiny recipe with a chat template; no downloads) unless
+--export is given, computes every good request's answer alone with Generator first, starts `kvforge
+serve` on a free loopback port, warms it up, then sends a mix from 16 client threads: completions and
+chats, streaming and not (answers compared with their solo output), bad bodies (malformed, 30k-deep,
+lone surrogates, unsupported parameters, wrong content type, 3 MB), streams cancelled after two
+chunks, and non-streaming clients that disconnect after 50 ms. A probe thread asks /health every
+0.2 s. Passes when every good answer equals its solo output, no bad request gets anything but a
+4xx JSON error, the server's RSS ends within 50 MB of its value after warm-up, and /health always
+answered within 1 s. Loopback only; prints the figures and PASS/FAIL (exit 0/1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+MAX_SEQ_LEN = 128
+RSS_LIMIT_MB = 50.0
+HEALTH_LIMIT_S = 1.0
+
+
+def build_export(root: Path) -> Path:
+    """llama-tiny (random weights) with a chat template, exported for ort-cpu."""
+    from kvforge.exporter.export import export_model
+    from kvforge.models.recipes import materialize
+
+    hf = materialize("llama-tiny", root / "hf")
+    source = root / "hf-chat"
+    shutil.copytree(hf, source)
+    (source / "chat_template.jinja").write_text(TEMPLATE)
+    out = root / "export"
+    export_model(source, out)
+    return out
+
+
+def good_jobs(export: Path, seed: int) -> list[dict[str, Any]]:
+    """The good requests and their solo greedy answers (Generator, one at a time)."""
+    from kvforge.runtime import Generator
+
+    generator = Generator(export)
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog once upon time there was king who loved".split()
+    jobs = []
+    for i in range(24):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) + f" {i}"
+        max_tokens = rng.randint(4, 24)
+        want = generator.generate(prompt, max_new_tokens=max_tokens, greedy=True).text[0]
+        jobs.append({"kind": "text", "body": {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                     "want": want})
+    for i in range(12):
+        messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 10)))}]
+        if i % 3 == 0:
+            messages = [{"role": "system", "content": "be brief"}, *messages]
+        max_tokens = rng.randint(4, 20)
+        want = generator.chat(messages, max_new_tokens=max_tokens, greedy=True).text[0]
+        jobs.append({"kind": "chat", "body": {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
+                     "want": want})
+    return jobs
+
+
+JSON = {"Content-Type": "application/json"}
+BAD: list[tuple[str, str, bytes, dict[str, str]]] = [
+    ("malformed", "/v1/completions", b"{oops", JSON),
+    ("deep", "/v1/completions", b"[" * 30_000 + b"]" * 30_000, JSON),
+    ("surrogate prompt", "/v1/completions", b'{"prompt": "caf\\udce9"}', JSON),
+    ("surrogate message", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udce9"}]}', JSON),
+    ("logit_bias", "/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 100}}', JSON),
+    ("echo", "/v1/completions", b'{"prompt": "x", "echo": true}', JSON),
+    ("text/plain", "/v1/completions", b'{"prompt": "x"}', {"Content-Type": "text/plain"}),
+    ("wrong type", "/v1/completions", b'{"prompt": 7}', JSON),
+    ("unknown model", "/v1/completions", b'{"model": "gpt-9", "prompt": "x"}', JSON),
+    ("image part", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', JSON),
+    ("over capacity", "/v1/completions", json.dumps({"prompt": list(range(3, 300))}).encode(), JSON),
+    ("3 MB", "/v1/completions", b'{"prompt": "' + b"z" * (3 << 20) + b'"}', JSON),
+]
+
+
+def text_of(response: httpx.Response, kind: str) -> str:
+    choice = response.json()["choices"][0]
+    return choice["message"]["content"] if kind == "chat" else choice["text"]
+
+
+def streamed_text(client: httpx.Client, path: str, body: dict[str, Any], kind: str) -> str:
+    parts = []
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            parts.append((choice["delta"].get("content") or "") if kind == "chat" else choice["text"])
+    return "".join(parts)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--export", type=Path, help="an export folder with a chat template (default: build one)")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvforge-soak-"))
+    try:
+        start = time.monotonic()
+        export = args.export or build_export(workdir)
+        jobs = good_jobs(export, args.seed)
+        print(f"export {export}; {len(jobs)} good requests' solo answers computed in "
+              f"{time.monotonic() - start:.1f} s", flush=True)
+        return soak(export, jobs, args)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def soak(export: Path, jobs: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    server = subprocess.Popen([sys.executable, "-m", "kvforge.cli", "serve", str(export), "--port", "0",
+                               "--max-batch", "4", "--max-seq-len", str(MAX_SEQ_LEN), "--max-queue", "256"],
+                              stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    base = None
+    for line in server.stderr:
+        if "serving" in line:
+            base = line.split(" on ")[1].split("/v1")[0]
+            break
+    if base is None:
+        print(f"FAIL: kvforge serve exited with {server.wait()} before serving")
+        return 1
+    threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()  # drain its log
+    process = psutil.Process(server.pid)
+    counts: Counter[str] = Counter()
+    failures: list[str] = []
+    lock = threading.Lock()
+    health: list[float] = []
+    rss_peak = [0]
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=base, timeout=10) as client:
+            while not stop.is_set():
+                began = time.monotonic()
+                try:
+                    ok = client.get("/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                elapsed = time.monotonic() - began
+                with lock:
+                    health.append(elapsed if ok else float("inf"))
+                    rss_peak[0] = max(rss_peak[0], process.memory_info().rss)
+                stop.wait(0.2)
+
+    def note(kind: str, problem: str | None = None) -> None:
+        with lock:
+            counts[kind] += 1
+            if problem is not None:
+                failures.append(f"{kind}: {problem}")
+
+    def one(client: httpx.Client, rng: random.Random) -> None:
+        roll = rng.random()
+        job = rng.choice(jobs)
+        path = "/v1/chat/completions" if job["kind"] == "chat" else "/v1/completions"
+        try:
+            if roll < 0.45:  # good, not streamed
+                response = client.post(path, json=job["body"])
+                got = text_of(response, job["kind"]) if response.status_code == 200 else response.text
+                note("good", None if got == job["want"] else f"{job['body']} -> {got!r}, alone {job['want']!r}")
+            elif roll < 0.65:  # good, streamed
+                got = streamed_text(client, path, job["body"], job["kind"])
+                note("good streamed", None if got == job["want"] else f"{job['body']} -> {got!r}, alone {job['want']!r}")
+            elif roll < 0.82:  # bad body: a 4xx JSON error
+                what, bad_path, body, headers = rng.choice(BAD)
+                response = client.post(bad_path, content=body, headers=headers)
+                shaped = response.headers.get("content-type", "").startswith("application/json") \
+                    and "error" in response.json()
+                note("bad", None if 400 <= response.status_code < 500 and shaped else
+                     f"{what}: {response.status_code} {response.text[:200]}")
+            elif roll < 0.92:  # stream cancelled after two chunks
+                with client.stream("POST", path, json={**job["body"], "stream": True, "max_tokens": 60}) as response:
+                    for n, _ in enumerate(response.iter_lines()):
+                        if n >= 2:
+                            break
+                note("cancelled stream")
+            else:  # a non-streaming client that gives up after 50 ms
+                try:
+                    client.post(path, json={**job["body"], "max_tokens": 60}, timeout=0.05)
+                    note("disconnected (finished first)")
+                except httpx.TimeoutException:
+                    note("disconnected")
+        except Exception as err:  # noqa: BLE001 (a transport error, a body that is not JSON ...: a failure)
+            note("client error", f"{type(err).__name__}: {err}")
+
+    def client_thread(index: int, count: int) -> None:
+        rng = random.Random(args.seed * 1000 + index)
+        with httpx.Client(base_url=base, timeout=120) as client:
+            for _ in range(count):
+                one(client, rng)
+
+    try:
+        with httpx.Client(base_url=base, timeout=120) as client:  # warm-up: every good request once or more
+            for i in range(args.warmup):
+                job = jobs[i % len(jobs)]
+                client.post("/v1/chat/completions" if job["kind"] == "chat" else "/v1/completions", json=job["body"])
+        time.sleep(1)
+        rss_start = process.memory_info().rss
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        began = time.monotonic()
+        per_client = [args.requests // args.clients + (i < args.requests % args.clients) for i in range(args.clients)]
+        threads = [threading.Thread(target=client_thread, args=(i, n)) for i, n in enumerate(per_client)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.monotonic() - began
+        time.sleep(2)  # let cancelled rows finish and the allocator settle
+        rss_end = process.memory_info().rss
+        stop.set()
+        prober.join()
+        alive = server.poll() is None and httpx.get(f"{base}/health", timeout=5).status_code == 200
+    finally:
+        stop.set()
+        server.terminate()
+        code = server.wait(timeout=30)
+
+    growth_mb = (rss_end - rss_start) / 1e6
+    worst = max(health) if health else float("inf")
+    total = sum(counts.values())
+    print(f"requests: {total} in {seconds:.1f} s from {args.clients} clients: " +
+          ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    good = counts["good"] + counts["good streamed"]
+    wrong = sum(f.startswith("good") for f in failures)
+    print(f"good answers equal to their solo output: {good - wrong}/{good}")
+    print(f"server RSS: {rss_start / 1e6:.1f} MB after warm-up, {rss_end / 1e6:.1f} MB at the end "
+          f"({growth_mb:+.1f} MB; peak {rss_peak[0] / 1e6:.1f} MB)")
+    print(f"/health: {len(health)} probes, worst {worst * 1e3:.0f} ms, median "
+          f"{sorted(health)[len(health) // 2] * 1e3:.0f} ms")
+    print(f"server alive at the end: {alive}; exit code on SIGTERM: {code}")
+    for failure in failures[:20]:
+        print(f"  FAILED {failure}")
+    passed = (not failures and abs(growth_mb) <= RSS_LIMIT_MB and worst <= HEALTH_LIMIT_S and alive and code == 0
+              and total == args.requests)
+    print("PASS" if passed else "FAIL")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
