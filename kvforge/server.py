@@ -21,8 +21,6 @@ send one without a CORS preflight.
 # at runtime, and they are imported inside create_app.
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import signal
 import socket
@@ -34,6 +32,23 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, QueueFullError
+from kvforge.server_guard import (  # noqa: F401  (re-exported: kvforge.server's API)
+    COMMON_FIELDS,
+    DEFAULT_MAX_BODY_BYTES,
+    DRAIN_BYTES,
+    FIELDS,
+    LOOPBACK_HOSTS,
+    ApiError,
+    Guard,
+    allowed_hosts_for,
+    check_api_key,
+    check_fields,
+    message_content,
+    number_field,
+    valid_text,
+)
+
+NON_STREAM_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 
 
 def _require():
@@ -42,230 +57,6 @@ def _require():
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise BackendUnavailableError("kvforge serve needs FastAPI and uvicorn: pip install 'kvforge[serve]'") from err
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        # A lone surrogate echoed from the request would make the JSON response itself fail to encode.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-
-DEFAULT_MAX_BODY_BYTES = 2 << 20  # a 2 MiB JSON body holds far more text than any context window
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
-NON_STREAM_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
-
-# OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
-_COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-           "user", "stream_options"}
-FIELDS = {"text": _COMMON | {"prompt"}, "chat": _COMMON | {"messages"}}
-# Parameters it does not implement, accepted only with the value that changes nothing (or null),
-# so that a client asking for them learns that it does not get them.
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
-    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
-    "response_format": ({"type": "text"},),
-}
-
-
-def _number(body: dict, name: str, default: Any, kind: type, low: float | None = None, high: float | None = None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {value!r}", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value!r}", param=name)
-    return kind(value)
-
-
-def _check_fields(body: dict[str, Any], kind: str) -> None:
-    """400 for a parameter the server would otherwise ignore (honest API: README lists them)."""
-    for key, value in body.items():
-        if key in FIELDS[kind] or value is None:
-            continue
-        if key in NEUTRAL:
-            if any(type(value) is type(n) and value == n for n in NEUTRAL[key]):
-                continue
-            raise ApiError(400, f"'{key}' is not supported by this server (it would be ignored); leave it out or "
-                                f"set it to {NEUTRAL[key][0]!r}", param=key, code="unsupported_parameter")
-        raise ApiError(400, f"unknown or unsupported parameter {key!r}; this server takes "
-                            f"{', '.join(sorted(FIELDS[kind]))}", param=key, code="unsupported_parameter")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise ApiError(400, "'stream_options' may only hold 'include_usage' (true or false); the usage is sent "
-                            "on the last chunk", param="stream_options")
-
-
-def _valid_text(text: str, where: str, param: str) -> str:
-    """`text`, or a 400 for a lone surrogate (JSON's "\\udce9" escape alone), which is not Unicode text
-    and which the tokenizer cannot take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise ApiError(400, f"{where} holds {text[err.start:err.end]!r} at character {err.start}, a lone surrogate, "
-                            "which is not Unicode text; send valid UTF-8 (a \\ud800-\\udbff escape must be followed "
-                            "by a \\udc00-\\udfff one)", param=param) from None
-    return text
-
-
-def _message_content(content: Any, i: int) -> Any:
-    """OpenAI's content forms: a str, or a list of parts of which only text parts are taken
-    (joined by newlines); other parts are refused by name."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:80]
-            raise ApiError(400, f"messages[{i}].content[{j}] is a {shown} part; this server takes text parts only "
-                                "({'type': 'text', 'text': ...})", param="messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-class _Guard:
-    """ASGI middleware run before FastAPI sees a request: Host check (DNS rebinding), API key
-    (constant-time), and for POSTs the content type and a body read up to `max_body_bytes` (413
-    beyond it, before the rest arrives)."""
-
-    OPEN_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
-
-    def __init__(self, app: Any, api_key: str | None, allowed_hosts: frozenset[str] | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
-        self.allowed_hosts = allowed_hosts
-        self.max_body_bytes = max_body_bytes
-
-    def _host_ok(self, value: str) -> bool:
-        assert self.allowed_hosts is not None
-        if "*" in self.allowed_hosts:
-            return True
-        name = value.strip().lower()
-        if name.startswith("["):
-            name = name[1:name.find("]")] if "]" in name else name
-        elif name.count(":") == 1:
-            name = name.split(":")[0]
-        name = name.rstrip(".")
-        if name in self.allowed_hosts:
-            return True
-        if "*ip" in self.allowed_hosts:  # bound to a wildcard address: any IP literal (not a rebindable name)
-            with contextlib.suppress(ValueError):
-                ipaddress.ip_address(name)
-                return True
-        return False
-
-    @staticmethod
-    async def _drain(receive: Callable, size: int) -> bool:
-        """Read and drop the rest of an oversize body (up to DRAIN_BYTES, for at most 5 s), so that
-        the 413 reaches the client: closing a socket with unread data resets the connection and the
-        client may see that instead. False if the client went away."""
-        import anyio
-
-        with anyio.move_on_after(5):
-            while size <= DRAIN_BYTES:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return False
-                size += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    break
-        return True
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        from starlette.responses import JSONResponse
-
-        headers = {k.decode("latin-1"): v for k, v in scope.get("headers", [])}
-
-        async def refuse(err: ApiError) -> None:
-            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
-
-        host = headers.get("host")
-        if self.allowed_hosts is not None and host is not None and not self._host_ok(host.decode("latin-1")):
-            shown = host.decode("latin-1")[:100]
-            return await refuse(ApiError(
-                421, f"this server does not answer for Host {shown!r} (a page on another site may be trying to "
-                     f"reach it); use http://127.0.0.1, or, if that name is yours, start the server with "
-                     f"--allow-host {shown.split(':')[0]}",
-                code="host_not_allowed"))
-        if self.expected is not None and scope["path"] not in self.OPEN_PATHS:
-            if not hmac.compare_digest(headers.get("authorization", b""), self.expected):
-                return await refuse(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                             kind="authentication_error", code="invalid_api_key"))
-        if scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        ctype = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            return await refuse(ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
-                                              f"{ctype or 'no content type'!r})", code="unsupported_media_type"))
-        too_big = ApiError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes "
-                                "(kvforge serve --max-body-bytes); send a shorter prompt", code="request_too_large")
-        length = headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return await refuse(ApiError(400, "the Content-Length header is not a number"))
-            if int(length) > self.max_body_bytes:
-                if int(length) <= DRAIN_BYTES and not await self._drain(receive, 0):
-                    return None
-                return await refuse(too_big)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                if message.get("more_body", False) and not await self._drain(receive, size):
-                    return None
-                return await refuse(too_big)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay() -> dict:  # the body once, then the client's own messages (disconnect)
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
-def check_api_key(api_key: str | None) -> None:
-    """Refuse a key no client could ever send (every request would then be a 401)."""
-    if api_key is None:
-        return
-    if api_key == "" or api_key != api_key.strip():
-        raise InputError("--api-key is empty or has spaces around it, so no 'Authorization: Bearer KEY' header "
-                         "could match it; pass the key without surrounding whitespace")
-    if not (api_key.isascii() and api_key.isprintable()):
-        raise InputError("--api-key must be printable ASCII (HTTP headers carry no other text), so this one could "
-                         "never match; choose another key")
-
-
-def allowed_hosts_for(host: str, extra: Iterable[str] = ()) -> frozenset[str]:
-    """The Host names a server bound to `host` answers: loopback names, the bound address, and
-    `extra` (`--allow-host`; `*` allows all); bound to a wildcard address, also any IP literal and
-    this machine's names."""
-    names = {*LOOPBACK_HOSTS, host.strip("[]").lower(), *(h.strip().lower().rstrip(".") for h in extra)}
-    if host in ("0.0.0.0", "::", ""):
-        names |= {"*ip", socket.gethostname().lower(), socket.getfqdn().lower()}
-    return frozenset(names)
 
 
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,
@@ -321,7 +112,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     app.state.scheduler = scheduler
     app.state.generator = generator
     app.state.renderer = renderer
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        allowed_hosts=None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts))
 
     @app.exception_handler(ApiError)
@@ -377,9 +168,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
 
     def _generation_request(body: dict, prompt_ids: list[int], default_max: int) -> GenerationRequest:
         """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
-        max_tokens = _number(body, "max_tokens", None, int, 1, capacity)
+        max_tokens = number_field(body, "max_tokens", None, int, 1, capacity)
         if max_tokens is None:
-            max_tokens = _number(body, "max_completion_tokens", default_max, int, 1, capacity)
+            max_tokens = number_field(body, "max_completion_tokens", default_max, int, 1, capacity)
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -387,11 +178,11 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                                  or not all(isinstance(s, str) and s for s in stop)):
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
         for s in stop or []:
-            _valid_text(s, "'stop'", "stop")
-        temperature = _number(body, "temperature", None, float, 0.0, 2.0)
-        top_p = _number(body, "top_p", None, float, 0.0, 1.0)
-        seed = _number(body, "seed", None, int, 0, 2**63 - 1)
-        if _number(body, "n", 1, int) != 1:
+            valid_text(s, "'stop'", "stop")
+        temperature = number_field(body, "temperature", None, float, 0.0, 2.0)
+        top_p = number_field(body, "top_p", None, float, 0.0, 1.0)
+        seed = number_field(body, "seed", None, int, 0, 2**63 - 1)
+        if number_field(body, "n", 1, int) != 1:
             raise ApiError(400, f"only n=1 is supported (one choice per request), got {body.get('n')!r}", param="n")
         # OpenAI's temperature 0 is greedy decoding (top_p and seed then do nothing).
         sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
@@ -410,13 +201,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     def _prepare_completion(raw: bytes) -> tuple[GenerationRequest, bool]:
         """Parse, check and tokenize a completion request (in a worker thread, off the event loop)."""
         body = _parse(raw)
-        _check_fields(body, "text")
+        check_fields(body, "text")
         stream = _stream_flag(body)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             if tokenizer is None:
                 raise ApiError(400, "this export has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-            ids = _encode(_valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
+            ids = _encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if len(prompt) > capacity:
                 raise _too_long("the prompt", f"{len(prompt)} tokens")
@@ -428,14 +219,14 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool]:
         """Parse, check, render (in the template's child process) and tokenize a chat request."""
         body = _parse(raw)
-        _check_fields(body, "chat")
+        check_fields(body, "chat")
         stream = _stream_flag(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
         if renderer is None:
             raise ApiError(400, str(template_error), param="messages")
-        messages = [dict(m, content=_message_content(m.get("content"), i)) if isinstance(m, dict) else m
+        messages = [dict(m, content=message_content(m.get("content"), i)) if isinstance(m, dict) else m
                     for i, m in enumerate(messages)]
         try:
             checked = check_messages(messages)
@@ -444,7 +235,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         chars = 0
         for i, message in enumerate(checked):
             for key in ("role", "content"):
-                _valid_text(message[key], f"messages[{i}].{key}", "messages")
+                valid_text(message[key], f"messages[{i}].{key}", "messages")
             chars += len(message["content"])
         if chars > max_prompt_chars:
             raise _too_long("the conversation", f"{chars} characters")
@@ -452,7 +243,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             text = renderer.render(checked)
         except InputError as err:
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
-        ids = _encode(_valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
+        ids = _encode(valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
         return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream
 
