@@ -47,6 +47,7 @@ from kvforge.server_guard import (  # noqa: F401  (re-exported: kvforge.server's
     check_fields,
     message_content,
     number_field,
+    response_format_grammar,
     valid_text,
 )
 
@@ -79,6 +80,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from kvforge.runtime import GenerationRequest, Generator
     from kvforge.runtime.chat import check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
+    from kvforge.runtime.constraint import compiler_for
     from kvforge.runtime.request import FinishReason, openai_finish_reason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
     from kvforge.server_metrics import RequestTrace, ServerMetrics
@@ -201,8 +203,14 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         # OpenAI's temperature 0 is greedy decoding (top_p and seed then do nothing).
         sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
                                     {"temperature": temperature, "top_p": top_p, "seed": seed})
+        grammar = response_format_grammar(body.get("response_format"))
+        if grammar is not None:
+            try:  # compiled here, off the event loop; the scheduler's rows then copy the cached result
+                compiler_for(generator).compile(grammar)
+            except InputError as err:
+                raise ApiError(400, str(err), param="response_format") from err
         try:
-            return generator.request(prompt_ids, max_tokens, stop=stop, **sampling)
+            return generator.request(prompt_ids, max_tokens, stop=stop, grammar=grammar, **sampling)
         except InputError as err:
             raise ApiError(400, str(err)) from err
 

@@ -62,6 +62,33 @@ def test_real_model_answers_through_its_chat_template(real) -> None:
     assert streamed == result.text[0]
 
 
+def test_real_model_answers_a_pydantic_schema_every_time(real) -> None:
+    # Constrained decoding (runtime/constraint.py): greedy and sampled answers all parse as the model.
+    from typing import Literal
+
+    import pydantic
+
+    from kvforge.runtime import Grammar
+
+    class City(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        city: str = pydantic.Field(max_length=40)
+        country: str = pydantic.Field(max_length=40)
+        continent: Literal["Africa", "Asia", "Europe", "North America", "Oceania", "South America"]
+        population_millions: int = pydantic.Field(ge=0, le=100)
+
+    gen = Generator(real["ort"])
+    runs = [(q, {"greedy": True}) for q in ("Describe Paris.", "Tell me about Tokyo.", "Which city is Nairobi?")]
+    runs += [("Describe Paris.", {"temperature": 0.8, "seed": seed}) for seed in range(2)]
+    for question, sampling in runs:
+        result = gen.chat(f"{question} Answer in JSON.", max_new_tokens=80, grammar=Grammar.json_schema(City),
+                          **sampling)
+        assert result.finish_reason == ["eos"], result.text
+        City.model_validate_json(result.text[0])
+    assert City.model_validate_json(gen.chat("Describe Paris. Answer in JSON.", max_new_tokens=80, greedy=True,
+                                             grammar=Grammar.json_schema(City)).text[0]).city == "Paris"
+
+
 def test_the_export_says_what_its_time_covers_and_the_conversion_is_shown(real) -> None:
     messages = real["messages"]
     assert any(m.startswith("converting SmolLM2-135M-Instruct") for m in messages)  # the slow step is shown
