@@ -76,6 +76,14 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
     from kvforge.runtime.request import FinishReason, openai_finish_reason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
+    from kvforge.runtime.tool_calls import (
+        DeltaStream,
+        ToolRequest,
+        answer_message,
+        check_tool_support,
+        detect_format,
+        tool_request,
+    )
 
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
@@ -100,6 +108,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         template, template_error = None, err
     renderer = (IsolatedRenderer(template, seconds=template_seconds or RENDER_SECONDS).start()
                 if template is not None else None)
+    # How the template writes tool calls (None: it takes no tools, or kvforge does not parse its format).
+    tool_format = detect_format(template.text, renderer.render) if renderer is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -216,7 +226,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
         return _generation_request(body, ids, 16), stream  # OpenAI's completions default: 16 tokens
 
-    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool]:
+    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool, ToolRequest | None]:
         """Parse, check, render (in the template's child process) and tokenize a chat request."""
         body = _parse(raw)
         check_fields(body, "chat")
@@ -232,6 +242,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             checked = check_messages(messages)
         except InputError as err:
             raise ApiError(400, str(err), param="messages") from err
+        try:
+            tools = tool_request(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                                 template.text, tool_format, template.source)
+            if any("tool_calls" in m for m in checked):  # a template that ignores them would drop them
+                check_tool_support(template.text, tool_format, template.source)
+        except InputError as err:
+            raise ApiError(400, str(err), param="tools") from err
         chars = 0
         for i, message in enumerate(checked):
             for key in ("role", "content"):
@@ -240,18 +257,19 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         if chars > max_prompt_chars:
             raise _too_long("the conversation", f"{chars} characters")
         try:
-            text = renderer.render(checked)
+            text = renderer.render(checked, True, tools.template_tools if tools is not None else None)
         except InputError as err:
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
         ids = _encode(valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream
+        return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream, tools
 
     async def _prepare(request: Request, prepare: Callable[[bytes], Any]) -> Any:
         raw = await request.body()
         return await asyncio.to_thread(prepare, raw)
 
-    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, rid: str):
+    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, rid: str,
+                   tools: ToolRequest | None = None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
@@ -265,9 +283,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         except KvforgeError as err:
             raise ApiError(503, str(err), kind="server_error") from err
 
-        def chunk(text: str, reason: str | None) -> dict[str, Any]:
+        def chunk(text: str, reason: str | None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
             if kind == "chat":
-                delta = {"content": text} if text else {}
+                delta = delta if delta is not None else {"content": text} if text else {}
                 return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
                         "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
@@ -278,6 +296,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                     "total_tokens": done.prompt_tokens + done.completion_tokens,
                     "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
+        deltas = DeltaStream(tools) if tools is not None else None  # content and whole tool calls
         if stream:
             async def sse():
                 if kind == "chat":
@@ -288,12 +307,16 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                     while True:
                         event = await events.get()
                         if isinstance(event, Delta):  # one chunk per token, text "" while held back
-                            yield f"data: {json.dumps(chunk(event.text, None))}\n\n"
+                            for delta in deltas.feed(event.text) if deltas is not None else [None]:
+                                yield f"data: {json.dumps(chunk(event.text, None, delta))}\n\n"
                             continue
                         if event.finish_reason == FinishReason.ERROR:
                             yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
                         else:
-                            last = chunk("", openai_finish_reason(event.finish_reason))
+                            for delta in deltas.finish() if deltas is not None else []:
+                                yield f"data: {json.dumps(chunk('', None, delta))}\n\n"
+                            called = deltas is not None and deltas.calls > 0
+                            last = chunk("", "tool_calls" if called else openai_finish_reason(event.finish_reason))
                             last["usage"] = usage(event)
                             yield f"data: {json.dumps(last)}\n\n"
                         yield "data: [DONE]\n\n"
@@ -331,7 +354,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(500, event.error or "generation failed", kind="server_error")
         text = "".join(parts)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": openai_finish_reason(event.finish_reason)}
+            message, called = answer_message(text, tools)
+            reason = "tool_calls" if called else openai_finish_reason(event.finish_reason)
+            choice = {"index": 0, "message": message, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": openai_finish_reason(event.finish_reason), "logprobs": None}
@@ -346,8 +371,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        generation, stream = await _prepare(request, _prepare_chat)
-        return await _run(request, generation, stream, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        generation, stream, tools = await _prepare(request, _prepare_chat)
+        return await _run(request, generation, stream, "chat", f"chatcmpl-{uuid.uuid4().hex}", tools)
 
     @app.get("/v1/models")
     async def models():
