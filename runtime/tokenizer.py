@@ -44,6 +44,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for llguidance's token masks, runtime/constraint.py)."""
+        return self._tok.to_str()
+
     def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
 
