@@ -176,7 +176,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise _too_long(what, f"{len(ids)} tokens")
         return ids
 
-    def _generation_request(body: dict, prompt_ids: list[int], default_max: int) -> GenerationRequest:
+    def _generation_request(body: dict, prompt_ids: list[int], default_max: int,
+                            constraint: Any = None) -> GenerationRequest:
         """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
         max_tokens = number_field(body, "max_tokens", None, int, 1, capacity)
         if max_tokens is None:
@@ -198,6 +199,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
                                     {"temperature": temperature, "top_p": top_p, "seed": seed})
         try:
+            if constraint is not None:  # a Grammar (runtime/constraint.py) the answer must match
+                sampling["grammar"] = constraint
             return generator.request(prompt_ids, max_tokens, stop=stop, **sampling)
         except InputError as err:
             raise ApiError(400, str(err)) from err
@@ -261,8 +264,22 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         except InputError as err:
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
         ids = _encode(valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
+        constraint = _tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream, tools
+        return _generation_request(body, ids, max(1, capacity - len(ids) + 1), constraint), stream, tools
+
+    def _tool_grammar(tools: ToolRequest | None) -> Any:
+        """The grammar forcing a call (tool_choice "required" or a named function), compiled now so
+        that parameters no grammar can be made of are a 400 with llguidance's message."""
+        try:
+            constraint = tools.grammar() if tools is not None else None
+            if constraint is not None:
+                from kvforge.runtime.constraint import compiler_for
+
+                compiler_for(generator).compile(constraint)
+        except InputError as err:
+            raise ApiError(400, f"the tools' parameters cannot be enforced: {err}", param="tools") from err
+        return constraint
 
     async def _prepare(request: Request, prepare: Callable[[bytes], Any]) -> Any:
         raw = await request.body()
