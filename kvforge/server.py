@@ -62,17 +62,19 @@ def _require():
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,
                api_key: str | None = None, model_name: str | None = None, prefill_chunk: int = 128,
                max_queue: int = 64, threads: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: Iterable[str] | None = None, template_seconds: float | None = None):
+               allowed_hosts: Iterable[str] | None = None, template_seconds: float | None = None,
+               chat_template: str | Path | None = None):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps).
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
-    `template_seconds`: the time one chat-template rendering may take."""
+    `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
+    (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used instead of the export's."""
     _require()
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.chat import check_messages
+    from kvforge.runtime.chat import chat_template_override, check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
     from kvforge.runtime.request import FinishReason, openai_finish_reason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
@@ -90,6 +92,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
     options = {"threads": threads} if threads is not None else {}
     generator = Generator(export_dir, **options)
+    # A template given in place of the export's: one that cannot be read fails the start.
+    override = (chat_template_override(chat_template, generator.folder, generator.manifest)
+                if chat_template is not None else None)
     scheduler = Scheduler(generator, max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                           max_queue=max_queue).start()
     name = model_name or Path(export_dir).resolve().name
@@ -103,7 +108,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     max_prompt_chars = capacity * max(longest, 1) * 2 + 1024
     template_error: KvforgeError | None = None
     try:
-        template = generator.chat_template
+        template = generator.chat_template if override is None or tokenizer is None else override
     except KvforgeError as err:  # no template (or a broken one): chat requests get this message
         template, template_error = None, err
     renderer = (IsolatedRenderer(template, seconds=template_seconds or RENDER_SECONDS).start()

@@ -91,6 +91,24 @@ def read_chat_template(folder: Path, manifest: dict[str, Any]) -> ChatTemplate |
     return None if template is None else ChatTemplate(template, specials, source)
 
 
+BUILTIN_TEMPLATES = ("chatml-tools",)  # kvforge/data/<name>.jinja
+
+
+def chat_template_override(name: str | Path, folder: Path, manifest: dict[str, Any]) -> ChatTemplate:
+    """A chat template given instead of the export's (`kvforge serve --chat-template`): the name of
+    one kvforge ships (BUILTIN_TEMPLATES) or a UTF-8 file, with the export's special tokens."""
+    from importlib.resources import files
+
+    path = Path(str(files("kvforge") / "data" / f"{name}.jinja")) if str(name) in BUILTIN_TEMPLATES else Path(name)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"cannot read the chat template {name} ({getattr(err, 'strerror', None) or err}); give a "
+                         f"UTF-8 Jinja file or one of {', '.join(BUILTIN_TEMPLATES)}") from None
+    _, specials, _ = _load(Path(folder), manifest)
+    return ChatTemplate(text, specials, f"the chat template {name}")
+
+
 def load_chat_template(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
     """The export's chat template (or None) and the special tokens a template may refer to."""
     template, specials, _ = _load(Path(folder), manifest)

@@ -1,7 +1,8 @@
 """Tool calling: the Hermes and Llama 3.1 JSON parsers (whole and streamed), the template checks and
 format detection, the grammar that forces a call, and `kvforge serve` through the real `openai`
-client: a call -> tool message -> answer round trip on a tiny export given a Qwen2.5-style
-template (tests/tool_template.jinja), streamed calls equal to non-streamed ones, and 400s."""
+client: a call -> tool message -> answer round trip on a tiny export served with kvforge's
+Qwen2.5-style ChatML template with tools (kvforge/data/chatml-tools.jinja), streamed calls equal to
+non-streamed ones, and 400s."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from kvforge.runtime.tool_calls import (
     tool_request,
 )
 
-TOOL_TEMPLATE = (Path(__file__).parent / "tool_template.jinja").read_text()
+TOOL_TEMPLATE = (Path(__file__).parents[1] / "kvforge" / "data" / "chatml-tools.jinja").read_text()
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}assistant:{% endif %}")
 # A Llama-3.1-style template (written here): calls as {"name": ..., "parameters": ...} JSON.
@@ -252,8 +253,8 @@ def _install_template(source: Path, folder: Path, template: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tool_export(exported, tmp_path_factory) -> Path:
-    return _install_template(exported("llama-tiny"), tmp_path_factory.mktemp("tools") / "export", TOOL_TEMPLATE)
+def tool_export(exported) -> Path:
+    return exported("llama-tiny")  # no template of its own: served with --chat-template chatml-tools
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +267,8 @@ def server(tool_export):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(tool_export, max_batch=2, max_seq_len=1024, model_name="tiny", prefill_chunk=64)
+    app = create_app(tool_export, max_batch=2, max_seq_len=1024, model_name="tiny", prefill_chunk=64,
+                     chat_template="chatml-tools")
     runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
@@ -397,7 +399,7 @@ def test_tool_requests_refused_with_a_clear_400(server, exported, tmp_path) -> N
             assert response.status_code == 400, body
             assert message in response.json()["error"]["message"], response.json()
 
-    # An export whose template takes no tools: tools, or a conversation with tool calls, is a 400.
+    # An export whose own template takes no tools: tools, or a conversation with tool calls, is a 400.
     from fastapi.testclient import TestClient
 
     plain = _install_template(exported("llama-tiny"), tmp_path / "plain", PLAIN_TEMPLATE)
@@ -409,3 +411,13 @@ def test_tool_requests_refused_with_a_clear_400(server, exported, tmp_path) -> N
             {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]})
         assert response.status_code == 400 and "does not support tools" in response.json()["error"]["message"]
         assert post(client, {"tools": [], "tool_choice": "none"}).status_code == 200  # neutral values
+
+
+def test_a_chat_template_that_cannot_be_read_fails_the_start(exported, tmp_path) -> None:
+    pytest.importorskip("fastapi")
+    from kvforge.server import create_app
+
+    (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9")
+    for name in (tmp_path / "missing.jinja", tmp_path / "latin1.jinja"):
+        with pytest.raises(InputError, match="cannot read the chat template"):
+            create_app(exported("llama-tiny"), max_batch=1, max_seq_len=64, chat_template=name)
