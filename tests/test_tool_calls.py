@@ -413,6 +413,18 @@ def test_tool_requests_refused_with_a_clear_400(server, exported, tmp_path) -> N
         assert post(client, {"tools": [], "tool_choice": "none"}).status_code == 200  # neutral values
 
 
+def test_generator_chat_ids_render_tools(exported, tmp_path) -> None:
+    from kvforge.runtime import Generator
+
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    generator = Generator(_install_template(exported("llama-tiny"), tmp_path / "tools", TOOL_TEMPLATE))
+    text = ChatTemplate(TOOL_TEMPLATE).render(check_messages(messages), True, TOOLS)
+    assert generator.chat_ids(messages, tools=TOOLS) == generator.tokenizer.encode(text, add_special_tokens=False)
+    plain = Generator(_install_template(exported("llama-tiny"), tmp_path / "plain", PLAIN_TEMPLATE))
+    with pytest.raises(InputError, match="does not support tools"):
+        plain.chat_ids(messages, tools=TOOLS)
+
+
 def test_a_chat_template_that_cannot_be_read_fails_the_start(exported, tmp_path) -> None:
     pytest.importorskip("fastapi")
     from kvforge.server import create_app
