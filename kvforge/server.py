@@ -45,6 +45,7 @@ from kvforge.server_guard import (  # noqa: F401  (re-exported: kvforge.server's
     check_fields,
     message_content,
     number_field,
+    response_format_grammar,
     valid_text,
 )
 
@@ -76,6 +77,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from kvforge.runtime import GenerationRequest, Generator
     from kvforge.runtime.chat import chat_template_override, check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
+    from kvforge.runtime.constraint import compiler_for
     from kvforge.runtime.request import FinishReason, openai_finish_reason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
     from kvforge.runtime.tool_calls import (
@@ -203,10 +205,19 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         # OpenAI's temperature 0 is greedy decoding (top_p and seed then do nothing).
         sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
                                     {"temperature": temperature, "top_p": top_p, "seed": seed})
+        grammar = response_format_grammar(body.get("response_format"))
+        if grammar is not None:
+            try:  # compiled here, off the event loop; the scheduler's rows then copy the cached result
+                compiler_for(generator).compile(grammar)
+            except InputError as err:
+                raise ApiError(400, str(err), param="response_format") from err
+        if constraint is not None:  # the grammar of a forced tool call
+            if grammar is not None:
+                raise ApiError(400, "'response_format' cannot be combined with a forced tool call (tool_choice "
+                                    "'required' or a named function): the answer is the call", param="response_format")
+            grammar = constraint
         try:
-            if constraint is not None:  # a Grammar (runtime/constraint.py) the answer must match
-                sampling["grammar"] = constraint
-            return generator.request(prompt_ids, max_tokens, stop=stop, **sampling)
+            return generator.request(prompt_ids, max_tokens, stop=stop, grammar=grammar, **sampling)
         except InputError as err:
             raise ApiError(400, str(err)) from err
 
@@ -279,8 +290,6 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         try:
             constraint = tools.grammar() if tools is not None else None
             if constraint is not None:
-                from kvforge.runtime.constraint import compiler_for
-
                 compiler_for(generator).compile(constraint)
         except InputError as err:
             raise ApiError(400, f"the tools' parameters cannot be enforced: {err}", param="tools") from err

@@ -31,7 +31,7 @@ DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped)
 
 # OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
 COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-           "user", "stream_options"}
+           "user", "stream_options", "response_format"}
 FIELDS = {"text": COMMON_FIELDS | {"prompt"},
           "chat": COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}}
 # Parameters it does not implement, accepted only with the value that changes nothing (or null),
@@ -40,7 +40,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
     "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
-    "response_format": ({"type": "text"},),
 }
 
 
@@ -72,6 +71,48 @@ def check_fields(body: dict[str, Any], kind: str) -> None:
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise ApiError(400, "'stream_options' may only hold 'include_usage' (true or false); the usage is sent "
                             "on the last chunk", param="stream_options")
+
+
+def response_format_grammar(value: Any) -> Any:
+    """The Grammar (runtime/constraint.py) a `response_format` asks for, or None for plain text.
+    OpenAI's {"type": "text"}, {"type": "json_object"} and {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}, and kvforge's {"type": "regex", "regex": ...} and
+    {"type": "lark", "grammar": ...}. Only the shape is checked here; compiling it is the caller's."""
+    from kvforge.runtime.constraint import Grammar
+
+    def bad(message: str) -> ApiError:
+        return ApiError(400, f"'response_format' {message}", param="response_format")
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad(f"must be an object with a 'type', got {value!r}"[:300])
+    kind = value["type"]
+    fields = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",), "lark": ("grammar",)}
+    if kind not in fields:
+        raise bad(f"type must be one of {', '.join(fields)}; got {kind!r}")
+    extra = set(value) - {"type", *fields[kind]}
+    if extra:
+        raise bad(f"of type {kind!r} takes {['type', *fields[kind]]}, not {sorted(extra)}")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Grammar.json_object()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise bad('of type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
+            extra = set(spec) - {"name", "schema", "strict", "description"}
+            if extra:
+                raise bad(f"json_schema takes name, schema, strict and description, not {sorted(extra)}")
+            return Grammar.json_schema(spec["schema"])
+        text = value.get(fields[kind][0])
+        if not isinstance(text, str):
+            raise bad(f'of type "{kind}" needs "{fields[kind][0]}" as a string')
+        return Grammar.regex(text) if kind == "regex" else Grammar.lark(text)
+    except InputError as err:
+        raise bad(f"is not usable: {err}") from None
 
 
 def valid_text(text: str, where: str, param: str) -> str:

@@ -1,6 +1,7 @@
 """kvforge runtime: run an export folder (prefill + decode over an in-place KV cache).
 
-Stands alone: imports neither torch, transformers nor onnx (only numpy, onnxruntime, tokenizers).
+Stands alone: imports neither torch, transformers nor onnx (only numpy, onnxruntime, tokenizers,
+llguidance).
 The names below are imported when first used, so `kvforge.runtime.backend` (the backend registry)
 can be read without loading ONNX Runtime.
 """
@@ -16,6 +17,7 @@ _LAZY = {
     "GenerationResult": "kvforge.runtime.decode_loop",
     "GenerationStream": "kvforge.runtime.decode_loop",
     "Generator": "kvforge.runtime.generator",
+    "Grammar": "kvforge.runtime.constraint",
     "SamplingConfig": "kvforge.runtime.sampling",
     "Speculation": "kvforge.runtime.request",
     "StepEvent": "kvforge.runtime.decode_loop",

@@ -9,6 +9,7 @@ conversion and export, and a server.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import socket
 import subprocess
@@ -81,6 +82,8 @@ def test_python_api_example(workdir) -> None:
     lines = result.stdout.splitlines()
     assert any("Paris" in line for line in lines)
     assert any(line.startswith("finished: ['") for line in lines)  # the reason on its own line
+    constrained = [line for line in lines if line.startswith('{"city": ')]
+    assert len(constrained) == 1 and set(json.loads(constrained[0])) == {"city", "country"}
     assert len(ast.literal_eval(lines[-1])[0]) == 8  # token ids out
 
 
@@ -109,6 +112,8 @@ def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
         assert '"object":"chat.completion"' in answer.stdout.replace(" ", "") and "Paris" in answer.stdout
         streamed = _run(readme_block("from openai import OpenAI"), workdir, python=True)
         assert streamed.stdout.strip(), "the openai example printed nothing"
+        structured = _run(readme_block("response_format=City"), workdir, python=True).stdout.splitlines()
+        assert structured[0].startswith("name=") and re.fullmatch(r"[a-z]{1,12}@example\.com", structured[-1])
     finally:
         server.terminate()
         server.wait(timeout=30)
