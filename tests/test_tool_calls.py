@@ -394,6 +394,8 @@ def test_tool_requests_refused_with_a_clear_400(server, exported, tmp_path) -> N
               "tool_choice": "required"}, "cannot be enforced"),
             ({"tools": "get_weather"}, "'tools' must be a non-empty list"),
             ({"tool_choice": "required"}, "needs 'tools'"),
+            ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+             "cannot be combined with a forced tool call"),
         ]:
             response = post(client, body)
             assert response.status_code == 400, body
