@@ -68,21 +68,31 @@ def _require():
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,
                api_key: str | None = None, model_name: str | None = None, prefill_chunk: int = 128,
                max_queue: int = 64, threads: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: Iterable[str] | None = None, template_seconds: float | None = None):
+               allowed_hosts: Iterable[str] | None = None, template_seconds: float | None = None,
+               chat_template: str | Path | None = None):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps).
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
-    `template_seconds`: the time one chat-template rendering may take."""
+    `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
+    (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used instead of the export's."""
     _require()
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.chat import check_messages
+    from kvforge.runtime.chat import chat_template_override, check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
     from kvforge.runtime.constraint import compiler_for
     from kvforge.runtime.request import FinishReason, openai_finish_reason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
+    from kvforge.runtime.tool_calls import (
+        DeltaStream,
+        ToolRequest,
+        answer_message,
+        check_tool_support,
+        detect_format,
+        tool_request,
+    )
     from kvforge.server_metrics import RequestTrace, ServerMetrics
 
     check_api_key(api_key)
@@ -90,6 +100,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
     options = {"threads": threads} if threads is not None else {}
     generator = Generator(export_dir, **options)
+    # A template given in place of the export's: one that cannot be read fails the start.
+    override = (chat_template_override(chat_template, generator.folder, generator.manifest)
+                if chat_template is not None else None)
     scheduler = Scheduler(generator, max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
                           max_queue=max_queue).start()
     name = model_name or Path(export_dir).resolve().name
@@ -103,11 +116,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     max_prompt_chars = capacity * max(longest, 1) * 2 + 1024
     template_error: KvforgeError | None = None
     try:
-        template = generator.chat_template
+        template = generator.chat_template if override is None or tokenizer is None else override
     except KvforgeError as err:  # no template (or a broken one): chat requests get this message
         template, template_error = None, err
     renderer = (IsolatedRenderer(template, seconds=template_seconds or RENDER_SECONDS).start()
                 if template is not None else None)
+    # How the template writes tool calls (None: it takes no tools, or kvforge does not parse its format).
+    tool_format = detect_format(template.text, renderer.render) if renderer is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -182,7 +197,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise _too_long(what, f"{len(ids)} tokens")
         return ids
 
-    def _generation_request(body: dict, prompt_ids: list[int], default_max: int) -> GenerationRequest:
+    def _generation_request(body: dict, prompt_ids: list[int], default_max: int,
+                            constraint: Any = None) -> GenerationRequest:
         """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
         max_tokens = number_field(body, "max_tokens", None, int, 1, capacity)
         if max_tokens is None:
@@ -209,6 +225,11 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                 compiler_for(generator).compile(grammar)
             except InputError as err:
                 raise ApiError(400, str(err), param="response_format") from err
+        if constraint is not None:  # the grammar of a forced tool call
+            if grammar is not None:
+                raise ApiError(400, "'response_format' cannot be combined with a forced tool call (tool_choice "
+                                    "'required' or a named function): the answer is the call", param="response_format")
+            grammar = constraint
         try:
             return generator.request(prompt_ids, max_tokens, stop=stop, grammar=grammar, **sampling)
         except InputError as err:
@@ -238,7 +259,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
         return _generation_request(body, ids, 16), stream  # OpenAI's completions default: 16 tokens
 
-    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool]:
+    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool, ToolRequest | None]:
         """Parse, check, render (in the template's child process) and tokenize a chat request."""
         body = _parse(raw)
         check_fields(body, "chat")
@@ -254,6 +275,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             checked = check_messages(messages)
         except InputError as err:
             raise ApiError(400, str(err), param="messages") from err
+        try:
+            tools = tool_request(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                                 template.text, tool_format, template.source)
+            if any("tool_calls" in m for m in checked):  # a template that ignores them would drop them
+                check_tool_support(template.text, tool_format, template.source)
+        except InputError as err:
+            raise ApiError(400, str(err), param="tools") from err
         chars = 0
         for i, message in enumerate(checked):
             for key in ("role", "content"):
@@ -262,18 +290,31 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         if chars > max_prompt_chars:
             raise _too_long("the conversation", f"{chars} characters")
         try:
-            text = renderer.render(checked)
+            text = renderer.render(checked, True, tools.template_tools if tools is not None else None)
         except InputError as err:
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
         ids = _encode(valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
+        constraint = _tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream
+        return _generation_request(body, ids, max(1, capacity - len(ids) + 1), constraint), stream, tools
+
+    def _tool_grammar(tools: ToolRequest | None) -> Any:
+        """The grammar forcing a call (tool_choice "required" or a named function), compiled now so
+        that parameters no grammar can be made of are a 400 with llguidance's message."""
+        try:
+            constraint = tools.grammar() if tools is not None else None
+            if constraint is not None:
+                compiler_for(generator).compile(constraint)
+        except InputError as err:
+            raise ApiError(400, f"the tools' parameters cannot be enforced: {err}", param="tools") from err
+        return constraint
 
     async def _prepare(request: Request, prepare: Callable[[bytes], Any]) -> Any:
         raw = await request.body()
         return await asyncio.to_thread(prepare, raw)
 
-    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, trace: RequestTrace):
+    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, trace: RequestTrace,
+                   tools: ToolRequest | None = None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         rid = trace.id
@@ -294,9 +335,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         except KvforgeError as err:
             raise ApiError(503, str(err), kind="server_error") from err
 
-        def chunk(text: str, reason: str | None) -> dict[str, Any]:
+        def chunk(text: str, reason: str | None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
             if kind == "chat":
-                delta = {"content": text} if text else {}
+                delta = delta if delta is not None else {"content": text} if text else {}
                 return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
                         "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
             return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
@@ -307,6 +348,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                     "total_tokens": done.prompt_tokens + done.completion_tokens,
                     "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
 
+        deltas = DeltaStream(tools) if tools is not None else None  # content and whole tool calls
         if stream:
             async def sse():
                 if kind == "chat":
@@ -317,12 +359,16 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                     while True:
                         event = await events.get()
                         if isinstance(event, Delta):  # one chunk per token, text "" while held back
-                            yield f"data: {json.dumps(chunk(event.text, None))}\n\n"
+                            for delta in deltas.feed(event.text) if deltas is not None else [None]:
+                                yield f"data: {json.dumps(chunk(event.text, None, delta))}\n\n"
                             continue
                         if event.finish_reason == FinishReason.ERROR:
                             yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
                         else:
-                            last = chunk("", openai_finish_reason(event.finish_reason))
+                            for delta in deltas.finish() if deltas is not None else []:
+                                yield f"data: {json.dumps(chunk('', None, delta))}\n\n"
+                            called = deltas is not None and deltas.calls > 0
+                            last = chunk("", "tool_calls" if called else openai_finish_reason(event.finish_reason))
                             last["usage"] = usage(event)
                             yield f"data: {json.dumps(last)}\n\n"
                         yield "data: [DONE]\n\n"
@@ -365,7 +411,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(500, event.error or "generation failed", kind="server_error")
         text = "".join(parts)
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": openai_finish_reason(event.finish_reason)}
+            message, called = answer_message(text, tools)
+            reason = "tool_calls" if called else openai_finish_reason(event.finish_reason)
+            choice = {"index": 0, "message": message, "finish_reason": reason}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": openai_finish_reason(event.finish_reason), "logprobs": None}
@@ -379,8 +427,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         trace = metrics.trace(path, f"{prefix}-{uuid.uuid4().hex}")
         request.state.request_id = trace.id
         try:
-            generation, stream = await _prepare(request, prepare)
-            response = await _run(request, generation, stream, kind, trace)
+            # (generation, stream) or, for chat, (generation, stream, tools)
+            generation, stream, *tools = await _prepare(request, prepare)
+            response = await _run(request, generation, stream, kind, trace, *tools)
         except ApiError as err:
             trace.refuse(err.status, err.message)  # a no-op when the request ran (500: already logged)
             raise

@@ -32,7 +32,8 @@ DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped)
 # OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
 COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
            "user", "stream_options", "response_format"}
-FIELDS = {"text": COMMON_FIELDS | {"prompt"}, "chat": COMMON_FIELDS | {"messages"}}
+FIELDS = {"text": COMMON_FIELDS | {"prompt"},
+          "chat": COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}}
 # Parameters it does not implement, accepted only with the value that changes nothing (or null),
 # so that a client asking for them learns that it does not get them.
 NEUTRAL: dict[str, tuple[Any, ...]] = {

@@ -57,8 +57,9 @@ class ChatTemplate:
     specials: dict[str, str] = field(default_factory=dict)
     source: str = "the chat template"
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return render(self.text, messages, self.specials, add_generation_prompt, name=self.source)
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        return render(self.text, messages, self.specials, add_generation_prompt, name=self.source, tools=tools)
 
 
 def _read_verified(folder: Path, name: str, manifest: dict[str, Any]) -> str | None:
@@ -88,6 +89,24 @@ def read_chat_template(folder: Path, manifest: dict[str, Any]) -> ChatTemplate |
     """The export's chat template, read and verified once (None if the export has none)."""
     template, specials, source = _load(Path(folder), manifest)
     return None if template is None else ChatTemplate(template, specials, source)
+
+
+BUILTIN_TEMPLATES = ("chatml-tools",)  # kvforge/data/<name>.jinja
+
+
+def chat_template_override(name: str | Path, folder: Path, manifest: dict[str, Any]) -> ChatTemplate:
+    """A chat template given instead of the export's (`kvforge serve --chat-template`): the name of
+    one kvforge ships (BUILTIN_TEMPLATES) or a UTF-8 file, with the export's special tokens."""
+    from importlib.resources import files
+
+    path = Path(str(files("kvforge") / "data" / f"{name}.jinja")) if str(name) in BUILTIN_TEMPLATES else Path(name)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"cannot read the chat template {name} ({getattr(err, 'strerror', None) or err}); give a "
+                         f"UTF-8 Jinja file or one of {', '.join(BUILTIN_TEMPLATES)}") from None
+    _, specials, _ = _load(Path(folder), manifest)
+    return ChatTemplate(text, specials, f"the chat template {name}")
 
 
 def load_chat_template(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
@@ -124,26 +143,68 @@ def _load(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str,
     return template, specials, where
 
 
-def check_messages(messages: Any) -> list[dict[str, str]]:
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as the template gets them: {role, content} with str content; an assistant message
+    may carry OpenAI's `tool_calls` instead of content (content null or absent), a tool message a
+    `tool_call_id`, any message a `name`. A call's `arguments` (OpenAI sends a JSON string) reach the
+    template as the object, which is what templates write with `tojson`."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (or one str)")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}")
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if calls is not None and content is None and message.get("role") == "assistant":
+            content = ""  # OpenAI's null content beside tool calls; templates test it for truth
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(content, str):
+            raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}"[:500])
         if message["role"] not in ROLES:
             raise InputError(f"message {i} has role {message['role']!r}; use one of {', '.join(ROLES)}")
-        out.append(dict(message))
+        checked = dict(message, content=content)
+        for key in ("tool_call_id", "name"):
+            if checked.get(key) is not None and not isinstance(checked[key], str):
+                raise InputError(f"message {i}'s {key!r} must be a str, got {checked[key]!r}"[:300])
+        if calls is not None:
+            if message["role"] != "assistant":
+                raise InputError(f"message {i} has 'tool_calls' but role {message['role']!r}; only assistant "
+                                 "messages carry tool calls")
+            checked["tool_calls"] = _check_tool_calls(calls, i)
+        out.append(checked)
     return out
 
 
-def render(template: str, messages: list[dict[str, str]], specials: dict[str, str],
+def _check_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise InputError(f"message {i}'s 'tool_calls' must be a list, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        where = f"message {i}'s tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or call.get("type", "function") != "function":
+            raise InputError(f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': "
+                             f"str}}}}, got {call!r}"[:500])
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise InputError(f"{where}'s 'id' must be a str, got {call['id']!r}"[:300])
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError) as err:
+                raise InputError(f"{where}'s arguments are not valid JSON ({err}): {arguments!r}"[:500]) from None
+        if not isinstance(arguments, dict):
+            raise InputError(f"{where}'s arguments must be a JSON object, got {arguments!r}"[:300])
+        out.append(dict(call, type="function", function=dict(function, arguments=arguments)))
+    return out
+
+
+def render(template: str, messages: list[dict[str, Any]], specials: dict[str, str],
            add_generation_prompt: bool = True, *, name: str = "the chat template",
-           max_chars: int = MAX_RENDERED_CHARS) -> str:
-    """The prompt text; any failure of the template (its own refusal, a Python error such as
+           max_chars: int = MAX_RENDERED_CHARS, tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text (`tools`, OpenAI's tool list, is the template's `tools` variable, left
+    undefined when None); any failure of the template (its own refusal, a Python error such as
     `{{ 1/0 }}`, deep recursion, more than `max_chars` of output) is an InputError naming it."""
     import jinja2
 
@@ -151,8 +212,9 @@ def render(template: str, messages: list[dict[str, str]], specials: dict[str, st
         # generate() yields the output piece by piece, so a runaway loop that writes is stopped at
         # max_chars rather than after filling memory.
         pieces, size = [], 0
+        extra = {} if tools is None else {"tools": tools}
         for piece in _compile(template).generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 **specials):
+                                                 **specials, **extra):
             size += len(piece)
             if size > max_chars:
                 raise InputError(f"{name} rendered more than {max_chars} characters for these messages; "

@@ -8,8 +8,8 @@ and replaces the child when it is late. The child only imports Jinja (and kvforg
 it starts in a fraction of a second and costs one round trip per chat request.
 
 Protocol (JSON lines on stdin/stdout): first the template {"template", "specials", "name",
-"max_chars", "memory_bytes"}, answered by {"ready": true} once it is compiled, then per request {"messages", "add_generation_prompt"} answered by
-{"text"} or {"error"}.
+"max_chars", "memory_bytes"}, answered by {"ready": true} once it is compiled, then per request
+{"messages", "add_generation_prompt", "tools"} answered by {"text"} or {"error"}.
 """
 
 from __future__ import annotations
@@ -109,12 +109,13 @@ class IsolatedRenderer:
                     pipe.close()
             self._proc = None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         name = self._setup["name"]
         with self._lock:
             try:
                 self._ensure()
-                self._send({"messages": messages, "add_generation_prompt": add_generation_prompt})
+                self._send({"messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools})
                 line = self._read_line(time.monotonic() + self.seconds)
             except (OSError, EOFError, ValueError):  # the child died (memory limit, killed)
                 self._kill()
@@ -162,7 +163,8 @@ def _child() -> None:
         request = json.loads(line)
         try:
             text = render(setup["template"], request["messages"], setup["specials"],
-                          request["add_generation_prompt"], name=setup["name"], max_chars=setup["max_chars"])
+                          request["add_generation_prompt"], name=setup["name"], max_chars=setup["max_chars"],
+                          tools=request.get("tools"))
             answer = {"text": text}
         except KvforgeError as err:
             answer = {"error": str(err)}

@@ -132,13 +132,19 @@ class Generator:
         """chat() as a GenerationStream of text deltas."""
         return self.stream(self.chat_request(messages, **options))
 
-    def chat_ids(self, messages: Any, add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the export's chat template, as transformers'
         apply_chat_template(..., tokenize=True) gives them. `messages`: [{"role", "content"}, ...] or
-        one user message as a str."""
+        one user message as a str; `tools`: OpenAI's tool list, for templates that take one
+        (kvforge.runtime.tool_calls parses the calls out of the answer)."""
         from kvforge.runtime.chat import check_messages
+        from kvforge.runtime.tool_calls import check_tools, template_takes_tools
 
-        text = self.chat_template.render(check_messages(messages), add_generation_prompt)
+        template = self.chat_template
+        if tools is not None and not template_takes_tools(template.text):
+            raise InputError(f"{template.source} does not support tools (it never reads a `tools` variable)")
+        text = template.render(check_messages(messages), add_generation_prompt,
+                               check_tools(tools) if tools is not None else None)
         assert self.tokenizer is not None  # checked by chat_template
         return self.tokenizer.encode(text, add_special_tokens=False)
 
