@@ -74,8 +74,16 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from kvforge.runtime import GenerationRequest, Generator
     from kvforge.runtime.chat import check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
-    from kvforge.runtime.request import FinishReason, openai_finish_reason
-    from kvforge.runtime.scheduler import Delta, Done, Scheduler
+    from kvforge.runtime.request import FinishReason
+    from kvforge.runtime.scheduler import Done, Scheduler
+    from kvforge.server_choices import (
+        Job,
+        Reply,
+        TokenPieces,
+        completion_prompts,
+        logprobs_option,
+        sampling_options,
+    )
 
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
@@ -98,6 +106,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         template = generator.chat_template
     except KvforgeError as err:  # no template (or a broken one): chat requests get this message
         template, template_error = None, err
+    pieces = TokenPieces(tokenizer)  # token texts and bytes for log-probabilities
     renderer = (IsolatedRenderer(template, seconds=template_seconds or RENDER_SECONDS).start()
                 if template is not None else None)
 
@@ -166,11 +175,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise _too_long(what, f"{len(ids)} tokens")
         return ids
 
-    def _generation_request(body: dict, prompt_ids: list[int], default_max: int) -> GenerationRequest:
-        """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
-        max_tokens = number_field(body, "max_tokens", None, int, 1, capacity)
+    def _generation_request(body: dict, prompt_ids: list[int], default_max: int, kind: str) -> GenerationRequest | None:
+        """The one request type, from OpenAI's parameters (Generator.request resolves the sampling);
+        None for completions' max_tokens 0 (the prompt is only scored, after it is checked the same)."""
+        low = 0 if kind == "text" else 1
+        max_tokens = number_field(body, "max_tokens", None, int, low, capacity)
         if max_tokens is None:
-            max_tokens = number_field(body, "max_completion_tokens", default_max, int, 1, capacity)
+            max_tokens = number_field(body, "max_completion_tokens", default_max, int, low, capacity)
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -179,18 +190,11 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
         for s in stop or []:
             valid_text(s, "'stop'", "stop")
-        temperature = number_field(body, "temperature", None, float, 0.0, 2.0)
-        top_p = number_field(body, "top_p", None, float, 0.0, 1.0)
-        seed = number_field(body, "seed", None, int, 0, 2**63 - 1)
-        if number_field(body, "n", 1, int) != 1:
-            raise ApiError(400, f"only n=1 is supported (one choice per request), got {body.get('n')!r}", param="n")
-        # OpenAI's temperature 0 is greedy decoding (top_p and seed then do nothing).
-        sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
-                                    {"temperature": temperature, "top_p": top_p, "seed": seed})
         try:
-            return generator.request(prompt_ids, max_tokens, stop=stop, **sampling)
+            checked = generator.request(prompt_ids, max(max_tokens, 1), stop=stop, **sampling_options(body, kind))
         except InputError as err:
             raise ApiError(400, str(err)) from err
+        return checked if max_tokens else None
 
     def _stream_flag(body: dict) -> bool:
         stream = body.get("stream", False)
@@ -198,25 +202,39 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
         return stream
 
-    def _prepare_completion(raw: bytes) -> tuple[GenerationRequest, bool]:
-        """Parse, check and tokenize a completion request (in a worker thread, off the event loop)."""
+    def _prepare_completion(raw: bytes) -> tuple[list[Job], bool, dict]:
+        """Parse, check and tokenize a completion request, and score the prompts that `echo` asks
+        log-probabilities for (in a worker thread, off the event loop). One Job per prompt."""
         body = _parse(raw)
         check_fields(body, "text")
         stream = _stream_flag(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ApiError(400, "this export has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-            ids = _encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if len(prompt) > capacity:
-                raise _too_long("the prompt", f"{len(prompt)} tokens")
-            ids = list(prompt)
-        else:
-            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
-        return _generation_request(body, ids, 16), stream  # OpenAI's completions default: 16 tokens
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise ApiError(400, f"'echo' must be true or false, got {echo!r}", param="echo")
+        jobs = []
+        for prompt in completion_prompts(body.get("prompt"), scheduler.max_queue):
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise ApiError(400, "this export has no tokenizer: send 'prompt' as token ids", param="prompt")
+                ids = _encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
+            else:
+                if len(prompt) > capacity:
+                    raise _too_long("the prompt", f"{len(prompt)} tokens")
+                ids = list(prompt)
+            generation = _generation_request(body, ids, 16, "text")  # OpenAI's completions default: 16 tokens
+            job = Job(ids, generation)
+            if echo:
+                job.echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer else ""
+                top = logprobs_option(body, "text")
+                if top is not None:
+                    try:
+                        job.prompt_logprobs = generator.prompt_logprobs(ids, top)
+                    except InputError as err:
+                        raise ApiError(400, str(err), param="prompt") from err
+            jobs.append(job)
+        return jobs, stream, body
 
-    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool]:
+    def _prepare_chat(raw: bytes) -> tuple[list[Job], bool, dict]:
         """Parse, check, render (in the template's child process) and tokenize a chat request."""
         body = _parse(raw)
         check_fields(body, "chat")
@@ -245,17 +263,30 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
         ids = _encode(valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        return _generation_request(body, ids, max(1, capacity - len(ids) + 1)), stream
+        return [Job(ids, _generation_request(body, ids, max(1, capacity - len(ids) + 1), "chat"))], stream, body
 
     async def _prepare(request: Request, prepare: Callable[[bytes], Any]) -> Any:
         raw = await request.body()
         return await asyncio.to_thread(prepare, raw)
 
-    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, rid: str):
+    def _submit(jobs: list[Job], put: Callable[[int, Any], None]) -> list[Any]:
+        """Queue every job's request (all or none): their handles."""
+        handles = []
+        try:
+            for p, job in enumerate(jobs):
+                if job.request is not None:
+                    handles.append(scheduler.submit(job.request, on_event=lambda e, p=p: put(p, e)))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    async def _run(request: Request, jobs: list[Job], stream: bool, body: dict, kind: str, rid: str):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         try:
-            handle = scheduler.submit(generation, on_event=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
+            handles = _submit(jobs, lambda p, e: loop.call_soon_threadsafe(events.put_nowait, (p, e)))
         except QueueFullError as err:
             raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from err
         except CapacityError as err:
@@ -264,50 +295,33 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, str(err)) from err
         except KvforgeError as err:
             raise ApiError(503, str(err), kind="server_error") from err
+        reply = Reply(kind, rid, name, jobs, pieces, number_field(body, "n", 1, int), logprobs_option(body, kind))
 
-        def chunk(text: str, reason: str | None) -> dict[str, Any]:
-            if kind == "chat":
-                delta = {"content": text} if text else {}
-                return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}
-
-        def usage(done: Done) -> dict[str, Any]:
-            return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                    "total_tokens": done.prompt_tokens + done.completion_tokens,
-                    "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+        def cancel_all() -> None:
+            for handle in handles:
+                handle.cancel()  # the client went away (or we are done: then a no-op)
 
         if stream:
             async def sse():
-                if kind == "chat":
-                    first = chunk("", None)
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    yield f"data: {json.dumps(first)}\n\n"
                 try:
-                    while True:
-                        event = await events.get()
-                        if isinstance(event, Delta):  # one chunk per token, text "" while held back
-                            yield f"data: {json.dumps(chunk(event.text, None))}\n\n"
-                            continue
-                        if event.finish_reason == FinishReason.ERROR:
+                    for chunk in reply.opening():
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    while not reply.finished:
+                        p, event = await events.get()
+                        if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
                             yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
-                        else:
-                            last = chunk("", openai_finish_reason(event.finish_reason))
-                            last["usage"] = usage(event)
-                            yield f"data: {json.dumps(last)}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
+                            break
+                        yield f"data: {json.dumps(reply.add(p, event))}\n\n"
+                    yield "data: [DONE]\n\n"
                 finally:
-                    handle.cancel()  # the client went away (or we are done: then a no-op)
+                    cancel_all()
 
             return StreamingResponse(sse(), media_type="text/event-stream")
 
-        parts: list[str] = []
         getter = asyncio.ensure_future(events.get())
         checked = time.monotonic()
         try:
-            while True:
+            while not reply.finished:
                 # One pending get() (never cancelled, so no event is lost), and every
                 # NON_STREAM_POLL_S a check that the client is still there: a gone client's
                 # generation is cancelled.
@@ -315,39 +329,29 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                 if time.monotonic() - checked >= NON_STREAM_POLL_S:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        handle.cancel()
+                        cancel_all()
                         return JSONResponse(ApiError(499, "the client closed the connection").body(), status_code=499)
                 if not done:
                     continue
-                event = getter.result()
-                if isinstance(event, Done):
-                    break
-                parts.append(event.text)
+                p, event = getter.result()
+                if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+                    raise ApiError(500, event.error or "generation failed", kind="server_error")
+                reply.add(p, event)
                 getter = asyncio.ensure_future(events.get())
         finally:
             getter.cancel()
-            handle.cancel()
-        if event.finish_reason == FinishReason.ERROR:
-            raise ApiError(500, event.error or "generation failed", kind="server_error")
-        text = "".join(parts)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": openai_finish_reason(event.finish_reason)}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": openai_finish_reason(event.finish_reason), "logprobs": None}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
-                "usage": usage(event)}
+            cancel_all()
+        return reply.body()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        generation, stream = await _prepare(request, _prepare_completion)
-        return await _run(request, generation, stream, "text", f"cmpl-{uuid.uuid4().hex}")
+        jobs, stream, body = await _prepare(request, _prepare_completion)
+        return await _run(request, jobs, stream, body, "text", f"cmpl-{uuid.uuid4().hex}")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        generation, stream = await _prepare(request, _prepare_chat)
-        return await _run(request, generation, stream, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        jobs, stream, body = await _prepare(request, _prepare_chat)
+        return await _run(request, jobs, stream, body, "chat", f"chatcmpl-{uuid.uuid4().hex}")
 
     @app.get("/v1/models")
     async def models():

@@ -154,7 +154,7 @@ BAD = [
     ("token id out of range", {"json": {"prompt": [5, 10**6]}}, "/v1/completions", 400, None),
     ("temperature out of range", {"json": {"prompt": "x", "temperature": 9}}, "/v1/completions", 400, None),
     ("stop of the wrong type", {"json": {"prompt": "x", "stop": 5}}, "/v1/completions", 400, None),
-    ("n = 2", {"json": {"prompt": "x", "n": 2}}, "/v1/completions", 400, None),
+    ("n = 17", {"json": {"prompt": "x", "n": 17}}, "/v1/completions", 400, None),
     ("stream not a bool", {"json": {"prompt": "x", "stream": "yes"}}, "/v1/completions", 400, None),
     ("messages missing", {"json": {"max_tokens": 3}}, "/v1/chat/completions", 400, None),
     ("messages malformed", {"json": {"messages": [{"role": "user"}]}}, "/v1/chat/completions", 400, None),
