@@ -75,8 +75,8 @@ def completion_prompts(prompt: Any, max_prompts: int) -> list[str | list[int]]:
             if isinstance(p, str):
                 valid_text(p, "'prompt'", "prompt")
         return list(prompt)
-    raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either "
-                        "(a batch)", param="prompt")
+    raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a batch: a non-empty list of "
+                        "strings or of token-id lists (not a mix)", param="prompt")
 
 
 def _ids(value: Any) -> bool:
