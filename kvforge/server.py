@@ -190,8 +190,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
         for s in stop or []:
             valid_text(s, "'stop'", "stop")
+        options = sampling_options(body, kind, generator.default_sampling.greedy)
         try:
-            checked = generator.request(prompt_ids, max(max_tokens, 1), stop=stop, **sampling_options(body, kind))
+            checked = generator.request(prompt_ids, max(max_tokens, 1), stop=stop, **options)
         except InputError as err:
             raise ApiError(400, str(err)) from err
         return checked if max_tokens else None

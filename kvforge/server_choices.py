@@ -22,11 +22,18 @@ from kvforge.runtime.tokenizer import Tokenizer
 from kvforge.server_guard import ApiError, number_field, valid_text
 
 
-def sampling_options(body: dict[str, Any], kind: str) -> dict[str, Any]:
+def sampling_options(body: dict[str, Any], kind: str, default_greedy: bool) -> dict[str, Any]:
     """`Generator.request` keywords for the body's temperature, top_p, top_k, min_p, seed, the
     penalties, n and logprobs. OpenAI's temperature 0 is greedy decoding: top_p, top_k, min_p and
-    seed then do nothing, the penalties still apply (they change the argmax)."""
+    seed then do nothing, the penalties still apply (they change the argmax). Without a
+    temperature, a filter asks to sample (as in the Python API), but one set to its "off" value
+    (top_k 0 or -1, top_p 1, min_p 0) keeps the export's own choice (`default_greedy`)."""
     temperature = number_field(body, "temperature", None, float, 0.0, 2.0)
+    top_k = number_field(body, "top_k", None, int, -1, None)
+    filters = {"top_p": number_field(body, "top_p", None, float, 0.0, 1.0),
+               "top_k": None if top_k is None else max(top_k, 0),  # vLLM's -1 means off, as our 0
+               "min_p": number_field(body, "min_p", None, float, 0.0, 1.0),
+               "seed": number_field(body, "seed", None, int, 0, 2**63 - 1)}
     options: dict[str, Any] = {
         "presence_penalty": number_field(body, "presence_penalty", None, float, -2.0, 2.0),
         "frequency_penalty": number_field(body, "frequency_penalty", None, float, -2.0, 2.0),
@@ -35,14 +42,10 @@ def sampling_options(body: dict[str, Any], kind: str) -> dict[str, Any]:
         "logprobs": logprobs_option(body, kind),
     }
     if temperature == 0.0:
-        options["greedy"] = True
-        return options
-    top_k = number_field(body, "top_k", None, int, -1, None)
-    options.update(temperature=temperature, top_p=number_field(body, "top_p", None, float, 0.0, 1.0),
-                   top_k=None if top_k is None else max(top_k, 0),  # vLLM's -1 means off, as our 0
-                   min_p=number_field(body, "min_p", None, float, 0.0, 1.0),
-                   seed=number_field(body, "seed", None, int, 0, 2**63 - 1))
-    return options
+        return {**options, "greedy": True}
+    if temperature is None and all(filters[k] in (None, off) for k, off in (("top_k", 0), ("top_p", 1), ("min_p", 0))):
+        options["greedy"] = default_greedy
+    return {**options, **filters, "temperature": temperature}
 
 
 def logprobs_option(body: dict[str, Any], kind: str) -> int | None:
@@ -271,7 +274,7 @@ class Reply:
             if job.request is None:
                 for c in self.choices[p * self.n: (p + 1) * self.n]:
                     c.finish_reason = "length"
-                    chunks.append(self._chunk(c, "", None, "length", last=p == len(self.jobs) - 1 and self.finished))
+                    chunks.append(self._chunk(c, "", None, "length", last=self.finished and c is self.choices[-1]))
         return chunks
 
     def add(self, prompt: int, event: Delta | Done) -> dict[str, Any]:

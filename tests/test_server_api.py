@@ -200,6 +200,7 @@ def test_n_choices_are_the_lone_requests_with_seed_plus_index(client) -> None:
 
 
 def test_sampling_extensions_and_penalties_match_the_python_api(client, reference) -> None:
+    assert reference.default_sampling.greedy  # the tiny export decodes greedily by default
     changed = False
     for prompt in ("The quick brown fox", "a b c d e f g", "hello"):
         penalties = {"presence_penalty": 0.8, "frequency_penalty": 0.6, "repetition_penalty": 1.5}
@@ -213,6 +214,10 @@ def test_sampling_extensions_and_penalties_match_the_python_api(client, referenc
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.8, seed=5,
                                         extra_body={"top_k": 8, "min_p": 0.05}).choices[0].text
         assert got == sampled
+        # Filters at their "off" values, no temperature: the export's own decoding (not sampling).
+        off = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, top_p=1,
+                                        extra_body={"top_k": -1, "min_p": 0}).choices[0].text
+        assert off == reference.generate(prompt, max_new_tokens=12).text[0]
     assert changed  # the penalties did something on at least one prompt
 
 
