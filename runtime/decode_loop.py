@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvforge.runtime.backend import Slot
+from kvforge.runtime.logit_controls import RowControls
+from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
 from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
-from kvforge.runtime.sampling import Sampler
+from kvforge.runtime.sampling import Sampler, choice_seed
 from kvforge.runtime.sampling import greedy as greedy_tokens
 from kvforge.runtime.speculate import prompt_lookup
 from kvforge.runtime.tokenizer import Tokenizer
@@ -46,6 +48,8 @@ class GenerationResult:
     # keep_logits=True: one float32 [B, V] array per step (step 0 = prefill); rows that had
     # finished hold logits of their pad-token feed, not meaningful
     logits: list[np.ndarray] | None = None
+    # logprobs=k: per row, one TokenLogprob per generated token (runtime/logprobs.py)
+    logprobs: list[list[TokenLogprob]] | None = None
 
 
 @dataclass
@@ -56,6 +60,7 @@ class StepEvent:
     token_ids: list[int | None]  # None for rows that had already finished
     text: list[str] | None  # stable text delta per row ("" when held back); None for token-id prompts
     finished: list[bool]
+    logprobs: list[TokenLogprob | None] | None = None  # logprobs=k: per row, None where token_ids is None
 
 
 Steps = PyGenerator[StepEvent, None, GenerationResult]
@@ -82,28 +87,52 @@ class _Rows:
     """Per-row state: the tokens generated so far, each row's Stopper, and which rows still run."""
 
     def __init__(self, request: GenerationRequest, prompts: list[list[int]], eos_ids: frozenset[int],
-                 tokenizer: Tokenizer | None, report_text: bool) -> None:
+                 tokenizer: Tokenizer | None, report_text: bool, controls: list[RowControls] | None = None) -> None:
         self.prompts = prompts
+        self.controls = controls
+        self.logprobs: list[list[TokenLogprob]] | None = [[] for _ in prompts] if request.logprobs is not None else None
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.stoppers = [Stopper(request, eos_ids, tokenizer.incremental() if tokenizer else None) for _ in prompts]
         self.running = np.ones(len(prompts), dtype=bool)
         self.report_text = report_text
 
-    def accept(self, step: int, picked: np.ndarray, rows: object = None) -> StepEvent:
-        """Append picked[b] to each running row (or to `rows`) and end the rows it stops."""
+    def accept(self, step: int, picked: np.ndarray, rows: object = None,
+               logprobs: dict[int, TokenLogprob] | None = None) -> StepEvent:
+        """Append picked[b] (with logprobs[b]) to each running row (or to `rows`) and end the rows it stops."""
         batch = len(self.prompts)
         new: list[int | None] = [None] * batch
         deltas = [""] * batch if self.report_text else None
+        step_logprobs: list[TokenLogprob | None] | None = [None] * batch if logprobs is not None else None
         for b in np.flatnonzero(self.running) if rows is None else rows:
             token = int(picked[b])
             self.tokens[b].append(token)
             new[b] = token
+            if self.controls is not None:
+                self.controls[b].advance(token)
+            if logprobs is not None and self.logprobs is not None and step_logprobs is not None:
+                self.logprobs[b].append(logprobs[b])
+                step_logprobs[b] = logprobs[b]
             delta = self.stoppers[b].add(token)
             if self.stoppers[b].reason is not None:
                 self.running[b] = False
             if deltas is not None:
                 deltas[b] = delta
-        return StepEvent(step=step, token_ids=new, text=deltas, finished=[s.reason is not None for s in self.stoppers])
+        return StepEvent(step=step, token_ids=new, text=deltas, finished=[s.reason is not None for s in self.stoppers],
+                         logprobs=step_logprobs)
+
+    def pick(self, logits: np.ndarray, sampler: Sampler,
+             top: int | None) -> tuple[np.ndarray, dict[int, TokenLogprob] | None]:
+        """Each row's next token from raw [B, V] logits: penalties and grammar on a copy for the running
+        rows that have controls, then the sampler; and the logprobs of the raw logits when asked."""
+        processed = logits
+        if self.controls is not None:
+            processed = logits.copy()  # the raw logits stay for keep_logits and logprobs
+            for b in np.flatnonzero(self.running):
+                self.controls[b].apply(processed[b])
+        picked = sampler(processed)
+        if top is None:
+            return picked, None
+        return picked, token_logprobs(logits, picked, top, np.flatnonzero(self.running))
 
 
 @dataclass
@@ -116,8 +145,10 @@ class _Counts:
 
 
 def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: list[list[int]], text_mode: bool,
-              stream_text: bool, start: float) -> Steps:
-    """The events of one request on `slot` (which the caller owns); returns its GenerationResult."""
+              stream_text: bool, start: float, controls: list[RowControls] | None = None) -> Steps:
+    """The events of one request on `slot` (which the caller owns); returns its GenerationResult.
+    `prompts` holds request.n rows per prompt (choice i of a prompt at row p * n + i); `controls`:
+    each row's penalties / grammar matcher, or None when the request has neither."""
     backend = gen.backend
     batch = len(prompts)
     lens = np.array([len(row) for row in prompts], dtype=np.int64)
@@ -127,8 +158,12 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
     # Text is decoded step by step only where it is streamed or stop strings must be found in it.
     incremental = gen.tokenizer is not None and ((text_mode and stream_text) or bool(request.stop))
     rows = _Rows(request, prompts, gen.eos_token_ids, gen.tokenizer if incremental else None,
-                 report_text=text_mode and stream_text)
-    sampler = Sampler(request.sampling)
+                 report_text=text_mode and stream_text, controls=controls)
+    # n > 1: each choice its own stream, as its own Scheduler choice draws (seed + i); else one for the batch.
+    n = request.n
+    sampler = Sampler(request.sampling, [choice_seed(request.sampling.seed, b % n) for b in range(batch)]
+                      if n > 1 else None)
+    top = request.logprobs
     keep_logits = request.keep_logits
     kept_logits: list[np.ndarray] = []
 
@@ -140,7 +175,8 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
     prefill_ms = (time.perf_counter() - t_prefill) * 1e3
     if keep_logits:
         kept_logits.append(logits.copy())  # the backend reuses its logits buffer every run
-    event = rows.accept(0, sampler(logits))
+    picked, logprobs = rows.pick(logits, sampler, top)
+    event = rows.accept(0, picked, logprobs=logprobs)
     ttft_ms = (time.perf_counter() - start) * 1e3
     yield event
 
@@ -165,7 +201,8 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
         counts.decoded_tokens += int(rows.running.sum())
         if keep_logits:
             kept_logits.append(logits.copy())
-        event = rows.accept(counts.steps, sampler(logits))
+        picked, logprobs = rows.pick(logits, sampler, top)
+        event = rows.accept(counts.steps, picked, logprobs=logprobs)
         counts.decode_s += time.perf_counter() - t_step
         yield event
 
@@ -189,6 +226,7 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
         draft_tokens=counts.drafted,
         accepted_tokens=counts.accepted,
         logits=kept_logits if keep_logits else None,
+        logprobs=rows.logprobs,
     )
 
 

@@ -27,6 +27,7 @@ from kvforge.runtime.backend import Backend, Slot, create_backend, default_backe
 from kvforge.runtime.chat import ChatTemplate, read_chat_template
 from kvforge.runtime.decode_loop import GenerationResult, GenerationStream, StepEvent, Steps, run_steps
 from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
+from kvforge.runtime.logit_controls import RowControls
 from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob, token_logprobs
 from kvforge.runtime.prompts import Prompts, RenderedChat, as_id_list, is_int, parse_prompts
 from kvforge.runtime.request import GenerationRequest
@@ -89,8 +90,9 @@ class Generator:
     # -- requests -------------------------------------------------------------------------------
     def request(self, prompts: Prompts | GenerationRequest, *args: Any, **options: Any) -> GenerationRequest:
         """The GenerationRequest for `prompts` and GenerationRequest.create's options (max_new_tokens,
-        sampling or greedy/temperature/top_k/top_p/seed, stop_token_ids, stop, capacity, ignore_eos,
-        keep_logits, speculate, draft_len), the sampling keywords overriding this export's
+        sampling or greedy/temperature/top_k/top_p/min_p/seed/presence_penalty/frequency_penalty/
+        repetition_penalty, stop_token_ids, stop, capacity, ignore_eos, keep_logits, speculate,
+        draft_len, logprobs, n, grammar), the sampling keywords overriding this export's
         generation config. A GenerationRequest is returned as is (no options with it)."""
         if isinstance(prompts, GenerationRequest):
             if args or options:
@@ -104,7 +106,8 @@ class Generator:
         `keep_logits` fills `result.logits` (parity). `speculate="prompt-lookup"` drafts up to
         `draft_len` tokens per step from n-gram matches in the row's own context and verifies them
         in one prefill call (greedy only; same tokens as plain greedy decoding, fewer graph runs
-        when the output repeats its context)."""
+        when the output repeats its context). `n` > 1 repeats each prompt row n times in the batch
+        (result rows prompt-major); `logprobs=k` fills `result.logprobs`."""
         stream = GenerationStream(self._run(self.request(prompts, *args, **options), stream_text=False))
         for _ in stream:
             pass
@@ -159,6 +162,23 @@ class Generator:
         if request.stop and self.tokenizer is None:
             raise InputError(f"stop strings need the export's {TOKENIZER_FILE}; {self.folder} has none")
         return parse_prompts(request.prompts, self.tokenizer, self.vocab_size, self.folder)
+
+    def grammar_matcher(self, grammar: Any) -> Any:
+        """A fresh per-row matcher for the constraint spec `grammar` (request.grammar): the spec's
+        `matcher(generator)`; the matcher's `apply(logits_row)` masks, `advance(token)` moves on
+        (runtime/logit_controls.py)."""
+        make = getattr(grammar, "matcher", None)
+        if not callable(make):
+            raise InputError(f"constrained decoding needs a grammar spec with a matcher(generator) method (see "
+                             f"kvforge.runtime.constraint), got {type(grammar).__name__}")
+        return make(self)
+
+    def row_controls(self, request: GenerationRequest, prompt: list[int]) -> RowControls | None:
+        """The penalties / grammar matcher of one row of `request`, or None when it has neither."""
+        if not request.sampling.penalized and request.grammar is None:
+            return None
+        matcher = self.grammar_matcher(request.grammar) if request.grammar is not None else None
+        return RowControls(request.sampling, prompt, matcher)
 
     def check_logits(self, logits: np.ndarray, step: int) -> np.ndarray:
         """`logits` unchanged, or NumericalError if any is NaN (garbage tokens otherwise: say so
@@ -254,6 +274,7 @@ class Generator:
         # Checked and given a slot eagerly (not inside the generator body) so that stream() raises at the call.
         start = time.perf_counter()
         ids, text_mode = self.prompt_ids(request)
+        ids = [row for row in ids for _ in range(request.n)]  # n choices: each prompt row n times, prompt-major
         needed = needed_positions([len(row) for row in ids], request.max_new_tokens)
         limits = self.backend.limits
         if limits.max_batch is not None and len(ids) > limits.max_batch:
@@ -272,8 +293,11 @@ class Generator:
                     "with --target onnx"
                 )
         cap = choose_capacity(needed, self.max_capacity, request.capacity, buckets=limits.capacity_buckets)
+        controls = None
+        if request.sampling.penalized or request.grammar is not None:
+            controls = [self.row_controls(request, row) for row in ids]  # a grammar that fails, fails here
         slot = self.slots.acquire(len(ids), cap)
-        return self._owning(slot, run_steps(self, slot, request, ids, text_mode, stream_text, start))
+        return self._owning(slot, run_steps(self, slot, request, ids, text_mode, stream_text, start, controls))
 
     def _owning(self, slot: Slot, loop: Steps) -> Steps:
         """Run `loop` and give its slot back to the pool when it ends, fails or is closed."""

@@ -6,7 +6,8 @@
     scheduler.submit(request)
 
 `GenerationRequest.create` is the one place keyword options (greedy / temperature / top_k / top_p /
-seed overrides, speculate / draft_len, ...) become a request; the dataclass validates itself.
+min_p / penalties / seed overrides, logprobs, n, grammar, speculate / draft_len, ...) become a
+request; the dataclass validates itself.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.errors import InputError
+from kvforge.runtime.logprobs import MAX_LOGPROBS
 from kvforge.runtime.prompts import Prompts, as_id_list, is_int
 from kvforge.runtime.sampling import SamplingConfig
 from kvforge.runtime.speculate import DEFAULT_DRAFT_LEN, check_speculation
 from kvforge.runtime.tokenizer import IncrementalDetokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 64
+MAX_CHOICES = 16  # n at most
 
 
 class FinishReason(str, enum.Enum):
@@ -75,7 +78,15 @@ class GenerationRequest:
     overrides against the export's generation config instead. Generation of a row ends at an EOS
     token (unless `ignore_eos`), a `stop_token_ids` token, a `stop` string (the text ends before it)
     or `max_new_tokens`. `capacity`: the KV cache size (Generator; default from the lengths).
-    `keep_logits` keeps every step's logits (parity)."""
+    `keep_logits` keeps every step's logits (parity).
+
+    `logprobs`: None (off) or k in 0..20: each step's chosen token's log-probability and the k
+    most likely tokens (runtime/logprobs.py; log_softmax of the raw logits, before penalties,
+    grammar and temperature). `n`: choices per prompt (1..16), each with its own random stream
+    (seed + i, see sampling.choice_seed); the Scheduler prefills the prompt once and copies its KV
+    rows, the Generator repeats each prompt row n times (result rows prompt-major: p0c0, p0c1, ...).
+    `grammar`: a constraint spec whose `matcher(generator)` gives each row a matcher that masks
+    the logits (runtime/logit_controls.py; runtime/constraint.py builds them)."""
 
     prompts: Prompts
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -86,6 +97,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     keep_logits: bool = False
     speculation: Speculation | None = None
+    logprobs: int | None = None
+    n: int = 1
+    grammar: Any | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -99,14 +113,26 @@ class GenerationRequest:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         if self.capacity is not None and not is_int(self.capacity):
             raise InputError(f"capacity must be an integer or None, got {self.capacity!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InputError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS} (the alternatives per step), "
+                             f"got {self.logprobs!r}")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise InputError(f"n must be an integer in 1..{MAX_CHOICES} (choices per prompt), got {self.n!r}")
+        object.__setattr__(self, "n", int(self.n))
         if self.speculation is not None:
             if not isinstance(self.speculation, Speculation):
                 raise InputError(f"speculation must be a Speculation, got {type(self.speculation).__name__}")
             if not self.sampling.greedy:
                 raise InputError("speculative decoding keeps greedy output unchanged and needs greedy decoding; "
                                  "drop temperature/top_k/top_p or pass greedy=True")
-            if self.keep_logits:
-                raise InputError("keep_logits is not available with speculative decoding (a step yields several tokens)")
+            refused = [name for name, given in (("keep_logits", self.keep_logits),
+                                                ("logprobs", self.logprobs is not None),
+                                                ("penalties", self.sampling.penalized),
+                                                ("grammar", self.grammar is not None)) if given]
+            if refused:
+                verb = "is" if len(refused) == 1 else "are"
+                raise InputError(f"{' and '.join(refused)} {verb} not available with speculative decoding (a step "
+                                 "yields several tokens, verified against plain greedy decoding); drop speculate")
 
     @classmethod
     def create(
@@ -120,6 +146,10 @@ class GenerationRequest:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        min_p: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        repetition_penalty: float | None = None,
         stop_token_ids: Iterable[int] | int | None = None,
         stop: Iterable[str] | str | None = None,
         capacity: int | None = None,
@@ -128,23 +158,29 @@ class GenerationRequest:
         speculate: str | None = None,
         draft_len: int = DEFAULT_DRAFT_LEN,
         defaults: SamplingConfig | None = None,
+        logprobs: int | None = None,
+        n: int = 1,
+        grammar: Any | None = None,
     ) -> GenerationRequest:
         """A request from keyword options. The sampling keywords override `defaults` (the export's
-        generation config; greedy when None); giving temperature/top_k/top_p without `greedy` means
-        sampling. `speculate="prompt-lookup"` drafts up to `draft_len` tokens per step (greedy only)."""
-        n = max_new_tokens  # checked first: the first error a caller sees is the same as before
-        if not is_int(n) or n < 1:
-            raise InputError(f"max_new_tokens must be an integer >= 1, got {n!r}")
+        generation config; greedy when None); giving temperature/top_k/top_p/min_p without `greedy`
+        means sampling (the penalties apply to greedy decoding too). `speculate="prompt-lookup"`
+        drafts up to `draft_len` tokens per step (greedy only). `logprobs`, `n`, `grammar`: see the class."""
+        if not is_int(max_new_tokens) or max_new_tokens < 1:  # checked first: the first error a caller sees
+            raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         config = resolve_sampling(defaults or SamplingConfig(), sampling, greedy=greedy, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed)
+                                  top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  repetition_penalty=repetition_penalty)
         try:
             check_speculation(speculate, draft_len)
         except ValueError as err:
             raise InputError(str(err)) from err
         return cls(
-            prompts, n, config, stop_token_ids=stop_token_ids or frozenset(), stop=stop or (), capacity=capacity,
-            ignore_eos=bool(ignore_eos), keep_logits=bool(keep_logits),
+            prompts, max_new_tokens, config, stop_token_ids=stop_token_ids or frozenset(), stop=stop or (),
+            capacity=capacity,            ignore_eos=bool(ignore_eos), keep_logits=bool(keep_logits),
             speculation=Speculation(speculate, int(draft_len)) if speculate is not None else None,
+            logprobs=logprobs, n=n, grammar=grammar,
         )
 
     def replace(self, **changes: Any) -> GenerationRequest:
@@ -161,7 +197,7 @@ def resolve_sampling(defaults: SamplingConfig, sampling: SamplingConfig | None, 
         if given:
             raise InputError(f"pass either sampling=SamplingConfig(...) or the keywords {sorted(given)}, not both")
         return sampling
-    if "greedy" not in given and any(key in given for key in ("temperature", "top_k", "top_p")):
+    if "greedy" not in given and any(key in given for key in ("temperature", "top_k", "top_p", "min_p")):
         given["greedy"] = False  # asking for a temperature or a filter means asking to sample
     return defaults.with_overrides(**given)
 

@@ -1,13 +1,17 @@
-"""Next-token selection on a [B, V] logits array: greedy, or temperature / top-k / top-p sampling.
+"""Next-token selection on a [B, V] logits array: greedy, or temperature / top-k / top-p / min-p sampling.
 
 numpy only (the runtime stands alone). Filtering follows Hugging Face's warpers so that a
 generation_config.json means the same thing here: top-k keeps every token tied with the k-th,
-top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
+top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one),
+min-p keeps the tokens whose probability is at least min_p times the most likely one's.
+The penalties (presence / frequency / repetition) need each row's token history and are applied
+before this, per row, by runtime/logit_controls.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +27,24 @@ HF_DEFAULT_TOP_P = 1.0
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How to pick the next token. top_k=0 and top_p=1.0 disable those filters."""
+    """How to pick the next token. top_k=0, top_p=1.0 and min_p=0.0 disable those filters
+    (applied in that order, after temperature, as Hugging Face does).
+
+    Penalties (they apply under greedy decoding too: they change the argmax, as in Hugging Face):
+    `presence_penalty` / `frequency_penalty` (OpenAI's: logit -= presence * (count > 0) +
+    frequency * count, counting the tokens generated so far), `repetition_penalty` (Hugging
+    Face's / CTRL's: the logit of every token of the prompt or generated so far is divided by it
+    when positive, multiplied when negative; 1.0 disables it)."""
 
     greedy: bool = True
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -46,6 +61,19 @@ class SamplingConfig:
             isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0
         ):
             raise InputError(f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InputError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2 <= value <= 2:
+                raise InputError(f"{name} must be in [-2, 2] (0 disables it), got {value!r}")
+        if not _number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise InputError(f"repetition_penalty must be a number > 0 (1 disables it), got {self.repetition_penalty!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty applies (each row then needs its token history)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @classmethod
     def from_generation(cls, generation: dict[str, Any] | None) -> SamplingConfig:
@@ -73,9 +101,9 @@ def greedy(logits: np.ndarray) -> np.ndarray:
     return np.argmax(logits, axis=-1).astype(np.int64)
 
 
-def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
     """Return a copy of [B, V] logits (float32, or float64 if given) with the tokens outside
-    top-k / top-p set to -inf."""
+    top-k / top-p / min-p set to -inf."""
     out = np.array(logits, dtype=np.float64 if logits.dtype == np.float64 else np.float32, copy=True)
     vocab = out.shape[-1]
     if 0 < top_k < vocab:
@@ -92,11 +120,17 @@ def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0) -> np.
         remove = np.zeros_like(remove_sorted)
         np.put_along_axis(remove, order, remove_sorted, axis=-1)
         out[remove] = -np.inf
+    if min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= max logit + log(min_p): no softmax needed; the max stays.
+        floor = out.max(axis=-1, keepdims=True) + np.log(min_p)
+        out[out < floor] = -np.inf
     return out
 
 
-def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator) -> np.ndarray:
-    """Pick one token per row of [B, V] logits according to `config` -> [B] int64."""
+def sample(logits: np.ndarray, config: SamplingConfig,
+           rng: np.random.Generator | Sequence[np.random.Generator]) -> np.ndarray:
+    """Pick one token per row of [B, V] logits according to `config` -> [B] int64. `rng`: one
+    generator for the whole batch, or one per row (each row then draws from its own stream)."""
     if config.greedy:
         return greedy(logits)
     # Shift by the row max before dividing, in float64: a tiny temperature then sends every other
@@ -104,24 +138,41 @@ def sample(logits: np.ndarray, config: SamplingConfig, rng: np.random.Generator)
     logits64 = np.asarray(logits, dtype=np.float64)
     with np.errstate(over="ignore"):
         scaled = (logits64 - logits64.max(axis=-1, keepdims=True)) / config.temperature
-    probs = _softmax(filter_logits(scaled, config.top_k, config.top_p))
+    probs = _softmax(filter_logits(scaled, config.top_k, config.top_p, config.min_p))
     cdf = np.cumsum(probs, axis=-1)
     # u in (0, 1]: the chosen index i satisfies cdf[i-1] < u*total <= cdf[i], so zero-probability
     # tokens (flat cdf) can never be drawn.
-    u = (1.0 - rng.random(cdf.shape[0])) * cdf[:, -1]
+    if isinstance(rng, np.random.Generator):
+        draws = rng.random(cdf.shape[0])
+    else:
+        draws = np.array([row_rng.random() for row_rng in rng])
+    u = (1.0 - draws) * cdf[:, -1]
     picks = (cdf < u[:, None]).sum(axis=-1)
     return np.minimum(picks, cdf.shape[-1] - 1).astype(np.int64)
 
 
-class Sampler:
-    """A SamplingConfig with its own random generator, so a seed reproduces a whole generation."""
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice `index` of a request with n > 1 choices: seed + index, so that choice 0
+    draws exactly like a lone request with `seed` and choice i like one with seed + i (None stays
+    None: fresh entropy per choice)."""
+    return None if seed is None else seed + index
 
-    def __init__(self, config: SamplingConfig) -> None:
+
+class Sampler:
+    """A SamplingConfig with its own random generator, so a seed reproduces a whole generation.
+    `row_seeds`: one generator per row instead (rows of n > 1 choices, see choice_seed)."""
+
+    def __init__(self, config: SamplingConfig, row_seeds: Sequence[int | None] | None = None) -> None:
         self.config = config
         self.rng = np.random.default_rng(config.seed)
+        self.row_rngs = [np.random.default_rng(seed) for seed in row_seeds] if row_seeds is not None else None
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
-        return sample(logits, self.config, self.rng)
+        return sample(logits, self.config, self.row_rngs if self.row_rngs is not None else self.rng)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:

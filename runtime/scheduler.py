@@ -14,7 +14,9 @@ copies those rows and prefills only what follows: the KV of position t depends o
 0..t, so the result is the same as prefilling everything.
 
 Requests are GenerationRequests (runtime/request.py) with one prompt; they end with the same
-FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free; the backend must keep
+FinishReasons as the Generator's rows, decided by the same Stopper. A request with n > 1 choices is
+prefilled once, then its KV rows are copied into n free rows (it waits until n are free); each
+choice has its own sampler (seed + i), stopper, penalties / grammar matcher and Delta/Done `index`. Torch-free; the backend must keep
 its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`.
 """
 
@@ -33,18 +35,23 @@ import numpy as np
 
 from kvforge.errors import CapacityError, InputError, KvforgeError, QueueFullError
 from kvforge.runtime.generator import Generator
+from kvforge.runtime.logit_controls import RowControls
+from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
 from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
-from kvforge.runtime.sampling import Sampler
+from kvforge.runtime.sampling import Sampler, choice_seed
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
 
 @dataclass
 class Delta:
-    """New output of one request: token ids and the stable text they add ("" while held back)."""
+    """New output of one request: token ids and the stable text they add ("" while held back);
+    with request.logprobs, one TokenLogprob per token; `index`: the choice (n > 1)."""
 
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -52,18 +59,20 @@ class Done:
     finish_reason: FinishReason  # EOS | STOP (stop token or string) | LENGTH | CANCELLED | ERROR
     prompt_tokens: int
     completion_tokens: int
-    prefilled_tokens: int  # prompt positions actually run through the graph
+    prefilled_tokens: int  # prompt positions actually run through the graph (once for all n choices)
     cached_tokens: int  # prompt positions copied from a previous turn
     ttft_ms: float | None
     error: str | None = None
+    index: int = 0  # the choice (n > 1); each choice ends with its own Done
 
 
 Event = Delta | Done
 
 
 class RequestHandle:
-    """What `Scheduler.submit` returns: iterate it (blocking) for Delta events ending with Done, or
-    pass `on_event` to submit to receive them from the scheduler thread instead."""
+    """What `Scheduler.submit` returns: iterate it (blocking) for Delta events ending with Done (with
+    n > 1 choices, the events of all choices, ending after the n-th Done), or pass `on_event` to
+    submit to receive them from the scheduler thread instead."""
 
     def __init__(self, request: GenerationRequest, request_id: int, on_event: Callable[[Event], None] | None) -> None:
         self.request = request
@@ -71,7 +80,10 @@ class RequestHandle:
         self._queue: queue.Queue[Event] | None = None if on_event is not None else queue.Queue()
         self._on_event = on_event if on_event is not None else self._queue.put  # type: ignore[union-attr]
         self.cancelled = threading.Event()
-        self.done: Done | None = None
+        self.dones: dict[int, Done] = {}  # by choice index
+        self.done: Done | None = None  # the last Done, once every choice has ended
+        self._seen: list[Event] = []  # the events iterated so far (results() after a partial iteration)
+        self._ended = 0  # Done events among them
 
     def cancel(self) -> None:
         """Stop generating for this request (the client went away); it ends with CANCELLED."""
@@ -79,27 +91,37 @@ class RequestHandle:
 
     def emit(self, event: Event) -> None:
         if isinstance(event, Done):
-            self.done = event
+            self.dones[event.index] = event
+            if len(self.dones) == self.request.n:
+                self.done = event
         self._on_event(event)
 
     def __iter__(self) -> Iterator[Event]:
         if self._queue is None:
             raise RuntimeError("this request delivers its events to on_event")
-        while True:
+        while self._ended < self.request.n:
             event = self._queue.get()
+            self._seen.append(event)
+            self._ended += isinstance(event, Done)
             yield event
-            if isinstance(event, Done):
-                return
 
     def result(self) -> tuple[list[int], str, Done]:
-        """Block until the request ends: (token ids, text, Done)."""
-        tokens, text = [], []
-        for event in self:
+        """Block until the request (n == 1) ends: (token ids, text, Done)."""
+        if self.request.n != 1:
+            raise InputError(f"this request has n={self.request.n} choices: use results()")
+        return self.results()[0]
+
+    def results(self) -> list[tuple[list[int], str, Done]]:
+        """Block until every choice ends: (token ids, text, Done) per choice index."""
+        for _ in self:
+            pass
+        tokens: list[list[int]] = [[] for _ in range(self.request.n)]
+        text: list[list[str]] = [[] for _ in range(self.request.n)]
+        for event in self._seen:
             if isinstance(event, Delta):
-                tokens += event.token_ids
-                text.append(event.text)
-        assert self.done is not None
-        return tokens, "".join(text), self.done
+                tokens[event.index] += event.token_ids
+                text[event.index].append(event.text)
+        return [(tokens[i], "".join(text[i]), self.dones[i]) for i in range(self.request.n)]
 
 
 class PrefixStore:
@@ -155,13 +177,19 @@ class PrefixStore:
 
 
 class _Active:
-    """A request being prefilled or decoded."""
+    """A request (one choice of it) being prefilled or decoded. The waiting queue holds choice 0;
+    the other choices ride along in its `siblings` until the prefill places them all."""
 
-    def __init__(self, handle: RequestHandle, prompt_ids: list[int], stopper: Stopper) -> None:
+    def __init__(self, handle: RequestHandle, prompt_ids: list[int], stopper: Stopper, index: int = 0,
+                 controls: RowControls | None = None) -> None:
         self.handle = handle
         self.request = handle.request
         self.prompt_ids = prompt_ids
-        self.sampler = Sampler(self.request.sampling)
+        self.index = index
+        sampling = self.request.sampling
+        self.sampler = Sampler(sampling.with_overrides(seed=choice_seed(sampling.seed, index)))
+        self.controls = controls
+        self.siblings: list[_Active] = []
         self.stopper = stopper
         self.tokens: list[int] = []
         self.row = -1
@@ -240,6 +268,9 @@ class Scheduler:
         rows, _ = self.generator.prompt_ids(request)
         if len(rows) != 1:
             raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")
+        if request.n > self.max_batch:
+            raise InputError(f"n={request.n} choices need {request.n} batch rows at once; this server runs "
+                             f"{self.max_batch} (max_batch)")
         prompt = rows[0]
         needed = len(prompt) + request.max_new_tokens - 1
         if needed > self.capacity:
@@ -248,14 +279,16 @@ class Scheduler:
         handle = RequestHandle(request, next(self._ids), on_event)
         # Text is always decoded (the server sends it, whatever form the prompt came in).
         tokenizer = self.generator.tokenizer
-        stopper = Stopper(request, self.eos, tokenizer.incremental() if tokenizer is not None else None)
+        choices = [_Active(handle, prompt, Stopper(request, self.eos, tokenizer.incremental() if tokenizer is not None else None),
+                           index, self.generator.row_controls(request, prompt)) for index in range(request.n)]
+        choices[0].siblings = choices[1:]
         with self._cond:
             if self._closed:
                 raise KvforgeError("the scheduler is closed")
             if len(self._waiting) >= self.max_queue:
                 self.stats["rejected"] += 1
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})")
-            self._waiting.append(_Active(handle, prompt, stopper))
+            self._waiting.append(choices[0])
             self.stats["requests"] += 1
             self._cond.notify_all()
         return handle
@@ -288,9 +321,10 @@ class Scheduler:
 
     def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         with self._cond:
-            active = [a for a in self._running if a is not None] + list(self._waiting)
+            active = [a for a in self._running if a is not None]
+            active += [c for a in self._waiting for c in (a, *a.siblings)]
             if self._prefilling is not None:
-                active.append(self._prefilling)
+                active += [self._prefilling, *self._prefilling.siblings]
             self._running = [None] * self.max_batch
             self._waiting.clear()
             self._prefilling = None
@@ -300,14 +334,18 @@ class Scheduler:
     def _free_row(self) -> int | None:
         return next((r for r, a in enumerate(self._running) if a is None), None)
 
+    def _free_rows(self) -> int:
+        return sum(a is None for a in self._running)
+
     def _prefill_chunk(self) -> None:
         if self._prefilling is None:
             with self._cond:
-                if not self._waiting or self._free_row() is None:
+                if not self._waiting or self._free_rows() < self._waiting[0].request.n:
                     return
                 active = self._waiting.popleft()
             if active.handle.cancelled.is_set():
-                self._finish(active, FinishReason.CANCELLED, keep=False)
+                for choice in (active, *active.siblings):
+                    self._finish(choice, FinishReason.CANCELLED, keep=False)
                 return
             self._prefilling = active
             prompt = active.prompt_ids
@@ -321,7 +359,8 @@ class Scheduler:
         active = self._prefilling
         if active.handle.cancelled.is_set():
             self._prefilling = None
-            self._finish(active, FinishReason.CANCELLED, keep=False)
+            for choice in (active, *active.siblings):
+                self._finish(choice, FinishReason.CANCELLED, keep=False)
             return
         prompt = active.prompt_ids
         chunk = prompt[active.prefilled: active.prefilled + self.prefill_chunk]
@@ -331,23 +370,27 @@ class Scheduler:
         self.stage.cache.past_lens[0] = active.prefilled
         if active.prefilled < len(prompt):
             return
-        first = int(active.sampler(logits)[0])
-        row = self._free_row()
-        assert row is not None  # only this thread takes rows
-        for (key, value), (skey, svalue) in zip(self._rows, self._stage_rows, strict=True):
-            key[row, :, : len(prompt)] = skey[0, :, : len(prompt)]
-            value[row, :, : len(prompt)] = svalue[0, :, : len(prompt)]
-        self.slot.cache.past_lens[row] = len(prompt)
-        active.row = row
+        choices = [active, *active.siblings]
+        for choice in choices:  # one prefill, its KV rows copied to a free row per choice
+            row = self._free_row()
+            assert row is not None  # only this thread takes rows, and n were free
+            for (key, value), (skey, svalue) in zip(self._rows, self._stage_rows, strict=True):
+                key[row, :, : len(prompt)] = skey[0, :, : len(prompt)]
+                value[row, :, : len(prompt)] = svalue[0, :, : len(prompt)]
+            self.slot.cache.past_lens[row] = len(prompt)
+            choice.row, choice.prefilled, choice.cached = row, active.prefilled, active.cached
+            with self._cond:
+                self._running[row] = choice
         self._prefilling = None
-        with self._cond:
-            self._running[row] = active
         active.ttft_ms = (time.perf_counter() - active.started) * 1e3
+        for choice in active.siblings:
+            choice.ttft_ms = active.ttft_ms
         self.stats["prefilled_tokens"] += len(prompt) - active.cached
         self.stats["cached_tokens"] += active.cached
         self.stats["ttft_ms_sum"] += active.ttft_ms
         self.stats["ttft_count"] += 1
-        self._accept(active, first)
+        for choice in choices:
+            self._accept(choice, *self._pick(choice, logits))
 
     def _decode_step(self) -> None:
         live = [a for a in self._running if a is not None]
@@ -368,14 +411,27 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(live)
         for a in live:
-            self._accept(a, int(a.sampler(logits[a.row: a.row + 1])[0]))
+            self._accept(a, *self._pick(a, logits[a.row: a.row + 1]))
         self.stats["decode_seconds"] += time.perf_counter() - started
 
     # -- one token ----------------------------------------------------------------------------------
-    def _accept(self, a: _Active, token: int) -> None:
+    def _pick(self, a: _Active, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """`a`'s next token from its raw [1, V] logits (penalties and grammar on a copy), and its logprobs."""
+        processed = logits
+        if a.controls is not None:
+            processed = logits.copy()  # the backend reuses its buffer; logprobs read the raw logits
+            a.controls.apply(processed[0])
+        token = int(a.sampler(processed)[0])
+        if a.request.logprobs is None:
+            return token, None
+        return token, token_logprobs(logits, np.array([token]), a.request.logprobs, [0])[0]
+
+    def _accept(self, a: _Active, token: int, logprob: TokenLogprob | None = None) -> None:
         a.tokens.append(token)
+        if a.controls is not None:
+            a.controls.advance(token)
         self.stats["completion_tokens"] += 1
-        a.handle.emit(Delta([token], a.stopper.add(token)))
+        a.handle.emit(Delta([token], a.stopper.add(token), [logprob] if logprob is not None else None, a.index))
         if a.stopper.reason is not None:
             self._release(a, a.stopper.reason)
 
@@ -394,4 +450,4 @@ class Scheduler:
         if a.row >= 0:
             self.slot.cache.past_lens[a.row] = 0
         a.handle.emit(Done(reason, len(a.prompt_ids), len(a.tokens), a.prefilled - a.cached, a.cached,
-                           a.ttft_ms, error))
+                           a.ttft_ms, error, a.index))
