@@ -5,7 +5,6 @@ with the same options."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import threading
 import time
@@ -20,12 +19,9 @@ httpx = pytest.importorskip("httpx")
 
 import uvicorn  # noqa: E402
 
-from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.server import create_app  # noqa: E402
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TOL = 1e-4
 
@@ -34,16 +30,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def chat_export(hf_folder, tmp_path_factory):
-    source = tmp_path_factory.mktemp("api") / "model"
-    shutil.copytree(hf_folder("llama-tiny"), source)
-    (source / "chat_template.jinja").write_text(TEMPLATE)
-    out = source.parent / "export"
-    export_model(source, out)
-    return out
 
 
 @pytest.fixture(scope="module")
