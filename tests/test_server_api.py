@@ -231,3 +231,18 @@ def test_refused_fields_are_400_saying_why(base, path, fields, param, message) -
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert message in error["message"] and error["param"] == param, error
+
+
+def test_prompt_logprobs_are_score_with_the_top_tokens(reference) -> None:
+    from kvforge.errors import InputError
+
+    ids = reference.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    entries = reference.prompt_logprobs(ids, top=4)
+    assert entries[0] is None and [e.token for e in entries[1:]] == ids[1:]
+    np.testing.assert_allclose([e.logprob for e in entries[1:]], reference.score(ids), atol=1e-9)
+    for entry in entries[1:]:
+        values = [lp for _, lp in entry.top]
+        assert len(values) == 4 and values == sorted(values, reverse=True) and values[0] >= entry.logprob
+    assert reference.prompt_logprobs(ids[:1]) == [None]
+    with pytest.raises(InputError, match="0..20"):
+        reference.prompt_logprobs(ids, top=21)
