@@ -14,7 +14,8 @@ tokenizing and chat-template rendering run off the event loop (so /health keeps 
 template is read once at load and rendered in a killable child process with time and size limits
 (runtime/chat_worker.py); the Host header is checked when `allowed_hosts` is given (`kvforge serve`
 always gives it), against DNS rebinding; a POST must be `application/json`, so a web page cannot
-send one without a CORS preflight.
+send one without a CORS preflight. Sampling fields, log-probabilities, echo, prompt batches and n
+choices are read and written by kvforge/server_choices.py.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
