@@ -1,5 +1,5 @@
 """The `kvforge` command line: demo | export | build | inspect here; generate | parity | bench | serve
-in kvforge/cli_run.py; what they share in kvforge/cli_common.py.
+in kvforge/cli_run.py; chat in kvforge/cli_chat.py; what they share in kvforge/cli_common.py.
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
 130 for Ctrl-C); `--debug` shows the traceback. Output cut short by its reader (`| head`) ends
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from kvforge import __version__, cli_run
+from kvforge import __version__, cli_chat, cli_run
 from kvforge.cli_common import (  # noqa: F401  (dequantised_hint, human_bytes: part of kvforge.cli's API)
     command_progress,
     dequantised_hint,
@@ -310,7 +310,7 @@ def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max
     click.echo(f"next:      kvforge generate {info['export_dir']} {hint}")
 
 
-for _command in (cli_run.generate, cli_run.parity, cli_run.bench, cli_run.serve):
+for _command in (cli_run.generate, cli_chat.chat, cli_run.parity, cli_run.bench, cli_run.serve):
     main.add_command(_command)
 
 if __name__ == "__main__":

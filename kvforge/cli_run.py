@@ -247,12 +247,14 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
               help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
                    "bound address and loopback names are answered, against DNS rebinding.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@click.option("--log-format", type=click.Choice(["text", "json", "off"]), default="text", show_default=True,
+              help="One line per request on stderr: key=value text, JSON objects, or none.")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
           max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
-          threads: int | None, use_ray: bool, replicas: int, ray_address: str | None) -> None:
+          threads: int | None, log_format: str, use_ray: bool, replicas: int, ray_address: str | None) -> None:
     """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
 
     Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
@@ -270,6 +272,8 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
                    err=True)
 
     if use_ray:
+        if log_format != "text":  # the replicas' logging is Ray's; never a flag that silently does nothing
+            raise click.UsageError("--log-format applies to the one-process server, not to --ray")
         from kvforge.serve_ray import run as run_ray
 
         run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready,
@@ -281,7 +285,8 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, terminated)
-    stopped_by = run_server(export_dir, host=host, port=port, ready=ready, allow_hosts=allow_hosts, **options)
+    stopped_by = run_server(export_dir, host=host, port=port, ready=ready, allow_hosts=allow_hosts,
+                            log_format=log_format, **options)
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt  # kvforge: interrupted, exit 130 (cli._Group)
     if stopped_by == signal.SIGTERM:

@@ -2,11 +2,13 @@
 
 FastAPI + uvicorn (the `serve` extra). Endpoints: POST /v1/completions, POST /v1/chat/completions
 (streaming as server-sent events, or not), GET /v1/models, GET /health, GET /metrics (Prometheus
-text). Errors are OpenAI-shaped JSON, {"error": {"message", "type", "param", "code"}}, whatever
-fails (a catch-all turns a bug into a 500 of that shape): 400 invalid or unsupported parameters or
-malformed JSON, 401 missing or wrong API key (when one is set), 404 unknown model or path, 413 body
-over `max_body_bytes` or prompt over capacity, 415 a POST that is not `application/json`, 421 a Host
-that is not this server's, 429 queue full, 503 shutting down. A bad request never stops the server;
+text; kvforge/server_metrics.py, which also writes one log line per request on "kvforge.server";
+the line's id is the response's `id` and `x-request-id` header). Errors are OpenAI-shaped JSON,
+{"error": {"message", "type", "param", "code"}}, whatever fails (a catch-all turns a bug into a 500
+of that shape): 400 invalid or unsupported parameters or malformed JSON, 401 missing or wrong API key
+(when one is set), 404 unknown model or path, 413 body over `max_body_bytes` or prompt over capacity,
+415 a POST that is not `application/json`, 421 a Host that is not this server's, 429 queue full,
+503 shutting down. A bad request never stops the server;
 a client that goes away (streaming or not) cancels its request.
 
 Hostile clients and files: the body is read up to `max_body_bytes` before anything else; parsing,
@@ -50,14 +52,17 @@ from kvforge.server_guard import (  # noqa: F401  (re-exported: kvforge.server's
 )
 
 NON_STREAM_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests logged and counted
 
 
 def _require():
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as err:
-        raise BackendUnavailableError("kvforge serve needs FastAPI and uvicorn: pip install 'kvforge[serve]'") from err
+        raise BackendUnavailableError("kvforge serve needs FastAPI, uvicorn and prometheus-client: "
+                                      "pip install 'kvforge[serve]'") from err
 
 
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,
@@ -69,22 +74,24 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     `template_seconds`: the time one chat-template rendering may take."""
     _require()
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 
     from kvforge.runtime import GenerationRequest, Generator
     from kvforge.runtime.chat import check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
     from kvforge.runtime.request import FinishReason
-    from kvforge.runtime.scheduler import Done, Scheduler
+    from kvforge.runtime.scheduler import Delta, Done, Scheduler
     from kvforge.server_choices import (
         Job,
         Reply,
+        Tally,
         TokenPieces,
         completion_prompts,
         logprobs_option,
         sampling_options,
     )
+    from kvforge.server_metrics import RequestTrace, ServerMetrics
 
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
@@ -122,12 +129,20 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     app.state.scheduler = scheduler
     app.state.generator = generator
     app.state.renderer = renderer
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
+    metrics = app.state.metrics = ServerMetrics(scheduler)
+
+    def guard_refused(path: str, status: int, message: str) -> None:  # 401/413/415/421 before routing
+        if path in GENERATION_PATHS:
+            metrics.refused(path, status, message)
+
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_refuse=guard_refused,
                        allowed_hosts=None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts))
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, err: ApiError):
-        return JSONResponse(err.body(), status_code=err.status)
+    async def _api_error(request: Request, err: ApiError):
+        # The id of the log line, for a refused request whose body carries none.
+        rid = getattr(request.state, "request_id", None)
+        return JSONResponse(err.body(), status_code=err.status, headers={"x-request-id": rid} if rid else None)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, err: HTTPException):  # 404 / 405 in OpenAI's shape too
@@ -284,11 +299,24 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise
         return handles
 
-    async def _run(request: Request, jobs: list[Job], stream: bool, body: dict, kind: str, rid: str):
+    async def _run(request: Request, jobs: list[Job], stream: bool, body: dict, kind: str, trace: RequestTrace):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        rid = trace.id
+        trace.stream = stream
+
+        tally = Tally(jobs, number_field(body, "n", 1, int))  # the one Done the log line and metrics take
+
+        def on_event(p: int, event: Delta | Done) -> None:  # in the scheduler thread
+            # Timings first: the handler may log as soon as it sees the last Done.
+            if isinstance(event, Delta):
+                trace.on_event(event, stream=(p, event.index))
+            elif tally.add(event) is not None:
+                trace.on_event(tally.done)
+            loop.call_soon_threadsafe(events.put_nowait, (p, event))
+
         try:
-            handles = _submit(jobs, lambda p, e: loop.call_soon_threadsafe(events.put_nowait, (p, e)))
+            handles = _submit(jobs, on_event)
         except QueueFullError as err:
             raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from err
         except CapacityError as err:
@@ -297,6 +325,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, str(err)) from err
         except KvforgeError as err:
             raise ApiError(503, str(err), kind="server_error") from err
+        if not handles:  # nothing to generate (max_tokens 0): the request has ended already
+            trace.on_event(tally.done)
         reply = Reply(kind, rid, name, jobs, pieces, number_field(body, "n", 1, int), logprobs_option(body, kind))
 
         def cancel_all() -> None:
@@ -317,11 +347,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                     yield "data: [DONE]\n\n"
                 finally:
                     cancel_all()
+                    trace.end(200)  # logged now, or once the cancelled request's last Done comes
 
-            return StreamingResponse(sse(), media_type="text/event-stream")
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"x-request-id": rid})
 
         getter = asyncio.ensure_future(events.get())
         checked = time.monotonic()
+        status = 499  # unless it ends: the client went away
         try:
             while not reply.finished:
                 # One pending get() (never cancelled, so no event is lost), and every
@@ -331,29 +363,47 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                 if time.monotonic() - checked >= NON_STREAM_POLL_S:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        cancel_all()
                         return JSONResponse(ApiError(499, "the client closed the connection").body(), status_code=499)
                 if not done:
                     continue
                 p, event = getter.result()
                 if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+                    status = 500
                     raise ApiError(500, event.error or "generation failed", kind="server_error")
                 reply.add(p, event)
                 getter = asyncio.ensure_future(events.get())
+            status = 200
         finally:
             getter.cancel()
             cancel_all()
+            trace.end(status)  # logged now, or once a cancelled request's last Done comes
         return reply.body()
+
+    async def _serve(request: Request, prepare: Callable[[bytes], Any], kind: str):
+        """Prepare and run one request, with its log line and metrics (refusals included)."""
+        path, prefix = GENERATION_PATHS[kind == "chat"], "chatcmpl" if kind == "chat" else "cmpl"
+        trace = metrics.trace(path, f"{prefix}-{uuid.uuid4().hex}")
+        request.state.request_id = trace.id
+        try:
+            jobs, stream, body = await _prepare(request, prepare)
+            response = await _run(request, jobs, stream, body, kind, trace)
+        except ApiError as err:
+            trace.refuse(err.status, err.message)  # a no-op when the request ran (500: already logged)
+            raise
+        except Exception as err:
+            trace.refuse(500, f"internal error: {type(err).__name__}: {err}")
+            raise
+        if not isinstance(response, Response):
+            response = JSONResponse(response, headers={"x-request-id": trace.id})
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        jobs, stream, body = await _prepare(request, _prepare_completion)
-        return await _run(request, jobs, stream, body, "text", f"cmpl-{uuid.uuid4().hex}")
+        return await _serve(request, _prepare_completion, "text")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        jobs, stream, body = await _prepare(request, _prepare_chat)
-        return await _run(request, jobs, stream, body, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+        return await _serve(request, _prepare_chat, "chat")
 
     @app.get("/v1/models")
     async def models():
@@ -364,24 +414,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         return {"status": "ok", "model": name}
 
     @app.get("/metrics")
-    async def metrics():
-        s = scheduler.snapshot()
-        decode_tps = s["decode_tokens"] / s["decode_seconds"] if s["decode_seconds"] else 0.0
-        ttft = s["ttft_ms_sum"] / s["ttft_count"] / 1e3 if s["ttft_count"] else 0.0
-        lines = [
-            ("kvforge_queue_length", "gauge", "requests waiting or being prefilled", s["waiting"]),
-            ("kvforge_running_requests", "gauge", "rows of the running batch in use", s["running"]),
-            ("kvforge_requests_total", "counter", "requests accepted", s["requests"]),
-            ("kvforge_requests_rejected_total", "counter", "requests refused with 429", s["rejected"]),
-            ("kvforge_completion_tokens_total", "counter", "tokens generated", s["completion_tokens"]),
-            ("kvforge_prefill_tokens_total", "counter", "prompt tokens run through the graph", s["prefilled_tokens"]),
-            ("kvforge_cached_prompt_tokens_total", "counter", "prompt tokens reused from earlier turns", s["cached_tokens"]),
-            ("kvforge_decode_tokens_per_second", "gauge", "tokens per second of decode steps (all rows together)",
-             decode_tps),
-            ("kvforge_time_to_first_token_seconds_mean", "gauge", "mean time to first token", ttft),
-        ]
-        text = "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v}\n" for n, t, h, v in lines)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def prometheus_metrics():
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     return app
 
@@ -442,12 +477,19 @@ def _uvicorn_server(config: Any) -> Any:
 
 def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           ready: Callable[[str], None] | None = None, allow_hosts: Iterable[str] = (),
-          sock: socket.socket | None = None, **options: Any) -> int | None:
+          sock: socket.socket | None = None, log_format: str = "text", **options: Any) -> int | None:
     """Run the app with uvicorn until SIGINT or SIGTERM; returns the signal that stopped it.
     The app is built (a bad export fails first), then the socket bound (or `sock` taken: a busy
-    port or a bad host is an InputError), and only then is `ready(url)` called."""
+    port or a bad host is an InputError), and only then is `ready(url)` called. `log_format`:
+    the request log on stderr, "text" (key=value), "json" (one object a line) or "off"."""
     _require()
+    import logging
+
     import uvicorn
+
+    from kvforge.server_metrics import LOGGER, request_log_handler
+
+    handler = request_log_handler(log_format)
 
     app = create_app(export_dir, allowed_hosts=allowed_hosts_for(host, allow_hosts), **options)
     try:
@@ -457,6 +499,10 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         if app.state.renderer is not None:
             app.state.renderer.close()
         raise
+    if handler is not None:
+        LOGGER.addHandler(handler)
+        if not LOGGER.isEnabledFor(logging.INFO):
+            LOGGER.setLevel(logging.INFO)
     try:
         bound_port = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
@@ -469,3 +515,5 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         return server.stop_signal
     finally:
         sock.close()
+        if handler is not None:
+            LOGGER.removeHandler(handler)

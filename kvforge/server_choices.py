@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob
-from kvforge.runtime.request import MAX_CHOICES, GenerationRequest, openai_finish_reason
+from kvforge.runtime.request import MAX_CHOICES, FinishReason, GenerationRequest, openai_finish_reason
 from kvforge.runtime.scheduler import Delta, Done
 from kvforge.runtime.tokenizer import Tokenizer
 from kvforge.server_guard import ApiError, number_field, valid_text
@@ -324,3 +324,34 @@ class Reply:
                                 "finish_reason": c.finish_reason or "length"})
         return {"id": self.rid, "object": "chat.completion" if self.kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+class Tally:
+    """The scheduler's Done events of a request's choices (every prompt's n) merged into one Done,
+    `done` once the last has come (at once when nothing is generated): the request's line in the log
+    and its metrics. Tokens are summed (prefilled and cached positions once per prompt); the reason
+    is an error's or a cancellation's if any, else the first choice's to end. Scheduler thread only."""
+
+    def __init__(self, jobs: list[Job], n: int) -> None:
+        self.pending = sum(n for job in jobs if job.request is not None)
+        self.prompt_tokens = sum(len(job.ids) for job in jobs)
+        self.dones: list[Done] = []
+        self.done: Done | None = None if self.pending else self._merge()
+
+    def add(self, done: Done) -> Done | None:
+        """Take one choice's Done; the merged one when it was the last."""
+        self.dones.append(done)
+        self.pending -= 1
+        if self.pending == 0:
+            self.done = self._merge()
+        return self.done
+
+    def _merge(self) -> Done:
+        worst = [d for d in self.dones if d.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)]
+        first = (worst or self.dones or [None])[0]
+        ttfts = [d.ttft_ms for d in self.dones if d.ttft_ms is not None]
+        per_prompt = [d for d in self.dones if d.index == 0]
+        return Done(first.finish_reason if first is not None else FinishReason.LENGTH, self.prompt_tokens,
+                    sum(d.completion_tokens for d in self.dones), sum(d.prefilled_tokens for d in per_prompt),
+                    sum(d.cached_tokens for d in per_prompt), min(ttfts, default=None),
+                    first.error if first is not None else None)

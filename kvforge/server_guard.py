@@ -105,12 +105,15 @@ def message_content(content: Any, i: int) -> Any:
 class Guard:
     """ASGI middleware run before FastAPI sees a request: Host check (DNS rebinding), API key
     (constant-time), and for POSTs the content type and a body read up to `max_body_bytes` (413
-    beyond it, before the rest arrives)."""
+    beyond it, before the rest arrives). `on_refuse(path, status, message)` hears of each refusal
+    (the request log)."""
 
     OPEN_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
 
-    def __init__(self, app: Any, api_key: str | None, allowed_hosts: frozenset[str] | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, allowed_hosts: frozenset[str] | None, max_body_bytes: int,
+                 on_refuse: Callable[[str, int, str], None] | None = None) -> None:
         self.app = app
+        self.on_refuse = on_refuse
         self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
         self.allowed_hosts = allowed_hosts
         self.max_body_bytes = max_body_bytes
@@ -158,6 +161,8 @@ class Guard:
         headers = {k.decode("latin-1"): v for k, v in scope.get("headers", [])}
 
         async def refuse(err: ApiError) -> None:
+            if self.on_refuse is not None:
+                self.on_refuse(scope["path"], err.status, err.message)
             await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
 
         host = headers.get("host")

@@ -68,7 +68,8 @@ class SamplingConfig:
             if not _number(value) or not -2 <= value <= 2:
                 raise InputError(f"{name} must be in [-2, 2] (0 disables it), got {value!r}")
         if not _number(self.repetition_penalty) or not self.repetition_penalty > 0:
-            raise InputError(f"repetition_penalty must be a number > 0 (1 disables it), got {self.repetition_penalty!r}")
+            raise InputError(
+                f"repetition_penalty must be a number > 0 (1 disables it), got {self.repetition_penalty!r}")
 
     @property
     def penalized(self) -> bool:

@@ -14,10 +14,12 @@ copies those rows and prefills only what follows: the KV of position t depends o
 0..t, so the result is the same as prefilling everything.
 
 Requests are GenerationRequests (runtime/request.py) with one prompt; they end with the same
-FinishReasons as the Generator's rows, decided by the same Stopper. A request with n > 1 choices is
-prefilled once, then its KV rows are copied into n free rows (it waits until n are free); each
-choice has its own sampler (seed + i), stopper, penalties / grammar matcher and Delta/Done `index`. Torch-free; the backend must keep
+FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free; the backend must keep
 its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`.
+
+A request with n > 1 choices is prefilled once, then its KV rows are copied into n free rows (it
+waits until n are free); each choice has its own sampler (seed + i), Stopper, penalties / grammar
+matcher (runtime/logit_controls.py) and `index` in its Delta and Done events.
 """
 
 from __future__ import annotations
@@ -279,7 +281,8 @@ class Scheduler:
         handle = RequestHandle(request, next(self._ids), on_event)
         # Text is always decoded (the server sends it, whatever form the prompt came in).
         tokenizer = self.generator.tokenizer
-        choices = [_Active(handle, prompt, Stopper(request, self.eos, tokenizer.incremental() if tokenizer is not None else None),
+        choices = [_Active(handle, prompt,
+                           Stopper(request, self.eos, tokenizer.incremental() if tokenizer is not None else None),
                            index, self.generator.row_controls(request, prompt)) for index in range(request.n)]
         choices[0].siblings = choices[1:]
         with self._cond:

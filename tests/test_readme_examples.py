@@ -112,3 +112,10 @@ def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_chat_with_piped_turns(workdir) -> None:
+    block = readme_block("kvforge chat kvforge-demo/smollm2-135m-instruct-ort")
+    piped = next(line.strip() for line in block.splitlines() if line.strip().startswith("printf "))
+    lines = _run(piped, workdir).stdout.splitlines()
+    assert len(lines) == 2 and "Paris" in lines[0] and "Rome" in lines[1], lines  # the second turn knows the first

@@ -246,3 +246,26 @@ def test_prompt_logprobs_are_score_with_the_top_tokens(reference) -> None:
     assert reference.prompt_logprobs(ids[:1]) == [None]
     with pytest.raises(InputError, match="0..20"):
         reference.prompt_logprobs(ids, top=21)
+
+
+def test_a_batch_with_n_choices_is_one_log_line_with_its_usage(base, caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kvforge.server")
+    bodies = [{"prompt": ["Once upon a time", "def main"], "n": 2, "max_tokens": 3, "temperature": 0.5, "seed": 1},
+              {"prompt": ["hello", "a b c"], "max_tokens": 0, "echo": True, "logprobs": 1}]
+    for body in bodies:
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        rid, usage = response.headers["x-request-id"], response.json()["usage"]
+        for _ in range(100):  # written when the response ends
+            lines = [r for r in caplog.records if r.name == "kvforge.server" and r.kvforge_fields["id"] == rid]
+            if lines:
+                break
+            time.sleep(0.02)
+        assert len(lines) == 1
+        fields = lines[0].kvforge_fields
+        assert fields["status"] == 200 and fields["finish_reason"] == "length"
+        assert (fields["prompt_tokens"], fields["completion_tokens"]) == (usage["prompt_tokens"],
+                                                                          usage["completion_tokens"])
+    assert usage["completion_tokens"] == 0
