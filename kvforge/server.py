@@ -16,7 +16,9 @@ tokenizing and chat-template rendering run off the event loop (so /health keeps 
 template is read once at load and rendered in a killable child process with time and size limits
 (runtime/chat_worker.py); the Host header is checked when `allowed_hosts` is given (`kvforge serve`
 always gives it), against DNS rebinding; a POST must be `application/json`, so a web page cannot
-send one without a CORS preflight.
+send one without a CORS preflight. Sampling fields, log-probabilities, echo, prompt batches, n
+choices and tool calls are read and written by kvforge/server_choices.py (tool-call formats and
+parsers: runtime/tool_calls.py; grammars: runtime/constraint.py).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
@@ -83,15 +85,17 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from kvforge.runtime.chat import chat_template_override, check_messages
     from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
     from kvforge.runtime.constraint import compiler_for
-    from kvforge.runtime.request import FinishReason, openai_finish_reason
+    from kvforge.runtime.request import FinishReason
     from kvforge.runtime.scheduler import Delta, Done, Scheduler
-    from kvforge.runtime.tool_calls import (
-        DeltaStream,
-        ToolRequest,
-        answer_message,
-        check_tool_support,
-        detect_format,
-        tool_request,
+    from kvforge.runtime.tool_calls import ToolRequest, check_tool_support, detect_format, tool_request
+    from kvforge.server_choices import (
+        Job,
+        Reply,
+        Tally,
+        TokenPieces,
+        completion_prompts,
+        logprobs_option,
+        sampling_options,
     )
     from kvforge.server_metrics import RequestTrace, ServerMetrics
 
@@ -119,6 +123,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         template = generator.chat_template if override is None or tokenizer is None else override
     except KvforgeError as err:  # no template (or a broken one): chat requests get this message
         template, template_error = None, err
+    pieces = TokenPieces(tokenizer)  # token texts and bytes for log-probabilities
     renderer = (IsolatedRenderer(template, seconds=template_seconds or RENDER_SECONDS).start()
                 if template is not None else None)
     # How the template writes tool calls (None: it takes no tools, or kvforge does not parse its format).
@@ -197,12 +202,15 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise _too_long(what, f"{len(ids)} tokens")
         return ids
 
-    def _generation_request(body: dict, prompt_ids: list[int], default_max: int,
-                            constraint: Any = None) -> GenerationRequest:
-        """The one request type, from OpenAI's parameters (Generator.request resolves the sampling)."""
-        max_tokens = number_field(body, "max_tokens", None, int, 1, capacity)
+    def _generation_request(body: dict, prompt_ids: list[int], default_max: int, kind: str,
+                            constraint: Any = None) -> GenerationRequest | None:
+        """The one request type, from OpenAI's parameters (Generator.request resolves the sampling);
+        None for completions' max_tokens 0 (the prompt is only scored, after it is checked the same).
+        `constraint`: the grammar of a forced tool call."""
+        low = 0 if kind == "text" else 1
+        max_tokens = number_field(body, "max_tokens", None, int, low, capacity)
         if max_tokens is None:
-            max_tokens = number_field(body, "max_completion_tokens", default_max, int, 1, capacity)
+            max_tokens = number_field(body, "max_completion_tokens", default_max, int, low, capacity)
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
@@ -211,29 +219,23 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, "'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
         for s in stop or []:
             valid_text(s, "'stop'", "stop")
-        temperature = number_field(body, "temperature", None, float, 0.0, 2.0)
-        top_p = number_field(body, "top_p", None, float, 0.0, 1.0)
-        seed = number_field(body, "seed", None, int, 0, 2**63 - 1)
-        if number_field(body, "n", 1, int) != 1:
-            raise ApiError(400, f"only n=1 is supported (one choice per request), got {body.get('n')!r}", param="n")
-        # OpenAI's temperature 0 is greedy decoding (top_p and seed then do nothing).
-        sampling: dict[str, Any] = ({"greedy": True} if temperature == 0.0 else
-                                    {"temperature": temperature, "top_p": top_p, "seed": seed})
+        options = sampling_options(body, kind, generator.default_sampling.greedy)
         grammar = response_format_grammar(body.get("response_format"))
         if grammar is not None:
             try:  # compiled here, off the event loop; the scheduler's rows then copy the cached result
                 compiler_for(generator).compile(grammar)
             except InputError as err:
                 raise ApiError(400, str(err), param="response_format") from err
-        if constraint is not None:  # the grammar of a forced tool call
+        if constraint is not None:
             if grammar is not None:
                 raise ApiError(400, "'response_format' cannot be combined with a forced tool call (tool_choice "
                                     "'required' or a named function): the answer is the call", param="response_format")
             grammar = constraint
         try:
-            return generator.request(prompt_ids, max_tokens, stop=stop, grammar=grammar, **sampling)
+            checked = generator.request(prompt_ids, max(max_tokens, 1), stop=stop, grammar=grammar, **options)
         except InputError as err:
             raise ApiError(400, str(err)) from err
+        return checked if max_tokens else None
 
     def _stream_flag(body: dict) -> bool:
         stream = body.get("stream", False)
@@ -241,25 +243,39 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream")
         return stream
 
-    def _prepare_completion(raw: bytes) -> tuple[GenerationRequest, bool]:
-        """Parse, check and tokenize a completion request (in a worker thread, off the event loop)."""
+    def _prepare_completion(raw: bytes) -> tuple[list[Job], bool, dict, None]:
+        """Parse, check and tokenize a completion request, and score the prompts that `echo` asks
+        log-probabilities for (in a worker thread, off the event loop). One Job per prompt."""
         body = _parse(raw)
         check_fields(body, "text")
         stream = _stream_flag(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise ApiError(400, "this export has no tokenizer: send 'prompt' as a list of token ids", param="prompt")
-            ids = _encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if len(prompt) > capacity:
-                raise _too_long("the prompt", f"{len(prompt)} tokens")
-            ids = list(prompt)
-        else:
-            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
-        return _generation_request(body, ids, 16), stream  # OpenAI's completions default: 16 tokens
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise ApiError(400, f"'echo' must be true or false, got {echo!r}", param="echo")
+        jobs = []
+        for prompt in completion_prompts(body.get("prompt"), scheduler.max_queue):
+            if isinstance(prompt, str):
+                if tokenizer is None:
+                    raise ApiError(400, "this export has no tokenizer: send 'prompt' as token ids", param="prompt")
+                ids = _encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt")
+            else:
+                if len(prompt) > capacity:
+                    raise _too_long("the prompt", f"{len(prompt)} tokens")
+                ids = list(prompt)
+            generation = _generation_request(body, ids, 16, "text")  # OpenAI's completions default: 16 tokens
+            job = Job(ids, generation)
+            if echo:
+                job.echo = prompt if isinstance(prompt, str) else tokenizer.decode(ids) if tokenizer else ""
+                top = logprobs_option(body, "text")
+                if top is not None:
+                    try:
+                        job.prompt_logprobs = generator.prompt_logprobs(ids, top)
+                    except InputError as err:
+                        raise ApiError(400, str(err), param="prompt") from err
+            jobs.append(job)
+        return jobs, stream, body, None
 
-    def _prepare_chat(raw: bytes) -> tuple[GenerationRequest, bool, ToolRequest | None]:
+    def _prepare_chat(raw: bytes) -> tuple[list[Job], bool, dict, ToolRequest | None]:
         """Parse, check, render (in the template's child process) and tokenize a chat request."""
         body = _parse(raw)
         check_fields(body, "chat")
@@ -296,7 +312,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         ids = _encode(valid_text(text, "the rendered conversation", "messages"), False, "the conversation")
         constraint = _tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        return _generation_request(body, ids, max(1, capacity - len(ids) + 1), constraint), stream, tools
+        generation = _generation_request(body, ids, max(1, capacity - len(ids) + 1), "chat", constraint)
+        return [Job(ids, generation)], stream, body, tools
 
     def _tool_grammar(tools: ToolRequest | None) -> Any:
         """The grammar forcing a call (tool_choice "required" or a named function), compiled now so
@@ -313,19 +330,38 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         raw = await request.body()
         return await asyncio.to_thread(prepare, raw)
 
-    async def _run(request: Request, generation: GenerationRequest, stream: bool, kind: str, trace: RequestTrace,
-                   tools: ToolRequest | None = None):
+    def _submit(jobs: list[Job], put: Callable[[int, Any], None]) -> list[Any]:
+        """Queue every job's request (all or none): their handles."""
+        handles = []
+        try:
+            for p, job in enumerate(jobs):
+                if job.request is not None:
+                    handles.append(scheduler.submit(job.request, on_event=lambda e, p=p: put(p, e)))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
+
+    async def _run(request: Request, jobs: list[Job], stream: bool, body: dict, kind: str, trace: RequestTrace,
+                   tools: ToolRequest | None):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         rid = trace.id
         trace.stream = stream
 
-        def on_event(event: Delta | Done) -> None:  # in the scheduler thread
-            trace.on_event(event)  # timings first: the handler may log as soon as it sees Done
-            loop.call_soon_threadsafe(events.put_nowait, event)
+        tally = Tally(jobs, number_field(body, "n", 1, int))  # the one Done the log line and metrics take
+
+        def on_event(p: int, event: Delta | Done) -> None:  # in the scheduler thread
+            # Timings first: the handler may log as soon as it sees the last Done.
+            if isinstance(event, Delta):
+                trace.on_event(event, stream=(p, event.index))
+            elif tally.add(event) is not None:
+                trace.on_event(tally.done)
+            loop.call_soon_threadsafe(events.put_nowait, (p, event))
 
         try:
-            handle = scheduler.submit(generation, on_event=on_event)
+            handles = _submit(jobs, on_event)
         except QueueFullError as err:
             raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from err
         except CapacityError as err:
@@ -334,57 +370,39 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             raise ApiError(400, str(err)) from err
         except KvforgeError as err:
             raise ApiError(503, str(err), kind="server_error") from err
+        if not handles:  # nothing to generate (max_tokens 0): the request has ended already
+            trace.on_event(tally.done)
+        reply = Reply(kind, rid, name, jobs, pieces, number_field(body, "n", 1, int), logprobs_option(body, kind),
+                      tools)
 
-        def chunk(text: str, reason: str | None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-            if kind == "chat":
-                delta = delta if delta is not None else {"content": text} if text else {}
-                return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
-                        "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}
+        def cancel_all() -> None:
+            for handle in handles:
+                handle.cancel()  # the client went away (or we are done: then a no-op)
 
-        def usage(done: Done) -> dict[str, Any]:
-            return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-                    "total_tokens": done.prompt_tokens + done.completion_tokens,
-                    "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-        deltas = DeltaStream(tools) if tools is not None else None  # content and whole tool calls
         if stream:
             async def sse():
-                if kind == "chat":
-                    first = chunk("", None)
-                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                    yield f"data: {json.dumps(first)}\n\n"
                 try:
-                    while True:
-                        event = await events.get()
-                        if isinstance(event, Delta):  # one chunk per token, text "" while held back
-                            for delta in deltas.feed(event.text) if deltas is not None else [None]:
-                                yield f"data: {json.dumps(chunk(event.text, None, delta))}\n\n"
-                            continue
-                        if event.finish_reason == FinishReason.ERROR:
+                    for chunk in reply.opening():
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                    while not reply.finished:
+                        p, event = await events.get()
+                        if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
                             yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
-                        else:
-                            for delta in deltas.finish() if deltas is not None else []:
-                                yield f"data: {json.dumps(chunk('', None, delta))}\n\n"
-                            called = deltas is not None and deltas.calls > 0
-                            last = chunk("", "tool_calls" if called else openai_finish_reason(event.finish_reason))
-                            last["usage"] = usage(event)
-                            yield f"data: {json.dumps(last)}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
+                            break
+                        for chunk in reply.add(p, event):
+                            yield f"data: {json.dumps(chunk)}\n\n"
+                    yield "data: [DONE]\n\n"
                 finally:
-                    handle.cancel()  # the client went away (or we are done: then a no-op)
-                    trace.end(200)  # logged now, or once the cancelled request's Done comes
+                    cancel_all()
+                    trace.end(200)  # logged now, or once the cancelled request's last Done comes
 
             return StreamingResponse(sse(), media_type="text/event-stream", headers={"x-request-id": rid})
 
-        parts: list[str] = []
         getter = asyncio.ensure_future(events.get())
         checked = time.monotonic()
-        event = None
+        status = 499  # unless it ends: the client went away
         try:
-            while True:
+            while not reply.finished:
                 # One pending get() (never cancelled, so no event is lost), and every
                 # NON_STREAM_POLL_S a check that the client is still there: a gone client's
                 # generation is cancelled.
@@ -392,34 +410,21 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                 if time.monotonic() - checked >= NON_STREAM_POLL_S:
                     checked = time.monotonic()
                     if await request.is_disconnected():
-                        handle.cancel()
                         return JSONResponse(ApiError(499, "the client closed the connection").body(), status_code=499)
                 if not done:
                     continue
-                event = getter.result()
-                if isinstance(event, Done):
-                    break
-                parts.append(event.text)
+                p, event = getter.result()
+                if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+                    status = 500
+                    raise ApiError(500, event.error or "generation failed", kind="server_error")
+                reply.add(p, event)
                 getter = asyncio.ensure_future(events.get())
+            status = 200
         finally:
             getter.cancel()
-            handle.cancel()
-            if not isinstance(event, Done):  # the client went away
-                trace.end(499)
-        trace.end(500 if event.finish_reason == FinishReason.ERROR else 200)
-        if event.finish_reason == FinishReason.ERROR:
-            raise ApiError(500, event.error or "generation failed", kind="server_error")
-        text = "".join(parts)
-        if kind == "chat":
-            message, called = answer_message(text, tools)
-            reason = "tool_calls" if called else openai_finish_reason(event.finish_reason)
-            choice = {"index": 0, "message": message, "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": openai_finish_reason(event.finish_reason), "logprobs": None}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": int(time.time()), "model": name, "choices": [choice],
-                "usage": usage(event)}
+            cancel_all()
+            trace.end(status)  # logged now, or once a cancelled request's last Done comes
+        return reply.body()
 
     async def _serve(request: Request, prepare: Callable[[bytes], Any], kind: str):
         """Prepare and run one request, with its log line and metrics (refusals included)."""
@@ -427,9 +432,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         trace = metrics.trace(path, f"{prefix}-{uuid.uuid4().hex}")
         request.state.request_id = trace.id
         try:
-            # (generation, stream) or, for chat, (generation, stream, tools)
-            generation, stream, *tools = await _prepare(request, prepare)
-            response = await _run(request, generation, stream, kind, trace, *tools)
+            jobs, stream, body, tools = await _prepare(request, prepare)
+            response = await _run(request, jobs, stream, body, kind, trace, tools)
         except ApiError as err:
             trace.refuse(err.status, err.message)  # a no-op when the request ran (500: already logged)
             raise

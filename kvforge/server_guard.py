@@ -30,16 +30,17 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
 
 # OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
+# top_k, min_p and repetition_penalty are extensions (vLLM's names).
 COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-           "user", "stream_options", "response_format"}
-FIELDS = {"text": COMMON_FIELDS | {"prompt"},
-          "chat": COMMON_FIELDS | {"messages", "tools", "tool_choice", "parallel_tool_calls"}}
+                 "user", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                 "repetition_penalty", "response_format"}
+FIELDS = {"text": COMMON_FIELDS | {"prompt", "echo"},
+          "chat": COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}}
 # Parameters it does not implement, accepted only with the value that changes nothing (or null),
 # so that a client asking for them learns that it does not get them.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "logprobs": (False,),
-    "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
+    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
 }
 
 

@@ -147,20 +147,24 @@ class RequestTrace:
         self.arrived = time.perf_counter()
         self.first: float | None = None
         self.last: float | None = None
+        self._streams: dict[Any, float] = {}  # each choice's last token time
         self.done: Any = None  # the scheduler's Done
         self._lock = threading.Lock()  # taken once at the end, never per token
         self._ended_status: int | None = None
         self._logged = False
 
-    def on_event(self, event: Any) -> None:
-        """Called in the scheduler thread for every Delta and the Done, before the handler sees it."""
+    def on_event(self, event: Any, stream: Any = 0) -> None:
+        """Called in the scheduler thread for every Delta and the (request's one) Done, before the
+        handler sees it. `stream`: which choice a Delta belongs to (a request with several prompts
+        or n choices): the inter-token latency is measured within each."""
         now = time.perf_counter()
         if not hasattr(event, "finish_reason"):  # a Delta
-            if self.last is None:
+            if self.first is None:
                 self.first = now
-            else:
-                self.metrics.itl.observe(now - self.last)
-            self.last = now
+            previous = self._streams.get(stream)
+            if previous is not None:
+                self.metrics.itl.observe(now - previous)
+            self._streams[stream] = self.last = now
             return
         with self._lock:
             self.done = event

@@ -5,6 +5,7 @@ threads or open streams at once).
     gen.generate(["Once upon a time"], max_new_tokens=16, greedy=True)   # keywords: GenerationRequest.create's
     gen.generate(GenerationRequest.create(...))                           # or a request built beforehand
     gen.stream(...), gen.chat(messages, ...), gen.chat_stream(messages, ...), gen.score(ids)
+    gen.prompt_logprobs(ids, top=5)                                       # score() with top-k, per token
 
 The pieces: runtime/request.py (the request, finish reasons, stop handling), runtime/prompts.py
 (prompt forms and their checks), runtime/slot_pool.py (KV-cache slots per request),
@@ -27,7 +28,8 @@ from kvforge.runtime.chat import ChatTemplate, read_chat_template
 from kvforge.runtime.decode_loop import GenerationResult, GenerationStream, StepEvent, Steps, run_steps
 from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
 from kvforge.runtime.logit_controls import RowControls
-from kvforge.runtime.prompts import Prompts, RenderedChat, as_id_list, parse_prompts
+from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob, token_logprobs
+from kvforge.runtime.prompts import Prompts, RenderedChat, as_id_list, is_int, parse_prompts
 from kvforge.runtime.request import GenerationRequest
 from kvforge.runtime.sampling import SamplingConfig
 from kvforge.runtime.slot_pool import SlotPool
@@ -200,20 +202,38 @@ class Generator:
         it: [len(ids) - 1] float64, from one prefill call that returns the logits of every position
         (like a Hugging Face forward over the whole window, so position-dependent choices such as
         LongRoPE's short/long factors are made the same way). For perplexity: exp(-mean)."""
+        ids, logits = self._prompt_logits(ids, "score()")
+        logits = logits.astype(np.float64)
+        peak = logits.max(axis=-1, keepdims=True)
+        log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
+        return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
+
+    def prompt_logprobs(self, ids: list[int], top: int = 0) -> list[TokenLogprob | None]:
+        """score() with the `top` most likely tokens of every position (0..20): one TokenLogprob per
+        token of `ids`, None for the first (nothing predicts it), as OpenAI's echo returns them. The
+        values are score()'s (log_softmax of the same one-prefill logits)."""
+        if not is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise InputError(f"top must be an integer in 0..{MAX_LOGPROBS}, got {top!r}")
+        if len(ids) == 1:
+            parse_prompts([list(ids)], self.tokenizer, self.vocab_size, self.folder)  # checks the id
+            return [None]
+        ids, logits = self._prompt_logits(ids, "prompt_logprobs()")
+        scored = token_logprobs(logits, np.asarray(ids[1:]), int(top), range(len(ids) - 1))
+        return [None, *(scored[i] for i in range(len(ids) - 1))]
+
+    def _prompt_logits(self, ids: list[int], what: str) -> tuple[list[int], np.ndarray]:
+        """The checked ids and the logits [len(ids) - 1, V] predicting ids[1:], from one prefill."""
         rows, _ = parse_prompts([list(ids)], self.tokenizer, self.vocab_size, self.folder)
         ids = rows[0]
         if len(ids) < 2:
-            raise InputError("score() needs at least two tokens")
+            raise InputError(f"{what} needs at least two tokens")
         slot = self.slots.acquire(1, choose_capacity(len(ids), self.max_capacity, None,
                                                      buckets=self.backend.limits.capacity_buckets))
         try:
             slot.cache.reset()
             positions = np.arange(len(ids) - 1, dtype=np.int64)[None]
             logits = self.check_logits(self.backend.prefill(slot, np.array([ids], np.int64), positions), 0)
-            logits = logits[0].astype(np.float64)
-            peak = logits.max(axis=-1, keepdims=True)
-            log_norm = np.log(np.exp(logits - peak).sum(axis=-1)) + peak[:, 0]
-            return logits[np.arange(len(ids) - 1), ids[1:]] - log_norm
+            return ids, np.array(logits[0])  # a copy: the backend reuses its logits buffer
         finally:
             self.slots.release(slot)
 

@@ -43,6 +43,26 @@ def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
     return get
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_export(hf_folder, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a plain chat template (CHAT_TEMPLATE), exported once per session for the
+    server tests (tests/test_server.py, tests/test_server_api.py)."""
+    import shutil
+
+    from kvforge.exporter.export import export_model
+
+    source = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(hf_folder("llama-tiny"), source)
+    (source / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    out = source.parent / "export"
+    export_model(source, out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The real SmolLM2 demo layout (so `kvforge demo -o ROOT` reuses it): ROOT/<name>.hf and

@@ -107,11 +107,12 @@ def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
             assert server.poll() is None, server.stderr.read()
             assert time.monotonic() < deadline, "the server did not start within 120 s"
             time.sleep(0.5)
-        curl = readme_block("curl -s http://127.0.0.1").split("\n", 1)[1]  # the block's second command
+        curl = readme_block("curl -s http://127.0.0.1:8000/v1/chat").split("\n", 1)[1]  # the block's second command
         answer = _run(curl, workdir)
         assert '"object":"chat.completion"' in answer.stdout.replace(" ", "") and "Paris" in answer.stdout
-        streamed = _run(readme_block("from openai import OpenAI"), workdir, python=True)
+        streamed = _run(readme_block("stream=True, max_tokens=64"), workdir, python=True)
         assert streamed.stdout.strip(), "the openai example printed nothing"
+        assert "' Paris' " in streamed.stdout  # the logprobs example: one line per answer token
         structured = _run(readme_block("response_format=City"), workdir, python=True).stdout.splitlines()
         assert structured[0].startswith("name=") and re.fullmatch(r"[a-z]{1,12}@example\.com", structured[-1])
     finally:

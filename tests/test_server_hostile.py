@@ -327,14 +327,12 @@ def test_serve_refuses_an_empty_api_key_in_one_line(tmp_path) -> None:
 # -- 8. honest API ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("path", "field", "value"), [
     ("/v1/completions", "logit_bias", {"5": 100}),
-    ("/v1/completions", "logprobs", 2),
-    ("/v1/completions", "echo", True),
+    ("/v1/completions", "top_logprobs", 2),  # chat's; completions' is logprobs=N
     ("/v1/completions", "suffix", "tail"),
     ("/v1/completions", "best_of", 3),
-    ("/v1/completions", "frequency_penalty", 0.5),
-    ("/v1/completions", "presence_penalty", 1),
     ("/v1/completions", "no_such_thing", 1),
-    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "logit_bias", {"5": 1}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
 ])
 def test_parameters_that_would_be_ignored_are_400_naming_them(server, path, field, value) -> None:

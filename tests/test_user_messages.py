@@ -64,16 +64,16 @@ def test_a_quantised_gguf_exported_to_fp32_gets_a_hint() -> None:
     assert dequantised_hint({**manifest, "model": {}}) is None
 
 
-def test_server_says_only_one_choice_is_supported(exported) -> None:
+def test_server_says_how_many_choices_it_takes(exported) -> None:
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
     from kvforge.server import create_app
 
     with TestClient(create_app(exported("llama-tiny", "ort"), max_batch=1, max_seq_len=64)) as client:
-        response = client.post("/v1/completions", json={"prompt": "x", "n": 2})
+        response = client.post("/v1/completions", json={"prompt": "x", "n": 17})
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == "only n=1 is supported (one choice per request), got 2"
+    assert response.json()["error"]["message"] == "'n' must be between 1 and 16, got 17"
 
 
 def test_demo_says_what_its_counts_and_times_cover(tmp_path) -> None:
