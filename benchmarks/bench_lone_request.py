@@ -8,8 +8,8 @@ in-process `Scheduler` (max_batch 8, as `kvforge serve`), and through `kvforge s
 process, httpx, streaming off). The Scheduler and the server also run a second time with every
 decode step over all max_batch rows (`*_all_rows`: the scheduler before its batch buckets). Round i
 sends prompt i to all of them (the chat template's rendering of a story request when the export has
-one, else fixed token ids), greedy, up to --new-tokens tokens; the server's prefix cache, which
-`kvforge serve` always has, so finds no earlier turn, and the in-process Scheduler's is off. Then 8
+one, else fixed token ids), greedy, up to --new-tokens tokens, so the server's prefix cache (always
+on in `kvforge serve`) finds no earlier turn; the in-process Scheduler's is off. Then 8
 different prompts go at once to the Scheduler and to the server, against the same 8 one at a time.
 
 Printed: median tokens/s of each and the medians of the rounds' ratios to the library (decode
