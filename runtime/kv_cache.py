@@ -11,6 +11,7 @@ buffers (runtime/trt_backend.py).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -153,6 +154,22 @@ class KVCache(CacheState):
         if self.device != "cpu":
             raise InputError(f"the KV cache lives on {self.device}; only CPU caches expose host buffers")
         return [(self._host[2 * i], self._host[2 * i + 1]) for i in range(self.num_layers)]
+
+    def first_rows(self, rows: int) -> KVCache:
+        """A cache over the first `rows` rows of this one, in the same memory: the leading rows of a
+        row-major [B, H, C, D] buffer are one contiguous block, so the new OrtValues wrap views, and
+        `past_lens` is a view too. Binding it runs a smaller batch in place (the scheduler's buckets)."""
+        if self.device != "cpu":
+            raise InputError(f"the KV cache lives on {self.device}; only CPU caches give row views")
+        if not 1 <= rows <= self.batch:
+            raise InputError(f"rows must be between 1 and the cache's {self.batch}, got {rows!r}")
+        view = copy.copy(self)
+        view.shape = (rows, *self.shape[1:])
+        view.past_lens = self.past_lens[:rows]
+        view._host = [array[:rows] for array in self._host]
+        view.keys = [ort.OrtValue.ortvalue_from_numpy(array) for array in view._host[0::2]]
+        view.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in view._host[1::2]]
+        return view
 
     def addresses(self) -> dict[str, int]:
         """Device address of every buffer, by graph input name."""

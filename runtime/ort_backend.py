@@ -277,6 +277,12 @@ class OrtBackend:
             slot.output_order[phase] = order
         return slot
 
+    def bind_rows(self, slot: OrtSlot, rows: int) -> OrtSlot:
+        """A slot that runs only the first `rows` rows of `slot`'s cache: the same KV memory and
+        `past_lens` (KVCache.first_rows), its own bindings and logits buffer. A step on it writes its
+        rows in place and leaves the others untouched (the serving scheduler's batch buckets)."""
+        return self.bind(slot.cache.first_rows(rows))
+
     # -- running --------------------------------------------------------------------------------
     def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """input_ids [B, S] int64 (right-padded); logits_index [B] -> logits [B, V] float32, or

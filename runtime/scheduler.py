@@ -1,11 +1,16 @@
 """Continuous batching for serving: requests join and leave one running batch between decode steps.
 
-One batch cache of `max_batch` rows is decoded in one graph run per step: every running request
-advances by one token, free rows are fed the pad token at a frozen `past_lens` (written, never
-read). A new request is prefilled alone on a one-row staging cache, in chunks of `prefill_chunk`
-tokens with a decode step of the running batch between chunks (so a long prompt does not stall
-the others), then its KV rows are copied into a free row of the batch cache. A finished request
-frees its row at once.
+One batch cache of `max_batch` rows holds the running requests, packed into its first rows. A
+decode step is one graph run over only the first `k` rows, `k` the smallest batch bucket (1, 2, 4,
+8, ..., max_batch) holding the running requests: every running request advances by one token, the
+free rows up to `k` are fed the pad token at a frozen `past_lens` (written, never read). Each bucket
+has its own binding over the leading rows of the same buffers (`backend.bind_rows`: a view, no
+copy per step), so a lone request runs a batch of 1, as `Generator.generate` does. A new request is
+prefilled alone on a one-row staging cache, in chunks of `prefill_chunk` tokens with a decode step
+of the running batch between chunks (so a long prompt does not stall the others), then its KV rows
+are copied into the first free row of the batch cache. A finished request frees its row at once;
+before the next decode step the last running row moves into the hole (its written positions and
+`past_lens`, a copy once per finished request, not per step), so the running rows stay packed.
 
 Multi-turn reuse: when a request ends, the KV rows of its tokens (prompt + generated, except the
 last token, which was never fed back) are kept in a `PrefixStore` bounded in bytes (least recently
@@ -15,7 +20,8 @@ copies those rows and prefills only what follows: the KV of position t depends o
 
 Requests are GenerationRequests (runtime/request.py) with one prompt; they end with the same
 FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free; the backend must keep
-its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`.
+its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`,
+and `backend.bind_rows` binds the buckets.
 
 A request with n > 1 choices is prefilled once, then its KV rows are copied into n free rows (it
 waits until n are free); each choice has its own sampler (seed + i), Stopper, penalties / grammar
@@ -229,6 +235,10 @@ class Scheduler:
             raise InputError(f"serving needs a backend whose KV cache is in host memory (ort-cpu, emulate), "
                              f"not {self.backend.name}")
         self._rows = self.slot.cache.host_layers()
+        # Decode slots by batch bucket, each over the first rows of self.slot's buffers (same memory).
+        buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+        self._decode_slots = {k: self.slot if k == max_batch else self.backend.bind_rows(self.slot, k)
+                              for k in buckets}
         self._stage_rows = self.stage.cache.host_layers()
         self.prefixes = PrefixStore(prefix_cache_bytes)
         self.pad = generator.pad_token_id
@@ -400,22 +410,45 @@ class Scheduler:
         for a in live:
             if a.handle.cancelled.is_set():
                 self._release(a, FinishReason.CANCELLED, keep=False)
+        self._compact()
         live = [a for a in self._running if a is not None]
         if not live:
             return
         started = time.perf_counter()
-        feed = np.full(self.max_batch, self.pad, dtype=np.int64)
-        running = np.zeros(self.max_batch, dtype=bool)
+        # Rows 0..len(live)-1 run (packed by _compact); the bucket pads with frozen free rows.
+        slot = self._decode_slots[next(k for k in self._decode_slots if k >= len(live))]
+        feed = np.full(slot.cache.batch, self.pad, dtype=np.int64)
+        running = np.zeros(slot.cache.batch, dtype=bool)
         for a in live:
             feed[a.row] = a.tokens[-1]
             running[a.row] = True
-        logits = self.generator.check_logits(self.backend.decode(self.slot, feed, running), 1)
-        self.slot.cache.past_lens[running] += 1
+        logits = self.generator.check_logits(self.backend.decode(slot, feed, running), 1)
+        slot.cache.past_lens[running] += 1  # a view of self.slot's past_lens
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(live)
         for a in live:
             self._accept(a, *self._pick(a, logits[a.row: a.row + 1]))
         self.stats["decode_seconds"] += time.perf_counter() - started
+
+    def _compact(self) -> None:
+        """Move the last running row into the first free row below it until the running rows are
+        rows 0..n-1: its written positions and past_lens (the moved-from row is then free, frozen at 0)."""
+        past_lens = self.slot.cache.past_lens
+        while True:
+            free = self._free_row()
+            last = max((r for r, a in enumerate(self._running) if a is not None), default=-1)
+            if free is None or free > last:
+                return
+            moved = self._running[last]
+            assert moved is not None
+            n = int(past_lens[last])
+            for key, value in self._rows:
+                key[free, :, :n] = key[last, :, :n]
+                value[free, :, :n] = value[last, :, :n]
+            past_lens[free], past_lens[last] = n, 0
+            moved.row = free
+            with self._cond:
+                self._running[free], self._running[last] = moved, None
 
     # -- one token ----------------------------------------------------------------------------------
     def _pick(self, a: _Active, logits: np.ndarray) -> tuple[int, TokenLogprob | None]:
