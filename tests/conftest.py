@@ -104,8 +104,27 @@ def engine_report():
     return add
 
 
+def pytest_sessionfinish(session) -> None:
+    # An xdist worker hands its engine lines to the controller, which prints the summary.
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["engine_builds"] = list(ENGINE_BUILDS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # xdist's hook, on the controller
+    ENGINE_BUILDS.extend(getattr(node, "workeroutput", {}).get("engine_builds", []))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     if ENGINE_BUILDS:
         terminalreporter.section("TensorRT engines built (TensorRT-RTX, ahead of time on the CPU)")
         for line in ENGINE_BUILDS:
             terminalreporter.write_line(line)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    # With pytest-xdist (README's `-n 2 --dist loadgroup`), every test of the real SmolLM2 runs on one
+    # worker, so its session export (minutes) is made once, not once per worker.
+    for item in items:
+        if "real" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("real"))

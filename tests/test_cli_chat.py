@@ -22,8 +22,11 @@ from kvforge.runtime import Generator
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-# The child makes the pty its controlling terminal, so that a typed \x03 is a SIGINT to it.
-CONTROLLING_TTY = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+# The child makes the pty its controlling terminal, so that a typed \x03 is a SIGINT to it, and
+# takes SIGINT back to its default: pytest started in the background (`pytest ... &` from a script)
+# inherits it ignored, and Python then installs no KeyboardInterrupt handler.
+CONTROLLING_TTY = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                   "signal.signal(signal.SIGINT, signal.SIG_DFL); "
                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 STATS = rb"\x1b\[2m\[(\d+) tokens, (\d+) of (\d+) prompt tokens cached, [^\]]*\]\x1b\[0m\n"
 INTERRUPTED = rb"\x1b\[2m\[(\d+) tokens, \d+ of \d+ prompt tokens cached, [^\]]*, interrupted\]\x1b\[0m\n> "

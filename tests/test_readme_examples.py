@@ -9,6 +9,7 @@ conversion and export, and a server.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import re
 import socket
@@ -92,10 +93,9 @@ def _port_free(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
-    pytest.importorskip("fastapi")
-    pytest.importorskip("openai")
-    serve = readme_line("kvforge serve kvforge-demo/")
+@contextlib.contextmanager
+def _serving(serve: str, workdir: Path):
+    """README's `kvforge serve ...` line running in `workdir` until the block ends."""
     port = int(re.search(r"--port (\d+)", serve).group(1))
     if not _port_free(port):
         pytest.skip(f"port {port}, which README's example uses, is busy on this machine")
@@ -107,6 +107,16 @@ def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
             assert server.poll() is None, server.stderr.read()
             assert time.monotonic() < deadline, "the server did not start within 120 s"
             time.sleep(0.5)
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    with _serving(readme_line("kvforge serve kvforge-demo/smollm2-135m-instruct-ort --max-batch"), workdir):
         curl = readme_block("curl -s http://127.0.0.1:8000/v1/chat").split("\n", 1)[1]  # the block's second command
         answer = _run(curl, workdir)
         assert '"object":"chat.completion"' in answer.stdout.replace(" ", "") and "Paris" in answer.stdout
@@ -115,9 +125,12 @@ def test_serve_with_the_curl_and_openai_examples(workdir) -> None:
         assert "' Paris' " in streamed.stdout  # the logprobs example: one line per answer token
         structured = _run(readme_block("response_format=City"), workdir, python=True).stdout.splitlines()
         assert structured[0].startswith("name=") and re.fullmatch(r"[a-z]{1,12}@example\.com", structured[-1])
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    # The tool-calling example, on the server started with kvforge's ChatML template with tools.
+    with _serving(readme_line("kvforge serve kvforge-demo/smollm2-135m-instruct-ort --chat-template"), workdir):
+        lines = _run(readme_block("tool_choice=\"required\""), workdir, python=True).stdout.splitlines()
+        name, arguments = lines[0].split(" ", 1)
+        assert name == "get_weather" and ast.literal_eval(arguments)["city"] in ("Paris", "Rome")
+        assert len(lines) >= 2 and lines[1].strip(), "the answer after the tool result is empty"
 
 
 def test_chat_with_piped_turns(workdir) -> None:
