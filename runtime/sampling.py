@@ -111,21 +111,112 @@ def filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p:
         kth = np.partition(out, vocab - top_k, axis=-1)[:, vocab - top_k : vocab - top_k + 1]
         out[out < kth] = -np.inf
     if top_p < 1.0:
-        order = np.argsort(-out, axis=-1, kind="stable")
-        sorted_logits = np.take_along_axis(out, order, axis=-1)
-        probs = _softmax(sorted_logits)
-        mass_before = np.cumsum(probs, axis=-1) - probs
-        # Keep a token while the mass of the more likely ones has not reached top_p; the first always stays.
-        remove_sorted = mass_before >= top_p
-        remove_sorted[:, 0] = False
-        remove = np.zeros_like(remove_sorted)
-        np.put_along_axis(remove, order, remove_sorted, axis=-1)
-        out[remove] = -np.inf
+        _top_p(out, top_p)
     if min_p > 0.0:
         # p_i >= min_p * p_max  <=>  logit_i >= max logit + log(min_p): no softmax needed; the max stays.
         floor = out.max(axis=-1, keepdims=True) + np.log(min_p)
         out[out < floor] = -np.inf
     return out
+
+
+# Top-p without sorting the whole row when it can be helped: a stable argsort of a 49152-token row
+# costs ~6-10 ms, more than the rest of a sampling step. Three ways give the same result, cheapest first:
+# the most likely TOP_P_CANDIDATES tokens (a real model's nucleus is usually far smaller), then a
+# sort of the values only (no stable argsort), then the full stable argsort for what is left.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p(out: np.ndarray, top_p: float) -> None:
+    """Top-p in place on [B, V] `out`, equal to `_top_p_full`."""
+    rows = np.arange(out.shape[0])
+    if out.shape[-1] > TOP_P_CANDIDATES:
+        filtered, exact = _top_p_candidates(out, top_p, TOP_P_CANDIDATES)
+        out[exact] = filtered[exact]
+        rows = rows[~exact]
+    if rows.size:
+        filtered, exact = _top_p_sorted_values(out[rows], top_p)
+        out[rows[exact]] = filtered[exact]
+        rows = rows[~exact]
+    if rows.size:
+        out[rows] = _top_p_full(out[rows], top_p)
+
+
+def _top_p_full(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """Top-p by a stable sort of the whole row (descending logit, ties by lower token index)."""
+    out = logits.copy()
+    order = np.argsort(-out, axis=-1, kind="stable")
+    sorted_logits = np.take_along_axis(out, order, axis=-1)
+    remove_sorted = _top_p_remove_sorted(sorted_logits, top_p)
+    remove = np.zeros_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    out[remove] = -np.inf
+    return out
+
+
+def _top_p_remove_sorted(sorted_logits: np.ndarray, top_p: float) -> np.ndarray:
+    """Which tokens of rows sorted by descending logit top-p removes."""
+    probs = _softmax(sorted_logits)
+    mass_before = np.cumsum(probs, axis=-1) - probs
+    # Keep a token while the mass of the more likely ones has not reached top_p; the first always stays.
+    remove_sorted = mass_before >= top_p
+    remove_sorted[:, 0] = False
+    return remove_sorted
+
+
+def _top_p_sorted_values(logits: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Top-p from the sorted values alone -> (filtered [R, V], exact [R]). The sorted values are
+    the full sort's, so its float operations are repeated exactly (same order, same sums); the
+    kept tokens are then the first n of the stable order: those above the n-th value, and the
+    lowest-index ones tied with it. Not `exact` in the rare rows where rounding makes the kept
+    positions other than a prefix."""
+    sorted_logits = -np.sort(-logits, axis=-1)
+    remove_sorted = _top_p_remove_sorted(sorted_logits, top_p)
+    exact = ~(remove_sorted[:, :-1] & ~remove_sorted[:, 1:]).any(axis=-1)
+    count = logits.shape[-1] - remove_sorted.sum(axis=-1, keepdims=True)
+    threshold = np.take_along_axis(sorted_logits, count - 1, axis=-1)
+    above = logits > threshold
+    tied = logits == threshold
+    keep = above | (tied & (np.cumsum(tied, axis=-1) <= count - above.sum(axis=-1, keepdims=True)))
+    keep |= count == logits.shape[-1]  # nothing removed (NaN rows included: the threshold is NaN)
+    return np.where(keep, logits, -np.inf), exact
+
+
+def _top_p_candidates(logits: np.ndarray, top_p: float, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-p on each row's `size` most likely tokens -> (filtered [R, V], exact [R]), with the
+    probabilities normalised over the whole row as in the full sort. A row is `exact` when its
+    result provably equals `_top_p_full`'s:
+    - every keep/remove decision is at least `margin` away from top_p: the two computations differ
+      only in the rounding of the row sum (another order) and of the cumulative sums, bounded by
+      about (2 * size + 100) eps; the margin doubles that;
+    - no token outside the candidates can enter the kept prefix: the kept tokens all lie strictly
+      above the smallest candidate (an outside token at best ties with it, so it comes after them
+      and after a removed candidate), or the smallest candidate is -inf (so is every outside token,
+      and -inf stays -inf either way)."""
+    vocab = logits.shape[-1]
+    with np.errstate(invalid="ignore"):  # speculative: a row of NaN (all -inf) goes on to the next way
+        # The full sort's order: descending value, ties by lower index (a stable sort of the
+        # candidates taken in index order).
+        cand = np.sort(np.argpartition(logits, vocab - size, axis=-1)[:, vocab - size:], axis=-1)
+        values = np.take_along_axis(logits, cand, axis=-1)
+        order = np.argsort(-values, axis=-1, kind="stable")
+        cand = np.take_along_axis(cand, order, axis=-1)
+        values = np.take_along_axis(values, order, axis=-1)
+        exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs = np.take_along_axis(exp, cand, axis=-1) / exp.sum(axis=-1, keepdims=True)
+        mass_before = np.cumsum(probs, axis=-1) - probs
+        remove_sorted = mass_before >= top_p
+        remove_sorted[:, 0] = False
+
+        margin = np.finfo(logits.dtype).eps * (4 * size + 1024)
+        clear = (mass_before >= top_p + margin) | (mass_before < top_p - margin) | ~(values > -np.inf)
+        clear[:, 0] = True
+        smallest = values[:, -1]
+        smallest_kept = np.where(remove_sorted, np.inf, values).min(axis=-1)
+        exact = clear.all(axis=-1) & ((smallest == -np.inf) | (smallest_kept > smallest))
+
+    filtered = np.full_like(logits, -np.inf)
+    np.put_along_axis(filtered, cand, np.where(remove_sorted, -np.inf, values), axis=-1)
+    return filtered, exact
 
 
 def sample(logits: np.ndarray, config: SamplingConfig,

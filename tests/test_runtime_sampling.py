@@ -136,3 +136,163 @@ def test_a_tiny_temperature_is_the_greedy_limit_without_overflow(temperature: fl
 def test_negative_seed_is_refused() -> None:
     with pytest.raises(InputError, match="seed must be an integer >= 0 or None, got -1"):
         SamplingConfig(seed=-1)
+
+
+# -- top-p without the full sort: equal to the implementation that sorted every row whole -----------
+
+def _reference_filter_logits(logits: np.ndarray, top_k: int = 0, top_p: float = 1.0,
+                             min_p: float = 0.0) -> np.ndarray:
+    """filter_logits as it was: top-p by a full stable argsort of every row."""
+    out = np.array(logits, dtype=np.float64 if logits.dtype == np.float64 else np.float32, copy=True)
+    vocab = out.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(out, vocab - top_k, axis=-1)[:, vocab - top_k : vocab - top_k + 1]
+        out[out < kth] = -np.inf
+    if top_p < 1.0:
+        order = np.argsort(-out, axis=-1, kind="stable")
+        sorted_logits = np.take_along_axis(out, order, axis=-1)
+        shifted = sorted_logits - sorted_logits.max(axis=-1, keepdims=True)
+        probs = np.exp(shifted) / np.exp(shifted).sum(axis=-1, keepdims=True)
+        mass_before = np.cumsum(probs, axis=-1) - probs
+        remove_sorted = mass_before >= top_p
+        remove_sorted[:, 0] = False
+        remove = np.zeros_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=-1)
+        out[remove] = -np.inf
+    if min_p > 0.0:
+        floor = out.max(axis=-1, keepdims=True) + np.log(min_p)
+        out[out < floor] = -np.inf
+    return out
+
+
+def _rows(kind: str, rng: np.random.Generator, count: int, vocab: int) -> np.ndarray:
+    normal = rng.standard_normal((count, vocab))
+    if kind == "flat":  # nucleus of thousands of tokens: beyond the candidates
+        return normal * 0.5
+    if kind == "peaked":
+        return normal * rng.uniform(3, 8, (count, 1))
+    if kind == "ties":  # few distinct values: long runs of equal logits at every boundary
+        return np.round(normal * 3) / 2
+    if kind == "zipf":  # a real model's shape: log-probabilities of a shuffled power law
+        ranks = rng.permuted(np.tile(np.arange(1, vocab + 1), (count, 1)), axis=-1)
+        return -1.1 * np.log(ranks)
+    raise AssertionError(kind)
+
+
+def _assert_same(logits: np.ndarray, **filters) -> None:
+    got = filter_logits(logits, **filters)
+    want = _reference_filter_logits(logits, **filters)
+    assert got.dtype == want.dtype
+    assert np.array_equal(got, want), [np.flatnonzero(g != w)[:5] for g, w in zip(got, want, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked", "ties", "zipf"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_top_p_equals_the_full_sort(kind: str, dtype: type) -> None:
+    rng = np.random.default_rng([len(kind), np.dtype(dtype).itemsize])
+    for top_p in (0.05, 0.5, 0.9, 0.99, 0.999999, 1 - 1e-12):
+        logits = _rows(kind, rng, 6, 3000).astype(dtype)
+        _assert_same(logits, top_p=top_p)
+        _assert_same(logits / 0.7, top_p=top_p)
+
+
+@pytest.mark.parametrize("top_k", [1, 50, 1024, 2000])
+def test_top_p_after_top_k_equals_the_full_sort(top_k: int) -> None:
+    # -inf entries: top-k leaves fewer finite tokens than candidates (or more, for 2000).
+    rng = np.random.default_rng(top_k)
+    for kind in ("flat", "peaked", "ties"):
+        logits = _rows(kind, rng, 4, 3000)
+        for top_p in (0.3, 0.9, 0.999999):
+            _assert_same(logits, top_k=top_k, top_p=top_p)
+            _assert_same(logits, top_k=top_k, top_p=top_p, min_p=0.05)
+
+
+def test_top_p_ties_straddling_the_candidates_equal_the_full_sort() -> None:
+    # 1000 distinct leading values, then 500 equal ones at every index order: the 1024 candidates
+    # take 24 of the tied run, the nucleus ends inside it or just before it.
+    rng = np.random.default_rng(5)
+    vocab = 4000
+    for top_p in (0.2, 0.6, 0.7, 0.75, 0.8, 0.95):
+        logits = np.full((3, vocab), -30.0)
+        for row in logits:
+            index = rng.permutation(vocab)
+            row[index[:1000]] = np.sort(rng.uniform(-2.0, 0.0, 1000))
+            row[index[1000:1500]] = -2.5
+        _assert_same(logits, top_p=top_p)
+
+
+def test_top_p_at_an_exact_mass_boundary_equals_the_full_sort() -> None:
+    # top_p equal to the mass of the first tokens, up to rounding: the decisions sit on the boundary.
+    probs = np.full(3000, 0.2 / 2997)
+    probs[[7, 100, 2500]] = [0.5, 0.2, 0.1]
+    logits = np.log(probs)[None]
+    for top_p in (0.5, 0.7, 0.8, 0.8 + 1e-13, 0.8 - 1e-13):
+        _assert_same(logits, top_p=top_p)
+        _assert_same(logits.astype(np.float32), top_p=top_p)
+
+
+def test_top_p_on_a_mixed_batch_of_the_full_vocabulary_equals_the_full_sort() -> None:
+    rng = np.random.default_rng(7)
+    vocab = 49152
+    logits = np.concatenate([_rows(kind, rng, 1, vocab) for kind in ("flat", "peaked", "ties", "zipf")])
+    logits[1, rng.choice(vocab, 20000, replace=False)] = -np.inf
+    for top_p in (0.9, 0.999):
+        _assert_same(logits / 0.7, top_p=top_p)
+        _assert_same(logits.astype(np.float32), top_p=top_p)
+
+
+def test_top_p_rows_of_all_minus_inf_or_nan_are_left_as_the_full_sort_leaves_them() -> None:
+    logits = np.random.default_rng(1).standard_normal((3, 2000))
+    logits[0] = -np.inf
+    logits[1, 5] = np.nan
+    with np.errstate(invalid="ignore"):
+        got = filter_logits(logits, top_p=0.9)
+        want = _reference_filter_logits(logits, top_p=0.9)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+def test_top_p_takes_the_cheap_ways_when_they_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvforge.runtime import sampling
+
+    calls: list[str] = []
+    for name in ("_top_p_sorted_values", "_top_p_full"):
+        real_way = getattr(sampling, name)
+        monkeypatch.setattr(sampling, name, lambda rows, top_p, _f=real_way, _n=name: (calls.append(_n), _f(rows, top_p))[1])
+    rng = np.random.default_rng(3)
+    peaked = _rows("peaked", rng, 4, 5000)
+    _assert_same(peaked, top_p=0.9)
+    # After top-k, the -inf candidates stand for every token outside: whatever top-p makes of them.
+    _assert_same(_rows("flat", rng, 2, 5000), top_k=50, top_p=1 - 1e-13)
+    assert calls == []  # the candidates were enough
+    _assert_same(_rows("flat", rng, 2, 5000), top_p=0.9)
+    assert calls == ["_top_p_sorted_values"]
+
+    # The last resort (full stable sort), forced, gives the same.
+    monkeypatch.setattr(sampling, "_top_p_sorted_values", lambda rows, top_p: (rows, np.zeros(len(rows), bool)))
+    _assert_same(_rows("flat", rng, 2, 5000), top_p=0.9)
+    assert calls[-1] == "_top_p_full"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(greedy=False, temperature=0.7, top_p=0.9, seed=1),
+        SamplingConfig(greedy=False, temperature=1.3, top_p=0.95, top_k=50, seed=2),
+        SamplingConfig(greedy=False, temperature=0.7, top_p=0.8, min_p=0.02, seed=3),
+    ],
+)
+def test_sample_with_top_p_draws_the_tokens_of_the_full_sort(config: SamplingConfig,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvforge.runtime import sampling
+
+    rng = np.random.default_rng(config.seed)
+    logits = np.concatenate([_rows(kind, rng, 2, 5000) for kind in ("flat", "peaked", "ties", "zipf")])
+    logits = logits.astype(np.float32)
+    sampler = Sampler(config)
+    got = [sampler(logits).tolist() for _ in range(5)]
+    per_row = sample(logits, config, [np.random.default_rng(s) for s in range(len(logits))]).tolist()
+
+    monkeypatch.setattr(sampling, "filter_logits", _reference_filter_logits)
+    reference = Sampler(config)
+    assert [reference(logits).tolist() for _ in range(5)] == got
+    assert sample(logits, config, [np.random.default_rng(s) for s in range(len(logits))]).tolist() == per_row
