@@ -3,10 +3,10 @@ same greedy text as Generator.generate."""
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from serving import free_port
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -17,16 +17,10 @@ from kvforge.runtime import Generator  # noqa: E402
 from kvforge.serve_ray import deployment  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_local_replicas_answer_through_http(exported) -> None:
     folder = exported("llama-tiny", "ort")
-    port = _free_port()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -5,19 +5,17 @@ and bad requests get OpenAI-style errors while the server keeps serving."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from serving import serving
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 
 from kvforge.runtime import GenerationRequest, Generator  # noqa: E402
 from kvforge.server import create_app  # noqa: E402
@@ -25,29 +23,11 @@ from kvforge.server import create_app  # noqa: E402
 KEY = "test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(chat_export):
-    port = _free_port()
     app = create_app(chat_export, max_batch=4, max_seq_len=256, api_key=KEY, model_name="tiny", prefill_chunk=16)
-    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base, app
-    runner.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield base, app
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,17 @@ with the same options."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import numpy as np
 import pytest
+from serving import serving
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.server import create_app  # noqa: E402
@@ -26,29 +24,11 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base(chat_export):
-    port = _free_port()
     app = create_app(chat_export, max_batch=4, max_seq_len=256, model_name="tiny", prefill_chunk=16, max_queue=8)
-    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url
-    runner.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,14 @@ a grammar that cannot compile is a 400 with the compiler's message."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import shutil
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
 import pytest
+from serving import serving, with_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -24,7 +20,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 import pydantic  # noqa: E402
-import uvicorn  # noqa: E402
 
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.runtime.constraint import Grammar  # noqa: E402
@@ -49,43 +44,17 @@ class Person(pydantic.BaseModel):
     colour: Literal["red", "blue"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def chat_export(exported, tmp_path_factory) -> Path:
     """The session's tiny export with a chat template (listed and hashed in its manifest)."""
-    out = tmp_path_factory.mktemp("grammar") / "chat"
-    shutil.copytree(exported("llama-tiny", "ort"), out)
-    data = TEMPLATE.encode()
-    (out / "chat_template.jinja").write_bytes(data)
-    manifest = json.loads((out / "kvforge.json").read_text())
-    manifest["chat_template"] = "chat_template.jinja"
-    manifest["files"]["chat_template.jinja"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (out / "kvforge.json").write_text(json.dumps(manifest))
-    return out
+    return with_template(exported("llama-tiny", "ort"), tmp_path_factory.mktemp("grammar") / "chat", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def base(chat_export):
-    port = _free_port()
     app = create_app(chat_export, max_batch=4, max_seq_len=256, model_name="tiny", prefill_chunk=16)
-    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield url
-    runner.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ here failed on the server before the fix. Loopback only; a tiny random-weight ex
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from serving import free_port, with_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -44,30 +44,12 @@ HOSTILE = (
 CLI = [sys.executable, "-m", "kvforge.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def with_template(source: Path, out: Path, template: str) -> Path:
-    """A copy of export `source` whose chat template is `template` (listed and hashed in its manifest)."""
-    shutil.copytree(source, out)
-    data = template.encode()
-    (out / "chat_template.jinja").write_bytes(data)
-    manifest = json.loads((out / "kvforge.json").read_text())
-    manifest["chat_template"] = "chat_template.jinja"
-    manifest["files"]["chat_template.jinja"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (out / "kvforge.json").write_text(json.dumps(manifest))
-    return out
-
-
 class Served:
     """An app on a real uvicorn server on a free loopback port (disconnects need real sockets)."""
 
     def __init__(self, app) -> None:
         self.app = app
-        self.port = _free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
         self.thread = threading.Thread(target=self.runner.run, daemon=True)

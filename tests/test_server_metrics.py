@@ -4,23 +4,19 @@ disconnected ones included) with the ids and token counts the clients got."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import shutil
-import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from serving import serving, with_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-import uvicorn  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -37,36 +33,14 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
 @pytest.fixture(scope="module")
 def chat_export(exported, tmp_path_factory) -> Path:
     """The session's tiny llama export with a chat template listed in its manifest."""
-    out = tmp_path_factory.mktemp("metrics") / "chat"
-    shutil.copytree(exported("llama-tiny", "ort"), out)
-    data = TEMPLATE.encode()
-    (out / "chat_template.jinja").write_bytes(data)
-    manifest = json.loads((out / "kvforge.json").read_text())
-    manifest["chat_template"] = "chat_template.jinja"
-    manifest["files"]["chat_template.jinja"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (out / "kvforge.json").write_text(json.dumps(manifest))
-    return out
+    return with_template(exported("llama-tiny", "ort"), tmp_path_factory.mktemp("metrics") / "chat", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def served(chat_export):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(chat_export, max_batch=2, max_seq_len=96, api_key=KEY, model_name="tiny", prefill_chunk=16)
-    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base, app
-    runner.should_exit = True
-    thread.join(timeout=10)
+    with serving(app, log_level="critical") as base:
+        yield base, app
 
 
 def scrape(base: str) -> dict[tuple[str, frozenset], float]:

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from serving import serving
 
 from kvforge.errors import InputError
 from kvforge.runtime.chat import ChatTemplate, check_messages
@@ -260,28 +258,14 @@ def tool_export(exported) -> Path:
 @pytest.fixture(scope="module")
 def server(tool_export):
     pytest.importorskip("fastapi")
-    httpx = pytest.importorskip("httpx")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
     from kvforge.server import create_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = create_app(tool_export, max_batch=2, max_seq_len=1024, model_name="tiny", prefill_chunk=64,
                      chat_template="chatml-tools")
-    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(400):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base
-    runner.should_exit = True
-    thread.join(timeout=10)
+    with serving(app) as base:
+        yield base
 
 
 def _client(base: str):

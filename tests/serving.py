@@ -1,0 +1,57 @@
+"""Helpers of the server tests: an app on a real uvicorn server in a thread, and exports with a chat template."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """`app` on a free loopback port (disconnects and streams need real sockets): its base URL,
+    once /health answers."""
+    import httpx
+    import uvicorn
+
+    port = free_port()
+    runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    try:
+        yield base
+    finally:
+        runner.should_exit = True
+        thread.join(timeout=10)
+
+
+def with_template(source: Path, out: Path, template: str) -> Path:
+    """A copy of export `source` whose chat template is `template` (listed and hashed in its manifest)."""
+    shutil.copytree(source, out)
+    data = template.encode()
+    (out / "chat_template.jinja").write_bytes(data)
+    manifest = json.loads((out / "kvforge.json").read_text())
+    manifest["chat_template"] = "chat_template.jinja"
+    manifest["files"]["chat_template.jinja"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (out / "kvforge.json").write_text(json.dumps(manifest))
+    return out
