@@ -50,17 +50,28 @@ def _peak_rss_mb() -> float:
 
 
 # -- workers (one process each) ---------------------------------------------------------------------
-def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
-    from kvforge.runtime import GenerationRequest, Generator
+def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int,
+                  draft_len: int = 0) -> dict[str, Any]:
+    """kvforge's greedy decode; with `draft_len`, prompt-lookup speculation (its drafts verified in one
+    prefill call per step). The tokens go back too, so the two modes can be checked for equality."""
+    from kvforge.runtime import GenerationRequest, Generator, Speculation
 
     gen = Generator(path, threads=threads)
     prompts = [prompt_ids(prompt_len - 3 * b, b, gen.vocab_size) for b in range(batch)]  # different lengths
-    request = GenerationRequest(prompts, new, ignore_eos=True)  # greedy
+    speculation = Speculation("prompt-lookup", draft_len) if draft_len else None
+    request = GenerationRequest(prompts, new, ignore_eos=True, speculation=speculation)  # greedy
     gen.generate(request.replace(max_new_tokens=8))  # warm-up
+    start = time.perf_counter()
     result = gen.generate(request)
+    total_s = time.perf_counter() - start
     steps = result.steps
-    return {"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
-            "step_ms": result.decode_ms / max(steps, 1)}
+    out: dict[str, Any] = {"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
+                           "step_ms": result.decode_ms / max(steps, 1),
+                           "end_to_end_tokens_per_s": sum(map(len, result.tokens)) / total_s,
+                           "tokens": result.tokens}
+    if draft_len:
+        out.update(steps=steps, draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens)
+    return out
 
 
 def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
@@ -131,12 +142,14 @@ def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int) 
     return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
 
 
-WORKERS: dict[str, Callable[..., dict[str, float]]] = {"kvforge": _work_kvforge, "hf": _work_hf, "ort-genai": _work_genai}
+SPECULATIVE = "kvforge+lookup"  # kvforge with prompt-lookup speculation (--speculate prompt-lookup)
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {"kvforge": _work_kvforge, SPECULATIVE: _work_kvforge,
+                                                     "hf": _work_hf, "ort-genai": _work_genai}
 
 
 def _worker_main(argv: list[str]) -> None:
-    system, path, prompt_len, new, batch, threads = argv
-    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads))
+    system, path, prompt_len, new, batch, threads, *extra = argv
+    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads), *map(int, extra))
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
 
@@ -202,7 +215,12 @@ def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Pa
 
 def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
               repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
-              say: Callable[[str], None] | None = None) -> dict[str, Any]:
+              say: Callable[[str], None] | None = None, speculate: str | None = None,
+              draft_len: int = 6) -> dict[str, Any]:
+    """`speculate="prompt-lookup"` adds kvforge with speculation (row SPECULATIVE) beside plain kvforge."""
+    from kvforge.runtime.speculate import check_speculation
+    from kvforge.targets import get_target
+
     say = say or (lambda _msg: None)
     for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--batch", batch, 1),
                              ("--repeat", repeat, 1), ("--threads", threads, 1)):
@@ -213,9 +231,20 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         raise InputError(f"--compare takes {', '.join(PEERS)}; got {', '.join(unknown)}")
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
+    if speculate is not None:
+        try:
+            check_speculation(speculate, draft_len)
+        except ValueError as err:
+            raise InputError(f"--speculate: {err}") from err
+        rows_at_once = get_target(manifest["target"]).continue_batch
+        if rows_at_once is not None and batch > rows_at_once:
+            raise InputError(f"--speculate with --batch {batch}: the {manifest['target']!r} target verifies drafts "
+                             f"for {rows_at_once} row(s) per call; use --batch 1 or an export with --target onnx")
     source = Path(manifest["model"].get("source", ""))
     quant = manifest.get("quantization") or {}
     systems: dict[str, str] = {"kvforge": str(export_dir)}
+    if speculate is not None:
+        systems[SPECULATIVE] = str(export_dir)
     if "hf" in compare:
         if not (source / "config.json").is_file():
             raise InputError(f"--compare hf needs the export's source folder {source}, which is gone")
@@ -231,19 +260,24 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         probes.append(probe())
         for name, path in systems.items():  # take turns, round by round
             say(f"round {round_ + 1}/{repeat}: {name}")
+            extra = [str(draft_len)] if name == SPECULATIVE else []
             proc = subprocess.run(
                 [sys.executable, "-m", "kvforge.bench", "worker", name, path, str(prompt_len), str(new_tokens),
-                 str(batch), str(threads)], capture_output=True, text=True,
+                 str(batch), str(threads), *extra], capture_output=True, text=True,
             )
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise InputError(f"the {name} benchmark process failed: {tail}")
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    # Speculation keeps greedy output: its tokens must be plain kvforge's, round by round.
+    tokens = {name: [sample.pop("tokens", None) for sample in samples] for name, samples in runs.items()}
     weight_bytes = int(quant.get("weights_bytes") or manifest.get("weights_sharing", {}).get("weights_bytes", 0))
     table = {}
     for name, samples in runs.items():
         row = {}
-        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb", "step_ms"):
+        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb", "step_ms", "end_to_end_tokens_per_s"):
+            if metric not in samples[0]:  # end to end: kvforge's rows only
+                continue
             values = [s[metric] for s in samples]
             row[metric] = statistics.median(values)
             row[f"{metric}_spread"] = [min(values), max(values)]
@@ -256,8 +290,17 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         weight_bytes / (sample["step_ms"] / 1e3) / 1e9 / gbps for sample, gbps in zip(runs["kvforge"], probes, strict=True)
     ) if weight_bytes else None
     bandwidth = statistics.median(probes)
+    if SPECULATIVE in table:
+        spec, last = table[SPECULATIVE], runs[SPECULATIVE][-1]
+        spec.update(draft_len=draft_len, draft_tokens=last["draft_tokens"], accepted_tokens=last["accepted_tokens"],
+                    graph_runs=last["steps"] + 1, tokens_match_plain=tokens[SPECULATIVE] == tokens["kvforge"])
+        spec["acceptance_rate"] = last["accepted_tokens"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
+        spec["decode_ratio_over_plain"] = spec["decode_tokens_per_s"] / ours["decode_tokens_per_s"]
+        spec["end_to_end_ratio_over_plain"] = spec["end_to_end_tokens_per_s"] / ours["end_to_end_tokens_per_s"]
     for name, row in table.items():
-        if name != "kvforge":
+        if name in PEERS and SPECULATIVE in table:
+            row["decode_ratio_speculative_over_peer"] = table[SPECULATIVE]["decode_tokens_per_s"] / row["decode_tokens_per_s"]
+        if name in PEERS:
             row["decode_ratio_kvforge_over_peer"] = ours["decode_tokens_per_s"] / row["decode_tokens_per_s"]
             row["ttft_ratio_kvforge_over_peer"] = ours["ttft_ms"] / row["ttft_ms"]
             row["rss_ratio_kvforge_over_peer"] = ours["peak_rss_mb"] / row["peak_rss_mb"]
@@ -270,7 +313,7 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         if ours["export_s"] and table["ort-genai"]["export_s"]:
             table["ort-genai"]["export_ratio_kvforge_over_peer"] = ours["export_s"] / table["ort-genai"]["export_s"]
     return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
-            "repeat": repeat, "threads": threads, "weight_bytes": weight_bytes,
+            "repeat": repeat, "threads": threads, "weight_bytes": weight_bytes, "speculate": speculate,
             "machine_bandwidth_gbps": bandwidth, "machine_bandwidth_gbps_spread": [min(probes), max(probes)],
             "export_profile_s": manifest.get("export_seconds"),
             "systems": table, "raw": runs}
@@ -281,14 +324,26 @@ def format_table(report: dict[str, Any]) -> str:
              f"{report['batch']}, {report['threads']} threads, median of {report['repeat']} rounds",
              f"{'system':<16}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}   ratios kvforge/peer"]
     for name, row in report["systems"].items():
-        ratios = "" if name == "kvforge" else (
+        ratios = "" if name not in PEERS else (
             f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}, "
             f"RSS x{row['rss_ratio_kvforge_over_peer']:.2f}")
+        if name == SPECULATIVE:
+            ratios = f"   over plain kvforge: decode x{row['decode_ratio_over_plain']:.2f}"
         lo, hi = row["decode_tokens_per_s_spread"]
         label = f"{name} {row['precision']}" if row.get("precision") else name
         lines.append(f"{label:<16}{row['ttft_ms']:>10.1f}{row['decode_tokens_per_s']:>9.1f} ({lo:.0f}-{hi:.0f})"
                      f"{row['peak_rss_mb']:>10.0f}{ratios}")
     ours = report["systems"]["kvforge"]
+    spec = report["systems"].get(SPECULATIVE)
+    if spec is not None:
+        same = "same tokens as plain decoding" if spec["tokens_match_plain"] else "TOKENS DIFFER FROM PLAIN DECODING"
+        lines.append(f"{SPECULATIVE} (draft_len {spec['draft_len']}): {spec['accepted_tokens']}/{spec['draft_tokens']} "
+                     f"drafted tokens accepted ({100 * spec['acceptance_rate']:.0f}%), {spec['graph_runs']} graph runs; "
+                     f"end to end {ours['end_to_end_tokens_per_s']:.1f} -> {spec['end_to_end_tokens_per_s']:.1f} tok/s "
+                     f"(x{spec['end_to_end_ratio_over_plain']:.2f}); {same}")
+        for name, row in report["systems"].items():
+            if "decode_ratio_speculative_over_peer" in row:
+                lines.append(f"{SPECULATIVE} decode over {name}: x{row['decode_ratio_speculative_over_peer']:.2f}")
     for name, row in report["systems"].items():
         if row.get("export_s"):
             ratio = row.get("export_ratio_kvforge_over_peer")

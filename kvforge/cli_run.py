@@ -206,9 +206,12 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option("--compare", default="", help="Peers to run alongside, comma-separated: hf, ort-genai.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib).")
+@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
+              help="Also run kvforge with speculative decoding (alternating with plain): acceptance, tokens/s.")
+@click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
 @click.option("--json", "as_json", is_flag=True)
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
-          plot: Path | None, as_json: bool) -> None:
+          plot: Path | None, speculate: str | None, draft_len: int, as_json: bool) -> None:
     """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth), optionally against peers."""
     from kvforge import bench as bench_module
 
@@ -216,7 +219,8 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
         bench_module.check_plot(plot)
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     progress = command_progress(False)
-    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress)
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress,
+                                    speculate=speculate, draft_len=draft_len)
     progress.close()
     if plot is not None:
         bench_module.plot(report, plot)

@@ -62,3 +62,27 @@ def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
 def test_bench_without_onnxruntime_genai_says_how_to_get_it(exported, cache) -> None:
     with pytest.raises(BackendUnavailableError, match=r"pip install onnxruntime-genai"):
         bench.run_bench(exported("llama-tiny", "ort"), compare=("ort-genai",))
+
+
+def test_bench_speculate_reports_acceptance_beside_plain(exported, cache) -> None:
+    folder = str(exported("llama-tiny", "ort"))
+    result = CliRunner().invoke(main, ["bench", folder, "--prompt-len", "12", "--new-tokens", "24", "--repeat", "1",
+                                       "--threads", "1", "--speculate", "prompt-lookup", "--draft-len", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["speculate"] == "prompt-lookup"
+    spec = report["systems"][bench.SPECULATIVE]
+    assert spec["tokens_match_plain"] is True  # greedy output unchanged by speculation
+    # The random tiny model rarely repeats itself, so few drafts and fewer acceptances; real text: benchmarks/.
+    assert 0 <= spec["accepted_tokens"] <= spec["draft_tokens"] and spec["draft_tokens"] > 0
+    assert spec["acceptance_rate"] == spec["accepted_tokens"] / spec["draft_tokens"]
+    assert spec["graph_runs"] <= 24  # one per generated token at most (plain decoding's count)
+    for name in ("kvforge", bench.SPECULATIVE):
+        assert report["systems"][name]["end_to_end_tokens_per_s"] > 0
+    assert spec["decode_ratio_over_plain"] == pytest.approx(
+        spec["decode_tokens_per_s"] / report["systems"]["kvforge"]["decode_tokens_per_s"])
+    assert "drafted tokens accepted" in bench.format_table(report)
+    bad = CliRunner().invoke(main, ["bench", folder, "--speculate", "prompt-lookup", "--draft-len", "99"])
+    assert bad.exit_code == 2 and "--speculate: draft_len must be an integer in 1..15, got 99" in bad.output
+    bad = CliRunner().invoke(main, ["bench", folder, "--speculate", "prompt-lookup", "--batch", "2"])
+    assert bad.exit_code == 2 and "verifies drafts for 1 row(s) per call" in bad.output
