@@ -96,6 +96,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         completion_prompts,
         logprobs_option,
         sampling_options,
+        speculate_option,
     )
     from kvforge.server_metrics import RequestTrace, ServerMetrics
 
@@ -220,6 +221,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         for s in stop or []:
             valid_text(s, "'stop'", "stop")
         options = sampling_options(body, kind, generator.default_sampling.greedy)
+        options.update(speculate_option(body, options))
         grammar = response_format_grammar(body.get("response_format"))
         if grammar is not None:
             try:  # compiled here, off the event loop; the scheduler's rows then copy the cached result

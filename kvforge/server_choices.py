@@ -50,6 +50,27 @@ def sampling_options(body: dict[str, Any], kind: str, default_greedy: bool) -> d
     return {**options, **filters, "temperature": temperature}
 
 
+def speculate_option(body: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """`Generator.request` keywords for kvforge's `"speculate": {"method": "prompt-lookup",
+    "draft_len": N}` extension ({} without it). Speculation is greedy: without sampling fields the
+    request decodes greedily whatever the export's default; with sampling asked for it is a 400."""
+    spec = body.get("speculate")
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or set(spec) - {"method", "draft_len"} or not isinstance(spec.get("method"), str):
+        raise ApiError(400, "'speculate' must be an object {\"method\": \"prompt-lookup\", \"draft_len\": N} "
+                            f"(draft_len optional), got {spec!r}"[:300], param="speculate")
+    if options.get("temperature") is None and "greedy" in options:
+        options["greedy"] = True  # no sampling field: the export's sampling default does not apply
+    elif not options.get("greedy"):
+        raise ApiError(400, "'speculate' needs greedy decoding (its tokens are verified against greedy decoding): "
+                            "set temperature to 0 or leave out temperature, top_p, top_k, min_p", param="speculate")
+    out = {"speculate": spec["method"]}
+    if spec.get("draft_len") is not None:
+        out["draft_len"] = spec["draft_len"]
+    return out
+
+
 def logprobs_option(body: dict[str, Any], kind: str) -> int | None:
     """Alternatives per step wanted (0..20), or None for no log-probabilities. Chat: `logprobs`
     true/false and `top_logprobs`; completions: `logprobs` an integer (false/null: off)."""

@@ -96,6 +96,9 @@ class _SchedulerCollector:
                 ("kvforge_prefill_tokens", "prompt positions run through the graph (not reused)", s["prefilled_tokens"]),
                 ("kvforge_decode_steps", "decode steps of the running batch", s["decode_steps"]),
                 ("kvforge_decode_tokens", "tokens produced by decode steps (all rows)", s["decode_tokens"]),
+                ("kvforge_speculative_draft_tokens", "prompt-lookup tokens drafted and verified", s["draft_tokens"]),
+                ("kvforge_speculative_accepted_tokens", "drafted tokens greedy decoding agreed with",
+                 s["accepted_tokens"]),
                 ("kvforge_decode_seconds", "seconds spent in decode steps", s["decode_seconds"])):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -23,6 +23,13 @@ FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free; 
 its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`,
 and `backend.bind_rows` binds the buckets.
 
+Speculation (a request with `speculation`, greedy only): while it is the only running request,
+each step drafts up to draft_len tokens by prompt lookup (runtime/speculate.py) and verifies them in
+one prefill call on the one-row bucket at its past_lens, as `Generator.generate` does; it keeps the
+matching prefix plus the token after it, so the tokens are those of plain greedy decoding. While
+other requests run, it is decoded in the batch like any other (one token per step): verifying a
+single row would stall the others, and the `ort` target verifies one row per call.
+
 A request with n > 1 choices is prefilled once, then its KV rows are copied into n free rows (it
 waits until n are free); each choice has its own sampler (seed + i), Stopper, penalties / grammar
 matcher (runtime/logit_controls.py) and `index` in its Delta and Done events.
@@ -47,6 +54,8 @@ from kvforge.runtime.logit_controls import RowControls
 from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
 from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
 from kvforge.runtime.sampling import Sampler, choice_seed
+from kvforge.runtime.sampling import greedy as greedy_tokens
+from kvforge.runtime.speculate import prompt_lookup
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -252,7 +261,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
                       "decode_steps": 0, "decode_tokens": 0, "ttft_ms_sum": 0.0, "ttft_count": 0, "decode_seconds": 0.0,
-                      "rejected": 0}
+                      "rejected": 0, "draft_tokens": 0, "accepted_tokens": 0}
 
     # -- public -------------------------------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -272,8 +281,7 @@ class Scheduler:
         """Queue a request (one prompt). Raises InputError / CapacityError for a request that can never
         run and QueueFullError when `max_queue` requests already wait."""
         unsupported = [name for name, given in (("capacity", request.capacity is not None),
-                                                ("keep_logits", request.keep_logits),
-                                                ("speculation", request.speculation is not None)) if given]
+                                                ("keep_logits", request.keep_logits)) if given]
         if unsupported:
             raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
                              "max_seq_len positions per request)")
@@ -415,6 +423,9 @@ class Scheduler:
         if not live:
             return
         started = time.perf_counter()
+        if len(live) == 1 and live[0].request.speculation is not None and self._speculate(live[0]):
+            self.stats["decode_seconds"] += time.perf_counter() - started
+            return
         # Rows 0..len(live)-1 run (packed by _compact); the bucket pads with frozen free rows.
         slot = self._decode_slots[next(k for k in self._decode_slots if k >= len(live))]
         feed = np.full(slot.cache.batch, self.pad, dtype=np.int64)
@@ -429,6 +440,36 @@ class Scheduler:
         for a in live:
             self._accept(a, *self._pick(a, logits[a.row: a.row + 1]))
         self.stats["decode_seconds"] += time.perf_counter() - started
+
+    def _speculate(self, a: _Active) -> bool:
+        """One verification step for the lone running request `a` (row 0): its prompt-lookup draft
+        fed at past_lens in one prefill call on the one-row bucket; the draft's prefix that greedy
+        decoding agrees with and the token after it are accepted (positions written beyond them are
+        rewritten before they are read). False when there is no draft (then a plain step runs)."""
+        assert a.request.speculation is not None and a.row == 0  # packed: the lone request is row 0
+        room = min(a.request.speculation.draft_len, a.request.max_new_tokens - len(a.tokens) - 1)
+        if room < 1:
+            return False
+        draft = prompt_lookup(np.array(a.prompt_ids + a.tokens, dtype=np.int64), room)
+        if not len(draft):
+            return False
+        block = np.array([[a.tokens[-1], *draft]], dtype=np.int64)
+        index = np.arange(block.shape[1], dtype=np.int64)[None]
+        slot = self._decode_slots[1]
+        picked = greedy_tokens(self.generator.check_logits(self.backend.prefill(slot, block, index), 1))[0]
+        n = 0
+        while n < len(draft) and picked[n] == draft[n]:
+            n += 1
+        slot.cache.past_lens[0] += n + 1
+        self.stats["decode_steps"] += 1
+        self.stats["draft_tokens"] += len(draft)
+        self.stats["accepted_tokens"] += n
+        for token in picked[: n + 1]:
+            if a.stopper.reason is not None:  # a stop token or string ended it within the accepted run
+                break
+            self.stats["decode_tokens"] += 1
+            self._accept(a, int(token))
+        return True
 
     def _compact(self) -> None:
         """Move the last running row into the first free row below it until the running rows are

@@ -110,3 +110,76 @@ def test_cli_generate_speculate_json(exported, tmp_path) -> None:
     bad = CliRunner().invoke(main, [*args, "--speculate", "prompt-lookup", "--draft-len", "99"])
     assert bad.exit_code == 2
     assert "draft_len must be an integer in 1..15, got 99" in bad.output
+
+
+# -- serving: the Scheduler speculates for a lone request, decodes it in the batch beside others ----
+def _scheduled(prompt: list[int], n: int, **options):
+    from kvforge.runtime import GenerationRequest
+    from kvforge.runtime.sampling import SamplingConfig
+
+    return GenerationRequest(prompt, n, SamplingConfig(greedy=True), ignore_eos=True, **options)
+
+
+def test_scheduler_speculation_alone_and_beside_other_requests(exported) -> None:
+    from kvforge.runtime import Speculation
+    from kvforge.runtime.scheduler import Delta, Scheduler
+
+    generator = Generator(exported("llama-tiny", "ort"))
+    plain = {i: generator.generate([p], max_new_tokens=40, ignore_eos=True).tokens[0] for i, p in enumerate(PROMPTS)}
+    spec = Speculation("prompt-lookup", 4)
+    scheduler = Scheduler(generator, max_batch=3, max_seq_len=128, prefill_chunk=8).start()
+    try:
+        for i, prompt in enumerate(PROMPTS):  # alone: every step verifies a draft where there is one
+            assert scheduler.submit(_scheduled(prompt, 40, speculation=spec)).result()[0] == plain[i]
+        alone = scheduler.snapshot()
+        assert 0 < alone["accepted_tokens"] <= alone["draft_tokens"]
+        assert alone["decode_steps"] == 3 * 39 - alone["accepted_tokens"]  # each accepted token saved a step
+        # A stop token inside an accepted run ends the request there, as plain decoding does.
+        stop = plain[0][25]
+        want = plain[0][: plain[0].index(stop) + 1]
+        got, _, done = scheduler.submit(_scheduled(PROMPTS[0], 40, speculation=spec,
+                                                   stop_token_ids=[stop])).result()
+        assert got == want and done.finish_reason == "stop"
+        # Beside other requests: others join while the speculative one runs, and it joins a running batch.
+        first = scheduler.submit(_scheduled(PROMPTS[0], 40, speculation=spec))
+        late, deltas = [], 0
+        for event in first:
+            deltas += isinstance(event, Delta)
+            if deltas > 3 and not late:
+                late = [scheduler.submit(_scheduled(PROMPTS[1], 40)),
+                        scheduler.submit(_scheduled(PROMPTS[2], 40, speculation=spec))]
+        assert first.result()[0] == plain[0]
+        assert [h.result()[0] for h in late] == [plain[1], plain[2]]
+    finally:
+        scheduler.close()
+
+
+def test_server_speculate_extension(chat_export) -> None:
+    openai = pytest.importorskip("openai")
+    from serving import serving
+
+    from kvforge.server import create_app
+
+    app = create_app(chat_export, max_batch=2, max_seq_len=256, model_name="tiny", prefill_chunk=16)
+    prompt = "a b c a b c a b c a b c a b"
+    with serving(app) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        want = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+        fast = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                         extra_body={"speculate": {"method": "prompt-lookup", "draft_len": 5}})
+        assert fast.choices[0].text == want
+        messages = [{"role": "user", "content": prompt}]
+        want = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+        fast = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stream=True,
+                                              extra_body={"speculate": {"method": "prompt-lookup"}})
+        assert "".join(c.choices[0].delta.content or "" for c in fast) == want.choices[0].message.content
+        assert app.state.scheduler.snapshot()["draft_tokens"] > 0
+        for extra, message in (
+                ({"temperature": 0.7}, "'speculate' needs greedy decoding"),
+                ({"top_p": 0.5}, "'speculate' needs greedy decoding"),
+                ({"extra_body": {"speculate": {"method": "medusa"}}}, "unknown speculation method 'medusa'"),
+                ({"extra_body": {"speculate": {"method": "prompt-lookup", "draft_len": 99}}}, "draft_len must be"),
+                ({"extra_body": {"speculate": "prompt-lookup"}}, "'speculate' must be an object")):
+            extra.setdefault("extra_body", {"speculate": {"method": "prompt-lookup"}})
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.completions.create(model="tiny", prompt=prompt, max_tokens=4, **extra)
