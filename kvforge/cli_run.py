@@ -206,17 +206,20 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option("--compare", default="", help="Peers to run alongside, comma-separated: hf, ort-genai.")
 @click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib).")
+@click.option("--cold-start/--no-cold-start", default=True, show_default=True,
+              help="Also time each system's cold start: a whole process from its start to its first token.")
 @click.option("--json", "as_json", is_flag=True)
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
-          plot: Path | None, as_json: bool) -> None:
-    """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth), optionally against peers."""
+          plot: Path | None, cold_start: bool, as_json: bool) -> None:
+    """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth, cold start), optionally against peers."""
     from kvforge import bench as bench_module
 
     if plot is not None:  # before the rounds, not after minutes of measuring
         bench_module.check_plot(plot)
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     progress = command_progress(False)
-    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress)
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress,
+                                    cold_start=cold_start)
     progress.close()
     if plot is not None:
         bench_module.plot(report, plot)
