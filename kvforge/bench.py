@@ -165,7 +165,7 @@ def _cold_hf(path: str, prompt: str, threads: int) -> str:
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = _cold_ids(prompt) or tokenizer(prompt)["input_ids"]
+    ids = _cold_ids(prompt) or tokenizer.encode(prompt)
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          max_new_tokens=1, do_sample=False)
     return tokenizer.decode(out[0, len(ids):])
