@@ -6,10 +6,17 @@ the spread over rounds, and each peer's ratio to kvforge. Peers: Hugging Face ea
 source folder, and onnxruntime-genai with a model its builder makes from that folder (fp32, or int4 when
 the export is int4-quantised), cached under ~/.cache/kvforge/bench.
 
+Cold start: a whole process per system and round, from its spawn to its exit after printing one
+generated token (interpreter, imports, manifest checks, tokenizer, session creation, first prefill), as
+a CLI user pays it on every call: for kvforge its own `kvforge generate OUT --prompt TEXT
+--max-new-tokens 1`, for onnxruntime-genai the few calls of its Python API that do the same (model,
+tokenizer, one token), for Hugging Face from_pretrained and generate. Alternated like the rest.
+
 Decode tokens/s excludes the prefill; achieved bandwidth = weight bytes read per decode step / step
 time, next to this machine's measured ceiling (a short ONNX Runtime MatMul probe, cached).
 
-Worker mode (what each process runs): python -m kvforge.bench worker SYSTEM PATH PROMPT_LEN NEW BATCH THREADS
+Worker mode (what each process runs): python -m kvforge.bench worker SYSTEM PATH PROMPT_LEN NEW BATCH THREADS;
+a peer's cold start: python -m kvforge.bench cold SYSTEM PATH PROMPT THREADS (PROMPT: text, or ids as 1,2,3)
 """
 
 from __future__ import annotations
@@ -142,6 +149,68 @@ def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int) 
     return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
 
 
+# -- cold start: one whole process, start to first token ---------------------------------------------
+COLD_PROMPT = "What is the capital of France?"
+
+
+def _cold_genai(path: str, prompt: str, threads: int) -> str:
+    import onnxruntime_genai as og
+
+    config = og.Config(path)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    tokenizer = og.Tokenizer(model)
+    ids = _cold_ids(prompt) or list(tokenizer.encode(prompt))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    generator.generate_next_token()
+    return tokenizer.decode(generator.get_sequence(0)[-1:])
+
+
+def _cold_hf(path: str, prompt: str, threads: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = _cold_ids(prompt) or tokenizer.encode(prompt)
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=1, do_sample=False)
+    return tokenizer.decode(out[0, len(ids):])
+
+
+def _cold_ids(prompt: str) -> list[int] | None:
+    """The prompt's token ids when it is given as ids ("1,2,3"), else None (a text)."""
+    return [int(i) for i in prompt.split(",")] if prompt.replace(",", "").isdigit() else None
+
+
+COLD: dict[str, Callable[[str, str, int], str]] = {"ort-genai": _cold_genai, "hf": _cold_hf}
+
+
+def cold_start_command(system: str, path: str, prompt: str, threads: int) -> list[str]:
+    """The process whose run time is `system`'s cold start: kvforge's own CLI, a peer's cold worker."""
+    if system == "kvforge":
+        given = ["--prompt-ids", prompt] if _cold_ids(prompt) else ["--prompt", prompt]
+        return [sys.executable, "-m", "kvforge.cli", "generate", path, *given, "--max-new-tokens", "1", "--greedy",
+                "--threads", str(threads)]
+    return [sys.executable, "-m", "kvforge.bench", "cold", system, path, prompt, str(threads)]
+
+
+def cold_start_ms(system: str, path: str, prompt: str, threads: int) -> float:
+    """Milliseconds from spawning `system`'s cold-start process to its exit (it prints one token)."""
+    command = cold_start_command(system, path, prompt, threads)
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    elapsed = (time.perf_counter() - start) * 1e3
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InputError(f"the {system} cold-start process failed: {tail}")
+    return elapsed
+
+
 SPECULATIVE = "kvforge+lookup"  # kvforge with prompt-lookup speculation (--speculate prompt-lookup)
 WORKERS: dict[str, Callable[..., dict[str, Any]]] = {"kvforge": _work_kvforge, SPECULATIVE: _work_kvforge,
                                                      "hf": _work_hf, "ort-genai": _work_genai}
@@ -216,8 +285,9 @@ def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Pa
 def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
               repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
               say: Callable[[str], None] | None = None, speculate: str | None = None,
-              draft_len: int = 6) -> dict[str, Any]:
-    """`speculate="prompt-lookup"` adds kvforge with speculation (row SPECULATIVE) beside plain kvforge."""
+              draft_len: int = 6, cold_start: bool = True) -> dict[str, Any]:
+    """The report (see the module docstring). `speculate="prompt-lookup"` adds kvforge with speculation
+    (row SPECULATIVE) beside plain kvforge; `cold_start=False` skips the cold-start processes."""
     from kvforge.runtime.speculate import check_speculation
     from kvforge.targets import get_target
 
@@ -253,6 +323,10 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         # The builder's CPU precisions are fp32 and int4: an int8 export is compared with its fp32.
         peer_precision = "int4" if quant.get("bits") == 4 else "fp32"
         systems["ort-genai"] = str(_genai_model(source, peer_precision, say))
+    # Cold start is timed on a text prompt when the export has a tokenizer (a CLI user's call), else on ids.
+    cold_prompt = COLD_PROMPT if (export_dir / "tokenizer.json").is_file() else ",".join(
+        map(str, prompt_ids(8, 0, int(manifest["model"]["vocab_size"]))))
+    cold: dict[str, list[float]] = {name: [] for name in systems}
     probe = bandwidth_probe(threads)
     probes: list[float] = []
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
@@ -269,14 +343,21 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 raise InputError(f"the {name} benchmark process failed: {tail}")
             runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        for name, path in systems.items() if cold_start else ():  # cold starts take turns too
+            if name == SPECULATIVE:  # the same process start as plain kvforge's
+                continue
+            say(f"round {round_ + 1}/{repeat}: {name} cold start")
+            cold[name].append(cold_start_ms(name, path, cold_prompt, threads))
+            runs[name][-1]["cold_start_ms"] = cold[name][-1]
     # Speculation keeps greedy output: its tokens must be plain kvforge's, round by round.
     tokens = {name: [sample.pop("tokens", None) for sample in samples] for name, samples in runs.items()}
     weight_bytes = int(quant.get("weights_bytes") or manifest.get("weights_sharing", {}).get("weights_bytes", 0))
     table = {}
     for name, samples in runs.items():
         row = {}
-        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb", "step_ms", "end_to_end_tokens_per_s"):
-            if metric not in samples[0]:  # end to end: kvforge's rows only
+        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb", "step_ms", "end_to_end_tokens_per_s",
+                       "cold_start_ms"):
+            if metric not in samples[0]:  # end to end: kvforge's rows only; cold start: not the lookup row
                 continue
             values = [s[metric] for s in samples]
             row[metric] = statistics.median(values)
@@ -304,6 +385,8 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
             row["decode_ratio_kvforge_over_peer"] = ours["decode_tokens_per_s"] / row["decode_tokens_per_s"]
             row["ttft_ratio_kvforge_over_peer"] = ours["ttft_ms"] / row["ttft_ms"]
             row["rss_ratio_kvforge_over_peer"] = ours["peak_rss_mb"] / row["peak_rss_mb"]
+            if cold_start:
+                row["cold_start_ratio_kvforge_over_peer"] = ours["cold_start_ms"] / row["cold_start_ms"]
     # Export / build time: kvforge's from its manifest, the peer builder's as timed when it ran.
     ours["export_s"] = (manifest.get("export_seconds") or {}).get("total")
     if "ort-genai" in systems:
@@ -314,6 +397,7 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
             table["ort-genai"]["export_ratio_kvforge_over_peer"] = ours["export_s"] / table["ort-genai"]["export_s"]
     return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
             "repeat": repeat, "threads": threads, "weight_bytes": weight_bytes, "speculate": speculate,
+            "cold_start_prompt": cold_prompt if cold_start else None,
             "machine_bandwidth_gbps": bandwidth, "machine_bandwidth_gbps_spread": [min(probes), max(probes)],
             "export_profile_s": manifest.get("export_seconds"),
             "systems": table, "raw": runs}
@@ -344,6 +428,11 @@ def format_table(report: dict[str, Any]) -> str:
         for name, row in report["systems"].items():
             if "decode_ratio_speculative_over_peer" in row:
                 lines.append(f"{SPECULATIVE} decode over {name}: x{row['decode_ratio_speculative_over_peer']:.2f}")
+    if "cold_start_ms" in ours:
+        lines.append("cold start (whole process, start to first token), ms: " + "; ".join(
+            f"{name} {row['cold_start_ms']:.0f} ({row['cold_start_ms_spread'][0]:.0f}-{row['cold_start_ms_spread'][1]:.0f})"
+            + (f", kvforge x{row['cold_start_ratio_kvforge_over_peer']:.2f}" if name != "kvforge" else "")
+            for name, row in report["systems"].items() if "cold_start_ms" in row))
     for name, row in report["systems"].items():
         if row.get("export_s"):
             ratio = row.get("export_ratio_kvforge_over_peer")
@@ -397,3 +486,5 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "worker":
         _worker_main(sys.argv[2:])
+    elif len(sys.argv) == 6 and sys.argv[1] == "cold":
+        print(COLD[sys.argv[2]](sys.argv[3], sys.argv[4], int(sys.argv[5])))

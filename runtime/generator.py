@@ -15,6 +15,7 @@ runtime/decode_loop.py (the step loop, speculation, the result types).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ from kvforge.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
 # Re-exported: these lived here before the split.
 __all__ = ["GenerationRequest", "GenerationResult", "GenerationStream", "Generator", "Prompts", "RenderedChat",
            "StepEvent"]
+# Backends loaded in a thread beside the tokenizer (ONNX Runtime on the CPU; a CUDA or TensorRT
+# context belongs to the thread that makes it, so those load on the caller's thread).
+THREADED_LOAD = ("ort-cpu",)
 
 
 class Generator:
@@ -65,6 +69,32 @@ class Generator:
         self.eos_token_ids = frozenset(as_id_list(list(model.eos_token_id))
                                        + as_id_list(generation.get("eos_token_id")))
         self.default_sampling = SamplingConfig.from_generation(generation)
+        if backend is not None and not isinstance(backend, str) and backend_options:
+            raise InputError("backend options go to create_backend() when passing a Backend object")
+        name = (backend or default_backend(self.manifest)) if backend is None or isinstance(backend, str) else None
+        building: Future[Backend] | None = None
+        if name in THREADED_LOAD:
+            # ONNX Runtime builds a session (graph optimisation, weight prepacking: most of a cold
+            # start) with the GIL released, so the tokenizer and chat template load meanwhile.
+            with ThreadPoolExecutor(1, thread_name_prefix="kvforge-load") as pool:
+                building = pool.submit(create_backend, name, self.folder, self.manifest, **backend_options)
+                self._load_text()  # (leaving the block waits for the backend, also on an error here)
+        else:
+            self._load_text()
+        if building is not None:
+            self.backend: Backend = building.result()  # its error, if any, raised here
+        elif name is not None:
+            self.backend = create_backend(name, self.folder, self.manifest, **backend_options)
+        else:
+            self.backend = backend
+        self.backend_name = self.backend.name
+        self.max_capacity = self.backend.limits.max_capacity
+        # Thread safety: the backend's sessions / engines are shared, each request runs on its own
+        # slot (KV cache + bindings) from this pool (runtime/slot_pool.py).
+        self.slots = SlotPool(self.backend)
+
+    def _load_text(self) -> None:
+        """The tokenizer and the chat template."""
         self.tokenizer = Tokenizer(self.folder) if (self.folder / TOKENIZER_FILE).is_file() else None
         # The chat template is read and hashed once, here: a file swapped (or linked elsewhere) after
         # the load is never rendered. A broken one fails only the chat calls, with its message.
@@ -74,18 +104,6 @@ class Generator:
             self._chat_template = read_chat_template(self.folder, self.manifest)
         except KvforgeError as err:
             self._chat_template_error = err
-        if backend is None or isinstance(backend, str):
-            name = backend or default_backend(self.manifest)
-            self.backend: Backend = create_backend(name, self.folder, self.manifest, **backend_options)
-        else:
-            if backend_options:
-                raise InputError("backend options go to create_backend() when passing a Backend object")
-            self.backend = backend
-        self.backend_name = self.backend.name
-        self.max_capacity = self.backend.limits.max_capacity
-        # Thread safety: the backend's sessions / engines are shared, each request runs on its own
-        # slot (KV cache + bindings) from this pool (runtime/slot_pool.py).
-        self.slots = SlotPool(self.backend)
 
     # -- requests -------------------------------------------------------------------------------
     def request(self, prompts: Prompts | GenerationRequest, *args: Any, **options: Any) -> GenerationRequest:

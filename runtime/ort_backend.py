@@ -42,6 +42,12 @@ DEVICES = ("cpu", "cuda")
 # "separate": prefill.onnx + decode.onnx, each session prepacks its own copy (two copies).
 SESSION_MODES = ("single", "shared", "separate")
 LOGITS_DTYPES = {"float32": np.float32, "float16": np.float16}
+# ONNX Runtime optimisers left out on the CPU. ConstantFolding's only work on these graphs (checked on
+# every recipe's export, fp32 and int8/int4) is a transposed copy of a tied lm_head's embedding (113 MB
+# for SmolLM2-135M) at every session creation; without it the Transpose fuses into a FusedMatMul over
+# the embedding itself: the same tokens and decode speed, a session built ~0.3 s sooner (peak RSS the
+# same; benchmarks/README.md "Cold start").
+CPU_DISABLED_OPTIMIZERS = ["ConstantFolding"]
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
                "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16"}
 
@@ -142,7 +148,9 @@ class OrtBackend:
             graph_bytes = read_graph(self.folder, manifest, phase)
             file = self.folder / self.manifest["graphs"][phase]["file"]
             try:
-                self.sessions[phase] = ort.InferenceSession(graph_bytes, sess_options=options, providers=providers)
+                self.sessions[phase] = ort.InferenceSession(
+                    graph_bytes, sess_options=options, providers=providers,
+                    disabled_optimizers=CPU_DISABLED_OPTIMIZERS if device == "cpu" else None)
             except Exception as err:  # onnxruntime raises its own Fail/InvalidGraph types
                 raise ManifestError(f"ONNX Runtime could not load {file}: {_one_line(err)}; re-run the export") from err
             self._check_session_io(phase, self.sessions[phase])

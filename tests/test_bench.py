@@ -25,7 +25,8 @@ def cache(tmp_path, monkeypatch):
 
 def test_bench_against_hf_reports_medians_spread_and_ratios(exported, cache) -> None:
     folder = exported("llama-tiny", "ort")
-    report = bench.run_bench(folder, prompt_len=12, new_tokens=6, batch=2, repeat=2, threads=1, compare=("hf",))
+    report = bench.run_bench(folder, prompt_len=12, new_tokens=6, batch=2, repeat=2, threads=1, compare=("hf",),
+                             cold_start=False)  # (timed in the CLI test, without torch's import per round)
     assert set(report["systems"]) == {"kvforge", "hf"}
     for name, row in report["systems"].items():
         assert len(report["raw"][name]) == 2  # one sample per round
@@ -50,6 +51,11 @@ def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
     assert report["systems"]["kvforge"]["decode_tokens_per_s"] > 0
     # Each worker's own peak: a tiny model's runtime stays far below the test process's size.
     assert report["systems"]["kvforge"]["peak_rss_mb"] < 400
+    # The cold start: `kvforge generate` itself as a whole process (on ids when the export has no tokenizer).
+    ours = report["systems"]["kvforge"]
+    assert ours["cold_start_ms_spread"][0] <= ours["cold_start_ms"] == report["raw"]["kvforge"][0]["cold_start_ms"] > 0
+    command = bench.cold_start_command("kvforge", folder, report["cold_start_prompt"], 1)
+    assert command[1:5] == ["-m", "kvforge.cli", "generate", folder] and "--max-new-tokens" in command
     bad = CliRunner().invoke(main, ["bench", folder, "--compare", "vllm"])
     assert bad.exit_code == 2 and "--compare takes hf, ort-genai; got vllm" in bad.output
     bad = CliRunner().invoke(main, ["bench", folder, "--repeat", "0"])
