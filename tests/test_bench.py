@@ -92,3 +92,38 @@ def test_bench_speculate_reports_acceptance_beside_plain(exported, cache) -> Non
     assert bad.exit_code == 2 and "--speculate: draft_len must be an integer in 1..15, got 99" in bad.output
     bad = CliRunner().invoke(main, ["bench", folder, "--speculate", "prompt-lookup", "--batch", "2"])
     assert bad.exit_code == 2 and "verifies drafts for 1 row(s) per call" in bad.output
+
+def _profile_decode():
+    spec = importlib.util.spec_from_file_location("profile_decode", "benchmarks/profile_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_decode_reads_the_last_runs_per_node_median_by_op_and_layer(tmp_path) -> None:
+    """benchmarks/profile_decode.py's trace reader on a hand-made ONNX Runtime profile: a prefill run
+    (ignored), then three decode runs of [Gather, norm, MatMul, norm, norm, MatMul]; one MatMul is
+    stalled 50 ms in one run (a preempted thread), which the per-node median must not count."""
+    nodes = [("emb", "Gather", 10), ("n0", "SimplifiedLayerNormalization", 20), ("mm0", "MatMul", 1000),
+             ("n1", "SkipSimplifiedLayerNormalization", 30), ("n2", "SkipSimplifiedLayerNormalization", 40),
+             ("mm1", "MatMul", 2000)]
+    events, ts = [], 0
+    for run in range(4):
+        start = ts
+        for name, op, dur in nodes:
+            dur = 99_000 if run == 0 else dur + (50_000 if (run, name) == (2, "mm1") else 0)
+            events.append({"cat": "Node", "name": f"{name}_kernel_time", "ts": ts, "dur": dur, "args": {"op_name": op}})
+            ts += dur + 1
+        events.append({"cat": "Session", "name": "model_run", "ts": start, "dur": ts - start})
+        ts += 100
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps(events))
+    profile = _profile_decode().decode_ops(str(trace), steps=3)
+    assert profile["op_ms"] == pytest.approx({"Gather": 0.01, "SimplifiedLayerNormalization": 0.02, "MatMul": 3.0,
+                                              "SkipSimplifiedLayerNormalization": 0.07})
+    # Layer k owns norms 2k and 2k+1; before the first norm is the embedding.
+    assert profile["layer_ms"] == pytest.approx({"embedding": 0.01, "0": 1.05, "1": 2.04})
+    assert profile["op_count"] == {"Gather": 1, "SimplifiedLayerNormalization": 1, "MatMul": 2,
+                                   "SkipSimplifiedLayerNormalization": 2}
+    assert profile["run_ms"] == pytest.approx(3.106)  # the median run (3.1 ms of nodes, 1 us after each)
+    assert profile["run_ms_min"] == pytest.approx(3.106)
