@@ -15,8 +15,9 @@ tokenizer, one token), for Hugging Face from_pretrained and generate. Alternated
 Decode tokens/s excludes the prefill; achieved bandwidth = weight bytes read per decode step / step
 time, next to this machine's measured ceiling (a short ONNX Runtime MatMul probe, cached).
 
-Worker mode (what each process runs): python -m kvforge.bench worker SYSTEM PATH PROMPT_LEN NEW BATCH THREADS;
-a peer's cold start: python -m kvforge.bench cold SYSTEM PATH PROMPT THREADS (PROMPT: text, or ids as 1,2,3)
+Worker mode (what each process runs): python -m kvforge.bench worker SYSTEM PATH PROMPT_LEN NEW BATCH THREADS SPIN
+[DRAFT_LEN] (SPIN: 1, or 0 for kvforge's --no-spin); a peer's cold start: python -m kvforge.bench cold SYSTEM PATH
+PROMPT THREADS (PROMPT: text, or ids as 1,2,3)
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def _peak_rss_mb() -> float:
 
 
 # -- workers (one process each) ---------------------------------------------------------------------
-def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int,
+def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True,
                   draft_len: int = 0) -> dict[str, Any]:
     """kvforge's greedy decode; with `draft_len`, prompt-lookup speculation (its drafts verified in one
     prefill call per step). The tokens go back too, so the two modes can be checked for equality."""
     from kvforge.runtime import GenerationRequest, Generator, Speculation
 
-    gen = Generator(path, threads=threads)
+    gen = Generator(path, threads=threads, spinning=spinning)
     prompts = [prompt_ids(prompt_len - 3 * b, b, gen.vocab_size) for b in range(batch)]  # different lengths
     speculation = Speculation("prompt-lookup", draft_len) if draft_len else None
     request = GenerationRequest(prompts, new, ignore_eos=True, speculation=speculation)  # greedy
@@ -81,7 +82,7 @@ def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int
     return out
 
 
-def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
+def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -112,7 +113,9 @@ def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int) -> 
     return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
 
 
-def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int) -> dict[str, float]:
+def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True) -> dict[str, float]:
+    # `spinning` is kvforge's: genai_config.json's session_options take no ORT config entries, so
+    # onnxruntime-genai always runs with ONNX Runtime's default (spinning threads).
     import onnxruntime_genai as og
 
     config = og.Config(path)
@@ -217,8 +220,8 @@ WORKERS: dict[str, Callable[..., dict[str, Any]]] = {"kvforge": _work_kvforge, S
 
 
 def _worker_main(argv: list[str]) -> None:
-    system, path, prompt_len, new, batch, threads, *extra = argv
-    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads), *map(int, extra))
+    system, path, prompt_len, new, batch, threads, spin, *extra = argv
+    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads), spin == "1", *map(int, extra))
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
 
@@ -285,9 +288,11 @@ def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Pa
 def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
               repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
               say: Callable[[str], None] | None = None, speculate: str | None = None,
-              draft_len: int = 6, cold_start: bool = True) -> dict[str, Any]:
+              draft_len: int = 6, cold_start: bool = True, spinning: bool = True) -> dict[str, Any]:
     """The report (see the module docstring). `speculate="prompt-lookup"` adds kvforge with speculation
-    (row SPECULATIVE) beside plain kvforge; `cold_start=False` skips the cold-start processes."""
+    (row SPECULATIVE) beside plain kvforge; `cold_start=False` skips the cold-start processes;
+    `spinning=False`: kvforge's ONNX Runtime threads sleep instead of spinning while they wait (the
+    peers keep their defaults)."""
     from kvforge.runtime.speculate import check_speculation
     from kvforge.targets import get_target
 
@@ -337,7 +342,7 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
             extra = [str(draft_len)] if name == SPECULATIVE else []
             proc = subprocess.run(
                 [sys.executable, "-m", "kvforge.bench", "worker", name, path, str(prompt_len), str(new_tokens),
-                 str(batch), str(threads), *extra], capture_output=True, text=True,
+                 str(batch), str(threads), "1" if spinning else "0", *extra], capture_output=True, text=True,
             )
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -396,8 +401,8 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         if ours["export_s"] and table["ort-genai"]["export_s"]:
             table["ort-genai"]["export_ratio_kvforge_over_peer"] = ours["export_s"] / table["ort-genai"]["export_s"]
     return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
-            "repeat": repeat, "threads": threads, "weight_bytes": weight_bytes, "speculate": speculate,
-            "cold_start_prompt": cold_prompt if cold_start else None,
+            "repeat": repeat, "threads": threads, "spinning": spinning, "weight_bytes": weight_bytes,
+            "speculate": speculate, "cold_start_prompt": cold_prompt if cold_start else None,
             "machine_bandwidth_gbps": bandwidth, "machine_bandwidth_gbps_spread": [min(probes), max(probes)],
             "export_profile_s": manifest.get("export_seconds"),
             "systems": table, "raw": runs}
@@ -405,7 +410,8 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{report['export']}: prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch "
-             f"{report['batch']}, {report['threads']} threads, median of {report['repeat']} rounds",
+             f"{report['batch']}, {report['threads']} threads"
+             f"{'' if report.get('spinning', True) else ' (kvforge: --no-spin)'}, median of {report['repeat']} rounds",
              f"{'system':<16}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}   ratios kvforge/peer"]
     for name, row in report["systems"].items():
         ratios = "" if name not in PEERS else (

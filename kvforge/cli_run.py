@@ -211,9 +211,12 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
 @click.option("--cold-start/--no-cold-start", default=True, show_default=True,
               help="Also time each system's cold start: a whole process from its start to its first token.")
+@click.option("--no-spin", is_flag=True,
+              help="kvforge's ONNX Runtime threads sleep instead of spinning while they wait (a busy shared CPU).")
 @click.option("--json", "as_json", is_flag=True)
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
-          plot: Path | None, speculate: str | None, draft_len: int, cold_start: bool, as_json: bool) -> None:
+          plot: Path | None, speculate: str | None, draft_len: int, cold_start: bool, no_spin: bool,
+          as_json: bool) -> None:
     """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth, cold start), optionally against peers."""
     from kvforge import bench as bench_module
 
@@ -222,7 +225,8 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     progress = command_progress(False)
     report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress,
-                                    speculate=speculate, draft_len=draft_len, cold_start=cold_start)
+                                    speculate=speculate, draft_len=draft_len, cold_start=cold_start,
+                                    spinning=not no_spin)
     progress.close()
     if plot is not None:
         bench_module.plot(report, plot)

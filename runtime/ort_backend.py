@@ -93,7 +93,10 @@ class OrtBackend:
     decode steps, one weight copy, ORT prepacks it, the default; "shared": prefill.onnx and
     decode.onnx over one memory-mapped copy, prepacking off (on a GPU each session uploads its own
     copy, so "single" holds the weights once there too); "separate": two sessions, two copies),
-    `device_id`, `max_capacity` (allocate at most this many positions)."""
+    `device_id`, `max_capacity` (allocate at most this many positions), `spinning` (ONNX Runtime's
+    intra-op threads busy-wait for work between ops, its default; False makes them sleep: on a CPU
+    that other busy processes share, a spinning thread holds a core the thread with work needs;
+    see benchmarks/README.md, "Op-level decode profile")."""
 
     custom_ops_library: str | None = None  # registered on every session (the emulation's plugin op)
 
@@ -106,6 +109,7 @@ class OrtBackend:
         threads: int | None = None,
         sessions: str = "single",
         max_capacity: int | None = None,
+        spinning: bool = True,
     ) -> None:
         self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
         self.kv = KVLayout.from_manifest(manifest)
@@ -122,6 +126,8 @@ class OrtBackend:
         providers = providers_for(device, device_id)
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InputError(f"threads must be a positive integer, got {threads!r}")
+        if not isinstance(spinning, bool):
+            raise InputError(f"spinning must be True or False, got {spinning!r}")
         if sessions not in SESSION_MODES:
             raise InputError(f"unknown sessions mode {sessions!r}; choose one of {', '.join(SESSION_MODES)}")
         self.session_mode = sessions
@@ -137,6 +143,8 @@ class OrtBackend:
                 options.register_custom_ops_library(self.custom_ops_library)
             if threads is not None:
                 options.intra_op_num_threads = threads
+            if not spinning:
+                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             if sessions == "shared":
                 # ORT memory-maps the external weights file, so both sessions read the same page-cache
                 # copy. The CPU kernels' prepacking would make a private packed copy per session (two

@@ -36,7 +36,7 @@ def test_registry_names_and_options(exported) -> None:
     manifest = json.loads((folder / "kvforge.json").read_text())
     with pytest.raises(InputError, match="unknown backend 'tpu'; choose one of ort-cpu, ort-cuda, emulate, tensorrt"):
         create_backend("tpu", folder, manifest)
-    with pytest.raises(InputError, match="backend 'ort-cpu' has no option engine_dir; its options are device_id, threads, sessions, max_capacity"):
+    with pytest.raises(InputError, match="backend 'ort-cpu' has no option engine_dir; its options are device_id, threads, sessions, max_capacity, spinning"):
         Generator(folder, engine_dir="x")
     with pytest.raises(InputError, match="backend 'tensorrt' has no option sessions; its options are engine_dir, device_id, cuda_graphs"):
         Generator(exported("llama-tiny", "trt"), backend="tensorrt", sessions="single")
@@ -44,6 +44,19 @@ def test_registry_names_and_options(exported) -> None:
         Generator(folder, backend="emulate")
     assert Generator(folder).backend_name == "ort-cpu"
     assert Generator(exported("llama-tiny", "trt")).backend_name == "emulate"
+
+
+def test_spinning_off_sleeps_the_threads_and_changes_no_token(exported) -> None:
+    folder = exported("llama-tiny", "ort")
+    plain, sleeping = Generator(folder, threads=2), Generator(folder, threads=2, spinning=False)
+    options = sleeping.backend.sessions["decode"].get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(Exception, match="allow_spinning"):  # ORT's default applies: the entry is unset
+        plain.backend.sessions["decode"].get_session_options().get_session_config_entry("session.intra_op.allow_spinning")
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    assert sleeping.generate(prompts, 12, ignore_eos=True).tokens == plain.generate(prompts, 12, ignore_eos=True).tokens
+    with pytest.raises(InputError, match="spinning must be True or False, got 'no'"):
+        Generator(folder, spinning="no")
 
 
 def test_a_backend_object_can_be_passed_in(exported) -> None:
