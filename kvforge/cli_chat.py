@@ -24,8 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvforge.cli_common import BACKEND_CHOICES, backend_options
-from kvforge.cli_run import _check_utf8
+from kvforge.cli_common import (
+    BACKEND_CHOICES,
+    backend_options,
+    check_utf8,
+    emulation_option,
+    sampling_keywords,
+    sampling_options,
+)
 from kvforge.errors import InputError, KvforgeError
 
 if TYPE_CHECKING:  # the runtime is imported when the command runs (startup time)
@@ -139,11 +145,7 @@ def _stat_line(turn: Turn) -> str:
 @click.option("--system", "system_text", help="A system message that starts the conversation (kept by /reset).")
 @click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(1),
               help="Most tokens per answer (fewer when the conversation nears --max-seq-len).")
-@click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says.")
-@click.option("--temperature", type=float)
-@click.option("--top-k", type=int)
-@click.option("--top-p", type=float)
-@click.option("--seed", type=int)
+@sampling_options
 @click.option("--ignore-eos", is_flag=True, help="Run each answer to --max-new-tokens even past end-of-turn tokens.")
 @click.option("--max-seq-len", type=click.IntRange(2), default=None,
               help="Positions of the whole conversation (default: the export's max_capacity, at most 4096).")
@@ -151,14 +153,13 @@ def _stat_line(turn: Turn) -> str:
               help="ort-cpu (default for ort/onnx exports) or emulate (default for trt exports): the "
                    "conversation's KV rows are kept in host memory.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime backends: intra-op threads.")
-@click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
-              help="emulate backend: the Triton kernel under its interpreter (default) or the numpy reference.")
+@emulation_option
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--quiet", is_flag=True, help="No banner and no statistics line after each answer.")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per answer on stdout (answer, finish_reason, token counts, ttft_ms, "
                    "decode_tokens_per_s) instead of streamed text.")
-def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, greedy: bool, ignore_eos: bool,
+def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_eos: bool,
          max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, verify: bool,
          quiet: bool, as_json: bool, **sampling: Any) -> None:
     """Chat with an export in the terminal (multi-turn; earlier turns' KV rows are reused).
@@ -170,7 +171,7 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, greedy:
     from kvforge.runtime import Generator
     from kvforge.runtime.scheduler import Scheduler
 
-    _check_utf8("--system", system_text)
+    check_utf8("--system", system_text)
     generator = Generator(export_dir, backend=backend, verify_hashes=verify,
                           **backend_options(threads=threads, emulation=emulation))
     try:
@@ -183,8 +184,8 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, greedy:
     scheduler.prefixes.budget_bytes = KVLayout.from_manifest(generator.manifest).bytes(1, scheduler.capacity)
     scheduler.start()
     try:
-        _loop(ChatSession(generator, scheduler, system_text, max_new_tokens, greedy=True if greedy else None,
-                          ignore_eos=ignore_eos, **sampling),
+        _loop(ChatSession(generator, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,
+                          **sampling_keywords(sampling)),
               generator, quiet, as_json)
     finally:
         scheduler.close()
@@ -234,7 +235,7 @@ def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool
         if not command:
             continue
         try:
-            _check_utf8("the message", text)
+            check_utf8("the message", text)
             turn = _ask_until_ctrl_c(session, text, emit) if interactive else session.ask(text, emit)
         except KvforgeError as err:
             if not interactive:

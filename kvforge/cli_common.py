@@ -4,7 +4,8 @@ and the small parsers and formatters of their messages."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
@@ -31,6 +32,34 @@ def require_export_extra(command: str) -> None:
 
 
 BACKEND_CHOICES = list(BACKENDS)
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def sampling_options(command: Command) -> Command:
+    """--greedy, --temperature, --top-k, --top-p, --seed: the sampling options `generate` and `chat` share."""
+    for option in reversed((
+        click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says."),
+        click.option("--temperature", type=float),
+        click.option("--top-k", type=int),
+        click.option("--top-p", type=float),
+        click.option("--seed", type=int),
+    )):
+        command = option(command)
+    return command
+
+
+def sampling_keywords(options: dict[str, Any]) -> dict[str, Any]:
+    """`Generator.request`'s sampling keywords from sampling_options' values; an option not given stays
+    None so that the export folder's generation config decides."""
+    return {"greedy": True if options["greedy"] else None, **{key: options[key] for key in SAMPLING_KEYS}}
+
+
+def emulation_option(command: Command) -> Command:
+    return click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
+                        help="emulate backend: the Triton kernel under its interpreter (default) or the numpy "
+                             "reference (no torch or triton needed).")(command)
 
 
 def backend_options(**given: Any) -> dict[str, Any]:
@@ -70,6 +99,19 @@ def human_bytes(count: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def check_utf8(option: str, text: str | None) -> None:
+    """Bytes that are not UTF-8 on the command line (`$'\\xff'`) reach Python as lone surrogates,
+    which no tokenizer takes: say which option holds them, before loading anything."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"{option} is not valid UTF-8 text (undecodable bytes at character {err.start}); pass UTF-8 text"
+        ) from None
 
 
 def parse_ids(text: str) -> list[int]:

@@ -11,10 +11,14 @@ import click
 from kvforge.cli_common import (
     BACKEND_CHOICES,
     backend_options,
+    check_utf8,
     command_progress,
     emit_json,
+    emulation_option,
     parse_ids,
     require_export_extra,
+    sampling_keywords,
+    sampling_options,
 )
 from kvforge.errors import InputError, ParityError
 
@@ -29,11 +33,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
 @click.option("--system", "system_text", help="With --chat: a system message first.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says.")
-@click.option("--temperature", type=float)
-@click.option("--top-k", type=int)
-@click.option("--top-p", type=float)
-@click.option("--seed", type=int)
+@sampling_options
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
               help="ort-cpu (default for ort/onnx exports), ort-cuda, tensorrt (TensorRT engines from `kvforge "
@@ -43,9 +43,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
               help="ONNX Runtime backends: single (default: one session runs both phases, one weight copy), "
                    "shared (both graphs over one memory-mapped copy), separate (both graphs, two copies).")
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
-@click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
-              help="emulate backend: the Triton kernel under its interpreter (default) or the numpy reference "
-                   "(no torch or triton needed).")
+@emulation_option
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--ignore-eos", is_flag=True, help="Run to --max-new-tokens even past end-of-sequence tokens.")
@@ -65,7 +63,7 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     if options["system_text"] is not None and options["chat_text"] is None:
         raise InputError("--system goes with --chat")
     for option in ("chat_text", "system_text"):  # (--prompt texts are checked with the prompts)
-        _check_utf8(f"--{option.removesuffix('_text')}", options[option])
+        check_utf8(f"--{option.removesuffix('_text')}", options[option])
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
     generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
                           **backend_options(threads=options["threads"], sessions=options["sessions"],
@@ -122,19 +120,6 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
                    "raise --max-new-tokens for a longer answer", err=True)
 
 
-def _check_utf8(option: str, text: str | None) -> None:
-    """Bytes that are not UTF-8 on the command line (`$'\\xff'`) reach Python as lone surrogates,
-    which no tokenizer takes: say which option holds them, before loading anything."""
-    if text is None:
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise InputError(
-            f"{option} is not valid UTF-8 text (undecodable bytes at character {err.start}); pass UTF-8 text"
-        ) from None
-
-
 def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:
     """The GenerationRequest of `kvforge generate`'s options: the prompts (`batch`) or the chat,
     sampling, limits, speculation."""
@@ -147,8 +132,7 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
         prompts: Any = RenderedChat(generator.chat_ids(messages))
     else:
         prompts = batch
-    sampling = {"greedy": True if options["greedy"] else None,
-                **{key: options[key] for key in ("temperature", "top_k", "top_p", "seed")}}
+    sampling = sampling_keywords(options)
     if options["speculate"] is not None and sampling["greedy"] is None \
             and not any(options[key] for key in ("temperature", "top_k", "top_p")):
         sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
@@ -168,9 +152,7 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
 @click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default=None,
               help="ONNX Runtime backends: single (default, as generate), shared or separate (run decode.onnx too).")
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
-@click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
-              help="emulate backend: the Triton kernel under its interpreter (default) or the numpy reference "
-                   "(no torch or triton needed).")
+@emulation_option
 @click.option("--against", type=click.Choice(BACKEND_CHOICES), default=None,
               help="Also compare with another backend (same tolerance, same prompts).")
 @click.option("--perplexity-tokens", default=1024, show_default=True, type=int,

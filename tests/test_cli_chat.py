@@ -55,12 +55,14 @@ def reference(chat_export) -> Generator:
 
 class Terminal:
     """`kvforge ARGS` on a pseudo-terminal (stdin, stdout and stderr), its controlling terminal. Output
-    post-processing is off, so the bytes read are the bytes written."""
+    post-processing is off, so the bytes read are the bytes written; NOFLSH keeps Ctrl-C from discarding
+    output the test has not read yet (the answer shown before the interrupt)."""
 
     def __init__(self, *args: str) -> None:
         master, slave = os.openpty()
         attrs = termios.tcgetattr(slave)
         attrs[1] &= ~termios.OPOST
+        attrs[3] |= termios.NOFLSH
         termios.tcsetattr(slave, termios.TCSANOW, attrs)
         self.proc = subprocess.Popen([sys.executable, "-c", CONTROLLING_TTY, "-m", "kvforge.cli", *args],
                                      stdin=slave, stdout=slave, stderr=slave, start_new_session=True,

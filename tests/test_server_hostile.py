@@ -15,13 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from serving import free_port, with_template
+from serving import serving, with_template
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
-
-import uvicorn  # noqa: E402
 
 from kvforge.errors import InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
@@ -45,29 +43,16 @@ CLI = [sys.executable, "-m", "kvforge.cli"]
 
 
 class Served:
-    """An app on a real uvicorn server on a free loopback port (disconnects need real sockets)."""
+    """A served app, its base URL and port, with a POST that carries the API key by default."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, base: str) -> None:
         self.app = app
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.runner = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
-        self.thread = threading.Thread(target=self.runner.run, daemon=True)
-        self.thread.start()
-        for _ in range(400):
-            try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        self.base = base
+        self.port = int(base.rsplit(":", 1)[1])
 
     def post(self, path: str, body: object, headers: dict | None = None, timeout: float = 30, **kw) -> httpx.Response:
         return httpx.post(f"{self.base}{path}", headers=AUTH if headers is None else headers, json=body,
                           timeout=timeout, **kw)
-
-    def stop(self) -> None:
-        self.runner.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +69,15 @@ def hostile_export(exported, tmp_path_factory) -> Path:
 def server(chat_export):
     app = create_app(chat_export, max_batch=2, max_seq_len=64, api_key=KEY, model_name="tiny", prefill_chunk=16,
                      max_body_bytes=64 << 10, allowed_hosts=allowed_hosts_for("127.0.0.1"))
-    served = Served(app)
-    yield served
-    served.stop()
+    with serving(app, log_level="critical") as base:
+        yield Served(app, base)
 
 
 @pytest.fixture(scope="module")
 def hostile(hostile_export):
-    served = Served(create_app(hostile_export, max_batch=2, max_seq_len=64, template_seconds=0.5))
-    yield served
-    served.stop()
+    app = create_app(hostile_export, max_batch=2, max_seq_len=64, template_seconds=0.5)
+    with serving(app, log_level="critical") as base:
+        yield Served(app, base)
 
 
 @pytest.fixture(scope="module")
