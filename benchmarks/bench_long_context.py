@@ -1,0 +1,183 @@
+"""Decode speed at long cache positions: kvforge (fp32 KV cache, and optionally an int8 one) against
+onnxruntime-genai, alternating in one script so every system sees the same machine load.
+
+For each round, each cache position P and each system (the order rotates per round), one process runs
+`python -m kvforge.bench worker` (kvforge/bench.py): a short warm-up generation, then a P-token prompt
+(prefill, timed as TTFT) and NEW greedy tokens, EOS ignored; decode tokens/s is the NEW - 1 steps after
+the first token, at cache positions P .. P + NEW - 2: the prefill is not in it. The load average is
+read before each process. Reported: medians over rounds, and the median of the per-round ratios.
+
+    python benchmarks/bench_long_context.py --fp32 kvforge-demo/smollm2-135m-instruct-ort \\
+        [--int8 EXPORT_WITH_KV_CACHE_INT8] [--positions 2048,8000] [--new-tokens 64] [--repeat 3] [--json OUT]
+
+onnxruntime-genai's fp32 model is built from the fp32 export's source folder (cached, as `kvforge bench
+--compare ort-genai` does). The int8 rows also report whether their greedy tokens equal the fp32
+cache's at each position (how many leading tokens are identical; the prompt is kvforge.bench's
+synthetic id pattern, the same for all).
+
+`--fill` (kvforge only, with --no-peer): decode at position P without the P-token prefill, for caches
+whose prefill is slow (ONNX Runtime's CPU prefill over an int8 cache is several times slower than over
+fp32): the cache is allocated (zeros), a FILL_CHUNK-token prompt is prefilled at past_lens = P -
+FILL_CHUNK (a chunked prefill, legal by the KV contract) and NEW greedy steps follow. A decode step's
+cost does not depend on what the cache holds, so this is the decode speed at P; compare its fp32
+figure with the real-prefill run to check. It also times one PREFILL_LEN-token prefill from an empty
+cache (prefill tokens/s), after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from kvforge.bench import _genai_model
+from kvforge.manifest import load_manifest
+
+FILL_CHUNK = 16
+PREFILL_LEN = 512
+
+
+def fill_worker(path: str, position: int, new: int, threads: int) -> dict:
+    """Decode tokens/s at cache position `position` after a FILL_CHUNK-token chunk (see --fill)."""
+    import time
+
+    import numpy as np
+
+    from kvforge.bench import _peak_rss_mb, prompt_ids
+    from kvforge.runtime import Generator
+
+    gen = Generator(path, threads=threads)
+    backend = gen.backend
+    capacity = next(b for b in backend.limits.capacity_buckets if b >= max(position + new, PREFILL_LEN))
+    slot = backend.allocate(1, capacity)
+    lens = slot.cache.past_lens  # the caller advances past_lens (runtime/ort_backend.py)
+    chunk = np.array([prompt_ids(FILL_CHUNK, 0, gen.vocab_size)], np.int64)
+
+    def decode(start: int, steps: int) -> tuple[float, list[int]]:
+        lens[:] = start
+        token = int(backend.prefill(slot, chunk, np.array([FILL_CHUNK - 1]))[0].argmax())
+        lens[:] += FILL_CHUNK
+        tokens = [token]
+        began = time.perf_counter()
+        for _ in range(steps - 1):
+            token = int(backend.decode(slot, np.array([token]))[0].argmax())
+            lens[:] += 1
+            tokens.append(token)
+        return (steps - 1) / (time.perf_counter() - began), tokens
+
+    def prefill() -> float:
+        lens[:] = 0
+        ids = np.array([prompt_ids(PREFILL_LEN, 0, gen.vocab_size)], np.int64)
+        began = time.perf_counter()
+        backend.prefill(slot, ids, np.array([PREFILL_LEN - 1]))
+        return PREFILL_LEN / (time.perf_counter() - began)
+
+    decode(0, 8)  # warm-up
+    prefill()
+    prefill_tps = prefill()
+    tps, tokens = decode(position - FILL_CHUNK, new)
+    return {"decode_tokens_per_s": tps, "ttft_ms": 1e3 * PREFILL_LEN / prefill_tps, "prefill_tokens_per_s": prefill_tps,
+            "tokens": [tokens], "peak_rss_mb": _peak_rss_mb()}
+
+
+def run_worker(system: str, path: str, position: int, new: int, threads: int, fill: bool = False) -> dict:
+    if fill:
+        command = [sys.executable, __file__, "--worker-fill", path, str(position), str(new), str(threads)]
+    else:
+        command = [sys.executable, "-m", "kvforge.bench", "worker", system, path, str(position), str(new), "1",
+                   str(threads), "1"]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{system} at {position}: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fp32", required=True, help="kvforge export (ort target, fp32 KV cache)")
+    parser.add_argument("--int8", help="the same model exported with --kv-cache int8")
+    parser.add_argument("--positions", default="2048,8000")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-peer", action="store_true", help="kvforge only (fp32 vs int8 cache)")
+    parser.add_argument("--fill", action="store_true", help="kvforge decode at P after a short chunk (see above)")
+    parser.add_argument("--json", type=Path, help="write the raw runs and the summary here")
+    args = parser.parse_args()
+    if args.fill and not args.no_peer:
+        parser.error("--fill measures kvforge only: add --no-peer")
+    positions = [int(p) for p in args.positions.split(",")]
+    source = Path(load_manifest(args.fp32)["model"]["source"])
+    systems = {"kvforge": ("kvforge", args.fp32)}
+    if args.int8:
+        systems["kvforge-int8kv"] = ("kvforge", args.int8)
+    if not args.no_peer:
+        systems["ort-genai"] = ("ort-genai", str(_genai_model(source, "fp32", print)))
+    runs: dict[str, dict[str, list[dict]]] = {str(p): {name: [] for name in systems} for p in positions}
+    names = list(systems)
+    for round_ in range(args.repeat):
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for position in positions:
+            for name in order:
+                worker, path = systems[name]
+                load = os.getloadavg()[0]
+                result = run_worker(worker, path, position, args.new_tokens, args.threads, args.fill)
+                result["load1"] = load
+                runs[str(position)][name].append(result)
+                print(f"round {round_ + 1} P={position} {name}: decode {result['decode_tokens_per_s']:.1f} tok/s, "
+                      f"TTFT {result['ttft_ms'] / 1e3:.1f} s, load {load:.1f}", flush=True)
+    summary: dict[str, dict] = {}
+    for position, by_system in runs.items():
+        rows: dict[str, dict] = {}
+        for name, samples in by_system.items():
+            tps = [s["decode_tokens_per_s"] for s in samples]
+            rows[name] = {"decode_tokens_per_s": statistics.median(tps), "spread": [min(tps), max(tps)],
+                          "ttft_s": statistics.median(s["ttft_ms"] for s in samples) / 1e3,
+                          **({"prefill_tokens_per_s": statistics.median(s["prefill_tokens_per_s"] for s in samples)}
+                             if args.fill else {}),
+                          "peak_rss_mb": statistics.median(s["peak_rss_mb"] for s in samples)}
+        base = by_system["kvforge"]
+        for name, samples in by_system.items():
+            if name == "kvforge":
+                continue
+            ratios = [b["decode_tokens_per_s"] / s["decode_tokens_per_s"] for b, s in zip(base, samples, strict=True)]
+            key = "kvforge_over_peer" if name == "ort-genai" else "over_fp32_cache"
+            rows[name][key] = statistics.median(ratios) if name == "ort-genai" else statistics.median(1 / r for r in ratios)
+            if "tokens" in samples[0]:
+                ours, theirs = samples[0]["tokens"][0], base[0]["tokens"][0]
+                same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
+                rows[name]["same_greedy_tokens_as_fp32_cache"] = f"first {same}/{len(ours)}"
+        rows["load1"] = [min(s["load1"] for v in by_system.values() for s in v),
+                         max(s["load1"] for v in by_system.values() for s in v)]
+        summary[position] = rows
+    for position, rows in summary.items():
+        print(f"P={position}, {args.new_tokens} new tokens, {args.threads} threads, median of {args.repeat} "
+              f"(load average {rows['load1'][0]:.1f}-{rows['load1'][1]:.1f})")
+        for name, row in rows.items():
+            if name == "load1":
+                continue
+            extra = "".join(f", {k} {v:.2f}" if isinstance(v, float) else f", {k} {v}" for k, v in row.items()
+                            if k in ("kvforge_over_peer", "over_fp32_cache", "same_greedy_tokens_as_fp32_cache"))
+            first = (f"prefill {row['prefill_tokens_per_s']:.0f} tok/s ({PREFILL_LEN} tokens)" if args.fill
+                     else f"TTFT {row['ttft_s']:.1f} s")
+            print(f"  {name:<16} decode {row['decode_tokens_per_s']:6.1f} tok/s ({row['spread'][0]:.1f}-"
+                  f"{row['spread'][1]:.1f}), {first}, peak RSS {row['peak_rss_mb']:.0f} MB{extra}")
+    if args.json:
+        for by_system in runs.values():
+            for samples in by_system.values():
+                for s in samples:
+                    s.pop("tokens", None)
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "summary": summary,
+                                         "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker-fill"]:
+        path, position, new, threads = sys.argv[2:6]
+        print(json.dumps(fill_worker(path, int(position), int(new), int(threads))))
+    else:
+        main()
