@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true", help="kvforge only (fp32 vs int8 cache)")
     parser.add_argument("--fill", action="store_true", help="kvforge decode at P after a short chunk (see above)")
+    parser.add_argument("--check-fill", action="store_true",
+                        help="with --fill: also the fp32 export with a real P-token prefill (row kvforge-prefilled)")
     parser.add_argument("--json", type=Path, help="write the raw runs and the summary here")
     args = parser.parse_args()
     if args.fill and not args.no_peer:
@@ -115,6 +117,8 @@ def main() -> None:
     systems = {"kvforge": ("kvforge", args.fp32)}
     if args.int8:
         systems["kvforge-int8kv"] = ("kvforge", args.int8)
+    if args.check_fill:
+        systems["kvforge-prefilled"] = ("kvforge", args.fp32)
     if not args.no_peer:
         systems["ort-genai"] = ("ort-genai", str(_genai_model(source, "fp32", print)))
     runs: dict[str, dict[str, list[dict]]] = {str(p): {name: [] for name in systems} for p in positions}
@@ -125,7 +129,8 @@ def main() -> None:
             for name in order:
                 worker, path = systems[name]
                 load = os.getloadavg()[0]
-                result = run_worker(worker, path, position, args.new_tokens, args.threads, args.fill)
+                result = run_worker(worker, path, position, args.new_tokens, args.threads,
+                                    args.fill and name != "kvforge-prefilled")
                 result["load1"] = load
                 runs[str(position)][name].append(result)
                 print(f"round {round_ + 1} P={position} {name}: decode {result['decode_tokens_per_s']:.1f} tok/s, "
@@ -138,16 +143,16 @@ def main() -> None:
             rows[name] = {"decode_tokens_per_s": statistics.median(tps), "spread": [min(tps), max(tps)],
                           "ttft_s": statistics.median(s["ttft_ms"] for s in samples) / 1e3,
                           **({"prefill_tokens_per_s": statistics.median(s["prefill_tokens_per_s"] for s in samples)}
-                             if args.fill else {}),
+                             if "prefill_tokens_per_s" in samples[0] else {}),
                           "peak_rss_mb": statistics.median(s["peak_rss_mb"] for s in samples)}
         base = by_system["kvforge"]
         for name, samples in by_system.items():
             if name == "kvforge":
                 continue
             ratios = [b["decode_tokens_per_s"] / s["decode_tokens_per_s"] for b, s in zip(base, samples, strict=True)]
-            key = "kvforge_over_peer" if name == "ort-genai" else "over_fp32_cache"
+            key = {"ort-genai": "kvforge_over_peer", "kvforge-prefilled": "over_fill"}.get(name, "over_fp32_cache")
             rows[name][key] = statistics.median(ratios) if name == "ort-genai" else statistics.median(1 / r for r in ratios)
-            if "tokens" in samples[0]:
+            if "tokens" in samples[0] and not args.fill:  # a filled cache holds zeros: its tokens mean nothing
                 ours, theirs = samples[0]["tokens"][0], base[0]["tokens"][0]
                 same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
                 rows[name]["same_greedy_tokens_as_fp32_cache"] = f"first {same}/{len(ours)}"
@@ -161,9 +166,10 @@ def main() -> None:
             if name == "load1":
                 continue
             extra = "".join(f", {k} {v:.2f}" if isinstance(v, float) else f", {k} {v}" for k, v in row.items()
-                            if k in ("kvforge_over_peer", "over_fp32_cache", "same_greedy_tokens_as_fp32_cache"))
-            first = (f"prefill {row['prefill_tokens_per_s']:.0f} tok/s ({PREFILL_LEN} tokens)" if args.fill
-                     else f"TTFT {row['ttft_s']:.1f} s")
+                            if k in ("kvforge_over_peer", "over_fp32_cache", "over_fill",
+                                     "same_greedy_tokens_as_fp32_cache"))
+            first = (f"prefill {row['prefill_tokens_per_s']:.0f} tok/s ({PREFILL_LEN} tokens)"
+                     if "prefill_tokens_per_s" in row else f"TTFT {row['ttft_s']:.1f} s")
             print(f"  {name:<16} decode {row['decode_tokens_per_s']:6.1f} tok/s ({row['spread'][0]:.1f}-"
                   f"{row['spread'][1]:.1f}), {first}, peak RSS {row['peak_rss_mb']:.0f} MB{extra}")
     if args.json:

@@ -1,8 +1,8 @@
 """What an int8 KV cache (`kvforge export --kv-cache int8`) costs in accuracy against the fp32 cache.
 
 Both exports of the same model score kvforge's shipped text (kvforge/data/perplexity.txt, ~3000
-tokens) in windows of each given length (0: the whole text as one window; `--repeat-text N` repeats
-the text N times first, reaching long positions): perplexity of each, and teacher-forced greedy
+tokens; `--max-tokens 1024`: its first 1024, which the export's calibration does not see) in windows
+of each given length (0: all of it as one window; `--repeat-text N` repeats the text N times first): perplexity of each, and teacher-forced greedy
 agreement (the share of positions where both exports' most likely next token is the same), from one
 prefill per window (Generator.prompt_logprobs, top 1). Then free-running greedy decoding of the
 parity prompts: how many leading tokens are identical.
@@ -33,11 +33,13 @@ def main() -> None:
     parser.add_argument("int8")
     parser.add_argument("--windows", default="256,0")
     parser.add_argument("--repeat-text", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="score the first N tokens only (1024: the ones --kv-cache calibration skips)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     gens = {"fp32": Generator(args.fp32, threads=args.threads), "int8": Generator(args.int8, threads=args.threads)}
-    ids = gens["fp32"].tokenizer.encode(PERPLEXITY_TEXT.read_text() * args.repeat_text)
+    ids = gens["fp32"].tokenizer.encode(PERPLEXITY_TEXT.read_text() * args.repeat_text)[: args.max_tokens or None]
     report: dict = {"text_tokens": len(ids), "perplexity": {}, "generation": []}
     for size in (int(w) for w in args.windows.split(",")):
         size = size or len(ids)

@@ -6,8 +6,10 @@ ONNX Runtime's GroupQueryAttention (CPU, 1.32) stores the cache as int8 when it 
 kvforge calibrates one scale per layer, kind, kv head and channel here and stores them as constants
 of both graphs, so the graph IO keeps its names and only the cache dtype changes.
 
-Calibration: the model's own keys and values (after RoPE, what the fused op caches) on the first
-CALIBRATION_TOKENS tokens of kvforge's shipped text, through the export wrapper in eager mode. A
+Calibration: the model's own keys and values (after RoPE, what the fused op caches) on up to
+CALIBRATION_TOKENS tokens of kvforge's shipped text after its first CALIBRATION_SKIP (the tokens
+`kvforge parity` scores perplexity on, so the export's measured perplexity is on text it was not
+calibrated on), through the export wrapper in eager mode. A
 value channel's scale is its largest |x| / 127. A key channel that RoPE rotates with a partner
 (rotate-half pairs (i, i + R/2) of the rotary dims R) gets the largest norm of the pair instead: the
 norm does not change with the rotation angle, so positions far beyond the calibration text (8k)
@@ -27,6 +29,7 @@ from kvforge.errors import InputError
 
 QMAX = {"int8": 127}  # symmetric range used for the scale (ONNX Runtime clamps to [-128, 127])
 CALIBRATION_TOKENS = 2048
+CALIBRATION_SKIP = 1024  # kvforge.parity.DEFAULT_PERPLEXITY_TOKENS (no import: exporter -> kvforge base only)
 CALIBRATION_WINDOW = 512
 
 
@@ -35,16 +38,19 @@ def _calibration_text() -> Path:
     return Path(str(importlib.resources.files("kvforge") / "data" / "perplexity.txt"))
 
 
-def calibration_ids(model_dir: Path, max_positions: int) -> list[list[int]]:
-    """Windows of token ids of the shipped calibration text (the model's own tokenizer)."""
+def calibration_ids(model_dir: Path, max_positions: int) -> tuple[int, list[list[int]]]:
+    """The first token used and windows of token ids of the shipped calibration text (the model's own
+    tokenizer); a tokenizer that makes the text too short for skipping is calibrated from its start."""
     from tokenizers import Tokenizer
 
     file = Path(model_dir) / "tokenizer.json"
     if not file.is_file():
         raise InputError(f"--kv-cache calibrates its scales on text: {model_dir} has no tokenizer.json")
-    ids = Tokenizer.from_file(str(file)).encode(_calibration_text().read_text()).ids[:CALIBRATION_TOKENS]
+    ids = Tokenizer.from_file(str(file)).encode(_calibration_text().read_text()).ids
     window = min(CALIBRATION_WINDOW, max_positions)
-    return [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
+    first = CALIBRATION_SKIP if len(ids) >= CALIBRATION_SKIP + window else 0
+    ids = ids[first : first + CALIBRATION_TOKENS]
+    return first, [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
 
 
 def rotary_dims(config: Any, head_dim: int) -> int:
@@ -76,7 +82,7 @@ def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dty
 
     from kvforge.exporter.wrapper import GraphWrapper
 
-    windows = calibration_ids(model_dir, int(config.max_position_embeddings))
+    first, windows = calibration_ids(model_dir, int(config.max_position_embeddings))
     wrapper = GraphWrapper(model, "prefill").eval()
     rows: list[list[list[np.ndarray]]] = [[[], []] for _ in range(layout.num_layers)]  # layer -> kind -> [S, H, D]
     dtype = next(model.parameters()).dtype
@@ -94,6 +100,7 @@ def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dty
               for key, value in rows]
     record = {"dtype": kv_dtype, "scales": "per_channel", "scale_shape": [1, layout.num_kv_heads, 1, layout.head_dim],
               "symmetric": True, "rotary_pairs_share_scale": rotary,
-              "calibration": {"text": _calibration_text().name, "tokens": sum(map(len, windows)),
+              "calibration": {"text": _calibration_text().name, "first_token": first,
+                              "tokens": sum(map(len, windows)),
                               "window": len(windows[0]) if windows else 0}}
     return scales, record

@@ -57,7 +57,7 @@ TARGETS: dict[str, Target] = {
             lowering="kvforge.exporter.lowering:lower_to_ort",
             dtypes=tuple(DTYPES),
             support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` "
-                    "(measured on Llama and Qwen2)",
+                    "(measured on Llama and Qwen2); an int8 KV cache with `--kv-cache int8` (fp32, measured on CPU)",
             default_backend="ort-cpu",
             ort_fusions=True,
             quantize=True,
