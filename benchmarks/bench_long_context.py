@@ -20,8 +20,12 @@ whose prefill is slow (ONNX Runtime's CPU prefill over an int8 cache is several 
 fp32): the cache is allocated (zeros), a FILL_CHUNK-token prompt is prefilled at past_lens = P -
 FILL_CHUNK (a chunked prefill, legal by the KV contract) and NEW greedy steps follow. A decode step's
 cost does not depend on what the cache holds, so this is the decode speed at P; compare its fp32
-figure with the real-prefill run to check. It also times one PREFILL_LEN-token prefill from an empty
-cache (prefill tokens/s), after a warm-up.
+figure with the real-prefill run to check (`--check-fill` adds that run as row kvforge-prefilled). It
+also times one PREFILL_LEN-token prefill from an empty cache (prefill tokens/s), after a warm-up.
+
+`--interleave` (needs --int8): the fp32 and int8 exports in one process, both filled as above, their
+decode steps alternating one by one, each timed (the steadiest fp32/int8 ratio on a shared machine);
+`--interleave-prefill N`: N-token prefills of the two alternating in one process.
 """
 
 from __future__ import annotations
@@ -84,6 +88,69 @@ def fill_worker(path: str, position: int, new: int, threads: int) -> dict:
             "tokens": [tokens], "peak_rss_mb": _peak_rss_mb()}
 
 
+def interleaved(paths: dict[str, str], position: int, steps: int, threads: int) -> dict:
+    """`--interleave`: both exports in this one process, each filled to `position` like --fill, then
+    their decode steps alternate one by one (A, B, A, B, ...), each timed: the same load for both at
+    the finest grain. Returns each one's median step ms and the ratio."""
+    import time
+
+    import numpy as np
+
+    from kvforge.bench import prompt_ids
+    from kvforge.runtime import Generator
+
+    runs = {}
+    for name, path in paths.items():
+        gen = Generator(path, threads=threads)
+        backend = gen.backend
+        capacity = next(b for b in backend.limits.capacity_buckets if b >= position + steps + FILL_CHUNK)
+        slot = backend.allocate(1, capacity)
+        slot.cache.past_lens[:] = position - FILL_CHUNK
+        chunk = np.array([prompt_ids(FILL_CHUNK, 0, gen.vocab_size)], np.int64)
+        token = int(backend.prefill(slot, chunk, np.array([FILL_CHUNK - 1]))[0].argmax())
+        slot.cache.past_lens[:] += FILL_CHUNK
+        runs[name] = {"backend": backend, "slot": slot, "token": token, "ms": []}
+    for step in range(steps + 4):  # the first 4 rounds warm up
+        for run in runs.values():
+            began = time.perf_counter()
+            run["token"] = int(run["backend"].decode(run["slot"], np.array([run["token"]]))[0].argmax())
+            elapsed = time.perf_counter() - began
+            run["slot"].cache.past_lens[:] += 1
+            if step >= 4:
+                run["ms"].append(1e3 * elapsed)
+    medians = {name: statistics.median(run["ms"]) for name, run in runs.items()}
+    first, second = list(medians)
+    return {"position": position, "steps": steps, "median_step_ms": medians,
+            f"{second}_speed_over_{first}": medians[first] / medians[second], "load1": os.getloadavg()[0]}
+
+
+def prefill_interleaved(paths: dict[str, str], length: int, rounds: int, threads: int) -> dict:
+    """`--interleave-prefill N`: one N-token prefill from an empty cache per export and round, the
+    exports alternating in this one process (after a 64-token warm-up each); median seconds each."""
+    import time
+
+    import numpy as np
+
+    from kvforge.bench import prompt_ids
+    from kvforge.runtime import Generator
+
+    runs = {}
+    for name, path in paths.items():
+        gen = Generator(path, threads=threads)
+        slot = gen.backend.allocate(1, next(b for b in gen.backend.limits.capacity_buckets if b >= length))
+        ids = np.array([prompt_ids(length, 0, gen.vocab_size)], np.int64)
+        gen.backend.prefill(slot, ids[:, :64], np.array([63]))
+        runs[name] = {"backend": gen.backend, "slot": slot, "ids": ids, "s": []}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            run["slot"].cache.past_lens[:] = 0
+            began = time.perf_counter()
+            run["backend"].prefill(run["slot"], run["ids"], np.array([length - 1]))
+            run["s"].append(time.perf_counter() - began)
+            print(f"prefill {length} {name}: {run['s'][-1]:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
+    return {name: statistics.median(run["s"]) for name, run in runs.items()}
+
+
 def run_worker(system: str, path: str, position: int, new: int, threads: int, fill: bool = False) -> dict:
     if fill:
         command = [sys.executable, __file__, "--worker-fill", path, str(position), str(new), str(threads)]
@@ -106,12 +173,36 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-peer", action="store_true", help="kvforge only (fp32 vs int8 cache)")
     parser.add_argument("--fill", action="store_true", help="kvforge decode at P after a short chunk (see above)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="fp32 vs --int8 decode steps alternating one by one in one process (see interleaved())")
+    parser.add_argument("--interleave-prefill", type=int, metavar="N",
+                        help="fp32 vs --int8: N-token prefills alternating in one process, --repeat rounds")
     parser.add_argument("--check-fill", action="store_true",
                         help="with --fill: also the fp32 export with a real P-token prefill (row kvforge-prefilled)")
     parser.add_argument("--json", type=Path, help="write the raw runs and the summary here")
     args = parser.parse_args()
     if args.fill and not args.no_peer:
         parser.error("--fill measures kvforge only: add --no-peer")
+    if args.interleave_prefill:
+        medians = prefill_interleaved({"fp32": args.fp32, "int8": args.int8}, args.interleave_prefill, args.repeat,
+                                      args.threads)
+        print(f"prefill {args.interleave_prefill} tokens, median of {args.repeat}: fp32 {medians['fp32']:.1f} s, "
+              f"int8 {medians['int8']:.1f} s (int8 cache x{medians['fp32'] / medians['int8']:.2f} speed)")
+        return
+    if args.interleave:
+        if not args.int8:
+            parser.error("--interleave compares --fp32 with --int8")
+        results = []
+        for round_ in range(args.repeat):
+            for position in (int(p) for p in args.positions.split(",")):
+                result = interleaved({"fp32": args.fp32, "int8": args.int8}, position, args.new_tokens, args.threads)
+                results.append(result)
+                print(f"round {round_ + 1} P={position}: median step fp32 {result['median_step_ms']['fp32']:.1f} ms, "
+                      f"int8 {result['median_step_ms']['int8']:.1f} ms: int8 cache x{result['int8_speed_over_fp32']:.2f} "
+                      f"(load {result['load1']:.1f})", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+        return
     positions = [int(p) for p in args.positions.split(",")]
     source = Path(load_manifest(args.fp32)["model"]["source"])
     systems = {"kvforge": ("kvforge", args.fp32)}
