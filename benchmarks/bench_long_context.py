@@ -151,6 +151,47 @@ def prefill_interleaved(paths: dict[str, str], length: int, rounds: int, threads
     return {name: statistics.median(run["s"]) for name, run in runs.items()}
 
 
+def peer_interleaved(export: str, genai_dir: str, position: int, steps: int, threads: int) -> dict:
+    """`--interleave-peer`: kvforge (fp32 export) and onnxruntime-genai in this one process, each given
+    the same P-token prompt (a real prefill each), then their decode steps alternate one by one, each
+    timed. Median step ms of each and kvforge's speed over genai's."""
+    import time
+
+    import numpy as np
+    import onnxruntime_genai as og
+
+    from kvforge.bench import prompt_ids
+    from kvforge.runtime import Generator
+
+    gen = Generator(export, threads=threads)
+    backend = gen.backend
+    ids = prompt_ids(position, 0, gen.vocab_size)
+    slot = backend.allocate(1, next(b for b in backend.limits.capacity_buckets if b >= position + steps + 4))
+    token = int(backend.prefill(slot, np.array([ids], np.int64), np.array([position - 1]))[0].argmax())
+    slot.cache.past_lens[:] = position
+    config = og.Config(genai_dir)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=position + steps + 5, min_length=position + steps + 5, do_sample=False)
+    peer = og.Generator(model, params)
+    peer.append_tokens(ids)
+    ms: dict[str, list[float]] = {"kvforge": [], "ort-genai": []}
+    for step in range(steps + 4):  # the first 4 rounds warm up
+        began = time.perf_counter()
+        token = int(backend.decode(slot, np.array([token]))[0].argmax())
+        middle = time.perf_counter()
+        slot.cache.past_lens[:] += 1
+        peer.generate_next_token()
+        end = time.perf_counter()
+        if step >= 4:
+            ms["kvforge"].append(1e3 * (middle - began))
+            ms["ort-genai"].append(1e3 * (end - middle))
+    medians = {name: statistics.median(values) for name, values in ms.items()}
+    return {"position": position, "median_step_ms": medians, "kvforge_over_peer": medians["ort-genai"] / medians["kvforge"],
+            "load1": os.getloadavg()[0]}
+
+
 def run_worker(system: str, path: str, position: int, new: int, threads: int, fill: bool = False) -> dict:
     if fill:
         command = [sys.executable, __file__, "--worker-fill", path, str(position), str(new), str(threads)]
@@ -177,12 +218,23 @@ def main() -> None:
                         help="fp32 vs --int8 decode steps alternating one by one in one process (see interleaved())")
     parser.add_argument("--interleave-prefill", type=int, metavar="N",
                         help="fp32 vs --int8: N-token prefills alternating in one process, --repeat rounds")
+    parser.add_argument("--interleave-peer", action="store_true",
+                        help="kvforge vs onnxruntime-genai decode steps alternating one by one in one process")
     parser.add_argument("--check-fill", action="store_true",
                         help="with --fill: also the fp32 export with a real P-token prefill (row kvforge-prefilled)")
     parser.add_argument("--json", type=Path, help="write the raw runs and the summary here")
     args = parser.parse_args()
     if args.fill and not args.no_peer:
         parser.error("--fill measures kvforge only: add --no-peer")
+    if args.interleave_peer:
+        genai_dir = str(_genai_model(Path(load_manifest(args.fp32)["model"]["source"]), "fp32", print))
+        for round_ in range(args.repeat):
+            for position in (int(p) for p in args.positions.split(",")):
+                result = peer_interleaved(args.fp32, genai_dir, position, args.new_tokens, args.threads)
+                print(f"round {round_ + 1} P={position}: median step kvforge {result['median_step_ms']['kvforge']:.1f} ms, "
+                      f"ort-genai {result['median_step_ms']['ort-genai']:.1f} ms: kvforge x{result['kvforge_over_peer']:.2f} "
+                      f"(load {result['load1']:.1f})", flush=True)
+        return
     if args.interleave_prefill:
         medians = prefill_interleaved({"fp32": args.fp32, "int8": args.int8}, args.interleave_prefill, args.repeat,
                                       args.threads)
