@@ -25,7 +25,9 @@ also times one PREFILL_LEN-token prefill from an empty cache (prefill tokens/s),
 
 `--interleave` (needs --int8): the fp32 and int8 exports in one process, both filled as above, their
 decode steps alternating one by one, each timed (the steadiest fp32/int8 ratio on a shared machine);
-`--interleave-prefill N`: N-token prefills of the two alternating in one process.
+`--interleave-prefill N`: N-token prefills of the two alternating in one process; `--interleave-peer`:
+kvforge (--fp32) and onnxruntime-genai in one process, each after its own real P-token prefill, their
+decode steps alternating one by one.
 """
 
 from __future__ import annotations
