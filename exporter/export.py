@@ -9,6 +9,7 @@ and renamed into place at the end, so a failed export leaves nothing that looks 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge import __version__
-from kvforge.contract import DTYPES, KVLayout, ModelSpec
+from kvforge.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.exporter.load import load_hf_config, load_hf_model, one_line
 from kvforge.exporter.quantize import check_options as check_quantize
@@ -52,6 +53,7 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4
     lm_head_bits: int | None = None  # 8: an 8-bit lm_head with int4
+    kv_cache: str | None = None  # "int8": a quantised KV cache (targets with `kv_cache_dtypes`; exporter/kv_quant.py)
     force: bool = False  # replace an existing export at the output
     hf_dir: str | Path | None = None  # where a GGUF input is converted (default OUT_DIR.hf)
 
@@ -63,6 +65,17 @@ class ExportOptions:
         check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits)
         if self.quantize is not None and not target.quantize:
             raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target.name}")
+        if self.kv_cache is not None:
+            if self.kv_cache not in KV_CACHE_DTYPES:
+                raise InputError(f"--kv-cache takes {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache!r}")
+            if self.kv_cache not in target.kv_cache_dtypes:
+                able = [t.name for t in TARGETS.values() if self.kv_cache in t.kv_cache_dtypes]
+                raise InputError(
+                    f"--kv-cache {self.kv_cache}: the {target.name} target's attention ({target.summary}) has no "
+                    f"quantised cache; use --target {' or '.join(able)}"
+                )
+            if self.dtype != "fp32":
+                raise InputError(f"--kv-cache {self.kv_cache} is measured with fp32 activations only; drop --dtype {self.dtype}")
         return target
 
 
@@ -215,7 +228,8 @@ def export_model(
             mark = now
 
         try:
-            graphs, quantization = _build_graphs(model, config, layout, target, options, torch_dtype, say, lap, lower)
+            graphs, quantization, kv_quant = _build_graphs(model, config, layout, target, options, torch_dtype, say,
+                                                           lap, lower, model_dir)
             fault_point("export:graphs-built")
             say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
             sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
@@ -229,6 +243,9 @@ def export_model(
             extra: dict[str, Any] = {}
             if quantization is not None:
                 extra["quantization"] = {**quantization, "weights_bytes": sizes["weights_bytes"]}
+            if kv_quant is not None:  # the cache the runtime allocates is int8; how its scales were made
+                extra["kv_cache_quantization"] = kv_quant
+                layout = dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[kv_quant["dtype"]])
             clock["total"] = time.perf_counter() - started
             extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
             manifest = _manifest(config, model_dir, target, dtype, layout, graphs, staging, sizes, gguf_record, extra)
@@ -284,8 +301,9 @@ def disk_full(err: BaseException, written: Path) -> bool:
 
 
 def _build_graphs(model, config, layout: KVLayout, target: Target, options: ExportOptions, torch_dtype, say, lap,
-                  lower) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Trace, clean up, fuse, (quantise,) derive decode and lower: the two graphs in memory."""
+                  lower, model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """Trace, clean up, fuse, (quantise,) derive decode and lower: the two graphs in memory, the weight
+    quantisation's record and the quantised KV cache's (None when not asked for)."""
     from kvforge.exporter.fusions import rotary_caches
     from kvforge.exporter.optimize import fuse_graph, optimize_graph
     from kvforge.exporter.quantize import quantize_model
@@ -305,14 +323,21 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
         prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
                                                options.accuracy_level, options.lm_head_bits)
         lap("quantize")
+    kv_scales, kv_quant = None, None
+    if options.kv_cache is not None:
+        from kvforge.exporter.kv_quant import calibrate
+
+        say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
+        kv_scales, kv_quant = calibrate(model, config, layout, model_dir, options.kv_cache)
+        lap("kv_calibrate")
     graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
     rotary = rotary_caches(model, config.max_position_embeddings, layout.dtype) if target.ort_fusions else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target, rotary)
+        lower(graph, target, rotary, kv_scales)
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
-    return graphs, quantization
+    return graphs, quantization, kv_quant
 
 
 def _manifest(config, model_dir, target: Target, dtype: str, layout: KVLayout, graphs, folder: Path, sizes,

@@ -17,7 +17,14 @@ import importlib
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.contract import ATTENTION_OUTPUTS, CANONICAL_OP, INPUT_IDS, PLUGIN, AttentionAttrs
+from kvforge.contract import (
+    ATTENTION_OUTPUTS,
+    CANONICAL_OP,
+    INPUT_IDS,
+    PLUGIN,
+    AttentionAttrs,
+    parse_cache_name,
+)
 from kvforge.errors import ExportError
 from kvforge.targets import Target
 
@@ -90,11 +97,14 @@ def _split_output(value: ir.Value) -> tuple[ir.Node, int] | None:
             return None
 
 
-def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.ndarray, np.ndarray] | None = None,
+                 kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
     """GroupQueryAttention per layer. With `rotary` (cos and sin caches [max_pos, D/2] from the
     model's rotary embedding), RoPE moves into the attention op (do_rotary=1) wherever the graph
     applies it right before attention, and q/k/v that are the three parts of one fused MatMul are
-    passed packed: one node per layer instead of a dozen layout and rotary ops."""
+    passed packed: one node per layer instead of a dozen layout and rotary ops. With `kv_scales`
+    (per layer the key and value scales [1, H_kv, 1, D], exporter/kv_quant.py) the cache is int8:
+    GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8."""
     first = canonical[0]
     q0, past_lens = first.inputs[0], first.inputs[5]
     # The query length from the graph's input_ids, not from layer 0's q: that would keep layer 0's
@@ -132,6 +142,15 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
             if all(parts) and len({id(p[0]) for p in parts}) == 1 and [p[1] for p in parts] == [0, 1, 2] \
                     and len(parts[0][0].outputs) == 3:
                 q, k, v = parts[0][0].inputs[0], None, None  # packed [B, S, (H + 2 Hkv) * D]
+        quant: dict[str, int | str] = {}
+        if kv_scales is not None:
+            cache_name = parse_cache_name(past_key.name or "")
+            if cache_name is None:
+                raise ExportError(f"attention node {node.name} does not read a graph cache input; cannot quantise its cache")
+            scales = [_const(tape, scale, None) for scale in kv_scales[cache_name[2]]]
+            # GQA's optional inputs before k_scale / v_scale: cos, sin, position_ids, attention_bias, head_sink.
+            extra = (extra or [None, None]) + [None, None, None] + scales
+            quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
         out, present_key, present_value = tape.op_multi_out(
             "GroupQueryAttention",
             [q, k, v, past_key, past_value, seqlens_k, total_len, *extra],
@@ -145,11 +164,16 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
                 "local_window_size": attrs["sliding_window"] if attrs["sliding_window"] > 0 else -1,
                 "do_rotary": do_rotary,
                 "rotary_interleaved": 0,
+                **quant,
             },
             domain="com.microsoft",
             num_outputs=3,
         )
         _replace(graph, node, tape, [out, present_key, present_value])
+    if kv_scales is not None:
+        for value in [*graph.inputs, *graph.outputs]:
+            if parse_cache_name(value.name or "") is not None:
+                value.dtype = ir.DataType.INT8
     graph.opset_imports["com.microsoft"] = 1
 
 
@@ -228,17 +252,23 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
     graph.opset_imports[PLUGIN.onnx_domain] = 1
 
 
-def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray] | None = None) -> ir.Model:
+def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray] | None = None,
+          kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> ir.Model:
     """Rewrite every canonical attention node of `model` in place with `target`'s pass (the function
     its registry entry names). `rotary`: the model's cos/sin caches, which targets with ONNX Runtime's
-    fusions fold into their attention op."""
+    fusions fold into their attention op; `kv_scales`: a quantised cache's scales per layer (targets
+    whose `kv_cache_dtypes` name one)."""
     module, name = target.lowering.split(":")
     lowering = getattr(importlib.import_module(module), name)
     graph = model.graph
     canonical = _canonical_nodes(graph)
     if not canonical:
         raise ExportError("the exported graph has no kvforge attention node; attention was not routed through the op")
-    if target.ort_fusions:
+    if kv_scales is not None:
+        if not target.kv_cache_dtypes:
+            raise ExportError(f"the {target.name} target has no quantised KV cache")
+        lowering(graph, canonical, rotary, kv_scales)
+    elif target.ort_fusions:
         lowering(graph, canonical, rotary)
     else:
         lowering(graph, canonical)

@@ -25,7 +25,7 @@ from kvforge.cli_common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     one_line,
     require_export_extra,
 )
-from kvforge.contract import DTYPES, KVLayout, ModelSpec
+from kvforge.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.errors import KvforgeError, ParityError
 from kvforge.targets import TARGETS
 
@@ -158,32 +158,39 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantisation block size (16/32/64/128).")
 @click.option("--lm-head-bits", type=int, default=None,
               help="With --quantize int4: 8 keeps the lm_head at 8 bits (more accurate, more bytes per token).")
+@click.option("--kv-cache", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
+              help="Quantised KV cache (target ort: GroupQueryAttention's int8 cache, per-channel scales calibrated "
+                   "at export).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, hf_dir: Path | None,
-           quantize: str | None, block_size: int, lm_head_bits: int | None, as_json: bool) -> None:
+           quantize: str | None, block_size: int, lm_head_bits: int | None, kv_cache: str | None, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file) to prefill.onnx + decode.onnx."""
     require_export_extra("export")
     from kvforge.exporter.export import ExportOptions, export_model
 
     progress = command_progress(False)
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
-                            block_size=block_size, lm_head_bits=lm_head_bits)
+                            block_size=block_size, lm_head_bits=lm_head_bits, kv_cache=kv_cache)
     manifest = export_model(model_dir, out_dir, options, progress=progress)
-    if quantize is not None:
+    section = "quantization" if quantize is not None else "kv_cache_quantization"
+    if quantize is not None or kv_cache is not None:
         from kvforge.parity import measure_quantized
 
         progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
-        manifest["quantization"]["accuracy"] = measure_quantized(out_dir)
+        manifest[section]["accuracy"] = measure_quantized(out_dir)
     progress.close()
     if as_json:
         emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
         click.echo(f"exported {manifest['model']['architecture']} ({target}, {dtype}) to {out_dir}")
-        quant = manifest.get("quantization")
+        quant = manifest.get(section)
         if quant:
             acc = quant["accuracy"]
-            click.echo(f"{quantize}: {quant['matmuls_quantized']} matrices, weights {quant['weights_bytes'] / 1e6:.0f} MB; "
-                       f"vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
+            what = (f"{quantize}: {quant['matmuls_quantized']} matrices, weights {quant['weights_bytes'] / 1e6:.0f} MB"
+                    if quantize is not None else f"KV cache {kv_cache} (per-channel scales)")
+            if quantize is not None and kv_cache is not None:
+                what += f", KV cache {kv_cache}"
+            click.echo(f"{what}; vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
                        f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
                        f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
         hint = dequantised_hint(manifest)

@@ -22,7 +22,10 @@ from kvforge.errors import ManifestError
 
 # -- dtypes --------------------------------------------------------------------------------------
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # export dtype -> tensor dtype
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per element of the KV cache dtypes
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # bytes per element of the KV cache dtypes
+# `kvforge export --kv-cache`: quantised KV cache dtypes (export dtype -> cache tensor dtype). The
+# scales are constants inside the graphs, so the graph IO keeps its names; only the cache dtype changes.
+KV_CACHE_DTYPES = {"int8": "int8"}
 
 # -- graph IO ------------------------------------------------------------------------------------
 PHASES = ("prefill", "decode")
@@ -66,7 +69,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: str  # a value of DTYPES
+    dtype: str  # a value of DTYPES, or of KV_CACHE_DTYPES for a quantised cache
     max_capacity: int
     layout: str = "BNSH"
 

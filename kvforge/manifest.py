@@ -15,6 +15,7 @@ Layout of the file (format "kvforge/3"; /2 repeated the KV layout under `model`)
       "target": "ort",                  # a name of kvforge/targets.py: "ort" | "onnx" | "trt"
       "dtype": "fp32",                  # weights/activations/KV dtype: "fp32" | "fp16" | "bf16"
       "kv_cache": KVLayout,             # {"num_layers", "num_kv_heads", "head_dim", "dtype", "max_capacity", "layout"}
+      "kv_cache_quantization": {...},   # --kv-cache int8 only: scales' form and calibration (kv_cache.dtype "int8")
       "graphs": {
         "prefill": {"file": "prefill.onnx", "nodes": 123, "attention": {...}, "op_counts": {...},
                     "inputs":  [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]}, ...],

@@ -181,6 +181,15 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def lossy_quantization(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """What makes an export's logits differ from HF's by design: its weight quantisation (manifest
+    `quantization`), else an int8 KV cache (`kv_cache_quantization`, gated as 8 bits), else None."""
+    kv = manifest.get("kv_cache_quantization")
+    if manifest.get("quantization") is not None:
+        return {**manifest["quantization"], **({"kv_cache": kv["dtype"]} if kv else {})}
+    return {"bits": 8, "kv_cache": kv["dtype"]} if kv else None
+
+
 def run_parity(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -212,7 +221,7 @@ def run_parity(
         raise InputError(f"--atol must be > 0, got {atol}")
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
-    quantization = load_manifest(export_dir).get("quantization")
+    quantization = lossy_quantization(load_manifest(export_dir))
     if quantization is not None and perplexity_tokens < 2:
         raise InputError(f"{export_dir} is quantised to int{quantization['bits']}; its parity gate is perplexity, "
                          "so --perplexity-tokens must be at least 2 (default 1024)")
@@ -309,13 +318,15 @@ def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, h
     """A quantised export against the fp32 model it came from (Hugging Face eager, which the fp32
     export matches to ~1e-4): max logit error, greedy agreement over 32 tokens on kvforge's parity
     prompts, and perplexity on 1024 tokens of its fixed text. Recorded in the export's manifest as
-    `quantization.accuracy` (measured on the published export, after the export wrote it)."""
+    `quantization.accuracy`, or `kv_cache_quantization.accuracy` for an int8 KV cache with fp32 weights
+    (measured on the published export, after the export wrote it)."""
     from kvforge.manifest import record_section
 
     folder = Path(folder)
     manifest = load_manifest(folder)
-    if not manifest.get("quantization"):
-        raise InputError(f"{folder} is not a quantised export (it was exported without --quantize)")
+    section = "quantization" if manifest.get("quantization") else "kv_cache_quantization"
+    if not manifest.get(section):
+        raise InputError(f"{folder} is not a quantised export (it was exported without --quantize or --kv-cache)")
     model_dir = Path(model_dir if model_dir is not None else manifest["model"]["source"])
     report = run_parity(model_dir, folder, new_tokens=32, hf_model=hf_model)
     steps = sum(len(p.step_max_abs_err) for p in report.prompts)
@@ -326,5 +337,5 @@ def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, h
                 "reference_perplexity": round(ppl.get("hf", float("nan")), 4),
                 "perplexity_relative_increase": round(ppl.get("export", 0) / ppl.get("hf", 1) - 1, 5),
                 "perplexity_tokens": ppl.get("tokens")}
-    record_section(folder, "quantization", {**manifest["quantization"], "accuracy": accuracy})
+    record_section(folder, section, {**manifest[section], "accuracy": accuracy})
     return accuracy

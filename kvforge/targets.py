@@ -27,6 +27,9 @@ class Target:
     # ONNX Runtime's contrib fusions (normalization, rotary folded into the attention op), done at export.
     ort_fusions: bool = False
     quantize: bool = False  # `--quantize` (MatMulNBits) is an ONNX Runtime contrib op: ort only
+    # `--kv-cache` dtypes its attention op reads and writes (ONNX Runtime's GroupQueryAttention takes an
+    # int8 cache with per-channel scales; standard Attention + TensorScatter and the plugin do not).
+    kv_cache_dtypes: tuple[str, ...] = ()
     # How many rows one prefill call may extend at past_lens > 0 (speculative verification, chunked
     # prefill); None: any. ONNX Runtime's GroupQueryAttention takes several new tokens after a past
     # only at batch 1.
@@ -54,10 +57,11 @@ TARGETS: dict[str, Target] = {
             lowering="kvforge.exporter.lowering:lower_to_ort",
             dtypes=tuple(DTYPES),
             support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` "
-                    "(measured on Llama and Qwen2)",
+                    "(measured on Llama and Qwen2); an int8 KV cache with `--kv-cache int8` (fp32, measured on CPU)",
             default_backend="ort-cpu",
             ort_fusions=True,
             quantize=True,
+            kv_cache_dtypes=("int8",),
             continue_batch=1,
             build_refusal="its attention is ONNX Runtime's GroupQueryAttention, which TensorRT does not import: "
                           "export with --target trt or --target onnx",

@@ -20,7 +20,7 @@ import onnxruntime as ort
 from kvforge.contract import KVLayout, cache_input
 from kvforge.errors import CapacityError, InputError, ManifestError
 
-KV_DTYPES = {"float32": np.float32, "float16": np.float16}
+KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}  # int8: `export --kv-cache int8`
 # numpy has no bfloat16: device caches of that type are made from ONNX's element type number.
 ONNX_BFLOAT16 = 16
 

@@ -49,7 +49,7 @@ LOGITS_DTYPES = {"float32": np.float32, "float16": np.float16}
 # same; benchmarks/README.md "Cold start").
 CPU_DISABLED_OPTIMIZERS = ["ConstantFolding"]
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
-               "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16"}
+               "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16", "tensor(int8)": "int8"}
 
 
 # ONNX Runtime logs a failed run on stderr itself (a raw, coloured line) before raising; the error

@@ -542,7 +542,7 @@ def test_disk_full_while_exporting_names_the_output(failure, free_bytes, says_fu
         raise failure(model)
 
     # The graphs are not built (seconds saved): the failure is in writing them.
-    monkeypatch.setattr(export_module, "_build_graphs", lambda *args, **kwargs: ({}, None))
+    monkeypatch.setattr(export_module, "_build_graphs", lambda *args, **kwargs: ({}, None, None))
     monkeypatch.setattr(export_module, "save_with_shared_weights", write)
     if free_bytes is not None:
         monkeypatch.setattr(shutil, "disk_usage", lambda _path: SimpleNamespace(total=10**13, free=free_bytes))
