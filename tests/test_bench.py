@@ -147,8 +147,15 @@ def test_serving_peer_prompts_are_distinct_pieces_of_the_passage(tmp_path) -> No
     prompts = peer.text_prompts(4, 12, passage)
     assert prompts == ["w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w0 w1", "w2 w3 w4 w5 w6 w7 w8 w9 w0 w1 w2 w3",
                        "w4 w5 w6 w7 w8 w9 w0 w1 w2 w3 w4 w5", "w6 w7 w8 w9 w0 w1 w2 w3 w4 w5 w6 w7"]
-    side = {"tokens_per_s": 50.0, "ttft_p50_ms": 40.2, "ttft_p99_ms": 90.7, "itl_median_ms": 20.04,
+    side = {"tokens_per_s": 50.0, "ttft_p50_ms": 40.2, "ttft_p99_ms": 90.7, "itl_median_ms": 20.04, "itl_p99_ms": 61.2,
             "load_avg_1m": [2.0, 2.5]}
     table = peer.table([{"clients": 4, "kvforge": {**side, "tokens_per_s": 60.0}, "llama.cpp": side}])
-    assert "| 4 | kvforge | 60.0 | 40 / 91 | 20.0 | 2.0-2.5 |" in table
+    assert "| 4 | kvforge | 60.0 | 40 / 91 | 20.0 / 61 | 2.0-2.5 |" in table
     assert "| 4 | kvforge / llama.cpp | x1.20 |" in table
+    base = {"clients": 4, "requests": 8, "tokens": 512, "prompt_tokens": [53] * 8}
+    samples = [{**base, **side, "load_avg_1m": [3.0, 3.5]}, {**base, **side, "tokens_per_s": 70.0, "load_avg_1m": [2.5, 2.7]},
+               {**base, **side, "tokens_per_s": 10.0, "itl_p99_ms": 500.0, "load_avg_1m": [4.0, 4.1]}]
+    combined = peer.combine(samples)
+    assert combined["tokens_per_s"] == 50.0 and combined["itl_p99_ms"] == 61.2 and combined["load_avg_1m"] == [2.5, 4.1]
+    assert combined["all_same_lengths"] and combined["samples"] == samples and combined["prompt_tokens"] == [53] * 24
+    assert not peer.combine([samples[0], {**samples[1], "tokens": 500}])["all_same_lengths"]
