@@ -30,33 +30,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _one(base: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+def _one(base: str, model: str, prompt: list[int] | str, max_tokens: int, extra: dict | None = None) -> dict[str, float]:
+    """One streamed completion; `extra`: more body fields (extensions such as ignore_eos)."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
     start = time.perf_counter()
     stamps = []
-    tokens = 0
+    tokens = prompt_tokens = 0
     for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                           stream=True):
+                                           stream=True, stream_options={"include_usage": True}, extra_body=extra):
         if chunk.choices and chunk.choices[0].finish_reason is None:  # one chunk per generated token
             stamps.append(time.perf_counter())
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+            tokens, prompt_tokens = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
     end = time.perf_counter()
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-    return {"ttft_s": (stamps[0] if stamps else end) - start, "tokens": tokens, "seconds": end - start,
-            "itl_s": statistics.median(gaps) if gaps else 0.0}
+    return {"ttft_s": (stamps[0] if stamps else end) - start, "tokens": tokens, "prompt_tokens": prompt_tokens,
+            "seconds": end - start, "itl_s": statistics.median(gaps) if gaps else 0.0, "gaps_s": gaps}
 
 
-def _mode(base: str, model: str, prompts: list[list[int]], max_tokens: int, clients: int) -> dict[str, float]:
+def _mode(base: str, model: str, prompts: list[list[int]] | list[str], max_tokens: int, clients: int,
+          extra: dict | None = None) -> dict[str, float]:
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        runs = list(pool.map(lambda p: _one(base, model, p, max_tokens), prompts))
+        runs = list(pool.map(lambda p: _one(base, model, p, max_tokens, extra), prompts))
     wall = time.perf_counter() - start
     ttfts = sorted(r["ttft_s"] for r in runs)
-    return {"clients": clients, "requests": len(runs), "tokens": sum(r["tokens"] for r in runs), "wall_s": wall,
+    gaps = sorted(g for r in runs for g in r["gaps_s"]) or [0.0]  # every request's gaps: stalls show in the tail
+    return {"clients": clients, "requests": len(runs), "tokens": sum(r["tokens"] for r in runs),
+            "prompt_tokens": [r["prompt_tokens"] for r in runs], "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in runs) / wall,
             "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2], "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "itl_median_ms": 1e3 * statistics.median(r["itl_s"] for r in runs)}
+            "itl_median_ms": 1e3 * statistics.median(r["itl_s"] for r in runs),
+            "itl_p99_ms": 1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]}
 
 
 def main() -> None:

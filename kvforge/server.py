@@ -222,6 +222,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
             valid_text(s, "'stop'", "stop")
         options = sampling_options(body, kind, generator.default_sampling.greedy)
         options.update(speculate_option(body, options))
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
         grammar = response_format_grammar(body.get("response_format"))
         if grammar is not None:
             try:  # compiled here, off the event loop; the scheduler's rows then copy the cached result
@@ -234,7 +237,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                                     "'required' or a named function): the answer is the call", param="response_format")
             grammar = constraint
         try:
-            checked = generator.request(prompt_ids, max(max_tokens, 1), stop=stop, grammar=grammar, **options)
+            checked = generator.request(prompt_ids, max(max_tokens, 1), stop=stop, grammar=grammar, ignore_eos=ignore_eos,
+                                        **options)
         except InputError as err:
             raise ApiError(400, str(err)) from err
         return checked if max_tokens else None

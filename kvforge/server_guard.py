@@ -30,10 +30,11 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
 
 # OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
-# top_k, min_p and repetition_penalty are extensions (vLLM's names); so is kvforge's `speculate`.
+# top_k, min_p, repetition_penalty and ignore_eos are extensions (vLLM's names; llama-server takes
+# ignore_eos too); so is kvforge's `speculate`.
 COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
                  "user", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                 "repetition_penalty", "response_format", "speculate"}
+                 "repetition_penalty", "response_format", "speculate", "ignore_eos"}
 FIELDS = {"text": COMMON_FIELDS | {"prompt", "echo"},
           "chat": COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}}
 # Parameters it does not implement, accepted only with the value that changes nothing (or null),

@@ -127,3 +127,35 @@ def test_profile_decode_reads_the_last_runs_per_node_median_by_op_and_layer(tmp_
                                    "SkipSimplifiedLayerNormalization": 2}
     assert profile["run_ms"] == pytest.approx(3.106)  # the median run (3.1 ms of nodes, 1 us after each)
     assert profile["run_ms_min"] == pytest.approx(3.106)
+
+
+def test_serving_peer_prompts_are_distinct_pieces_of_the_passage(tmp_path) -> None:
+    """benchmarks/bench_serving_peer.py's prompts: `count` pieces of `words` consecutive words of the
+    passage (wrapping around its end), each from another word, and its table's throughput ratio."""
+    pytest.importorskip("openai")
+    import sys
+
+    sys.path.insert(0, "benchmarks")  # the script imports its neighbour bench_serve
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serving_peer", "benchmarks/bench_serving_peer.py")
+        peer = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(peer)
+    finally:
+        sys.path.remove("benchmarks")
+    passage = tmp_path / "passage.txt"
+    passage.write_text(" ".join(f"w{i}" for i in range(10)))
+    prompts = peer.text_prompts(4, 12, passage)
+    assert prompts == ["w0 w1 w2 w3 w4 w5 w6 w7 w8 w9 w0 w1", "w2 w3 w4 w5 w6 w7 w8 w9 w0 w1 w2 w3",
+                       "w4 w5 w6 w7 w8 w9 w0 w1 w2 w3 w4 w5", "w6 w7 w8 w9 w0 w1 w2 w3 w4 w5 w6 w7"]
+    side = {"tokens_per_s": 50.0, "ttft_p50_ms": 40.2, "ttft_p99_ms": 90.7, "itl_median_ms": 20.04, "itl_p99_ms": 61.2,
+            "load_avg_1m": [2.0, 2.5]}
+    table = peer.table([{"clients": 4, "kvforge": {**side, "tokens_per_s": 60.0}, "llama.cpp": side}])
+    assert "| 4 | kvforge | 60.0 | 40 / 91 | 20.0 / 61 | 2.0-2.5 |" in table
+    assert "| 4 | kvforge / llama.cpp | x1.20 |" in table
+    base = {"clients": 4, "requests": 8, "tokens": 512, "prompt_tokens": [53] * 8}
+    samples = [{**base, **side, "load_avg_1m": [3.0, 3.5]}, {**base, **side, "tokens_per_s": 70.0, "load_avg_1m": [2.5, 2.7]},
+               {**base, **side, "tokens_per_s": 10.0, "itl_p99_ms": 500.0, "load_avg_1m": [4.0, 4.1]}]
+    combined = peer.combine(samples)
+    assert combined["tokens_per_s"] == 50.0 and combined["itl_p99_ms"] == 61.2 and combined["load_avg_1m"] == [2.5, 4.1]
+    assert combined["all_same_lengths"] and combined["samples"] == samples and combined["prompt_tokens"] == [53] * 24
+    assert not peer.combine([samples[0], {**samples[1], "tokens": 500}])["all_same_lengths"]

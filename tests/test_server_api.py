@@ -249,3 +249,20 @@ def test_a_batch_with_n_choices_is_one_log_line_with_its_usage(base, caplog) -> 
         assert (fields["prompt_tokens"], fields["completion_tokens"]) == (usage["prompt_tokens"],
                                                                           usage["completion_tokens"])
     assert usage["completion_tokens"] == 0
+
+
+def test_ignore_eos_extension_runs_to_max_tokens_as_the_python_api(client, reference, base) -> None:
+    # A prompt whose greedy answer ends at the model's end-of-sequence token well before 24 tokens.
+    prompt = next(p for p in ([1, 5 + i, 9 + 3 * i] for i in range(200))
+                  if reference.generate([p], max_new_tokens=24, greedy=True).finish_reason == ["eos"])
+    short = reference.generate([prompt], max_new_tokens=24, greedy=True)
+    full = reference.generate([prompt], max_new_tokens=24, greedy=True, ignore_eos=True)
+    assert len(short.tokens[0]) < 24 == len(full.tokens[0])
+    for ignore, want in ((True, full), (False, short)):
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                        extra_body={"ignore_eos": ignore})
+        assert got.usage.completion_tokens == len(want.tokens[0])
+        assert got.choices[0].finish_reason == ("length" if ignore else "stop")
+        assert got.choices[0].text == reference.tokenizer.decode(want.tokens[0], skip_special_tokens=True)
+    response = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "ignore_eos": "yes"}, timeout=30)
+    assert response.status_code == 400 and "'ignore_eos' must be true or false" in response.json()["error"]["message"]
