@@ -56,6 +56,13 @@ def sampling_keywords(options: dict[str, Any]) -> dict[str, Any]:
     return {"greedy": True if options["greedy"] else None, **{key: options[key] for key in SAMPLING_KEYS}}
 
 
+NO_SPIN_HELP = "ONNX Runtime backends: threads sleep instead of spinning while they wait (a busy shared CPU)."
+
+
+def no_spin_option(command: Command) -> Command:
+    return click.option("--no-spin", is_flag=True, help=NO_SPIN_HELP)(command)
+
+
 def emulation_option(command: Command) -> Command:
     return click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
                         help="emulate backend: the Triton kernel under its interpreter (default) or the numpy "

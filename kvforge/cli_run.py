@@ -15,6 +15,7 @@ from kvforge.cli_common import (
     command_progress,
     emit_json,
     emulation_option,
+    no_spin_option,
     parse_ids,
     require_export_extra,
     sampling_keywords,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
                    "shared (both graphs over one memory-mapped copy), separate (both graphs, two copies).")
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
 @emulation_option
+@no_spin_option
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--ignore-eos", is_flag=True, help="Run to --max-new-tokens even past end-of-sequence tokens.")
@@ -67,7 +69,8 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
     generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
                           **backend_options(threads=options["threads"], sessions=options["sessions"],
-                                            engine_dir=options["engine_dir"], emulation=options["emulation"]))
+                                            engine_dir=options["engine_dir"], emulation=options["emulation"],
+                                            spinning=False if options["no_spin"] else None))
     request = _generation_request(generator, batch, options)
     # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
     streaming = stream and not as_json and (isinstance(request.prompts, RenderedChat) or len(request.prompts) == 1)
@@ -193,8 +196,7 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
 @click.option("--cold-start/--no-cold-start", default=True, show_default=True,
               help="Also time each system's cold start: a whole process from its start to its first token.")
-@click.option("--no-spin", is_flag=True,
-              help="kvforge's ONNX Runtime threads sleep instead of spinning while they wait (a busy shared CPU).")
+@no_spin_option
 @click.option("--json", "as_json", is_flag=True)
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
           plot: Path | None, speculate: str | None, draft_len: int, cold_start: bool, no_spin: bool,
@@ -239,6 +241,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
               help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
                    "bound address and loopback names are answered, against DNS rebinding.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@no_spin_option
 @click.option("--log-format", type=click.Choice(["text", "json", "off"]), default="text", show_default=True,
               help="One line per request on stderr: key=value text, JSON objects, or none.")
 @click.option("--chat-template", default=None, metavar="FILE|chatml-tools",
@@ -249,8 +252,8 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
           max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
-          threads: int | None, log_format: str, chat_template: str | None, use_ray: bool, replicas: int,
-          ray_address: str | None) -> None:
+          threads: int | None, no_spin: bool, log_format: str, chat_template: str | None, use_ray: bool,
+          replicas: int, ray_address: str | None) -> None:
     """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
 
     Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
@@ -260,7 +263,8 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
 
     check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
-                   api_key=api_key, threads=threads, max_body_bytes=max_body_bytes, chat_template=chat_template)
+                   api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
+                   chat_template=chat_template)
     where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only

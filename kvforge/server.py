@@ -69,10 +69,11 @@ def _require():
 
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,
                api_key: str | None = None, model_name: str | None = None, prefill_chunk: int = 128,
-               max_queue: int = 64, threads: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: Iterable[str] | None = None, template_seconds: float | None = None,
-               chat_template: str | Path | None = None):
+               max_queue: int = 64, threads: int | None = None, spinning: bool = True,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
+               template_seconds: float | None = None, chat_template: str | Path | None = None):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps).
+    `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
     `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
     (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used instead of the export's."""
@@ -104,6 +105,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
         raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
     options = {"threads": threads} if threads is not None else {}
+    if not spinning:  # only given when asked: backends other than ONNX Runtime's take no such option
+        options["spinning"] = False
     generator = Generator(export_dir, **options)
     # A template given in place of the export's: one that cannot be read fails the start.
     override = (chat_template_override(chat_template, generator.folder, generator.manifest)

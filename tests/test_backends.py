@@ -59,6 +59,30 @@ def test_spinning_off_sleeps_the_threads_and_changes_no_token(exported) -> None:
         Generator(folder, spinning="no")
 
 
+def test_no_spin_reaches_the_sessions_of_generate_and_serve(exported) -> None:
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    folder = exported("llama-tiny", "ort")
+    args = ["generate", str(folder), "--prompt-ids", "5,9,14,3", "--max-new-tokens", "6", "--ignore-eos", "--greedy",
+            "--json"]
+    plain, sleeping = (CliRunner().invoke(main, args + extra) for extra in ([], ["--no-spin"]))
+    assert plain.exit_code == 0 and sleeping.exit_code == 0, sleeping.output
+    assert json.loads(sleeping.output)["tokens"] == json.loads(plain.output)["tokens"]
+    pytest.importorskip("fastapi")
+    from kvforge.server import create_app
+
+    app = create_app(folder, spinning=False)
+    try:
+        options = app.state.generator.backend.sessions["decode"].get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    finally:
+        app.state.scheduler.close()
+        if app.state.renderer is not None:
+            app.state.renderer.close()
+
+
 def test_a_backend_object_can_be_passed_in(exported) -> None:
     folder = exported("llama-tiny", "ort")
     manifest = json.loads((folder / "kvforge.json").read_text())
