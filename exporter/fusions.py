@@ -153,4 +153,21 @@ def fuse_for_ort(model: ir.Model) -> dict[str, int]:
         "rotary_embedding": fuse_rotary_embedding(model),
         "cos_sin_cache": fuse_cos_sin_cache(model),
     }
+    counts["norm_statistics_dropped"] = drop_unused_norm_statistics(model)
     return counts
+
+
+def drop_unused_norm_statistics(model: ir.Model) -> int:
+    """Make SkipSimplifiedLayerNormalization's unused optional outputs absent (""): mean / inv_std_var
+    (1, 2: training statistics the fusion declares) and the last norm's residual sum (3). ONNX Runtime
+    otherwise allocates and writes them for every norm at every step (SmolLM2-135M: 120 tensors a step; dropping them took decode from 24.5 to
+    23.6 ms per step on fp32 and 6.4 to 6.1 ms on int4, benchmarks/README.md). Returns how many."""
+    dropped = 0
+    for node in model.graph:
+        if node.op_type != "SkipSimplifiedLayerNormalization" or node.domain != "com.microsoft":
+            continue
+        for value in node.outputs[1:]:
+            if value.name and not value.uses() and not value.is_graph_output():
+                value.name = ""  # serialised as an absent optional output
+                dropped += 1
+    return dropped

@@ -34,6 +34,23 @@ def test_one_fused_attention_node_per_layer_and_no_softmax(target: str, exported
             assert ops.count(("", "TensorScatter")) == 2 * layers
 
 
+def test_ort_norms_write_no_training_statistics(exported) -> None:
+    """SkipSimplifiedLayerNormalization's mean / inv_std_var outputs are absent (""), so ONNX Runtime
+    neither allocates nor writes them per step; the residual sum (output 3) stays where it is used
+    (every norm but the last)."""
+    folder = exported("llama-tiny", "ort")
+    for phase in ("prefill", "decode"):
+        graph = onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph
+        norms = [node for node in graph.node if node.op_type == "SkipSimplifiedLayerNormalization"]
+        assert norms, phase
+        consumed = {name for node in graph.node for name in node.input}
+        for node in norms:
+            outputs = [*node.output, "", "", ""][:4]  # trailing absent outputs may be left out
+            assert outputs[1:3] == ["", ""], (phase, outputs)
+            assert outputs[0] in consumed
+            assert outputs[3] in consumed if node is not norms[-1] else outputs[3] == ""
+
+
 def test_both_graphs_share_one_weights_file(exported) -> None:
     folder = exported("llama-tiny", "ort")
     locations = {}
