@@ -130,7 +130,7 @@ def test_targets_without_a_quantised_cache_refuse_it(target, tmp_path) -> None:
         ExportOptions(target=target, kv_cache="int8").resolve()
     result = CliRunner().invoke(main, ["export", str(tmp_path), "-o", str(tmp_path / "out"), "--target", target,
                                        "--kv-cache", "int8"])
-    assert result.exit_code != 0 and "use --target ort" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 2 and "use --target ort" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "out").exists()
 
 
