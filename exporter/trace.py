@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.contract import INPUT_IDS, LOGITS, LOGITS_INDEX, LOGITS_POSITIONS, PAST_LENS, GraphIO, KVLayout
+from kvforge.contract import INPUT_IDS, LOGITS, LOGITS_INDEX, LOGITS_POSITIONS, GraphIO, KVLayout
 
 OPSET = 24
 # Example sizes for tracing; every one of these dimensions is dynamic in the graphs.
@@ -71,29 +71,43 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any) -> Any:
 
 def derive_decode_graph(prefill: Any) -> Any:
     """decode.onnx from the canonical prefill graph, without a second trace: the same graph with
-    input_ids [B, 1], the `logits_index` input replaced by zeros [B, 1] (the one new position) and
-    logits [B, 1, V] squeezed to [B, V]. The clone shares the weight tensors."""
+    input_ids [B, 1], no `logits_index` input (the one new position is the only one: the gather
+    that picks positions is dropped, its [B, 1, H] input is its output) and logits [B, 1, V]
+    squeezed to [B, V]. The clone shares the weight tensors."""
     import onnx_ir as ir
+    import onnx_ir.passes.common as passes
 
     model = prefill.clone()
     graph = model.graph
     by_name = {value.name: value for value in graph.inputs}
-    index, past_lens, ids = by_name[LOGITS_INDEX], by_name[PAST_LENS], by_name[INPUT_IDS]
-    tape = ir.tape.Tape()
-    batch = tape.op("Shape", [past_lens])
-    one = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64), name="kvforge_one_d")})
-    shape = tape.op("Concat", [batch, one], attributes={"axis": 0})
-    zeros = tape.op("ConstantOfShape", [shape], attributes={"value": ir.tensor(np.array([0], np.int64))})
-    graph.insert_before(graph.node(0), tape.nodes)
-    index.replace_all_uses_with(zeros)
+    index, ids = by_name[LOGITS_INDEX], by_name[INPUT_IDS]
+    gather = _positions_gather(index)
+    gather.outputs[0].replace_all_uses_with(gather.inputs[0])
     graph.inputs.remove(index)
+    passes.RemoveUnusedNodesPass()(model)  # the gather and the index's Unsqueeze / Expand
     ids.shape = ir.Shape([ids.shape[0], 1])
     position = next(i for i, value in enumerate(graph.outputs) if value.name == LOGITS)
     per_position = graph.outputs[position]
     per_position.name = LOGITS_POSITIONS
     squeeze = ir.tape.Tape()
+    one = squeeze.op("Constant", [], attributes={"value": ir.tensor(np.array([1], np.int64), name="kvforge_one_d")})
     logits = squeeze.op("Squeeze", [per_position, one], output=ir.Value(name=LOGITS))
     graph.extend(squeeze.nodes)
     logits.dtype, logits.shape = per_position.dtype, ir.Shape([per_position.shape[0], per_position.shape[2]])
     graph.outputs[position] = logits
     return model
+
+
+def _positions_gather(index: Any) -> Any:
+    """The GatherElements (axis 1) that picks the hidden states at `logits_index`, reached from the
+    index through its Unsqueeze / Expand (GraphWrapper's torch.gather)."""
+    frontier, seen = [index], 0
+    while frontier and seen < 8:
+        value = frontier.pop()
+        for node, slot in value.uses():
+            if node.op_type == "GatherElements" and slot == 1:
+                return node
+            if node.op_type in ("Unsqueeze", "Expand", "Cast"):
+                frontier.extend(node.outputs)
+        seen += 1
+    raise RuntimeError("the prefill graph has no GatherElements fed by logits_index: GraphWrapper's gather changed")

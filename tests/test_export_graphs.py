@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -49,6 +50,20 @@ def test_ort_norms_write_no_training_statistics(exported) -> None:
             assert outputs[1:3] == ["", ""], (phase, outputs)
             assert outputs[0] in consumed
             assert outputs[3] in consumed if node is not norms[-1] else outputs[3] == ""
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_decode_graph_has_no_positions_gather(exported, target: str) -> None:
+    """Decode's one position is the only one: the prefill's logits_index gather (and its Unsqueeze /
+    Expand / zero index) is dropped from the decode graph, not fed zeros (four nodes a step)."""
+    folder = exported("llama-tiny", target)
+    ops = {phase: [node.op_type for node in onnx.load(folder / f"{phase}.onnx", load_external_data=False).graph.node]
+           for phase in ("prefill", "decode")}
+    assert ops["prefill"].count("GatherElements") == 1
+    removed = Counter(ops["prefill"]) - Counter(ops["decode"])
+    added = Counter(ops["decode"]) - Counter(ops["prefill"])
+    assert removed == Counter({"GatherElements": 1, "Unsqueeze": 1, "Expand": 1}), removed
+    assert added == Counter({"Squeeze": 1, "Constant": 1}), added  # logits [B, 1, V] -> [B, V]
 
 
 def test_both_graphs_share_one_weights_file(exported) -> None:
