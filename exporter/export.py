@@ -330,6 +330,10 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
         say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
         kv_scales, kv_quant = calibrate(model, config, layout, model_dir, options.kv_cache)
         lap("kv_calibrate")
+    if target.ort_fusions and options.quantize is None:
+        from kvforge.exporter.fusions import pretranspose_tied_lm_head
+
+        pretranspose_tied_lm_head(prefill)
     graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
     rotary = rotary_caches(model, config.max_position_embeddings, layout.dtype) if target.ort_fusions else None
     for phase, graph in graphs.items():

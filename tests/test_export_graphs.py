@@ -66,6 +66,22 @@ def test_decode_graph_has_no_positions_gather(exported, target: str) -> None:
     assert added == Counter({"Squeeze": 1, "Constant": 1}), added  # logits [B, 1, V] -> [B, V]
 
 
+def test_ort_stores_a_tied_lm_head_transposed(exported) -> None:
+    """A tied lm_head on `ort` is a MatMul over a stored [H, V] copy, not Transpose(embedding) (which ONNX
+    Runtime runs as FusedMatMul transB, slower, or folds at every session start); `onnx` keeps one copy."""
+    for target, stored in (("ort", True), ("onnx", False)):
+        graph = onnx.load(exported("qwen2-tiny", target) / "prefill.onnx", load_external_data=False).graph
+        shapes = {init.name: list(init.dims) for init in graph.initializer}
+        transposed = [name for name in shapes if name.endswith(".transposed")]
+        assert bool(transposed) == stored, (target, transposed)
+        if stored:
+            embedding = transposed[0].removesuffix(".transposed")
+            assert shapes[transposed[0]] == shapes[embedding][::-1] == [64, 512]
+            assert not [n for n in graph.node if n.op_type == "Transpose" and embedding in n.input]
+            matmuls = [n for n in graph.node if n.op_type == "MatMul" and transposed[0] in n.input]
+            assert len(matmuls) == 1
+
+
 def test_both_graphs_share_one_weights_file(exported) -> None:
     folder = exported("llama-tiny", "ort")
     locations = {}
