@@ -330,6 +330,7 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
         say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
         kv_scales, kv_quant = calibrate(model, config, layout, model_dir, options.kv_cache)
         lap("kv_calibrate")
+    # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
     if target.ort_fusions and options.quantize is None:
         from kvforge.exporter.fusions import pretranspose_tied_lm_head
 

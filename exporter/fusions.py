@@ -175,8 +175,8 @@ def drop_unused_norm_statistics(model: ir.Model) -> int:
 
 def pretranspose_tied_lm_head(model: ir.Model) -> int:
     """A tied lm_head reads the embedding through Transpose -> MatMul. ONNX Runtime's CPU then runs a
-    FusedMatMul with transB over the embedding, 3% slower a decode step than a MatMul over a [H, V]
-    copy (SmolLM2-135M fp32, one process alternating; benchmarks/README.md), and folding the Transpose
+    FusedMatMul with transB over the embedding, about 4% slower a decode step than a MatMul over a
+    [H, V] copy (SmolLM2-135M fp32, A/Bs in both orders; benchmarks/README.md), and folding the Transpose
     at session creation costs ~0.3 s on every start. So the export stores the copy (onnxruntime-genai's
     builder does the same): the weights file grows by one [H, V] matrix. Returns how many were stored."""
     stored = 0
