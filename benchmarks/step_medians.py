@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from kvforge.bench import prompt_ids
 
@@ -42,7 +43,7 @@ def _steps_genai(path: str, new: int) -> list[float]:
     config = og.Config(path)
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": 2}}}}))
     model = og.Model(config)
-    vocab = json.load(open(f"{path}/genai_config.json"))["model"]["vocab_size"]
+    vocab = json.loads((Path(path) / "genai_config.json").read_text())["model"]["vocab_size"]
 
     def run(tokens: int) -> list[float]:
         params = og.GeneratorParams(model)
