@@ -94,6 +94,9 @@ class _Rows:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.stoppers = [Stopper(request, eos_ids, tokenizer.incremental() if tokenizer else None) for _ in prompts]
         self.running = np.ones(len(prompts), dtype=bool)
+        # The running rows as a list too: the step loop reads it where a numpy call on `running`
+        # would cost tens of microseconds with caches cold from the graph run.
+        self.live = list(range(len(prompts)))
         self.report_text = report_text
 
     def accept(self, step: int, picked: np.ndarray, rows: object = None,
@@ -103,7 +106,7 @@ class _Rows:
         new: list[int | None] = [None] * batch
         deltas = [""] * batch if self.report_text else None
         step_logprobs: list[TokenLogprob | None] | None = [None] * batch if logprobs is not None else None
-        for b in np.flatnonzero(self.running) if rows is None else rows:
+        for b in list(self.live) if rows is None else rows:
             token = int(picked[b])
             self.tokens[b].append(token)
             new[b] = token
@@ -115,6 +118,7 @@ class _Rows:
             delta = self.stoppers[b].add(token)
             if self.stoppers[b].reason is not None:
                 self.running[b] = False
+                self.live.remove(b)
             if deltas is not None:
                 deltas[b] = delta
         return StepEvent(step=step, token_ids=new, text=deltas, finished=[s.reason is not None for s in self.stoppers],
@@ -127,7 +131,7 @@ class _Rows:
         processed = logits
         if self.controls is not None:
             processed = logits.copy()  # the raw logits stay for keep_logits and logprobs
-            for b in np.flatnonzero(self.running):
+            for b in self.live:
                 self.controls[b].apply(processed[b])
         picked = sampler(processed)
         if top is None:
@@ -183,7 +187,9 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
     counts = _Counts()
     draft_len = request.speculation.draft_len if request.speculation is not None else 0
     feed = np.zeros(batch, dtype=np.int64)
-    while rows.running.any():
+    # Greedy on the raw logits: the NaN check looks at the picked logits only (Generator.check_logits).
+    plain_greedy = request.sampling.greedy and controls is None
+    while rows.live:
         t_step = time.perf_counter()
         drafts = draft_tokens(rows, draft_len, request.max_new_tokens) if draft_len else None
         if drafts is not None:
@@ -192,16 +198,25 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
             yield from events
             continue
         # Finished rows get the pad token at a frozen past_lens: written, never read.
-        feed[:] = gen.pad_token_id
-        for b in np.flatnonzero(rows.running):
+        every_row = len(rows.live) == batch
+        if not every_row:
+            feed[:] = gen.pad_token_id
+        for b in rows.live:
             feed[b] = rows.tokens[b][-1]
-        logits = gen.check_logits(backend.decode(slot, feed, rows.running), counts.steps + 1)
-        cache.past_lens[rows.running] += 1
+        logits = backend.decode(slot, feed, None if every_row else rows.running)
+        if not plain_greedy:
+            gen.check_logits(logits, counts.steps + 1)
+        if every_row:
+            cache.past_lens += 1
+        else:
+            cache.past_lens[rows.running] += 1
         counts.steps += 1
-        counts.decoded_tokens += int(rows.running.sum())
+        counts.decoded_tokens += len(rows.live)
         if keep_logits:
             kept_logits.append(logits.copy())
         picked, logprobs = rows.pick(logits, sampler, top)
+        if plain_greedy:
+            gen.check_logits(logits, counts.steps, greedy_picks=picked)
         event = rows.accept(counts.steps, picked, logprobs=logprobs)
         counts.decode_s += time.perf_counter() - t_step
         yield event

@@ -335,14 +335,17 @@ class OrtBackend:
 
     def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
         binding = slot.bindings[phase]
-        binding.synchronize_inputs()
+        on_device = self.device != "cpu"  # CPU inputs and outputs need no stream synchronisation
+        if on_device:
+            binding.synchronize_inputs()
         try:
             self.sessions[phase].run_with_iobinding(binding, _QUIET_RUN)
         except Exception as err:  # ORT's own exception types; say which graph and why, on one line
             raise KvforgeError(
                 f"ONNX Runtime failed running the {phase} graph of {self.folder}: {_one_line(err)}"
             ) from err
-        binding.synchronize_outputs()
+        if on_device:
+            binding.synchronize_outputs()
         with self._runs_lock:
             self.runs[phase] += 1
         # float32 logits are returned as a view of the slot's buffer: valid until its next run.

@@ -316,6 +316,27 @@ def test_finished_rows_are_frozen(toy, expected) -> None:
     assert gen.cache.past_lens[1] == len(PROMPTS[1]) + len(result.tokens[1]) - 1
 
 
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 0.7, "seed": 1}])
+def test_a_nan_logit_in_a_decode_step_is_refused_with_its_step(toy, sampling) -> None:
+    # One NaN in one row's logits at decode step 3, at a token that is not the row's maximum: greedy
+    # checks only the picked logits (argmax picks a row's first NaN), sampling checks them all.
+    from kvforge.errors import NumericalError
+
+    gen = Generator(toy[0])
+    decode = gen.backend.decode
+
+    def poisoned(slot, token_ids, running=None):
+        logits = decode(slot, token_ids, running)
+        if gen.backend.runs["decode"] == 3:
+            logits[1, int(np.argmin(logits[1]))] = np.nan
+        return logits
+
+    gen.backend.decode = poisoned
+    with pytest.raises(NumericalError, match="the model produced NaN logits at step 3") as caught:
+        gen.generate(PROMPTS, max_new_tokens=12, ignore_eos=True, **sampling)
+    assert caught.value.step == 3
+
+
 def test_eos_from_manifest_stops(tmp_path, toy, expected) -> None:
     eos = expected[0][3]
     build_export(tmp_path / "eos", eos=eos)
