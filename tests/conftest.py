@@ -1,44 +1,61 @@
-"""Shared fixtures: built-in recipes materialised and exported once per test session."""
+"""Shared fixtures: built-in recipes materialised and exported once per test run (shared by the xdist workers)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+
+def _shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder every pytest-xdist worker of this run sees (the parent of the workers' own temp
+    folders), so a fixture's product is made by one worker and read by the others."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    root.mkdir(exist_ok=True)
+    return root
+
+
+def _made_once(root: Path, name: str, make: Callable[[Path], object]) -> Path:
+    """root/name, made by `make(root/name)` in the first worker to ask; the others wait for it.
+    Tests treat these folders as read-only (a test that edits one copies it first)."""
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a half-made folder of a worker that failed
+            make(out)
+            done.touch()
+    return out
 
 
 @pytest.fixture(scope="session")
 def hf_folder(tmp_path_factory: pytest.TempPathFactory):
-    """hf_folder(recipe) -> a materialised HF folder for that built-in recipe (cached)."""
+    """hf_folder(recipe) -> a materialised HF folder for that built-in recipe (made once per run)."""
     pytest.importorskip("torch")
     from kvforge.models.recipes import materialize
 
-    root = tmp_path_factory.mktemp("hf")
-    made: dict[str, Path] = {}
+    root = _shared_folder(tmp_path_factory, "hf")
 
     def get(recipe: str) -> Path:
-        if recipe not in made:
-            made[recipe] = materialize(recipe, root / recipe)
-        return made[recipe]
+        return _made_once(root, recipe, lambda out: materialize(recipe, out))
 
     return get
 
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
-    """exported(recipe, target="ort", dtype="fp32") -> an export folder (cached per session)."""
+    """exported(recipe, target="ort", dtype="fp32") -> an export folder (made once per run)."""
     from kvforge.exporter.export import export_model
 
-    root = tmp_path_factory.mktemp("exports")
-    made: dict[tuple[str, str, str], Path] = {}
+    root = _shared_folder(tmp_path_factory, "exports")
 
     def get(recipe: str, target: str = "ort", dtype: str = "fp32") -> Path:
-        key = (recipe, target, dtype)
-        if key not in made:
-            out = root / f"{recipe}-{target}-{dtype}"
-            export_model(hf_folder(recipe), out, target=target, dtype=dtype)
-            made[key] = out
-        return made[key]
+        return _made_once(root, f"{recipe}-{target}-{dtype}",
+                          lambda out: export_model(hf_folder(recipe), out, target=target, dtype=dtype))
 
     return get
 
