@@ -139,9 +139,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     # With pytest-xdist (README's `-n 2 --dist loadgroup`), every test of the real SmolLM2 runs on one
-    # worker, so its session export (minutes) is made once, not once per worker.
+    # worker, so its session export (minutes) is made once, not once per worker. First: xdist's own
+    # hook turns the marks into groups, and without tryfirst it ran before this one (two real exports).
     for item in items:
         if "real" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("real"))
+
+

@@ -2,6 +2,8 @@
 
 Stated tolerance: max abs logit error <= 1e-3 at prefill and every decode step (we see ~1e-5),
 and exact greedy token agreement for 32 new tokens, teacher-forced and via HF's own generate().
+The "shared" session mode (decode steps on decode.onnx, not the default) is checked over 8 new
+tokens: the same graph code at S=1, so fewer steps keep CI's time for the default path.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ ATOL_FP32 = 1e-3
 @pytest.mark.parametrize("target", ["ort", "onnx"])
 @pytest.mark.parametrize("recipe", FAMILY_RECIPES)
 def test_family_matches_hf_eager(recipe: str, target: str, sessions: str, hf_folder, exported) -> None:
-    report = run_parity(hf_folder(recipe), exported(recipe, target), new_tokens=32, atol=ATOL_FP32, sessions=sessions)
+    new_tokens = 32 if sessions == "single" else 8
+    report = run_parity(hf_folder(recipe), exported(recipe, target), new_tokens=new_tokens, atol=ATOL_FP32,
+                        sessions=sessions)
     for prompt in report.prompts:
-        assert len(prompt.export_tokens) == 32
+        assert len(prompt.export_tokens) == new_tokens
         assert prompt.max_abs_err <= ATOL_FP32, (recipe, target, prompt.step_max_abs_err)
         assert prompt.mismatched_steps == [] and prompt.tie_steps == []
         assert prompt.generate_equal  # HF's generate(); it may stop at an EOS the export runs past
