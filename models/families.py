@@ -9,6 +9,8 @@ cannot export.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +104,20 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+@contextlib.contextmanager
+def trial_family(model_type: str, architecture: str) -> Iterator[Family]:
+    """The coverage sweep's way to try a type that is not registered: a plain Family for it while the
+    block runs (a registered type keeps its own)."""
+    if model_type in FAMILIES:
+        yield FAMILIES[model_type]
+        return
+    family = FAMILIES[model_type] = Family(model_type, (architecture,), "coverage sweep trial")
+    try:
+        yield family
+    finally:
+        del FAMILIES[model_type]
+
+
 def supported_architectures() -> list[str]:
     return sorted(arch for family in FAMILIES.values() for arch in family.architectures)
 
@@ -129,7 +145,7 @@ def family_for(config: Any) -> Family:
                 f"supports {supported}"
             )
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}{named}; kvforge supports {supported}"
+            f"unsupported model_type {model_type!r}{named}{_why_not(model_type)}; kvforge supports {supported}"
         )
     if architectures and not set(architectures) & set(family.architectures):
         raise UnsupportedModelError(
@@ -137,6 +153,14 @@ def family_for(config: Any) -> Family:
             f"kvforge supports {supported}"
         )
     return family
+
+
+def _why_not(model_type: Any) -> str:
+    """": the reason" the coverage sweep recorded for a type it does not pass (kvforge/data/coverage.json)."""
+    from kvforge.models.coverage import load_coverage
+
+    row = load_coverage()["types"].get(model_type) if isinstance(model_type, str) else None
+    return f": {row['reason']}" if row and row.get("reason") else ""
 
 
 def support_table() -> str:

@@ -1,0 +1,238 @@
+"""The architecture coverage sweep: every causal-LM model type of the installed transformers, built
+tiny from its own default config (seeded random weights, the family's options kept), exported on
+every target and checked against Hugging Face eager.
+
+`python -m kvforge.models.coverage --write` runs it and writes kvforge/data/coverage.json; README's
+coverage table is rendered from that file (`coverage_table()`), and `kvforge export` refuses a model
+type outside the passing set with the reason recorded there. Out of scope, with their reason, are
+the types that are not attention decoders (OUT_OF_SCOPE).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+COVERAGE_FILE = Path(__file__).resolve().parents[1] / "kvforge" / "data" / "coverage.json"
+SWEEP_TARGETS = ("ort", "onnx", "trt")
+ATOL = 1e-3  # fp32, parity's own default
+NEW_TOKENS = 32
+# Prompts of different lengths, as a batch and each alone: the batch must give each prompt's tokens.
+PROMPTS = ("Once upon a time", "The quick brown fox jumps over the lazy dog. Attention lets every token look back",
+           "def main(): return 42")
+
+ENCODER_ONLY = "encoder-only (bidirectional) model with a decoder head; kvforge exports causal decoders"
+ENCODER_DECODER = "decoder of an encoder-decoder model (cross-attention); kvforge exports decoder-only models"
+RECURRENT = "recurrent / state-space layers (no attention KV cache to export)"
+HYBRID = "hybrid of attention and recurrent / linear-attention layers (a state cache besides the KV cache)"
+NON_TEXT = "needs non-text inputs (images, audio) next to the tokens"
+
+# Types that are not attention decoders, by why. Everything else is in scope: it passes, or it is
+# refused with the missing feature (MISSING_FEATURES).
+OUT_OF_SCOPE: dict[str, str] = {
+    **dict.fromkeys((
+        "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+        "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
+        "xmod", "xlm", "modernbert-decoder",
+    ), ENCODER_ONLY),
+    **dict.fromkeys((
+        "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
+        "prophetnet", "trocr", "whisper", "moshi", "speech_to_text_2",
+    ), ENCODER_DECODER),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"), RECURRENT),
+    **dict.fromkeys((
+        "jamba", "bamba", "falcon_h1", "lfm2", "lfm2_moe", "qwen3_next", "zamba", "zamba2", "granitemoehybrid",
+        "nemotron_h", "recurrent_gemma", "minimax", "kimi_linear", "olmo3_2_hybrid",
+    ), HYBRID),
+    **dict.fromkeys(("fuyu", "got_ocr2"), NON_TEXT),
+}
+
+# In-scope types that fail, by the feature kvforge lacks for them (the sweep's raw error is kept
+# next to it in coverage.json).
+MISSING_FEATURES: dict[str, str] = {}
+
+# Config fields the sweep shrinks, when the type's config has them. The family's other options stay.
+_SMALL = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+    "initializer_range": 0.2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "n_routed_experts": 8,
+    "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "sliding_window": 16,
+}
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type transformers maps to a causal-LM class, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str) -> Any:
+    """The type's default config at test sizes: only the fields in _SMALL that it has are changed; a
+    per-layer `layer_types` keeps the first layer of each kind."""
+    from transformers import AutoConfig
+
+    from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+    default = AutoConfig.for_model(model_type)
+    fields = set(default.to_dict()) | set(getattr(default, "attribute_map", {}))
+    overrides = {key: value for key, value in _SMALL.items() if key in fields}
+    if getattr(default, "sliding_window", None) is None:
+        overrides.pop("sliding_window", None)  # a window only where the family has one
+    layer_types = getattr(default, "layer_types", None)
+    if isinstance(layer_types, list) and layer_types:
+        kinds = list(dict.fromkeys(layer_types))
+        overrides["layer_types"] = kinds if len(kinds) > 1 else kinds * 2
+        overrides["num_hidden_layers"] = len(overrides["layer_types"])
+    overrides.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False)
+    return AutoConfig.for_model(model_type, **overrides)
+
+
+def build_tiny(model_type: str, folder: Path, seed: int = 0) -> Any:
+    """Write the tiny seeded model as a Hugging Face folder (with kvforge's built-in tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+
+    from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+    config = tiny_config(model_type)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # make every layer matter for the logits (see recipes.Recipe.residual_scale)
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight", "dense_4h_to_h.weight")):
+                param.mul_(2.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(512), bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token=None).save_pretrained(folder)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                     do_sample=False).save_pretrained(folder)
+    return model
+
+
+def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model: Any) -> dict[str, Any]:
+    """Export on `target` and check it: parity against HF eager (fp32, greedy, atol 1e-3) and the
+    prompts as one batch against each alone."""
+    from kvforge.exporter.export import export_model
+    from kvforge.parity import run_parity
+    from kvforge.runtime import Generator
+
+    started = time.perf_counter()
+    export_model(hf_dir, out, target=target, force=True)
+    options = {"emulation": "reference"} if target == "trt" else {}  # the numpy kernel: the Triton one is slow here
+    report = run_parity(hf_dir, out, list(PROMPTS), NEW_TOKENS, ATOL, backend_options=options,
+                        perplexity_tokens=0, hf_model=hf_model)
+    generator = Generator(out, **options)
+    ids = [generator.tokenizer.encode(text) for text in PROMPTS]
+    batch = generator.generate(ids, max_new_tokens=16, greedy=True, ignore_eos=True)
+    alone = [generator.generate([row], max_new_tokens=16, greedy=True, ignore_eos=True).tokens[0] for row in ids]
+    result = {"status": "pass" if report.passed and batch.tokens == alone else "fail",
+              "max_abs_err": float(report.max_abs_err), "seconds": round(time.perf_counter() - started, 1)}
+    if not report.passed:
+        result["error"] = report.failure_reason()
+    elif batch.tokens != alone:
+        result["error"] = "a batch of prompts of different lengths gives other tokens than each prompt alone"
+    return result
+
+
+def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict[str, Any]:
+    """One model type's row of the coverage table."""
+    from kvforge.models.families import FAMILIES, trial_family
+
+    if model_type in OUT_OF_SCOPE:
+        return {"status": "out of scope", "reason": OUT_OF_SCOPE[model_type]}
+    row: dict[str, Any] = {"registered": model_type in FAMILIES, "targets": {}}
+    with tempfile.TemporaryDirectory(prefix=f"kvforge-coverage-{model_type}-") as tmp:
+        hf_dir = Path(tmp) / "hf"
+        try:
+            model = build_tiny(model_type, hf_dir)
+        except Exception as err:  # transformers' own failure to build the type at these sizes
+            return {**row, "status": "refused", "reason": MISSING_FEATURES.get(model_type, "not built"),
+                    "error": f"building: {_one_line(err)}"}
+        with trial_family(model_type, type(model).__name__):
+            for target in targets:
+                try:
+                    row["targets"][target] = check_target(model_type, hf_dir, Path(tmp) / target, target, model)
+                except Exception as err:  # any failure of export or parity is this type's result
+                    row["targets"][target] = {"status": "fail", "error": _one_line(err),
+                                              "where": _where(err)}
+                shutil.rmtree(Path(tmp) / target, ignore_errors=True)
+    passed = all(result["status"] == "pass" for result in row["targets"].values())
+    row["status"] = "pass" if passed else "refused"
+    if not passed:
+        row["reason"] = MISSING_FEATURES.get(model_type, "not yet diagnosed")
+    return row
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:400]
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+
+def load_coverage() -> dict[str, Any]:
+    return json.loads(COVERAGE_FILE.read_text()) if COVERAGE_FILE.is_file() else {"types": {}}
+
+
+def coverage_table(coverage: dict[str, Any] | None = None) -> str:
+    """README's coverage table, from coverage.json."""
+    coverage = coverage or load_coverage()
+    rows = coverage["types"]
+    passing = sorted(t for t, r in rows.items() if r["status"] == "pass")
+    refused = sorted(t for t, r in rows.items() if r["status"] == "refused")
+    scope = sorted(t for t, r in rows.items() if r["status"] == "out of scope")
+    lines = [f"{len(passing)} model types pass, {len(refused)} are refused, {len(scope)} are out of scope "
+             f"(transformers {coverage.get('transformers', '?')}, {len(rows)} causal-LM types).", "",
+             "| model_type | " + " | ".join(f"`{t}`" for t in SWEEP_TARGETS) + " | max logit error |",
+             "|---|" + "---|" * len(SWEEP_TARGETS) + "---|"]
+    for name in passing:
+        targets = rows[name]["targets"]
+        error = max(targets[t]["max_abs_err"] for t in targets)
+        lines.append(f"| `{name}` | " + " | ".join("✓" if t in targets else "–" for t in SWEEP_TARGETS)
+                     + f" | {error:.1e} |")
+    lines += ["", "| Refused model_type | Why |", "|---|---|"]
+    lines += [f"| `{name}` | {rows[name]['reason']} |" for name in refused]
+    lines += ["", "| Out of scope | Why |", "|---|---|"]
+    by_reason: dict[str, list[str]] = {}
+    for name in scope:
+        by_reason.setdefault(rows[name]["reason"], []).append(f"`{name}`")
+    lines += [f"| {', '.join(names)} | {reason} |" for reason, names in by_reason.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
+    parser.add_argument("--targets", default=",".join(SWEEP_TARGETS))
+    parser.add_argument("--write", action="store_true", help=f"merge the rows into {COVERAGE_FILE.name}")
+    args = parser.parse_args(argv)
+    coverage = load_coverage()
+    coverage["transformers"] = transformers.__version__
+    for model_type in args.types or causal_lm_types():
+        started = time.perf_counter()
+        row = sweep_one(model_type, tuple(args.targets.split(",")))
+        print(f"{model_type:28s} {row['status']:12s} {time.perf_counter() - started:6.1f}s "
+              + json.dumps({t: (r["status"], r.get("max_abs_err"), r.get("error", "")[:160])
+                            for t, r in row.get("targets", {}).items()} or row.get("reason")), flush=True)
+        coverage["types"][model_type] = row
+        if args.write:
+            COVERAGE_FILE.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
