@@ -27,6 +27,7 @@ from kvforge import __version__
 from kvforge.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.exporter.load import load_hf_config, load_hf_model, one_line
+from kvforge.exporter.probe import uniform_shape
 from kvforge.exporter.quantize import check_options as check_quantize
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.manifest import MANIFEST_NAME, compose, file_record, io_spec, write_manifest
@@ -79,13 +80,14 @@ class ExportOptions:
         return target
 
 
-def _check_kernel_shapes(config, head_dim: int, target: Target, dtype: str) -> None:
+def _check_kernel_shapes(config, head_dim: int, target: Target, dtype: str, kv_heads: int | None = None) -> None:
     """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
     from kvforge.plugins import attention_launch
 
     others = " or ".join(f"--target {name}" for name, t in TARGETS.items() if not t.kernel_shapes)
+    kv_heads = kv_heads or family_for(config).kv_heads(config)
     try:
-        attention_launch.check_shapes(config.num_attention_heads, family_for(config).kv_heads(config), head_dim)
+        attention_launch.check_shapes(config.num_attention_heads, kv_heads, head_dim)
     except ValueError as err:
         raise UnsupportedModelError(
             f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
@@ -216,6 +218,13 @@ def export_model(
         assert staging is not None
         say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
         model = load_hf_model(model_dir, dtype)
+        # The head counts HF's attention really receives (a config's own convention can differ:
+        # multi_query, num_kv_heads, ...): the KV cache follows them.
+        shape = uniform_shape(model, layout.num_layers)
+        if (shape.kv_heads, shape.head_dim) != (layout.num_kv_heads, layout.head_dim):
+            layout = dataclasses.replace(layout, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
+            if target.kernel_shapes:
+                _check_kernel_shapes(config, shape.head_dim, target, dtype, kv_heads=shape.kv_heads)
         fault_point("export:model-loaded")
         # Where the export's time goes (manifest "export_seconds"): the profile `kvforge bench` reports.
         clock = {"load": time.perf_counter() - started}

@@ -107,6 +107,6 @@ class GraphWrapper(torch.nn.Module):
         else:
             gather = logits_index[:, :, None].expand(-1, -1, hidden.shape[-1])
             selected = torch.gather(hidden, 1, gather)  # [B, K, H]
-        logits = self.family.finish_logits(config, self.model.lm_head(selected)).float()
+        logits = self.family.finish_logits(config, self.model.get_output_embeddings()(selected)).float()
         present = [tensor for pair in state.present for tensor in pair]
         return (logits, *present)

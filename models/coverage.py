@@ -11,6 +11,7 @@ the types that are not attention decoders (OUT_OF_SCOPE).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -63,7 +64,7 @@ _SMALL = {
     "initializer_range": 0.2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "n_routed_experts": 8,
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
-    "sliding_window": 16,
+    "sliding_window": 16, "rotary_dim": 8,
 }
 
 
@@ -86,6 +87,14 @@ def tiny_config(model_type: str) -> Any:
     overrides = {key: value for key, value in _SMALL.items() if key in fields}
     if getattr(default, "sliding_window", None) is None:
         overrides.pop("sliding_window", None)  # a window only where the family has one
+    # Keep the family's kind of attention: multi-head stays multi-head, multi-query multi-query.
+    heads, kv_heads = getattr(default, "num_attention_heads", None), getattr(default, "num_key_value_heads", None)
+    if "num_key_value_heads" in overrides and kv_heads in (None, heads):
+        overrides["num_key_value_heads"] = overrides.get("num_attention_heads", 4)
+    elif "num_key_value_heads" in overrides and kv_heads == 1:
+        overrides["num_key_value_heads"] = 1
+    if model_type == "gpt_neo":  # its per-layer pattern is a run-length list that must cover the layers
+        overrides["attention_types"] = [[["global", "local"], 1]]
     layer_types = getattr(default, "layer_types", None)
     if isinstance(layer_types, list) and layer_types:
         kinds = list(dict.fromkeys(layer_types))
@@ -144,6 +153,7 @@ def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model
 
 def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict[str, Any]:
     """One model type's row of the coverage table."""
+    from kvforge.errors import UnsupportedModelError
     from kvforge.models.families import FAMILIES, trial_family
 
     if model_type in OUT_OF_SCOPE:
@@ -156,27 +166,42 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict
         except Exception as err:  # transformers' own failure to build the type at these sizes
             return {**row, "status": "refused", "reason": MISSING_FEATURES.get(model_type, "not built"),
                     "error": f"building: {_one_line(err)}"}
-        with trial_family(model_type, type(model).__name__):
+        with trial_family(model_type, type(model).__name__, model.config):
             for target in targets:
                 try:
                     row["targets"][target] = check_target(model_type, hf_dir, Path(tmp) / target, target, model)
                 except Exception as err:  # any failure of export or parity is this type's result
                     row["targets"][target] = {"status": "fail", "error": _one_line(err),
                                               "where": _where(err)}
+                    if isinstance(_root(err), UnsupportedModelError):  # kvforge named what is missing
+                        row.setdefault("refusal", str(_root(err)).removeprefix(f"{model_type}: "))
                 shutil.rmtree(Path(tmp) / target, ignore_errors=True)
     passed = all(result["status"] == "pass" for result in row["targets"].values())
     row["status"] = "pass" if passed else "refused"
     if not passed:
-        row["reason"] = MISSING_FEATURES.get(model_type, "not yet diagnosed")
+        row["reason"] = MISSING_FEATURES.get(model_type) or row.pop("refusal", None) or "not yet diagnosed"
     return row
 
 
+def _root(err: BaseException) -> BaseException:
+    """kvforge's own refusal where there is one (it names the missing feature), else the innermost
+    cause: torch.onnx wraps the real error in pages of advice."""
+    from kvforge.errors import UnsupportedModelError
+
+    while not isinstance(err, UnsupportedModelError) and err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
 def _one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"[:400]
+    root = _root(err)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", " ".join(str(root).split()))
+    outer = f"{type(err).__name__} <- " if root is not err else ""
+    return f"{outer}{type(root).__name__}: {text}"[:400]
 
 
 def _where(err: BaseException) -> str:
-    frames = traceback.extract_tb(err.__traceback__)
+    frames = traceback.extract_tb(_root(err).__traceback__)
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
 
 
@@ -210,6 +235,36 @@ def coverage_table(coverage: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
+# One type's sweep runs in its own process: a type that hangs in tracing or asks for more memory than
+# the machine has must cost its own row, not the whole sweep.
+TYPE_SECONDS = 900
+TYPE_MEMORY_BYTES = 12 * 2**30
+
+
+def sweep_isolated(model_type: str, targets: tuple[str, ...]) -> dict[str, Any]:
+    """sweep_one() in a child process with a time and address-space limit."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (TYPE_MEMORY_BYTES, TYPE_MEMORY_BYTES))
+
+    command = [sys.executable, "-m", "kvforge.models.coverage", model_type, "--targets", ",".join(targets), "--row"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=TYPE_SECONDS, preexec_fn=limit)
+    except subprocess.TimeoutExpired:
+        return {"status": "refused", "reason": MISSING_FEATURES.get(model_type, "not yet diagnosed"),
+                "error": f"the sweep gave up after {TYPE_SECONDS} s (export or parity hangs)", "targets": {}}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    tail = " ".join(done.stderr.split()[-40:])
+    why = "killed (out of memory?)" if done.returncode < 0 else f"exit {done.returncode}"
+    return {"status": "refused", "reason": MISSING_FEATURES.get(model_type, "not yet diagnosed"),
+            "error": f"the sweep's process died: {why}: {tail}"[:400], "targets": {}}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -219,15 +274,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     parser.add_argument("--targets", default=",".join(SWEEP_TARGETS))
     parser.add_argument("--write", action="store_true", help=f"merge the rows into {COVERAGE_FILE.name}")
+    parser.add_argument("--row", action="store_true", help="run one type here and print its row as JSON (internal)")
     args = parser.parse_args(argv)
+    targets = tuple(args.targets.split(","))
+    if args.row:
+        print(json.dumps(sweep_one(args.types[0], targets)))
+        return 0
     coverage = load_coverage()
     coverage["transformers"] = transformers.__version__
     for model_type in args.types or causal_lm_types():
         started = time.perf_counter()
-        row = sweep_one(model_type, tuple(args.targets.split(",")))
+        row = sweep_isolated(model_type, targets) if model_type not in OUT_OF_SCOPE else sweep_one(model_type)
         print(f"{model_type:28s} {row['status']:12s} {time.perf_counter() - started:6.1f}s "
               + json.dumps({t: (r["status"], r.get("max_abs_err"), r.get("error", "")[:160])
-                            for t, r in row.get("targets", {}).items()} or row.get("reason")), flush=True)
+                            for t, r in row.get("targets", {}).items()} or row.get("error") or row.get("reason")),
+              flush=True)
         coverage["types"][model_type] = row
         if args.write:
             COVERAGE_FILE.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")

@@ -31,6 +31,7 @@ class Family:
     # final logits, Granite divides them by `logits_scaling`.
     final_softcap_key: str | None = None
     logits_divisor_key: str | None = None
+    logits_multiplier_key: str | None = None  # Cohere: logits * logit_scale
 
     def head_dim(self, config: Any) -> int:
         return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -44,8 +45,14 @@ class Family:
     def logits_divisor(self, config: Any) -> float:
         return float(getattr(config, self.logits_divisor_key, None) or 1.0) if self.logits_divisor_key else 1.0
 
+    def logits_multiplier(self, config: Any) -> float:
+        return float(getattr(config, self.logits_multiplier_key, None) or 1.0) if self.logits_multiplier_key else 1.0
+
     def finish_logits(self, config: Any, logits: Any) -> Any:
         """What the family's *ForCausalLM.forward does to lm_head's output (torch, in the graph)."""
+        multiplier = self.logits_multiplier(config)
+        if multiplier != 1.0:
+            logits = logits * multiplier
         divisor = self.logits_divisor(config)
         if divisor != 1.0:
             logits = logits / divisor
@@ -105,17 +112,27 @@ FAMILIES: dict[str, Family] = {
 
 
 @contextlib.contextmanager
-def trial_family(model_type: str, architecture: str) -> Iterator[Family]:
+def trial_family(model_type: str, architecture: str, config: Any = None) -> Iterator[Family]:
     """The coverage sweep's way to try a type that is not registered: a plain Family for it while the
     block runs (a registered type keeps its own)."""
     if model_type in FAMILIES:
         yield FAMILIES[model_type]
         return
-    family = FAMILIES[model_type] = Family(model_type, (architecture,), "coverage sweep trial")
+    family = FAMILIES[model_type] = Family(model_type, (architecture,), "coverage sweep trial", **logit_keys(config))
     try:
         yield family
     finally:
         del FAMILIES[model_type]
+
+
+# The config fields *ForCausalLM.forward reads to transform lm_head's output, by Family key.
+LOGIT_KEYS = {"final_softcap_key": "final_logit_softcapping", "logits_divisor_key": "logits_scaling",
+              "logits_multiplier_key": "logit_scale"}
+
+
+def logit_keys(config: Any) -> dict[str, str]:
+    """The Family logit keys a config has fields for."""
+    return {key: field for key, field in LOGIT_KEYS.items() if config is not None and hasattr(config, field)}
 
 
 def supported_architectures() -> list[str]:

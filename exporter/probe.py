@@ -1,0 +1,81 @@
+"""What HF's attention actually receives, per layer: one tiny eager forward with a recording attention
+function. The config's head counts are a family's convention (num_key_value_heads, num_kv_heads,
+multi_query, ...); the shapes HF hands to attention are the truth the KV cache must follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.errors import UnsupportedModelError
+
+PROBE_IMPLEMENTATION = "kvforge_probe"
+OWN_ATTENTION = ("its attention is written into its own modeling code, not called through transformers' attention "
+                 "interface, which is how kvforge puts its fused attention op in the graph")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+
+
+def probe_attention(model: Any) -> dict[int, LayerShape]:
+    """layer index -> the query/key/value shapes its attention call receives (a 2-token forward)."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    seen: dict[int, LayerShape] = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        layer = getattr(module, "layer_idx", None)
+        if layer is not None:
+            seen[int(layer)] = LayerShape(query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(PROBE_IMPLEMENTATION, record)
+    config = model.config
+    saved, config._attn_implementation = config._attn_implementation, PROBE_IMPLEMENTATION
+    try:
+        with torch.no_grad():
+            model.base_model(input_ids=torch.tensor([[1, 2]]), use_cache=False)
+    except Exception as err:  # a model that does its own attention may fail on an implementation it does not know
+        if seen:
+            raise
+        raise UnsupportedModelError(f"{config.model_type}: {OWN_ATTENTION} (with an unknown attention implementation "
+                                    f"its forward fails: {type(err).__name__}: {err})") from err
+    finally:
+        config._attn_implementation = saved
+    return seen
+
+
+def uniform_shape(model: Any, num_layers: int) -> LayerShape:
+    """The one attention shape every layer has, or UnsupportedModelError naming what differs."""
+    seen = probe_attention(model)
+    model_type = model.config.model_type
+    if not seen:
+        raise UnsupportedModelError(f"{model_type}: {OWN_ATTENTION}")
+    if len(seen) < num_layers:
+        missing = sorted(set(range(num_layers)) - set(seen))
+        raise UnsupportedModelError(
+            f"{model_type}: layers {missing[:8]} call no attention (recurrent, state-space or linear-attention "
+            "layers); kvforge exports models whose every layer attends through a KV cache")
+    shapes = set(seen.values())
+    if len(shapes) > 1:
+        raise UnsupportedModelError(
+            f"{model_type}: the layers' attention shapes differ ({', '.join(sorted(map(_describe, shapes)))}); "
+            "kvforge's KV cache has one head count and head size for every layer")
+    shape = shapes.pop()
+    if shape.value_dim != shape.head_dim:
+        raise UnsupportedModelError(
+            f"{model_type}: keys have {shape.head_dim} dims per head but values {shape.value_dim} (as in multi-head "
+            "latent attention); kvforge's KV cache holds keys and values of one head size")
+    return shape
+
+
+def _describe(shape: LayerShape) -> str:
+    return f"{shape.num_heads} heads / {shape.kv_heads} KV heads of {shape.head_dim}"
