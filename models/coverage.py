@@ -274,15 +274,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type)")
     parser.add_argument("--targets", default=",".join(SWEEP_TARGETS))
     parser.add_argument("--write", action="store_true", help=f"merge the rows into {COVERAGE_FILE.name}")
+    parser.add_argument("--out", type=Path, default=COVERAGE_FILE, help="the file --write merges into")
+    parser.add_argument("--part", default="1/1", help="K/N: sweep the K-th of N interleaved slices (parallel runs)")
     parser.add_argument("--row", action="store_true", help="run one type here and print its row as JSON (internal)")
     args = parser.parse_args(argv)
     targets = tuple(args.targets.split(","))
     if args.row:
         print(json.dumps(sweep_one(args.types[0], targets)))
         return 0
-    coverage = load_coverage()
+    coverage = json.loads(args.out.read_text()) if args.out.is_file() else {"types": {}}
     coverage["transformers"] = transformers.__version__
-    for model_type in args.types or causal_lm_types():
+    part, parts = (int(x) for x in args.part.split("/"))
+    for model_type in (args.types or causal_lm_types())[part - 1::parts]:
         started = time.perf_counter()
         row = sweep_isolated(model_type, targets) if model_type not in OUT_OF_SCOPE else sweep_one(model_type)
         print(f"{model_type:28s} {row['status']:12s} {time.perf_counter() - started:6.1f}s "
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         coverage["types"][model_type] = row
         if args.write:
-            COVERAGE_FILE.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
+            args.out.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
     return 0
 
 
