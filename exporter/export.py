@@ -218,6 +218,12 @@ def export_model(
         assert staging is not None
         say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
         model = load_hf_model(model_dir, dtype)
+        # Mixture-of-experts layers: transformers' "batched_mm" experts gather each token's top-k experts'
+        # weights and run only those (plain MatMuls in the graph); its default implementations call
+        # ops that have no ONNX form. The gather copies k weight matrices per token, fine for decode and
+        # toy prefills, not for a long prefill at real sizes: the canonical MoE node (ORT's MoE) is next.
+        if getattr(model, "_can_set_experts_implementation", lambda: False)():
+            model.set_experts_implementation("batched_mm")
         # The head counts HF's attention really receives (a config's own convention can differ:
         # multi_query, num_kv_heads, ...): the KV cache follows them.
         shape = uniform_shape(model, layout.num_layers)
