@@ -11,6 +11,11 @@ from typing import Any
 from kvforge.errors import UnsupportedModelError
 
 PROBE_IMPLEMENTATION = "kvforge_probe"
+# What transformers' attention functions receive that kvforge's op models (or that does not change the
+# result): the scale, window and softcap are the op's attributes, the rest is bookkeeping.
+KNOWN_ARGUMENTS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
+                             "is_causal", "output_attentions", "use_cache", "position_embeddings", "past_key_values",
+                             "layer_idx", "head_mask", "query_length", "return_dict"})
 OWN_ATTENTION = ("its attention is written into its own modeling code, not called through transformers' attention "
                  "interface, which is how kvforge puts its fused attention op in the graph")
 
@@ -27,15 +32,18 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
     """layer index -> the query/key/value shapes its attention call receives (a 2-token forward)."""
     import torch
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     seen: dict[int, LayerShape] = {}
+    extras: set[str] = set()
 
     def record(module, query, key, value, attention_mask, **kwargs):
         layer = getattr(module, "layer_idx", None)
         if layer is not None:
             seen[int(layer)] = LayerShape(query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        extras.update(name for name, arg in kwargs.items() if arg is not None and name not in KNOWN_ARGUMENTS)
+        # Only shapes matter here: zeros of the output's shape, whatever the layer's options (softcap, sinks).
+        batch, heads, seq = query.shape[:3]
+        return value.new_zeros(batch, seq, heads, value.shape[-1]), None
 
     AttentionInterface.register(PROBE_IMPLEMENTATION, record)
     config = model.config
@@ -50,6 +58,10 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
                                     f"its forward fails: {type(err).__name__}: {err})") from err
     finally:
         config._attn_implementation = saved
+    if extras:
+        raise UnsupportedModelError(
+            f"{config.model_type}: its attention takes {', '.join(sorted(extras))}, which kvforge's attention op does not "
+            "model (s_aux: attention sinks)")
     return seen
 
 

@@ -238,7 +238,7 @@ def coverage_table(coverage: dict[str, Any] | None = None) -> str:
 # One type's sweep runs in its own process: a type that hangs in tracing or asks for more memory than
 # the machine has must cost its own row, not the whole sweep.
 TYPE_SECONDS = 900
-TYPE_MEMORY_BYTES = 8 * 2**30
+TYPE_MEMORY_BYTES = 16 * 2**30
 
 
 def sweep_isolated(model_type: str, targets: tuple[str, ...]) -> dict[str, Any]:
