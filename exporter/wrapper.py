@@ -19,6 +19,9 @@ from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge
 ATTN_IMPLEMENTATION = "kvforge"
 
 
+_TRACING: dict[str, Any] = {}  # "state": the _CacheState of the GraphWrapper call being traced
+
+
 class _CacheState:
     """Per-call side channel: the layers' past buffers in, their present buffers out."""
 
@@ -41,6 +44,9 @@ def kvforge_attention(
     kvforge_state: _CacheState | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
+    # Most families hand the keyword on to attention; a few decoder layers drop unknown keywords
+    # (StableLM, Nemotron), so the wrapper also holds the state for the call it is tracing.
+    kvforge_state = kvforge_state or _TRACING.get("state")
     if kvforge_state is None:
         raise RuntimeError("kvforge attention called outside an export wrapper")
     batch, num_heads, seq, head_dim = query.shape
@@ -95,6 +101,7 @@ class GraphWrapper(torch.nn.Module):
         # still serve as the HF eager reference (parity) afterwards.
         config = self.model.config
         saved, config._attn_implementation = config._attn_implementation, ATTN_IMPLEMENTATION
+        _TRACING["state"] = state
         try:
             # base_model: `model` for most families, `transformer` for GPT-2.
             hidden = self.model.base_model(
@@ -102,6 +109,7 @@ class GraphWrapper(torch.nn.Module):
             ).last_hidden_state
         finally:
             config._attn_implementation = saved
+            _TRACING.pop("state", None)
         if logits_index is None:
             selected = hidden[:, -1, :]
         else:
