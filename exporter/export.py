@@ -201,6 +201,9 @@ def export_model(
     config = load_hf_config(model_dir)
     family = family_for(config)
     family.check(config)
+    if target.kernel_shapes and family.trt_refusal:
+        raise UnsupportedModelError(f"--target {target.name} cannot export {config.model_type} (the coverage sweep: "
+                                    f"{family.trt_refusal}); use --target ort or --target onnx")
     if target.kernel_shapes:
         _check_kernel_shapes(config, family.head_dim(config), target, dtype)
 
