@@ -16,6 +16,8 @@ PROBE_IMPLEMENTATION = "kvforge_probe"
 KNOWN_ARGUMENTS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
                              "is_causal", "output_attentions", "use_cache", "position_embeddings", "past_key_values",
                              "layer_idx", "head_mask", "query_length", "return_dict"})
+# What the attention arguments kvforge refuses are, for its message.
+ARGUMENT_MEANINGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "an additive position bias"}
 OWN_ATTENTION = ("its attention is written into its own modeling code, not called through transformers' attention "
                  "interface, which is how kvforge puts its fused attention op in the graph")
 
@@ -41,16 +43,20 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
         if layer is not None:
             seen[int(layer)] = LayerShape(query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
         extras.update(name for name, arg in kwargs.items() if arg is not None and name not in KNOWN_ARGUMENTS)
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):  # read by the family's own attention function
+            extras.add("sinks")
         # Only shapes matter here: zeros of the output's shape, whatever the layer's options (softcap, sinks).
         batch, heads, seq = query.shape[:3]
         return value.new_zeros(batch, seq, heads, value.shape[-1]), None
+
+    from kvforge.exporter.wrapper import backbone
 
     AttentionInterface.register(PROBE_IMPLEMENTATION, record)
     config = model.config
     saved, config._attn_implementation = config._attn_implementation, PROBE_IMPLEMENTATION
     try:
         with torch.no_grad():
-            model.base_model(input_ids=torch.tensor([[1, 2]]), use_cache=False)
+            backbone(model)(input_ids=torch.tensor([[1, 2]]), use_cache=False)
     except Exception as err:  # a model that does its own attention may fail on an implementation it does not know
         if seen:
             raise
@@ -59,9 +65,9 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
     finally:
         config._attn_implementation = saved
     if extras:
-        raise UnsupportedModelError(
-            f"{config.model_type}: its attention takes {', '.join(sorted(extras))}, which kvforge's attention op does not "
-            "model (s_aux: attention sinks)")
+        named = sorted({ARGUMENT_MEANINGS.get(name, name) for name in extras})
+        raise UnsupportedModelError(f"{config.model_type}: its attention uses {', '.join(named)}, which kvforge's "
+                                    "attention op does not model")
     return seen
 
 

@@ -22,6 +22,13 @@ ATTN_IMPLEMENTATION = "kvforge"
 _TRACING: dict[str, Any] = {}  # "state": the _CacheState of the GraphWrapper call being traced
 
 
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack under the LM head: `base_model` (`model` for most families, `transformer` for
+    GPT-2), or its `model` where the class's base_model_prefix names no attribute (Llama 4's text LM)."""
+    base = model.base_model
+    return getattr(model, "model", base) if base is model else base
+
+
 class _CacheState:
     """Per-call side channel: the layers' past buffers in, their present buffers out."""
 
@@ -103,8 +110,7 @@ class GraphWrapper(torch.nn.Module):
         saved, config._attn_implementation = config._attn_implementation, ATTN_IMPLEMENTATION
         _TRACING["state"] = state
         try:
-            # base_model: `model` for most families, `transformer` for GPT-2.
-            hidden = self.model.base_model(
+            hidden = backbone(self.model)(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, kvforge_state=state
             ).last_hidden_state
         finally:

@@ -24,6 +24,7 @@ SWEEP_TARGETS = ("ort", "onnx", "trt")
 # A type passes when it passes on these; `trt` (kvforge's own kernel, checked here through its CPU
 # emulation) is a column of its own: a type that passes but fails there is refused on `--target trt`.
 REQUIRED_TARGETS = ("ort", "onnx")
+KERNEL_SHAPES = "kvforge's attention kernel supports"  # in the `trt` target's refusal of a head layout
 ATOL = 1e-3  # fp32, parity's own default
 NEW_TOKENS = 32
 # Prompts of different lengths, as a batch and each alone: the batch must give each prompt's tokens.
@@ -79,6 +80,15 @@ MISSING_FEATURES: dict[str, str] = {
     "gemma3n_text": "a KV cache shared across layers (later layers reuse earlier layers' keys and values)",
     "gemma4_unified_assistant": "a KV cache shared across layers (a drafter reading its target model's cache)",
     "gemma4_assistant": "a KV cache shared across layers (a drafter reading its target model's cache)",
+    "deepseek_v2": "rotary embedding computed in complex numbers (torch.polar / view_as_complex), which has no ONNX "
+                   "form, and multi-head latent attention",
+    "deepseek_v4": "compressed sparse attention (a compressed long-range KV cache besides the sliding window)",
+    "llama4_text": "rotary embedding computed in complex numbers (torch.polar / view_as_complex), which has no ONNX "
+                   "form",
+    "dbrx": "its tiny config does not survive a save and load (nested attention / FFN configs): not swept yet",
+    "qwen4_exp_text": "sparse attention (an indexer picks compressed key blocks per query)",
+    "helium": "the export's logits are NaN at the first step while HF eager's are finite: not yet diagnosed",
+    "dots3_note_text": "per-layer head counts (the config's attention shapes vary by layer)",
 }
 
 # Config fields the sweep shrinks, when the type's config has them. The family's other options stay.
@@ -89,6 +99,14 @@ _SMALL = {
     "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "n_routed_experts": 8,
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 16, "rotary_dim": 8,
+}
+
+# Types whose default config does not build (dots1 leaves its expert counts unset, dbrx's nested
+# attention config lacks rope_theta): what they need besides _SMALL.
+_TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
+             "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 128}},
+    "dots1": {"n_shared_experts": 1},
 }
 
 
@@ -124,6 +142,7 @@ def tiny_config(model_type: str) -> Any:
         kinds = list(dict.fromkeys(layer_types))
         overrides["layer_types"] = kinds if len(kinds) > 1 else kinds * 2
         overrides["num_hidden_layers"] = len(overrides["layer_types"])
+    overrides.update(_TYPE_OVERRIDES.get(model_type, {}))
     overrides.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False)
     return AutoConfig.for_model(model_type, **overrides)
 
@@ -184,13 +203,15 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict
         return {"status": "out of scope", "reason": OUT_OF_SCOPE[model_type]}
     if model_type in NOT_SWEPT:
         return {"status": "refused", "reason": NOT_SWEPT[model_type], "targets": {}}
-    row: dict[str, Any] = {"registered": model_type in FAMILIES, "targets": {}}
+    hand_written = model_type in FAMILIES and not FAMILIES[model_type].swept
+    row: dict[str, Any] = {"hand_written": hand_written, "targets": {}}
     with tempfile.TemporaryDirectory(prefix=f"kvforge-coverage-{model_type}-") as tmp:
         hf_dir = Path(tmp) / "hf"
         try:
             model = build_tiny(model_type, hf_dir)
         except Exception as err:  # transformers' own failure to build the type at these sizes
-            return {**row, "status": "refused", "reason": MISSING_FEATURES.get(model_type, "not built"),
+            reason = f"not swept: transformers cannot build its tiny config ({type(_root(err)).__name__})"
+            return {**row, "status": "refused", "reason": MISSING_FEATURES.get(model_type, reason),
                     "error": f"building: {_one_line(err)}"}
         row["architecture"] = type(model).__name__
         row["logit_keys"] = logit_keys(model.config)
@@ -201,14 +222,17 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict
                 except Exception as err:  # any failure of export or parity is this type's result
                     row["targets"][target] = {"status": "fail", "error": _one_line(err),
                                               "where": _where(err)}
-                    if isinstance(_root(err), UnsupportedModelError):  # kvforge named what is missing
+                    if KERNEL_SHAPES in str(_root(err)):
+                        # The tiny config's head size, not the type: `--target trt` checks it per model.
+                        row["targets"][target]["status"] = "untested"
+                    elif isinstance(_root(err), UnsupportedModelError):  # kvforge named what is missing
                         row.setdefault("refusal", str(_root(err)).removeprefix(f"{model_type}: "))
                 shutil.rmtree(Path(tmp) / target, ignore_errors=True)
     passed = all(row["targets"].get(target, {}).get("status") == "pass" for target in REQUIRED_TARGETS)
     row["status"] = "pass" if passed else "refused"
     if not passed:
         row["reason"] = MISSING_FEATURES.get(model_type) or row.pop("refusal", None) or _undiagnosed(row)
-    elif row["targets"].get("trt", {}).get("status", "pass") != "pass":
+    elif row["targets"].get("trt", {}).get("status") == "fail":
         row["trt_reason"] = row.pop("refusal", None) or row["targets"]["trt"].get("error", "")[:200]
     row.pop("refusal", None)
     return row
@@ -261,12 +285,15 @@ def coverage_table(coverage: dict[str, Any] | None = None) -> str:
              "| model_type | " + " | ".join(f"`{t}`" for t in SWEEP_TARGETS) + " | max logit error |",
              "|---|" + "---|" * len(SWEEP_TARGETS) + "---|"]
     def cell(result: dict[str, Any] | None) -> str:
-        return "–" if result is None else "✓" if result["status"] == "pass" else "✗"
+        return {"pass": "✓", "fail": "✗"}.get(result["status"], "–") if result else "–"
 
     for name in passing:
         targets = rows[name]["targets"]
         error = max(targets[t]["max_abs_err"] for t in targets if targets[t]["status"] == "pass")
         lines.append(f"| `{name}` | " + " | ".join(cell(targets.get(t)) for t in SWEEP_TARGETS) + f" | {error:.1e} |")
+    if any(rows[name]["targets"].get("trt", {}).get("status") == "untested" for name in passing):
+        lines += ["", "–: not tested on `trt` at the sweep's size (its head size is outside the kernel's; "
+                      "`--target trt` checks each model's own at export)."]
     trt_refused = [name for name in passing if rows[name].get("trt_reason")]
     if trt_refused:
         lines += ["", "| Passes, but refused on `trt` | Why |", "|---|---|"]

@@ -16,7 +16,10 @@ from kvforge.errors import UnsupportedModelError  # noqa: E402
 from kvforge.models.coverage import (  # noqa: E402
     ATOL,
     OUT_OF_SCOPE,
+    REQUIRED_TARGETS,
+    build_tiny,
     causal_lm_types,
+    check_target,
     coverage_table,
     load_coverage,
     sweep_one,
@@ -39,7 +42,52 @@ def test_the_registry_is_the_passing_set() -> None:
     passing = {name for name, row in ROWS.items() if row["status"] == "pass"}
     assert passing == set(FAMILIES)
     for name in passing:
-        assert all(result["max_abs_err"] <= ATOL for result in ROWS[name]["targets"].values()), name
+        targets = ROWS[name]["targets"]
+        assert all(targets[target]["status"] == "pass" for target in REQUIRED_TARGETS), name
+        assert all(result["max_abs_err"] <= ATOL for result in targets.values() if result["status"] == "pass"), name
+        assert (targets["trt"]["status"] == "fail") == (FAMILIES[name].trt_refusal is not None), name
+        if FAMILIES[name].swept:
+            assert FAMILIES[name].architectures == (ROWS[name]["architecture"],)
+
+
+def test_a_type_that_fails_on_trt_in_the_sweep_is_refused_there(hf_folder, tmp_path, monkeypatch) -> None:
+    import dataclasses
+
+    from kvforge.exporter.export import export_model
+
+    why = "the kernel's emulation disagrees with HF"
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], trt_refusal=why))
+    with pytest.raises(UnsupportedModelError, match=f"--target trt cannot export llama .*{why}.*--target ort"):
+        export_model(hf_folder("llama-tiny"), tmp_path / "out", target="trt")
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
+# By their class names (a lower bound: MiniMax-M2 and others are MoE without saying so).
+MOE_TYPES = sorted(name for name, row in ROWS.items() if row["status"] == "pass" and any(
+    key in (row.get("architecture") or "").lower() for key in ("moe", "mixtral")))
+
+
+def test_at_least_five_mixture_of_experts_types_pass() -> None:
+    assert len(MOE_TYPES) >= 5, MOE_TYPES
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_experts_are_not_computed_densely(model_type: str, tmp_path) -> None:
+    # Each token runs only its top-k experts: the stacked [experts, ...] weights reach the graph's
+    # math only through a Gather of the picked experts. A dense export (every expert on every
+    # token, weighted by zero) would feed them to MatMul/Einsum whole. The export also passes parity.
+    import onnx
+
+    model = build_tiny(model_type, tmp_path / "hf")
+    experts = model.config.num_local_experts if model_type == "mixtral" else model.config.num_experts
+    result = check_target(model_type, tmp_path / "hf", tmp_path / "out", "ort", model)
+    assert result["status"] == "pass", result
+    for graph_name in ("prefill.onnx", "decode.onnx"):
+        graph = onnx.load(tmp_path / "out" / graph_name, load_external_data=False).graph
+        stacked = {init.name for init in graph.initializer if len(init.dims) == 3 and init.dims[0] == experts}
+        assert len(stacked) >= 2 * model.config.num_hidden_layers, (graph_name, stacked)
+        readers = {node.op_type for node in graph.node for name in node.input if name in stacked}
+        assert readers <= {"Gather", "GatherND", "GatherElements"}, (graph_name, readers)
 
 
 def test_every_other_type_has_a_reason_and_export_refuses_it_with_that_reason() -> None:
@@ -54,7 +102,7 @@ def test_every_other_type_has_a_reason_and_export_refuses_it_with_that_reason() 
         assert "\n" not in str(caught.value)
 
 
-# One passing type with parallel attention/MLP and partial rotary, one refused type: a re-run gives
+# One passing type with parallel attention/MLP and partial rotary, one refused type (MoE: above): a re-run gives
 # the recorded status (and a logit error within the tolerance). KVFORGE_FULL_SWEEP=1 re-runs them all.
 SAMPLE = ["gpt_neox", "bloom"]
 

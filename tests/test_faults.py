@@ -229,7 +229,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
      lambda c: ["export", str(_w(c.model_copy() / "config.json", "[1, 2]").parent), "-o", str(c.tmp / "out")],
      2, "holds a JSON list, not an object"),
     ("export-falcon", lambda c: ["export", str(_write_config(c.model_copy(), model_type="falcon", architectures=["FalconForCausalLM"])),
-                                 "-o", str(c.tmp / "out")], 2, "unsupported model_type 'falcon' (FalconForCausalLM); kvforge supports"),
+                                 "-o", str(c.tmp / "out")], 2, "unsupported model_type 'falcon' (FalconForCausalLM): its attention is written into its own modeling code"),
     ("export-unknown-model-type", lambda c: ["export", str(_write_config(c.model_copy(), model_type="foo")),
                                              "-o", str(c.tmp / "out")], 2, "unsupported model_type 'foo' (LlamaForCausalLM)"),
     ("export-model-type-disagrees-with-architectures",
