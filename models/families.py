@@ -156,7 +156,7 @@ def logit_keys(config: Any) -> dict[str, str]:
 
 
 def supported_architectures() -> list[str]:
-    return sorted(arch for family in FAMILIES.values() for arch in family.architectures)
+    return sorted({arch for family in FAMILIES.values() for arch in family.architectures})
 
 
 def family_for(config: Any) -> Family:
@@ -169,8 +169,10 @@ def family_for(config: Any) -> Family:
     family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         named = f" ({', '.join(map(str, architectures))})" if architectures else ""
-        claimed = {arch: other.model_type for other in FAMILIES.values() for arch in other.architectures
-                   if arch in architectures}
+        claimed: dict[str, str] = {}
+        for other in FAMILIES.values():  # hand-written families first: several swept types reuse their classes
+            for arch in set(other.architectures) & set(architectures):
+                claimed.setdefault(arch, other.model_type)
         if claimed:
             # transformers builds the model from model_type, so a supported class named in
             # `architectures` does not make this config one of that family: say so, not just "unsupported".
