@@ -24,7 +24,7 @@ def optimize_graph(model: Any) -> None:
     optimizer.inline(model)
     cleanups = [
         rules.no_op_cast_rule, rules.no_op_expand_rule, rules.no_op_transpose_rule, rules.cast_cast_rule,
-        rules.add_0_rule, rules.sub_0_rule, rules.mul_by_1_rule, rules.div_by_1_rule,
+        *exact_no_op_rules(),
         rules.dropout_inference_rule, rules.dropout_zero_rule,
         rules.collapse_slice_rule, rules.collapse_slice2_rule, rules.reshape_reshape_rule,
         rules.squeeze_reshape_1d_rule, rules.transpose_transpose_rule, rules.unsqueeze_unsqueeze_rule,
@@ -46,6 +46,39 @@ def optimize_graph(model: Any) -> None:
         passes.OutputFixPass(),
         passes.NameFixPass(),
     )(model)
+
+
+def exact_no_op_rules() -> list[Any]:
+    """x + 0, x - 0, x * 1 and x / 1 -> x, for a scalar constant that is exactly 0 or 1.
+
+    onnxscript's own rules match their constant with abs_tol 1e-8 and rel_tol 1e-5, so they also
+    delete `variance + 1e-8` (Helium's RMSNorm eps): an all-zero row (a padding embedding) then
+    normalises to inf * 0 = NaN."""
+    from onnxscript.rewriter import pattern
+
+    def exactly(expected: float):
+        def check(context: Any, x: Any, c: Any, **_: Any) -> bool:
+            value = c.const_value
+            return value is not None and value.shape.rank() == 0 and float(value.numpy()) == expected
+        return check
+
+    def add(op: Any, x: Any, c: Any) -> Any:
+        return op.Add(x, c)
+
+    def sub(op: Any, x: Any, c: Any) -> Any:
+        return op.Sub(x, c)
+
+    def mul(op: Any, x: Any, c: Any) -> Any:
+        return op.Mul(x, c)
+
+    def div(op: Any, x: Any, c: Any) -> Any:
+        return op.Div(x, c)
+
+    def identity(op: Any, x: Any, **_: Any) -> Any:
+        return op.Identity(x)
+
+    return [pattern.RewriteRule(add, identity, exactly(0.0)), pattern.RewriteRule(sub, identity, exactly(0.0)),
+            pattern.RewriteRule(mul, identity, exactly(1.0)), pattern.RewriteRule(div, identity, exactly(1.0))]
 
 
 def fuse_graph(model: Any, target: Target) -> dict[str, int]:

@@ -215,3 +215,21 @@ s.run(None, feeds)
     generate_log, control_log = out.stderr.split("--- control ---")
     assert "in-place optimization not activated" not in generate_log
     assert "in-place optimization not activated" in control_log
+
+
+@pytest.mark.parametrize("constant, kept", [(1e-8, True), (1e-12, True), (0.0, False)])
+def test_the_cleanup_drops_only_an_exact_zero_add(constant: float, kept: bool) -> None:
+    # onnxscript's add_0 rule matches |c| <= 1e-8: it deleted Helium's RMSNorm eps (1e-8), and an
+    # all-zero embedding row (the padding token's) then normalised to NaN.
+    import onnx_ir as ir
+    from onnx import TensorProto, helper
+
+    from kvforge.exporter.optimize import optimize_graph
+
+    nodes = [helper.make_node("Constant", [], ["c"], value=helper.make_tensor("c", TensorProto.FLOAT, [], [constant])),
+             helper.make_node("Add", ["x", "c"], ["s"]), helper.make_node("Sqrt", ["s"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
+    optimize_graph(model)
+    assert ("Add" in [node.op_type for node in model.graph]) == kept
