@@ -230,6 +230,11 @@ def export_model(
         # The head counts HF's attention really receives (a config's own convention can differ:
         # multi_query, num_kv_heads, ...): the KV cache follows them.
         shape = uniform_shape(model, layout.num_layers)
+        if target.kernel_shapes and shape.sinks:
+            # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check above
+            # raises before loading the model; this one catches a model outside the registry's rows).
+            raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
+                                        f"kernel (--target {target.name}) does not implement")
         if (shape.kv_heads, shape.head_dim) != (layout.num_kv_heads, layout.head_dim):
             layout = dataclasses.replace(layout, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
             if target.kernel_shapes:

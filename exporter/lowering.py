@@ -25,7 +25,7 @@ from kvforge.contract import (
     AttentionAttrs,
     parse_cache_name,
 )
-from kvforge.errors import ExportError
+from kvforge.errors import ExportError, UnsupportedModelError
 from kvforge.targets import Target
 
 DOMAIN = CANONICAL_OP.domain  # the canonical node's domain, dropped from the graph once lowered
@@ -51,6 +51,12 @@ def _replace(graph: ir.Graph, node: ir.Node, tape: ir.tape.Tape, new_outputs: li
 
 FUSION_DOMAIN = "ai.onnxruntime._fusion"  # onnxscript's intermediate RotaryEmbedding (exporter/fusions.py)
 TRANSPOSE_BSHD = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
+
+
+def _inputs(node: ir.Node) -> tuple[list[ir.Value], ir.Value | None]:
+    """The canonical node's ATTENTION_INPUTS and its optional `sinks` input (None when absent)."""
+    inputs = list(node.inputs)
+    return inputs[:6], (inputs[6] if len(inputs) > 6 else None)
 
 
 def _producer(value: ir.Value | None, op_type: str, domain: str = "") -> ir.Node | None:
@@ -127,30 +133,33 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
 
     for node in canonical:
         attrs = _attrs(node)
-        q, k, v, past_key, past_value, _ = node.inputs
+        (q, k, v, past_key, past_value, _), sinks = _inputs(node)
         tape = ir.tape.Tape()
         do_rotary = 0
-        extra: list[ir.Value | None] = []
+        rotary_inputs: list[ir.Value | None] = [None, None]
         pre_q, pre_k = (_pre_rotary(q), _pre_rotary(k)) if caches is not None else (None, None)
         if pre_q is not None and pre_k is not None:
             do_rotary = 1
             flat = _const(tape, np.array([0, 0, -1], np.int64), None)
             q = tape.op("Reshape", [pre_q[0], flat])
             k = tape.op("Reshape", [pre_k[0], flat])
-            extra = list(caches)
+            rotary_inputs = list(caches)
             parts = [_split_output(value) for value in (q, k, v)]
             if all(parts) and len({id(p[0]) for p in parts}) == 1 and [p[1] for p in parts] == [0, 1, 2] \
                     and len(parts[0][0].outputs) == 3:
                 q, k, v = parts[0][0].inputs[0], None, None  # packed [B, S, (H + 2 Hkv) * D]
         quant: dict[str, int | str] = {}
+        scales: list[ir.Value] = []
         if kv_scales is not None:
             cache_name = parse_cache_name(past_key.name or "")
             if cache_name is None:
                 raise ExportError(f"attention node {node.name} does not read a graph cache input; cannot quantise its cache")
             scales = [_const(tape, scale, None) for scale in kv_scales[cache_name[2]]]
-            # GQA's optional inputs before k_scale / v_scale: cos, sin, position_ids, attention_bias, head_sink.
-            extra = (extra or [None, None]) + [None, None, None] + scales
             quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+        # GQA's optional inputs: cos_cache, sin_cache, position_ids, attention_bias, head_sink, k_scale, v_scale.
+        extra = [*rotary_inputs, None, None, sinks, *scales]
+        while extra and extra[-1] is None:
+            extra.pop()
         out, present_key, present_value = tape.op_multi_out(
             "GroupQueryAttention",
             [q, k, v, past_key, past_value, seqlens_k, total_len, *extra],
@@ -202,9 +211,10 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
     graph.insert_before(first, shared.nodes)
 
     masks: dict[int, ir.Value] = {0: causal}
+    sink_masks: dict[int, ir.Value] = {}
     for node in canonical:
         attrs = _attrs(node)
-        q, k, v, past_key, past_value, _ = node.inputs
+        (q, k, v, past_key, past_value, _), sinks = _inputs(node)
         heads, kv_heads, window = attrs["num_heads"], attrs["kv_num_heads"], attrs["sliding_window"]
         tape = ir.tape.Tape()
         if window not in masks:
@@ -222,7 +232,14 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
         attention = {"scale": attrs["scale"]}
         if attrs["softcap"] > 0:
             attention["softcap"] = attrs["softcap"]
-        y = tape.op("Attention", [heads_first(q, heads), present_key, present_value, masks[window]], attributes=attention)
+        keys, values, mask = present_key, present_value, masks[window]
+        if sinks is not None:
+            if attrs["softcap"] > 0:
+                raise ExportError(f"attention node {node.name} has both sinks and a softcap; the `onnx` target's "
+                                  "Attention would cap the sink too")
+            keys, values, mask = _with_sink_column(tape, present_key, present_value, mask, sinks, query_pos, heads,
+                                                   q.dtype, sink_masks, window)
+        y = tape.op("Attention", [heads_first(q, heads), keys, values, mask], attributes=attention)
         out = tape.op(
             "Reshape",
             [
@@ -233,12 +250,43 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node]) -> None:
         _replace(graph, node, tape, [out, present_key, present_value])
 
 
+def _with_sink_column(tape: ir.tape.Tape, present_key: ir.Value, present_value: ir.Value, mask: ir.Value,
+                      sinks: ir.Value, query_pos: ir.Value, heads: int, dtype: ir.DataType | None,
+                      float_masks: dict[int, ir.Value], window: int) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """ONNX Attention has no sinks: give it one more cache column whose key and value are zero, so its
+    score is 0, and an additive mask whose last column is the head's sink logit. The softmax then
+    includes exp(sink) and the extra value adds nothing, which is the sink's definition. The column
+    costs a copy of the layer's cache per call; the `ort` target passes sinks to GQA instead."""
+    np_dtype = dtype.numpy() if dtype is not None else np.float32
+    if window not in float_masks:  # [B, H, S, C]: 0 where allowed, the lowest finite value elsewhere
+        blocked = tape.op("Where", [mask, _const(tape, np.array(0, np_dtype), None),
+                                    _const(tape, np.array(np.finfo(np_dtype).min, np_dtype), None)])
+        float_masks[window] = tape.op("Expand", [blocked, _const(tape, np.array([1, heads, 1, 1], np.int64), None)])
+    head_sinks = tape.op("Reshape", [sinks, _const(tape, np.array([1, heads, 1, 1], np.int64), None)])
+    sink_column = tape.op("Expand", [head_sinks, tape.op("Shape", [query_pos])])  # [B, H, S, 1]
+    float_mask = tape.op("Concat", [float_masks[window], sink_column], attributes={"axis": 3})
+    cache_shape = tape.op("Shape", [present_key])
+    row_shape = tape.op("Concat", [tape.op("Slice", [cache_shape, _const(tape, np.array([0], np.int64), None),
+                                                      _const(tape, np.array([2], np.int64), None)]),
+                                   _const(tape, np.array([1], np.int64), None),
+                                   tape.op("Slice", [cache_shape, _const(tape, np.array([3], np.int64), None),
+                                                      _const(tape, np.array([4], np.int64), None)])],
+                        attributes={"axis": 0})
+    zero_row = tape.op("ConstantOfShape", [row_shape], attributes={"value": ir.tensor(np.zeros(1, np_dtype))})
+    keys = tape.op("Concat", [present_key, zero_row], attributes={"axis": 2})
+    values = tape.op("Concat", [present_value, zero_row], attributes={"axis": 2})
+    return keys, values, float_mask
+
+
 def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
     """The plugin node per layer. TensorRT's ONNX parser ignores node domains and finds a plugin by op
     type plus the node attributes plugin_namespace / plugin_version; the node's domain is the one
     onnxruntime-extensions' Python ops use, so the CPU emulation (runtime/emulate.py) serves the very
     same node."""
     for node in canonical:
+        if _inputs(node)[1] is not None:
+            raise UnsupportedModelError("the model's attention has sinks, which kvforge's TensorRT kernel does not "
+                                        "implement; use --target ort or --target onnx")
         attrs = AttentionAttrs.from_mapping(_attrs(node))
         tape = ir.tape.Tape()
         outputs = tape.op_multi_out(

@@ -5,6 +5,7 @@ multi_query, ...); the shapes HF hands to attention are the truth the KV cache m
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,10 @@ PROBE_IMPLEMENTATION = "kvforge_probe"
 KNOWN_ARGUMENTS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
                              "is_causal", "output_attentions", "use_cache", "position_embeddings", "past_key_values",
                              "layer_idx", "head_mask", "query_length", "return_dict"})
-# What the attention arguments kvforge refuses are, for its message.
-ARGUMENT_MEANINGS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "an additive position bias"}
+# What the attention arguments kvforge refuses are, for its message. `s_aux` of one logit per query head
+# is the op's `sinks` input; any other form is refused.
+ARGUMENT_MEANINGS = {"s_aux": "attention sinks that are not one logit per head", "sinks": "per-token attention sinks",
+                     "position_bias": "an additive position bias"}
 OWN_ATTENTION = ("its attention is written into its own modeling code, not called through transformers' attention "
                  "interface, which is how kvforge puts its fused attention op in the graph")
 
@@ -28,6 +31,7 @@ class LayerShape:
     kv_heads: int
     head_dim: int
     value_dim: int
+    sinks: bool = False  # the layer's attention has a learned sink logit per head (the op's `sinks` input)
 
 
 def probe_attention(model: Any) -> dict[int, LayerShape]:
@@ -40,11 +44,14 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
 
     def record(module, query, key, value, attention_mask, **kwargs):
         layer = getattr(module, "layer_idx", None)
+        sinks = kwargs.pop("s_aux", None)
+        if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+            extras.add("s_aux")
+        if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+            extras.add("sinks")  # read by the family's own attention function, which kvforge's replaces
         if layer is not None:
-            seen[int(layer)] = LayerShape(query.shape[1], key.shape[1], key.shape[-1], value.shape[-1])
+            seen[int(layer)] = LayerShape(query.shape[1], key.shape[1], key.shape[-1], value.shape[-1], sinks is not None)
         extras.update(name for name, arg in kwargs.items() if arg is not None and name not in KNOWN_ARGUMENTS)
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):  # read by the family's own attention function
-            extras.add("sinks")
         # Only shapes matter here: zeros of the output's shape, whatever the layer's options (softcap, sinks).
         batch, heads, seq = query.shape[:3]
         return value.new_zeros(batch, seq, heads, value.shape[-1]), None
@@ -72,7 +79,8 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
 
 
 def uniform_shape(model: Any, num_layers: int) -> LayerShape:
-    """The one attention shape every layer has, or UnsupportedModelError naming what differs."""
+    """The one attention shape every layer has (`sinks`: whether any layer has attention sinks), or
+    UnsupportedModelError naming what differs."""
     seen = probe_attention(model)
     model_type = model.config.model_type
     if not seen:
@@ -82,12 +90,12 @@ def uniform_shape(model: Any, num_layers: int) -> LayerShape:
         raise UnsupportedModelError(
             f"{model_type}: layers {missing[:8]} call no attention (recurrent, state-space or linear-attention "
             "layers); kvforge exports models whose every layer attends through a KV cache")
-    shapes = set(seen.values())
+    shapes = {dataclasses.replace(shape, sinks=False) for shape in seen.values()}
     if len(shapes) > 1:
         raise UnsupportedModelError(
             f"{model_type}: the layers' attention shapes differ ({', '.join(sorted(map(_describe, shapes)))}); "
             "kvforge's KV cache has one head count and head size for every layer")
-    shape = shapes.pop()
+    shape = dataclasses.replace(shapes.pop(), sinks=any(layer.sinks for layer in seen.values()))
     if shape.value_dim != shape.head_dim:
         raise UnsupportedModelError(
             f"{model_type}: keys have {shape.head_dim} dims per head but values {shape.value_dim} (as in multi-head "

@@ -48,6 +48,7 @@ def kvforge_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     kvforge_state: _CacheState | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
@@ -69,6 +70,8 @@ def kvforge_attention(
         past_key,
         past_value,
         kvforge_state.past_lens,
+        # Attention sinks, one logit per query head (gpt-oss, Flint, Granite SWA; the probe refuses other forms).
+        None if s_aux is None else s_aux.to(query.dtype),
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
     kvforge_state.present[layer] = (present_key, present_value)

@@ -230,6 +230,11 @@ def _check_optional_int(section: Mapping[str, Any], name: str, minimum: int | No
 # the ONNX node, the Triton kernel's launch plan, the TensorRT plugin and the CPU emulation.
 ATTENTION_INPUTS = ("q", "k", "v", "past_key", "past_value", "past_lens")
 ATTENTION_OUTPUTS = ("out", "present_key", "present_value")
+# The canonical node's optional inputs, after ATTENTION_INPUTS. `sinks` [H]: one learned logit per query
+# head that joins every row's softmax and takes probability mass without adding a value (gpt-oss, Flint,
+# Granite SWA). The `ort` and `onnx` lowerings carry it; the TensorRT kernel has no sinks, so the `trt`
+# target refuses a model that uses them (the plugin's inputs stay ATTENTION_INPUTS).
+ATTENTION_OPTIONAL_INPUTS = ("sinks",)
 
 
 @dataclass(frozen=True)

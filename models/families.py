@@ -133,16 +133,21 @@ FAMILIES.update(_swept_families())
 
 @contextlib.contextmanager
 def trial_family(model_type: str, architecture: str, config: Any = None) -> Iterator[Family]:
-    """The coverage sweep's way to try a type that is not registered: a plain Family for it while the
-    block runs (a registered type keeps its own)."""
-    if model_type in FAMILIES:
-        yield FAMILIES[model_type]
+    """The coverage sweep's way to try a type: a plain Family for it while the block runs. A hand-written
+    family keeps its own; a swept one is tried afresh, so its recorded `trt` refusal does not refuse
+    the re-run that might clear it."""
+    recorded = FAMILIES.get(model_type)
+    if recorded is not None and not recorded.swept:
+        yield recorded
         return
     family = FAMILIES[model_type] = Family(model_type, (architecture,), "coverage sweep trial", **logit_keys(config))
     try:
         yield family
     finally:
-        del FAMILIES[model_type]
+        if recorded is None:
+            del FAMILIES[model_type]
+        else:
+            FAMILIES[model_type] = recorded
 
 
 # The config fields *ForCausalLM.forward reads to transform lm_head's output, by Family key.

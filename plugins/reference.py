@@ -4,6 +4,7 @@ Inputs (kvforge.contract.ATTENTION_INPUTS of the canonical node, kvforge.contrac
   q [B, S, H*D], k [B, S, Hkv*D], v [B, S, Hkv*D]   (after RoPE / q-k norms)
   past_key, past_value [B, Hkv, C, D]                (the cache, capacity C)
   past_lens [B] int32                                (cached tokens per row before this call)
+  sinks [H], optional (ATTENTION_OPTIONAL_INPUTS)    (a per-head logit that joins each softmax)
 Attributes: kvforge.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
 Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
 New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
@@ -25,6 +26,7 @@ def kv_cache_attention(
     past_value: torch.Tensor,
     past_lens: torch.Tensor,
     attrs: AttentionAttrs,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
     softcap, sliding_window = attrs.softcap, attrs.sliding_window
@@ -51,6 +53,11 @@ def kv_cache_attention(
     if sliding_window > 0:
         allowed &= cache_pos[None, None, :] > positions[:, :, None] - sliding_window
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink is one more column of the softmax, with no value: it only takes probability mass
+        sink = sinks.float().reshape(1, num_heads, 1, 1).expand(batch, num_heads, seq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.matmul(probs, values).to(q.dtype)
     out = out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
     return out, present_key, present_value

@@ -15,13 +15,20 @@ import onnx
 import torch
 from onnxscript import values as osv
 
-from kvforge.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, CANONICAL_OP, PAST_LENS, AttentionAttrs
+from kvforge.contract import (
+    ATTENTION_INPUTS,
+    ATTENTION_OPTIONAL_INPUTS,
+    ATTENTION_OUTPUTS,
+    CANONICAL_OP,
+    PAST_LENS,
+    AttentionAttrs,
+)
 from kvforge.plugins import reference
 
 
 def _check_signature(fn) -> None:
     names = tuple(inspect.signature(fn).parameters)
-    if names != ATTENTION_INPUTS + AttentionAttrs.names():
+    if names != ATTENTION_INPUTS + ATTENTION_OPTIONAL_INPUTS + AttentionAttrs.names():
         raise RuntimeError(f"{fn.__name__} takes {names}, not the contract's attention op")
 
 
@@ -32,6 +39,7 @@ def _kv_cache_attention(
     past_key: torch.Tensor,
     past_value: torch.Tensor,
     past_lens: torch.Tensor,
+    sinks: torch.Tensor | None,
     num_heads: int,
     kv_num_heads: int,
     scale: float,
@@ -39,7 +47,7 @@ def _kv_cache_attention(
     sliding_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
-    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs)
+    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks)
 
 
 _check_signature(_kv_cache_attention)
@@ -64,7 +72,8 @@ def _register_schema() -> None:
         CANONICAL_OP.op_type,
         CANONICAL_OP.domain,
         CANONICAL_OP.version,
-        inputs=[param(name, "I" if name == PAST_LENS else "T") for name in ATTENTION_INPUTS],
+        inputs=[param(name, "I" if name == PAST_LENS else "T") for name in ATTENTION_INPUTS]
+        + [param(name, "T", param_option=onnx.defs.OpSchema.FormalParameterOption.Optional) for name in ATTENTION_OPTIONAL_INPUTS],
         outputs=[param(name, "T") for name in ATTENTION_OUTPUTS],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
@@ -82,10 +91,12 @@ _register_schema()
 _opset = osv.Opset(CANONICAL_OP.domain, CANONICAL_OP.version)
 
 
-def onnx_translation(q, k, v, past_key, past_value, past_lens, num_heads, kv_num_heads, scale, softcap, sliding_window):
+def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, num_heads, kv_num_heads, scale, softcap,
+                     sliding_window):
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
     node = getattr(_opset, CANONICAL_OP.op_type)
-    return node(q, k, v, past_key, past_value, past_lens, **attrs.as_dict(), _outputs=len(ATTENTION_OUTPUTS))
+    inputs = [q, k, v, past_key, past_value, past_lens] + ([sinks] if sinks is not None else [])
+    return node(*inputs, **attrs.as_dict(), _outputs=len(ATTENTION_OUTPUTS))
 
 
 _check_signature(onnx_translation)

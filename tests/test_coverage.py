@@ -114,3 +114,57 @@ def test_a_rerun_of_the_sweep_reproduces_the_table(model_type: str) -> None:
     assert row["status"] == ROWS[model_type]["status"], row
     for target, result in row.get("targets", {}).items():
         assert result["status"] == ROWS[model_type]["targets"][target]["status"], (target, result)
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_attention_sinks_export_at_parity(target: str, tmp_path) -> None:
+    # gpt-oss: a learned sink logit per head joins each softmax (GQA's head_sink on `ort`, an extra zero
+    # key/value column with the sink in the mask on `onnx`). Sinks of a few units take most of the
+    # probability mass at these lengths, so an export that dropped them would fail parity (checked below).
+    import onnx
+    import torch
+
+    model = build_tiny("gpt_oss", tmp_path / "hf")
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    ids = torch.tensor([[5, 9, 2, 7, 1, 4]])
+    with torch.no_grad():
+        for sink in sinks:
+            sink.fill_(float("-inf"))  # exp(-inf) = 0: no sink
+        without = model(ids).logits
+        for sink in sinks:
+            sink.copy_(torch.linspace(-2.0, 3.0, sink.numel()))
+        with_sinks = model(ids).logits
+    assert (with_sinks - without).abs().max() > 50 * ATOL
+    model.save_pretrained(tmp_path / "hf")
+    result = check_target("gpt_oss", tmp_path / "hf", tmp_path / "out", target, model)
+    assert result["status"] == "pass", result
+    graph = onnx.load(tmp_path / "out" / "decode.onnx", load_external_data=False).graph
+    attention = [node for node in graph.node if node.op_type in ("GroupQueryAttention", "Attention")]
+    assert len(attention) == model.config.num_hidden_layers
+    if target == "ort":
+        assert all(len(node.input) >= 12 and node.input[11] for node in attention)  # head_sink
+    else:
+        assert all(len(node.input) == 4 for node in attention)
+
+
+def test_attention_sinks_are_refused_on_trt_before_any_work(tmp_path) -> None:
+    from kvforge.exporter.export import export_model
+
+    build_tiny("gpt_oss", tmp_path / "hf")
+    with pytest.raises(UnsupportedModelError, match="--target trt cannot export gpt_oss.*sinks.*--target ort"):
+        export_model(tmp_path / "hf", tmp_path / "out", target="trt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rerun_tries_a_swept_type_afresh_so_its_trt_refusal_can_clear(monkeypatch) -> None:
+    import dataclasses
+
+    from kvforge.models.families import trial_family
+
+    recorded = dataclasses.replace(FAMILIES["gpt_neox"], trt_refusal="recorded by an earlier sweep")
+    monkeypatch.setitem(FAMILIES, "gpt_neox", recorded)
+    with trial_family("gpt_neox", "GPTNeoXForCausalLM") as family:
+        assert family.trt_refusal is None and FAMILIES["gpt_neox"] is family
+    assert FAMILIES["gpt_neox"] is recorded
+    with trial_family("llama", "LlamaForCausalLM") as family:  # a hand-written family keeps its own
+        assert family is FAMILIES["llama"] and not family.swept
