@@ -19,7 +19,7 @@ from kvforge.errors import UnsupportedModelError
 # Rotary variants whose tables HF computes from the positions alone, so they trace into the graph.
 # ("longrope" picks its short or long table from the largest position of the call, with torch.where.)
 # "dynamic" NTK scaling re-computes its frequencies in Python from the longest sequence seen so far.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,14 @@ class Family:
                     f"{self.model_type}: rope type {rope_type!r}{where} is not supported; kvforge exports "
                     f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}"
                 )
+        # The raw per-layer overrides (the config's attribute is a view that resolves them one layer at a time).
+        per_layer = config.to_dict().get("per_layer_config") or {} if hasattr(config, "per_layer_config") else {}
+        varying = sorted({name for layer in per_layer.values() if isinstance(layer, dict) for name in layer
+                          if name in ("head_dim", "num_key_value_heads", "num_attention_heads")})
+        if varying:  # Gemma 4: its full-attention layers have twice the sliding layers' head size
+            raise UnsupportedModelError(
+                f"{self.model_type}: the layers' attention shapes differ ({', '.join(varying)} set per layer in "
+                "per_layer_config); kvforge's KV cache has one head count and head size for every layer")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(f"{self.model_type}: use_bidirectional_attention=True is not supported "
                                         "(kvforge exports causal decoders)")
