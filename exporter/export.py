@@ -221,12 +221,16 @@ def export_model(
         assert staging is not None
         say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
         model = load_hf_model(model_dir, dtype)
-        # Mixture-of-experts layers: transformers' "batched_mm" experts gather each token's top-k experts'
-        # weights and run only those (plain MatMuls in the graph); its default implementations call
-        # ops that have no ONNX form. The gather copies k weight matrices per token, fine for decode and
-        # toy prefills, not for a long prefill at real sizes: the canonical MoE node (ORT's MoE) is next.
+        # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
+        # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
+        # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
         if getattr(model, "_can_set_experts_implementation", lambda: False)():
+            from kvforge.exporter.moe import prepare_experts
+
             model.set_experts_implementation("batched_mm")
+            routed = prepare_experts(model)
+            say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
+                + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
         # The head counts HF's attention really receives (a config's own convention can differ:
         # multi_query, num_kv_heads, ...): the KV cache follows them.
         shape = uniform_shape(model, layout.num_layers)
@@ -359,10 +363,24 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
 
         pretranspose_tied_lm_head(prefill)
     graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
+    # The experts' weights are quantised by the MoE lowering (ONNX Runtime's QMoE takes its own layout).
+    moe_quantize = None
+    if options.quantize is not None:
+        from kvforge.exporter.moe import INT8_EXPERTS, moe_nodes
+        from kvforge.exporter.quantize import BITS
+
+        experts = len(moe_nodes(prefill.graph))
+        if experts and BITS[options.quantize] == 4:
+            moe_quantize = (4, options.block_size)
+            quantization["moe_experts"] = f"int4, blocks of {options.block_size} (ONNX Runtime's QMoE), {experts} layers"
+            say(f"quantising {experts} MoE layers' experts to int4 (ONNX Runtime's QMoE)")
+        elif experts:
+            quantization["moe_experts"] = INT8_EXPERTS
+            say(f"note: {INT8_EXPERTS}")
     rotary = rotary_caches(model, config.max_position_embeddings, layout.dtype) if target.ort_fusions else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target, rotary, kv_scales)
+        lower(graph, target, rotary, kv_scales, moe_quantize)
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, quantization, kv_quant

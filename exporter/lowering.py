@@ -301,11 +301,13 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node]) -> None:
 
 
 def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray] | None = None,
-          kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> ir.Model:
+          kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
+          moe_quantize: tuple[int, int] | None = None) -> ir.Model:
     """Rewrite every canonical attention node of `model` in place with `target`'s pass (the function
     its registry entry names). `rotary`: the model's cos/sin caches, which targets with ONNX Runtime's
     fusions fold into their attention op; `kv_scales`: a quantised cache's scales per layer (targets
-    whose `kv_cache_dtypes` name one)."""
+    whose `kv_cache_dtypes` name one); `moe_quantize`: (bits, block_size) for the experts' weights
+    (targets that `quantize`)."""
     module, name = target.lowering.split(":")
     lowering = getattr(importlib.import_module(module), name)
     graph = model.graph
@@ -320,6 +322,9 @@ def lower(model: ir.Model, target: Target, rotary: tuple[np.ndarray, np.ndarray]
         lowering(graph, canonical, rotary)
     else:
         lowering(graph, canonical)
+    module, name = target.moe_lowering.split(":")
+    moe_lowering = getattr(importlib.import_module(module), name)
+    moe_lowering(graph, moe_quantize) if moe_quantize is not None else moe_lowering(graph)
     graph.opset_imports.pop(DOMAIN, None)
     # The rotary and layout ops folded into attention are now unused (and the fusion's functions).
     ir.passes.common.RemoveUnusedNodesPass()(model)

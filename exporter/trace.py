@@ -40,6 +40,7 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any) -> Any:
     import torch
     from torch.export import Dim
 
+    from kvforge.exporter.moe import CUSTOM_TRANSLATION_TABLE as MOE_TRANSLATION
     from kvforge.exporter.wrapper import GraphWrapper
     from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
 
@@ -61,7 +62,7 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any) -> Any:
             input_names=list(io.inputs),
             output_names=list(io.outputs),
             dynamic_shapes=({0: batch_dim, 1: seq_dim}, {0: batch_dim}, tuple(rest_shapes)),
-            custom_translation_table=CUSTOM_TRANSLATION_TABLE,
+            custom_translation_table={**CUSTOM_TRANSLATION_TABLE, **MOE_TRANSLATION},
             opset_version=OPSET,
             optimize=False,  # optimize_graph() below does the part of it these graphs need, 5x faster
             verbose=False,

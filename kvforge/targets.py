@@ -24,6 +24,8 @@ class Target:
     dtypes: tuple[str, ...]  # export dtypes the target accepts
     support: str  # what it runs in, for README's support table
     default_backend: str  # the backend a Generator uses when none is named: one that needs no GPU
+    # The pass that rewrites the canonical mixture-of-experts node (exporter/moe.py).
+    moe_lowering: str = "kvforge.exporter.moe:lower_moe_to_plain"
     # ONNX Runtime's contrib fusions (normalization, rotary folded into the attention op), done at export.
     ort_fusions: bool = False
     quantize: bool = False  # `--quantize` (MatMulNBits) is an ONNX Runtime contrib op: ort only
@@ -55,6 +57,7 @@ TARGETS: dict[str, Target] = {
             name="ort",
             summary="ONNX Runtime's com.microsoft.GroupQueryAttention (in place when past/present share one OrtValue)",
             lowering="kvforge.exporter.lowering:lower_to_ort",
+            moe_lowering="kvforge.exporter.moe:lower_moe_to_ort",
             dtypes=tuple(DTYPES),
             support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` "
                     "(measured on Llama and Qwen2); an int8 KV cache with `--kv-cache int8` (fp32, measured on CPU)",
