@@ -234,6 +234,12 @@ def export_model(
         # The head counts HF's attention really receives (a config's own convention can differ:
         # multi_query, num_kv_heads, ...): the KV cache follows them.
         shape = uniform_shape(model, layout.num_layers)
+        if shape.head_dim % target.head_dim_multiple:
+            others = " or ".join(f"--target {name}" for name, t in TARGETS.items()
+                                 if shape.head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
+            raise UnsupportedModelError(f"{config.model_type}: its head size {shape.head_dim} is not a multiple of "
+                                        f"{target.head_dim_multiple}, which --target {target.name}'s attention "
+                                        f"({target.summary.split(' (')[0]}) needs; use {others}")
         if target.kernel_shapes and shape.sinks:
             # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check above
             # raises before loading the model; this one catches a model outside the registry's rows).

@@ -31,6 +31,7 @@ from kvforge.models.coverage import (
     SWEEP_TARGETS,
     build_tiny,
     causal_lm_types,
+    real_summary,
 )
 
 
@@ -59,8 +60,8 @@ def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model
     return result
 
 
-def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict[str, Any]:
-    """One model type's row of the coverage table."""
+def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS, real: bool = False) -> dict[str, Any]:
+    """One model type's row of the coverage table (`real`: at its default config's layer shapes)."""
     from kvforge.errors import UnsupportedModelError
     from kvforge.models.families import FAMILIES, logit_keys, trial_family
 
@@ -73,7 +74,7 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS) -> dict
     with tempfile.TemporaryDirectory(prefix=f"kvforge-coverage-{model_type}-") as tmp:
         hf_dir = Path(tmp) / "hf"
         try:
-            model = build_tiny(model_type, hf_dir)
+            model = build_tiny(model_type, hf_dir, real=real)
         except Exception as err:  # transformers' own failure to build the type at these sizes
             reason = f"not swept: transformers cannot build its tiny config ({type(_root(err)).__name__})"
             return {**row, "status": "refused", "reason": MISSING_FEATURES.get(model_type, reason),
@@ -139,18 +140,21 @@ def _where(err: BaseException) -> str:
 # the machine has must cost its own row, not the whole sweep.
 TYPE_SECONDS = 900
 TYPE_MEMORY_BYTES = 16 * 2**30
+REAL_MEMORY_BYTES = 21 * 2**30  # --real: one process at a time, real MoE layers are GBs
 
 
-def sweep_isolated(model_type: str, targets: tuple[str, ...]) -> dict[str, Any]:
+def sweep_isolated(model_type: str, targets: tuple[str, ...], real: bool = False) -> dict[str, Any]:
     """sweep_one() in a child process with a time and address-space limit."""
     import resource
     import subprocess
     import sys
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (TYPE_MEMORY_BYTES, TYPE_MEMORY_BYTES))
+        cap = REAL_MEMORY_BYTES if real else TYPE_MEMORY_BYTES
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    command = [sys.executable, "-m", "kvforge.coverage_sweep", model_type, "--targets", ",".join(targets), "--row"]
+    command = [sys.executable, "-m", "kvforge.coverage_sweep", model_type, "--targets", ",".join(targets), "--row",
+               *(["--real"] if real else [])]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TYPE_SECONDS, preexec_fn=limit)
     except subprocess.TimeoutExpired:
@@ -177,24 +181,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=COVERAGE_FILE, help="the file --write merges into")
     parser.add_argument("--part", default="1/1", help="K/N: sweep the K-th of N interleaved slices (parallel runs)")
     parser.add_argument("--row", action="store_true", help="run one type here and print its row as JSON (internal)")
+    parser.add_argument("--real", action="store_true", help="at each type's default layer shapes (one layer of each "
+                        "kind, a small vocabulary); --write records the result as the row's `real` entry")
     args = parser.parse_args(argv)
     targets = tuple(args.targets.split(","))
     if args.write and not set(REQUIRED_TARGETS) <= set(targets):
         parser.error(f"--write records the registry's rows: --targets must include {' and '.join(REQUIRED_TARGETS)}")
     if args.row:
-        print(json.dumps(sweep_one(args.types[0], targets)))
+        print(json.dumps(sweep_one(args.types[0], targets, args.real)))
         return 0
     coverage = json.loads(args.out.read_text()) if args.out.is_file() else {"types": {}}
     coverage["transformers"] = transformers.__version__
     part, parts = (int(x) for x in args.part.split("/"))
     for model_type in (args.types or causal_lm_types())[part - 1::parts]:
         started = time.perf_counter()
-        row = sweep_isolated(model_type, targets) if model_type not in OUT_OF_SCOPE else sweep_one(model_type)
+        row = (sweep_isolated(model_type, targets, args.real) if model_type not in OUT_OF_SCOPE
+               else sweep_one(model_type))
         print(f"{model_type:28s} {row['status']:12s} {time.perf_counter() - started:6.1f}s "
               + json.dumps({t: (r["status"], r.get("max_abs_err"), r.get("error", "")[:160])
                             for t, r in row.get("targets", {}).items()} or row.get("error") or row.get("reason")),
               flush=True)
-        coverage["types"][model_type] = row
+        if args.real:  # the registry's row stays the tiny sweep's; the real-shape check is an entry of it
+            coverage["types"].setdefault(model_type, {})["real"] = real_summary(model_type, row)
+        else:
+            coverage["types"][model_type] = {**row, **({"real": coverage["types"][model_type]["real"]}
+                                                       if "real" in coverage["types"].get(model_type, {}) else {})}
         if args.write:
             args.out.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
     return 0

@@ -44,6 +44,8 @@ class Target:
     needs_standard_tensorrt: bool = False  # TensorRT-RTX has no tensorrt.plugin to register it with
     # The export checks the model's attention shapes against kvforge's own kernel.
     kernel_shapes: bool = False
+    # The head sizes the target's attention op takes are multiples of this (GroupQueryAttention: 8).
+    head_dim_multiple: int = 1
 
     @property
     def buildable(self) -> bool:
@@ -66,6 +68,7 @@ TARGETS: dict[str, Target] = {
             quantize=True,
             kv_cache_dtypes=("int8",),
             continue_batch=1,
+            head_dim_multiple=8,
             build_refusal="its attention is ONNX Runtime's GroupQueryAttention, which TensorRT does not import: "
                           "export with --target trt or --target onnx",
         ),

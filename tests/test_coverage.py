@@ -173,3 +173,39 @@ def test_a_rerun_tries_a_swept_type_afresh_so_its_trt_refusal_can_clear(monkeypa
     assert FAMILIES["gpt_neox"] is recorded
     with trial_family("llama", "LlamaForCausalLM") as family:  # a hand-written family keeps its own
         assert family is FAMILIES["llama"] and not family.swept
+
+
+def test_real_shape_configs_keep_the_default_layer_shapes() -> None:
+    from transformers import AutoConfig
+
+    from kvforge.models.coverage import tiny_config
+
+    for model_type in ("qwen3_moe", "starcoder2", "gemma3_text"):
+        default, real = AutoConfig.for_model(model_type), tiny_config(model_type, real=True)
+        for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                      "moe_intermediate_size", "num_experts", "sliding_window"):
+            if hasattr(default, field):
+                assert getattr(real, field) == getattr(default, field), (model_type, field)
+        kinds = len(set(getattr(default, "layer_types", None) or ["one"]))
+        assert real.num_hidden_layers == kinds and real.vocab_size == 512
+
+
+def test_a_real_shape_row_tells_memory_from_failure() -> None:
+    from kvforge.models.coverage import real_summary
+
+    ok = {"status": "pass", "max_abs_err": 2e-6}
+    assert real_summary("opt", {"targets": {"ort": ok, "onnx": ok}})["status"] == "pass"
+    oom = {"status": "fail", "error": "InputError <- MemoryError: Cannot allocate memory (os error 12)"}
+    memory = real_summary("opt", {"targets": {"ort": ok, "onnx": oom}})
+    assert memory["status"] == "memory" and memory["targets"] == {"ort": "pass", "onnx": "memory"}
+    wrong = {"status": "fail", "error": "prompt 0: max logit error 0.5 > atol 0.001 (step 3)"}
+    summary = real_summary("opt", {"targets": {"ort": wrong, "onnx": oom}})
+    assert summary["status"] == "fail" and "max logit error" in summary["error"]
+    assert summary["shape"].startswith("768, 12/12 heads of 64")
+
+
+@pytest.mark.slow
+def test_a_real_shape_rerun_passes() -> None:
+    # OPT at its default (OPT-125m) layer shapes: one layer, the real hidden size and heads.
+    row = sweep_one("opt", ("ort", "onnx"), real=True)
+    assert row["status"] == "pass" and ROWS["opt"]["real"]["status"] == "pass", row

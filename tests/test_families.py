@@ -124,6 +124,21 @@ def test_unsupported_option_of_a_supported_family_fails_at_export(recipe, change
 
 
 
+def test_a_head_size_gqa_cannot_take_is_refused_on_ort_at_export(tmp_path) -> None:
+    # ONNX Runtime's GroupQueryAttention takes head sizes that are multiples of 8 (GLM-4.5-MoE's default
+    # config has 4096 / 96 = 42): the export says so and names the target that takes it, instead of
+    # writing graphs that fail when run.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3", vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(UnsupportedModelError, match="qwen3: its head size 12 is not a multiple of 8, which --target "
+                                                    "ort's attention .*; use --target onnx$"):
+        export_model(tmp_path / "hf", tmp_path / "out", target="ort")
+    assert not (tmp_path / "out").exists()
+
+
 def test_gemma2_attention_softcap_changes_hf_logits(hf_folder) -> None:
     # gemma2-tiny soft-caps attention scores at 5: far from a no-op, so parity checks the cap.
     model = load_hf_model(hf_folder("gemma2-tiny"))
