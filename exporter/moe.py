@@ -167,6 +167,10 @@ def prepare_experts(model: torch.nn.Module) -> dict[str, int]:
             module.register_buffer("kvforge_gate_up_bias", bias.contiguous(), persistent=False)
             module.register_buffer("kvforge_down_bias", module.down_proj_bias.detach().contiguous(), persistent=False)
         setattr(module, _CANONICAL, form)
+        # The module now reads only the node's copies: drop its own, so an export holds its experts once.
+        for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+            if name in module._parameters:
+                del module._parameters[name]
         counts["node"] += 1
     if counts["node"]:
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)

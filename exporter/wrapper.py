@@ -49,18 +49,17 @@ def kvforge_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     s_aux: torch.Tensor | None = None,
-    kvforge_state: _CacheState | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
-    # Most families hand the keyword on to attention; a few decoder layers drop unknown keywords
-    # (StableLM, Nemotron), so the wrapper also holds the state for the call it is tracing.
-    kvforge_state = kvforge_state or _TRACING.get("state")
-    if kvforge_state is None:
+    # The state of the GraphWrapper call being traced: a module-level slot, not a keyword, since some
+    # decoder layers drop keywords they do not know (StableLM, Nemotron).
+    state = _TRACING.get("state")
+    if state is None:
         raise RuntimeError("kvforge attention called outside an export wrapper")
     batch, num_heads, seq, head_dim = query.shape
     kv_heads = key.shape[1]
     layer = module.layer_idx
-    past_key, past_value = kvforge_state.past[layer]
+    past_key, past_value = state.past[layer]
     attrs = AttentionAttrs(num_heads, kv_heads, float(scaling if scaling is not None else head_dim**-0.5),
                            float(softcap or 0.0), int(sliding_window or 0))
     out, present_key, present_value = torch.ops.kvforge.kv_cache_attention(
@@ -69,12 +68,12 @@ def kvforge_attention(
         value.transpose(1, 2).reshape(batch, seq, kv_heads * head_dim),
         past_key,
         past_value,
-        kvforge_state.past_lens,
+        state.past_lens,
         # Attention sinks, one logit per query head (gpt-oss, Flint, Granite SWA; the probe refuses other forms).
         None if s_aux is None else s_aux.to(query.dtype),
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
-    kvforge_state.present[layer] = (present_key, present_value)
+    state.present[layer] = (present_key, present_value)
     return out.view(batch, seq, num_heads, head_dim), None
 
 
@@ -114,7 +113,7 @@ class GraphWrapper(torch.nn.Module):
         _TRACING["state"] = state
         try:
             hidden = backbone(self.model)(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, kvforge_state=state
+                input_ids=input_ids, position_ids=position_ids, use_cache=False
             ).last_hidden_state
         finally:
             config._attn_implementation = saved

@@ -36,6 +36,9 @@ def test_hf_experts_through_the_node_give_their_own_output(model_type: str, tmp_
         counts = moe.prepare_experts(model)
         ours = [module(hidden, index, weights) for module in modules]
     assert counts == {"node": len(modules), "batched_mm": 0}
+    # Each module now holds its experts once: the node's layout only.
+    assert not any(name in ("gate_up_proj", "down_proj") for module in modules for name, _ in
+                   module.named_parameters(recurse=False))
     for mine, reference in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, reference, atol=1e-5, rtol=1e-5)
 
