@@ -31,7 +31,7 @@ from kvforge.targets import Target
 DOMAIN = CANONICAL_OP.domain  # the canonical node's domain, dropped from the graph once lowered
 
 
-def _const(tape: ir.tape.Tape, array: np.ndarray, name: str) -> ir.Value:
+def _const(tape: ir.tape.Tape, array: np.ndarray, name: str | None = None) -> ir.Value:
     return tape.op("Constant", [], attributes={"value": ir.tensor(array, name=name)})
 
 

@@ -32,6 +32,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_expe
 
 from kvforge.contract import MOE_OP
 from kvforge.errors import ExportError
+from kvforge.exporter.lowering import _const, _replace  # the attention lowerings' graph-editing helpers
 
 EXPERTS_IMPLEMENTATION = "kvforge"
 _CANONICAL = "_kvforge_moe"  # the attribute a prepared experts module holds its MoEAttrs in
@@ -190,14 +191,6 @@ def _parts(node: ir.Node) -> tuple[list[ir.Value], ir.Value | None, ir.Value | N
     return inputs[:5], biases[0], biases[1], attrs
 
 
-def _const(tape: ir.tape.Tape, array: np.ndarray) -> ir.Value:
-    return tape.op("Constant", [], attributes={"value": ir.tensor(array)})
-
-
-def _replace(graph: ir.Graph, node: ir.Node, tape: ir.tape.Tape, out: ir.Value) -> None:
-    ir.convenience.replace_nodes_and_values(graph, node, [node], tape.nodes, list(node.outputs), [out])
-
-
 # Measured with onnxruntime 1.32 (tests/test_moe_node.py): its CPU QMoE computes 4-bit block-wise experts
 # exactly as dequantised, but 8-bit block-wise ones 0.25 off at outputs of ~20; 8-bit per-row ones agree,
 # and ONNX Runtime's quantiser makes those only for input sizes of at most 256.
@@ -277,7 +270,7 @@ def lower_moe_to_ort(graph: ir.Graph, quantize: tuple[int, int] | None = None) -
         else:
             fused = tape.op("MoE", [hidden, logits, gate_up, gate_up_bias, down, down_bias], attributes=attributes,
                             domain="com.microsoft")
-        _replace(graph, node, tape, tape.op("Mul", [fused, total]))
+        _replace(graph, node, tape, [tape.op("Mul", [fused, total])])
     if nodes:
         graph.opset_imports["com.microsoft"] = 1
     return len(nodes)
@@ -314,5 +307,5 @@ def lower_moe_to_plain(graph: ir.Graph) -> int:
             y = tape.op("Add", [y, tape.op("Gather", [down_bias, index])])
         weighted = tape.op("Mul", [y, tape.op("Unsqueeze", [weights, _const(tape, np.array([2], np.int64))])])
         out = tape.op("ReduceSum", [weighted, _const(tape, np.array([1], np.int64))], attributes={"keepdims": 0})
-        _replace(graph, node, tape, out)
+        _replace(graph, node, tape, [out])
     return len(nodes)

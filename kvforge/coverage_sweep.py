@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if args.real:  # the registry's row stays the tiny sweep's; the real-shape check is an entry of it
             coverage["types"].setdefault(model_type, {})["real"] = real_summary(model_type, row)
-        else:
-            coverage["types"][model_type] = {**row, **({"real": coverage["types"][model_type]["real"]}
-                                                       if "real" in coverage["types"].get(model_type, {}) else {})}
+        else:  # a tiny re-run keeps the row's real-shape entry
+            previous = coverage["types"].get(model_type, {})
+            coverage["types"][model_type] = {**row, **({"real": previous["real"]} if "real" in previous else {})}
         if args.write:
             args.out.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
     return 0
