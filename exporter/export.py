@@ -347,7 +347,7 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
     lap("trace")
     optimize_graph(prefill)
     lap("optimize")
-    fused = fuse_graph(prefill, target)
+    fused = fuse_graph(prefill, target, quantized=options.quantize is not None)
     lap("fuse")
     say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
     quantization = None

@@ -81,13 +81,15 @@ def exact_no_op_rules() -> list[Any]:
             pattern.RewriteRule(mul, identity, exactly(1.0)), pattern.RewriteRule(div, identity, exactly(1.0))]
 
 
-def fuse_graph(model: Any, target: Target) -> dict[str, int]:
+def fuse_graph(model: Any, target: Target, quantized: bool = False) -> dict[str, int]:
     """The fusions of exporter/fusions.py that suit `target`: ONNX Runtime's normalization and rotary
-    contrib ops where the target runs on ONNX Runtime's contrib ops; merged parallel MatMuls for every
-    target."""
+    contrib ops where the target runs on ONNX Runtime's contrib ops; merged parallel MatMuls (q/k/v)
+    for every target, and pairs (gate/up) too when the weights are about to be `quantized`."""
     from kvforge.exporter.fusions import drop_reshape_round_trips, fuse_for_ort, fuse_parallel_matmuls
 
     counts = fuse_for_ort(model) if target.ort_fusions else {}
     counts["parallel_matmuls"] = fuse_parallel_matmuls(model)
+    if quantized:
+        counts["paired_matmuls"] = fuse_parallel_matmuls(model, group_size=2)
     counts["reshape_round_trips"] = drop_reshape_round_trips(model)
     return counts

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 
 from kvforge.errors import ExportError, InputError
 from kvforge.exporter.trace import quiet_logger
@@ -39,9 +40,10 @@ def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bit
         raise InputError(f"--quantize works from fp32 weights (activations stay fp32); drop --dtype {dtype}")
 
 
-def _materialise_transposed_weights(model: ir.Model) -> int:
-    """MatMul(x, Transpose(W)) with W constant (a tied lm_head) -> MatMul(x, W^T as a constant)."""
-    count = 0
+def _materialise_transposed_weights(model: ir.Model) -> dict[str, str]:
+    """MatMul(x, Transpose(W)) with W constant (a tied lm_head) -> MatMul(x, W^T as a constant).
+    Returns {the new constant's name: W's name}."""
+    made = {}
     for node in list(model.graph):
         if node.op_type != "MatMul" or node.domain != "":
             continue
@@ -59,9 +61,55 @@ def _materialise_transposed_weights(model: ir.Model) -> int:
                          const_value=ir.tensor(transposed, name=name))
         model.graph.register_initializer(value)
         node.replace_input_with(1, value)
-        count += 1
+        made[name] = source.name
     ir.passes.common.RemoveUnusedNodesPass()(model)
-    return count
+    return made
+
+
+def share_tied_embedding(model: ir.Model, tied: dict[str, str]) -> int:
+    """A tied embedding looked up in its lm_head's quantised table (`tied`: the lm_head's transposed
+    weight name -> the embedding's). The quantiser leaves the lookup a Gather over the fp32 table
+    (int8) or its own 4-bit copy (int4); GatherBlockQuantized reads MatMulNBits' blocks as they are
+    ([N, blocks, bytes] viewed as [N, blocks * bytes], its default zero point being MatMulNBits'), so
+    the weights hold the table once. For int4 the values are the copy's exactly; int8 (and int4 with
+    an 8-bit lm_head) look up 8-bit values instead of fp32 (4-bit) ones. Returns how many were shared."""
+    graph, shared = model.graph, 0
+    lookups = [n for n in graph if n.op_type in ("Gather", "GatherBlockQuantized") and n.inputs[0] is not None]
+    for head in list(graph):
+        if head.op_type != "MatMulNBits" or len(head.inputs) > 3 and any(v is not None for v in head.inputs[3:]):
+            continue  # zero points, group index or bias: not the symmetric layout the lookup assumes
+        weight, scales = head.inputs[1], head.inputs[2]
+        source = next((tied[name] for name in tied if weight.name.startswith(f"{name}_Q")), None)
+        if source is None or weight.const_value is None or len(weight.shape) != 3:
+            continue
+        lookup = next((n for n in lookups if n.inputs[0].name in (source, f"{source}_Q4")), None)
+        axis = lookup.attributes.get_int("axis" if lookup is not None and lookup.op_type == "Gather" else "gather_axis", 0)
+        if lookup is None or axis != 0:
+            continue
+        rows, blocks, width = weight.shape
+        tape = ir.tape.Tape()
+        view = tape.op("Reshape", [weight, tape.initializer(ir.tensor(np.array([rows, blocks * width], np.int64)),
+                                                                      name=f"{weight.name}_rows")])
+        if len(scales.shape) != 2:
+            scales = tape.op("Reshape", [scales, tape.initializer(ir.tensor(np.array([rows, blocks], np.int64)),
+                                                                            name=f"{scales.name}_rows")])
+        attrs = {"bits": head.attributes.get_int("bits"), "block_size": head.attributes.get_int("block_size"),
+                 "gather_axis": 0, "quantize_axis": 1}
+        gathered = tape.op("GatherBlockQuantized", [view, lookup.inputs[1], scales], attributes=attrs,
+                           domain="com.microsoft")
+        for value in tape.initializers:
+            graph.register_initializer(value)
+        graph.insert_before(lookup, tape.nodes)
+        old = lookup.outputs[0]
+        gathered.dtype, gathered.shape = old.dtype, old.shape
+        old.replace_all_uses_with(gathered, replace_graph_outputs=True)
+        if gathered.is_graph_output():
+            old.name, gathered.name = None, old.name
+        graph.remove(lookup, safe=True)
+        shared += 1
+    if shared:
+        ir.passes.common.RemoveUnusedNodesPass()(model)  # and the copy / fp32 table the lookup read
+    return shared
 
 
 def _vocab_nodes(model: ir.Model, vocab_size: int) -> dict[str, str]:
@@ -81,7 +129,10 @@ def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, 
 
     quantizer = MatMulNBitsQuantizer(
         proto, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
-        op_types_to_quantize=("MatMul", "Gather"), quant_axes=(("MatMul", 0), ("Gather", 1)), **nodes,
+        # Its Gather quantisation is 4-bit only (at 8 bits it logs an error and leaves the Gather);
+        # an 8-bit tied embedding is looked up in the lm_head's table instead (share_tied_embedding).
+        op_types_to_quantize=("MatMul", "Gather") if bits == 4 else ("MatMul",),
+        quant_axes=(("MatMul", 0), ("Gather", 1)), **nodes,
     )
     quantizer.process()
     return quantizer.model.model
@@ -94,7 +145,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     with int4 keeps the lm_head at 8 bits: on small models it carries much of int4's accuracy cost
     (SmolLM2-135M: perplexity +22.6% all-int4, +14.0% with an int8 lm_head) for more bytes per token
     (98 -> 116 MB there, so ~15% slower decode); see benchmarks/README.md."""
-    _materialise_transposed_weights(model)
+    tied = _materialise_transposed_weights(model)
     vocab_nodes = _vocab_nodes(model, vocab_size)
     proto = ir.to_proto(model)
     bits = BITS[quantize]
@@ -113,6 +164,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
         except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
             raise ExportError(f"ONNX Runtime's {quantize} quantiser failed: {type(err).__name__}: {err}") from err
     quantized = ir.from_proto(proto)
+    shared = share_tied_embedding(quantized, tied)
     ops = Counter(node.op_type for node in quantized.graph)
     bits_of = Counter(int(node.attributes["bits"].value) for node in quantized.graph
                       if node.op_type in ("MatMulNBits", "GatherBlockQuantized") and "bits" in node.attributes)
@@ -121,6 +173,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
         "bits": bits, "block_size": block_size, "accuracy_level": accuracy_level,
         "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left_fp32": ops.get("MatMul", 0),
         "embedding_quantized": ops.get("GatherBlockQuantized", 0) > 0,
+        "embedding_shares_lm_head": shared > 0,  # a tied embedding looked up in the lm_head's table
         "nodes_by_bits": {str(b): n for b, n in sorted(bits_of.items())},
         "lm_head_bits": 8 if bits == 4 and lm_head_bits == 8 and vocab_nodes else bits,
     }

@@ -189,6 +189,9 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
     feed = np.zeros(batch, dtype=np.int64)
     # Greedy on the raw logits: the NaN check looks at the picked logits only (Generator.check_logits).
     plain_greedy = request.sampling.greedy and controls is None
+    # ... and without logprobs the argmax is all a step samples: called directly, not through the
+    # Sampler (each call costs microseconds with caches cold from the graph run).
+    bare_greedy = plain_greedy and top is None
     while rows.live:
         t_step = time.perf_counter()
         drafts = draft_tokens(rows, draft_len, request.max_new_tokens) if draft_len else None
@@ -214,7 +217,7 @@ def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: l
         counts.decoded_tokens += len(rows.live)
         if keep_logits:
             kept_logits.append(logits.copy())
-        picked, logprobs = rows.pick(logits, sampler, top)
+        picked, logprobs = (greedy_tokens(logits), None) if bare_greedy else rows.pick(logits, sampler, top)
         if plain_greedy:
             gen.check_logits(logits, counts.steps, greedy_picks=picked)
         event = rows.accept(counts.steps, picked, logprobs=logprobs)

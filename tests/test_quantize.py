@@ -22,6 +22,7 @@ from kvforge.parity import (
 from kvforge.runtime import Generator  # noqa: E402
 
 RECIPE = "llama3-tiny"  # tied embeddings: the lm_head is the transposed embedding
+LAYERS, HIDDEN, VOCAB = 2, 64, 512  # the recipe's (models/recipes.py _TINY); checked below
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,17 @@ def test_quantized_export_has_no_fp32_matmul_and_records_its_cost(bits: str, qua
     manifest = json.loads((folder / "kvforge.json").read_text())
     quant = manifest["quantization"]
     assert quant["bits"] == int(bits[3:]) and quant["block_size"] == 32
-    assert quant["embedding_quantized"] == (bits == "int4")  # GatherBlockQuantized is 4-bit only
+    # The tied embedding is looked up in the lm_head's own quantised table (no copy, no fp32 table).
+    assert quant["embedding_quantized"] and quant["embedding_shares_lm_head"]
+    lookup = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    reshape = next(n for n in model.graph.node if n.output[0] == lookup.input[0])
+    head = next(n for n in model.graph.node if n.op_type == "MatMulNBits" and n.output[0] == model.graph.output[0].name
+                or n.op_type == "MatMulNBits" and "lm_head" in n.input[1])
+    assert reshape.op_type == "Reshape" and reshape.input[0] == head.input[1] and lookup.input[2] == head.input[2]
+    names = [t.name for t in model.graph.initializer]
+    assert len(names) == len(set(names)) and not any(list(t.dims) == [VOCAB, HIDDEN] for t in model.graph.initializer)
+    # q/k/v and gate/up each run as one MatMulNBits (each quantises its input once): 4 per layer + lm_head.
+    assert ops["MatMulNBits"] == 4 * LAYERS + 1 and ops["Split"] == LAYERS
     accuracy = quant["accuracy"]  # against HF eager fp32
     assert accuracy == measured
     load_manifest(folder, verify_hashes=True)  # the recorded measurement leaves a valid export
@@ -122,3 +133,60 @@ def test_quantize_option_errors(options, message, hf_folder, tmp_path) -> None:
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         export_model(hf_folder(RECIPE), tmp_path / "out", **options)
     assert not (tmp_path / "out").exists()
+
+
+def test_recipe_shape_constants(hf_folder) -> None:
+    config = json.loads((hf_folder(RECIPE) / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (LAYERS, HIDDEN, VOCAB)
+
+
+def _tied_model(vocab: int = 64, hidden: int = 64):
+    """ids -> Gather(W) -> MatMul(., Transpose(W)): a tied embedding and lm_head, seeded weights."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).normal(size=(vocab, hidden)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["W", "ids"], ["h"], name="embed"),
+             helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "Wt"], ["logits"], name="lm_head")]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "s"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", vocab]),
+                               helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "s", hidden])],
+                              initializer=[numpy_helper.from_array(weight, "W")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    return ir.from_proto(proto), weight
+
+
+def _run(model, ids):
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["logits", "h"], {"ids": ids})
+
+
+@pytest.mark.parametrize("bits", ["int4", "int8"])
+def test_tied_embedding_reads_the_lm_heads_table(bits, monkeypatch) -> None:
+    from kvforge.exporter import quantize as quantize_module
+
+    ids = np.arange(64, dtype=np.int64)[None]
+    model, weight = _tied_model()
+    shared, record = quantize_module.quantize_model(model, bits, 32, vocab_size=64)
+    assert record["embedding_shares_lm_head"] and Counter(n.op_type for n in shared.graph)["GatherBlockQuantized"] == 1
+    _, embedded = _run(shared, ids)
+    # The lookup gives the lm_head's own dequantised rows: multiples of its block scales, within a step
+    # of the fp32 weights (half a step, or one where the quantiser's asymmetric range clips).
+    head = next(n for n in shared.graph if n.op_type == "MatMulNBits")
+    step = np.abs(head.inputs[2].const_value.numpy()).reshape(64, -1, 1)  # the quantiser signs its scales
+    units = embedded[0].reshape(64, -1, 32) / step
+    assert np.allclose(units, np.round(units), atol=1e-3)
+    assert np.all(np.abs(embedded[0] - weight).reshape(64, -1, 32) <= step + 1e-6)
+    # Without the sharing: int4 has its own 4-bit copy with the very same values, int8 a fp32 table.
+    monkeypatch.setattr(quantize_module, "share_tied_embedding", lambda model, tied: 0)
+    apart, record = quantize_module.quantize_model(_tied_model()[0], bits, 32, vocab_size=64)
+    assert not record["embedding_shares_lm_head"]
+    _, embedded_apart = _run(apart, ids)
+    if bits == "int4":
+        assert np.array_equal(embedded_apart, embedded)
+    else:
+        assert np.array_equal(embedded_apart[0], weight) and not np.array_equal(embedded, embedded_apart)
