@@ -83,8 +83,7 @@ def share_tied_embedding(model: ir.Model, tied: dict[str, str]) -> int:
         if source is None or weight.const_value is None or len(weight.shape) != 3:
             continue
         lookup = next((n for n in lookups if n.inputs[0].name in (source, f"{source}_Q4")), None)
-        axis = lookup.attributes.get_int("axis" if lookup is not None and lookup.op_type == "Gather" else "gather_axis", 0)
-        if lookup is None or axis != 0:
+        if lookup is None or lookup.attributes.get_int("axis" if lookup.op_type == "Gather" else "gather_axis", 0) != 0:
             continue
         rows, blocks, width = weight.shape
         tape = ir.tape.Tape()
@@ -143,8 +142,8 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
                    ) -> tuple[ir.Model, dict[str, Any]]:
     """The quantised model (weights in memory) and a record of what was quantised. `lm_head_bits=8`
     with int4 keeps the lm_head at 8 bits: on small models it carries much of int4's accuracy cost
-    (SmolLM2-135M: perplexity +22.6% all-int4, +14.0% with an int8 lm_head) for more bytes per token
-    (98 -> 116 MB there, so ~15% slower decode); see benchmarks/README.md."""
+    (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
+    (84 -> 98 MB there); see benchmarks/README.md."""
     tied = _materialise_transposed_weights(model)
     vocab_nodes = _vocab_nodes(model, vocab_size)
     proto = ir.to_proto(model)
