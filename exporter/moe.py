@@ -21,6 +21,7 @@ of this form keep transformers' `batched_mm` implementation (the same gather for
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -217,8 +218,16 @@ def quantize_experts(weights: np.ndarray, bits: int, block_size: int) -> tuple[n
     return packed.reshape(experts, rows, -1), scales.reshape(experts, rows, blocks)
 
 
+# The prefill and decode graphs share their weight tensors (derive_decode_graph clones the graph, not the
+# weights), so an experts tensor is quantised once per export rather than once per graph.
+_QUANTIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _quantized_initializer(graph: ir.Graph, value: ir.Value, bits: int, block_size: int) -> tuple[ir.Value, ir.Value]:
-    packed, scales = quantize_experts(value.const_value.numpy(), bits, block_size)
+    done = _QUANTIZED.setdefault(value.const_value, {})
+    if (bits, block_size) not in done:
+        done[bits, block_size] = quantize_experts(value.const_value.numpy(), bits, block_size)
+    packed, scales = done[bits, block_size]
     made = []
     for suffix, array in (("q", packed), ("scales", scales)):
         name = f"{value.name}_{suffix}{bits}"

@@ -181,7 +181,11 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
         return run_parity(tmp_path / "hf", out, ["The quick brown fox", "Once upon a time in a land"], 8,
                           atol=100.0, perplexity_tokens=64, hf_model=model).max_abs_err
 
+    calls = []
+    quantize_experts = moe.quantize_experts
+    monkeypatch.setattr(moe, "quantize_experts", lambda *args: calls.append(args[0].shape) or quantize_experts(*args))
     export_model(tmp_path / "hf", tmp_path / "int4", target="ort", quantize="int4")
+    assert len(calls) == 2 * 2  # gate/up and down of each of the 2 layers, once for both graphs
     for name in ("prefill.onnx", "decode.onnx"):
         graph = onnx.load(tmp_path / "int4" / name, load_external_data=False).graph
         assert [n.op_type for n in graph.node if n.op_type in ("MoE", "QMoE")] == ["QMoE"] * 2
