@@ -68,13 +68,14 @@ def _materialise_transposed_weights(model: ir.Model) -> dict[str, str]:
 
 def share_tied_embedding(model: ir.Model, tied: dict[str, str]) -> int:
     """A tied embedding looked up in its lm_head's quantised table (`tied`: the lm_head's transposed
-    weight name -> the embedding's). The quantiser leaves the lookup a Gather over the fp32 table
-    (int8) or its own 4-bit copy (int4); GatherBlockQuantized reads MatMulNBits' blocks as they are
-    ([N, blocks, bytes] viewed as [N, blocks * bytes], its default zero point being MatMulNBits'), so
-    the weights hold the table once. For int4 the values are the copy's exactly; int8 (and int4 with
-    an 8-bit lm_head) look up 8-bit values instead of fp32 (4-bit) ones. Returns how many were shared."""
+    weight name -> the embedding's), whose Gather quantize_model kept away from the quantiser (which
+    would make int4 its own 4-bit copy and leave int8's fp32). GatherBlockQuantized reads MatMulNBits'
+    blocks as they are ([N, blocks, bytes] viewed as [N, blocks * bytes], its default zero point being
+    MatMulNBits'), so the weights hold the table once: for int4 the same values the copy had; int8 (and
+    int4 with an 8-bit lm_head) look up 8-bit values. Returns how many were shared. A lookup it cannot
+    share stays a fp32 Gather."""
     graph, shared = model.graph, 0
-    lookups = [n for n in graph if n.op_type in ("Gather", "GatherBlockQuantized") and n.inputs[0] is not None]
+    lookups = [n for n in graph if n.op_type == "Gather" and n.inputs[0] is not None]
     for head in list(graph):
         if head.op_type != "MatMulNBits" or len(head.inputs) > 3 and any(v is not None for v in head.inputs[3:]):
             continue  # zero points, group index or bias: not the symmetric layout the lookup assumes
@@ -82,8 +83,8 @@ def share_tied_embedding(model: ir.Model, tied: dict[str, str]) -> int:
         source = next((tied[name] for name in tied if weight.name.startswith(f"{name}_Q")), None)
         if source is None or weight.const_value is None or len(weight.shape) != 3:
             continue
-        lookup = next((n for n in lookups if n.inputs[0].name in (source, f"{source}_Q4")), None)
-        if lookup is None or lookup.attributes.get_int("axis" if lookup.op_type == "Gather" else "gather_axis", 0) != 0:
+        lookup = next((n for n in lookups if n.inputs[0].name == source), None)
+        if lookup is None or lookup.attributes.get_int("axis", 0) != 0:
             continue
         rows, blocks, width = weight.shape
         tape = ir.tape.Tape()
@@ -145,6 +146,9 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
     (84 -> 98 MB there); see benchmarks/README.md."""
     tied = _materialise_transposed_weights(model)
+    # A tied embedding's lookup is left to share_tied_embedding (the lm_head's table), not quantised apart.
+    tied_lookups = [node.name for node in model.graph
+                    if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].name in tied.values()]
     vocab_nodes = _vocab_nodes(model, vocab_size)
     proto = ir.to_proto(model)
     bits = BITS[quantize]
@@ -152,14 +156,13 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     with quiet_logger("onnxruntime.quantization"):
         try:
             if bits == 4 and lm_head_bits == 8 and vocab_nodes:
-                # ONNX Runtime's GatherBlockQuantized takes 4 bits only: the embedding stays int4.
                 head = [name for name, op in vocab_nodes.items() if op == "MatMul"]
                 # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
                 others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
                 proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
-                proto = _run_quantizer(proto, 4, block_size, accuracy_level, nodes_to_exclude=head)
+                proto = _run_quantizer(proto, 4, block_size, accuracy_level, nodes_to_exclude=head + tied_lookups)
             else:
-                proto = _run_quantizer(proto, bits, block_size, accuracy_level)
+                proto = _run_quantizer(proto, bits, block_size, accuracy_level, nodes_to_exclude=tied_lookups)
         except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
             raise ExportError(f"ONNX Runtime's {quantize} quantiser failed: {type(err).__name__}: {err}") from err
     quantized = ir.from_proto(proto)

@@ -181,11 +181,20 @@ def test_tied_embedding_reads_the_lm_heads_table(bits, monkeypatch) -> None:
     units = embedded[0].reshape(64, -1, 32) / step
     assert np.allclose(units, np.round(units), atol=1e-3)
     assert np.all(np.abs(embedded[0] - weight).reshape(64, -1, 32) <= step + 1e-6)
-    # Without the sharing: int4 has its own 4-bit copy with the very same values, int8 a fp32 table.
-    monkeypatch.setattr(quantize_module, "share_tied_embedding", lambda model, tied: 0)
-    apart, record = quantize_module.quantize_model(_tied_model()[0], bits, 32, vocab_size=64)
-    assert not record["embedding_shares_lm_head"]
+    # What ONNX Runtime's quantiser alone makes of the lookup: int4 its own 4-bit copy with the very same
+    # values, int8 a fp32 table.
+    import onnx_ir as ir
+
+    alone = _tied_model()[0]
+    quantize_module._materialise_transposed_weights(alone)
+    apart = ir.from_proto(quantize_module._run_quantizer(ir.to_proto(alone), int(bits[3:]), 32, 4))
+    assert Counter(n.op_type for n in apart.graph)["GatherBlockQuantized"] == (bits == "int4")
     _, embedded_apart = _run(apart, ids)
+    # With the sharing switched off the tied lookup keeps the fp32 table (quantize_model keeps it from the quantiser).
+    monkeypatch.setattr(quantize_module, "share_tied_embedding", lambda model, tied: 0)
+    fp32_lookup, record = quantize_module.quantize_model(_tied_model()[0], bits, 32, vocab_size=64)
+    assert not record["embedding_shares_lm_head"]
+    assert np.array_equal(_run(fp32_lookup, ids)[1][0], weight)
     if bits == "int4":
         assert np.array_equal(embedded_apart, embedded)
     else:
