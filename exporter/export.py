@@ -300,6 +300,16 @@ def export_model(
                     f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
                     "nothing was changed at the output"
                 ) from err
+            if "longrope_frequency_update" in str(err):
+                # transformers 5.17's LongRoPE asks for the sequence length as a Python value, which
+                # torch.export cannot give; the transformers CI installs (5.24) traces it.
+                import transformers
+
+                raise ExportError(
+                    f"transformers {transformers.__version__} cannot trace {model_dir}'s LongRoPE for export "
+                    "(a data-dependent branch in longrope_frequency_update); upgrade transformers (5.24 works: "
+                    "pip install -U transformers); nothing was changed at the output"
+                ) from err
             raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {one_line(err)}") from err
     before = f"; converting the GGUF before it took {converted_s:.1f} s" if converted_s is not None else ""
     say(f"exported to {out_dir}: load, trace, optimise and write took {time.perf_counter() - started:.1f} s{before}")

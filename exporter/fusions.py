@@ -157,7 +157,75 @@ def fuse_for_ort(model: ir.Model) -> dict[str, int]:
         "cos_sin_cache": fuse_cos_sin_cache(model),
     }
     counts["norm_statistics_dropped"] = drop_unused_norm_statistics(model)
+    counts["norm_dtypes_aligned"] = align_norm_dtypes(model)
     return counts
+
+
+_NORM_WEIGHTS = {"SimplifiedLayerNormalization": (1,), "SkipSimplifiedLayerNormalization": (2, 3)}
+
+
+def align_norm_dtypes(model: ir.Model) -> int:
+    """Give each fused RMSNorm one dtype, its input's. Some families' norms multiply by the weight in
+    fp32 whatever the model's dtype (Gemma's 1 + w, OLMo 2, Gemma 2/3: `weight.float()`), so in an fp16
+    export the fusion sees fp16 activations, an fp32 weight and an fp32 result, then a Cast back to fp16;
+    SkipSimplifiedLayerNormalization has one type for all of them and such a graph does not load.
+    The weight becomes a copy in the input's dtype, the result that dtype (ONNX Runtime normalises in
+    fp32 inside the op and rounds once, where HF rounded after the fp32 product: within an ulp), the
+    Cast back becomes the identity it now is. Returns how many nodes changed."""
+    graph, changed = model.graph, 0
+    copies: dict[tuple[str, ir.DataType], ir.Value] = {}
+    for node in list(graph):
+        weights = _NORM_WEIGHTS.get(node.op_type) if node.domain in ("", "com.microsoft") else None
+        dtype = node.inputs[0].dtype if weights is not None else None
+        if dtype is None:
+            continue
+        touched = False
+        for slot in weights:
+            if slot >= len(node.inputs) or node.inputs[slot] is None or node.inputs[slot].dtype == dtype:
+                continue
+            weight = node.inputs[slot]
+            if weight.const_value is None or not weight.is_initializer():
+                raise_mixed(node)
+            key = (weight.name, dtype)
+            if key not in copies:
+                name = f"{weight.name}.{dtype.name.lower()}"
+                array = weight.const_value.numpy().astype(dtype.numpy())
+                copies[key] = ir.Value(name=name, shape=weight.shape, type=ir.TensorType(dtype),
+                                       const_value=ir.tensor(array, name=name))
+                graph.register_initializer(copies[key])
+            node.replace_input_with(slot, copies[key])
+            touched = True
+        for index in (0, 3):
+            if index < len(node.outputs) and node.outputs[index].name and node.outputs[index].dtype != dtype:
+                _retype_output(graph, node.outputs[index], dtype)
+                touched = True
+        changed += touched
+    if changed:
+        ir.passes.common.RemoveUnusedNodesPass()(model)
+    return changed
+
+
+def _retype_output(graph: ir.Graph, value: ir.Value, dtype: ir.DataType) -> None:
+    """`value` is now `dtype`: a Cast of it to `dtype` is dropped, other users get a Cast to its old type."""
+    old = value.dtype
+    value.dtype = dtype
+    for user, slot in list(value.uses()):
+        if user.op_type == "Cast" and user.domain == "" and user.attributes["to"].value == dtype and \
+                not user.outputs[0].is_graph_output():
+            user.outputs[0].replace_all_uses_with(value)
+            continue
+        tape = ir.tape.Tape()
+        back = tape.op("Cast", [value], attributes={"to": old})
+        back.dtype, back.shape = old, value.shape
+        graph.insert_before(user, tape.nodes)
+        user.replace_input_with(slot, back)
+
+
+def raise_mixed(node: ir.Node) -> None:
+    from kvforge.errors import ExportError
+
+    raise ExportError(f"{node.op_type} node {node.name} mixes dtypes with a weight computed in the graph; "
+                      "kvforge cannot align it (export with --dtype fp32)")
 
 
 def drop_unused_norm_statistics(model: ir.Model) -> int:

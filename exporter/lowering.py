@@ -21,6 +21,7 @@ from kvforge.contract import (
     ATTENTION_OUTPUTS,
     CANONICAL_OP,
     INPUT_IDS,
+    LOGITS_INDEX,
     PLUGIN,
     AttentionAttrs,
     parse_cache_name,
@@ -75,8 +76,14 @@ def _pre_rotary(value: ir.Value) -> tuple[ir.Value, ir.Node] | None:
     back = _producer(reshape.inputs[0], "Transpose") if reshape is not None else None
     if _perm(back) != TRANSPOSE_BSHD:
         return None
-    rotary = _producer(back.inputs[0], "RotaryEmbedding", FUSION_DOMAIN)
-    if rotary is None or rotary.attributes.get("interleaved", ir.AttrInt64("interleaved", 0)).value != 0:
+    # onnxscript's intermediate RotaryEmbedding, or ONNX Runtime's own where its cos/sin fusion already ran
+    # (transformers 5.17's trace). Either way the table is the model's (rotary_caches checks it against the
+    # module at every position) and the positions are past_lens + t: GQA's do_rotary computes the same.
+    rotary = _producer(back.inputs[0], "RotaryEmbedding", FUSION_DOMAIN) or \
+        _producer(back.inputs[0], "RotaryEmbedding", "com.microsoft")
+    if rotary is None or rotary.attributes.get("interleaved", ir.AttrInt64("interleaved", 0)).value != 0 or \
+            rotary.attributes.get("rotary_embedding_dim", ir.AttrInt64("rotary_embedding_dim", 0)).value != 0 or \
+            rotary.attributes.get("scale", ir.AttrFloat32("scale", 1.0)).value != 1.0:
         return None
     forward = _producer(rotary.inputs[0], "Transpose")
     if _perm(forward) != TRANSPOSE_BSHD:
@@ -117,14 +124,27 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
     # rotary path alive after it is folded into attention.
     ids = next((value for value in graph.inputs if value.name == INPUT_IDS), q0)
     shared = ir.tape.Tape()
-    seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
-    seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
-    total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
-    # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
-    # written too, but real tokens never attend them (causal) and decode overwrites them later.
-    # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
-    seqlens_k = shared.op("Sub", [total, _const(shared, np.array([1], np.int32), "kvforge_one")])
-    total_len = shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+    # decode.onnx: input_ids [B, 1] and no logits_index (exporter/trace.py: derive_decode_graph).
+    one_token = (ids.shape is not None and len(ids.shape) == 2 and ids.shape[1] == 1) or (
+        ids is not q0 and LOGITS_INDEX not in {value.name for value in graph.inputs})
+    if one_token:
+        # decode.onnx (one new token per row): seqlens_k ("total length - 1") is past_lens itself, and
+        # total_sequence_length, which GQA reads on the host, is the cache's capacity from past_key's
+        # shape. So no device value is copied to the host mid-graph (a Memcpy node, which also rules out
+        # ONNX Runtime's CUDA graphs), and the step is never mistaken for a first prompt (GQA's test is
+        # S == total_sequence_length). The kernels attend each row's own seqlens_k + 1 positions.
+        seqlens_k = past_lens
+        capacity = shared.op("Shape", [first.inputs[3]], attributes={"start": 2, "end": 3})
+        total_len = shared.op("Cast", [capacity], attributes={"to": ir.DataType.INT32})
+    else:
+        seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
+        seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
+        total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
+        # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
+        # written too, but real tokens never attend them (causal) and decode overwrites them later.
+        # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
+        seqlens_k = shared.op("Sub", [total, _const(shared, np.array([1], np.int32), "kvforge_one")])
+        total_len = shared.op("ReduceMax", [total], attributes={"keepdims": 0})
     caches = None
     if rotary is not None:
         dtype = q0.dtype.numpy() if q0.dtype is not None else np.float32

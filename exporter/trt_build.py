@@ -42,16 +42,31 @@ from kvforge.exporter.trt_graph import tensorrt_graph
 from kvforge.manifest import file_record, load_manifest, read_graph
 from kvforge.output_folder import StagedFolder, check_output
 from kvforge.targets import get_target
-from kvforge.tensorrt_flavor import RTX_PORTABLE, TensorRT, load_tensorrt
+from kvforge.tensorrt_flavor import RTX_PORTABLE, TensorRT, gpu_refusal, load_tensorrt
 
 # TensorRT's builder says this when an attention layer has no dedicated kernel for its shape and dtype.
 NEEDS_DECOMPOSABLE = "not supported by a dedicated kernel"
 
 
-def build_target(trt: TensorRT) -> dict[str, str]:
+def local_gpu() -> dict[str, str] | None:
+    """This machine's first GPU ({name, compute_capability}), or None (none, or no cuda-python to ask)."""
+    try:
+        from kvforge import cuda
+
+        return cuda.device_info(0) if cuda.device_count() else None
+    except Exception:  # no cuda-python, no driver: nothing to say about a GPU
+        return None
+
+
+def build_target(trt: TensorRT, say: Callable[[str], None] = lambda _msg: None) -> dict[str, str]:
     """The GPU the engines are built for: this machine's (standard TensorRT, which needs one), or
-    TensorRT-RTX's portable set (its ahead-of-time build needs none)."""
+    TensorRT-RTX's portable set (its ahead-of-time build needs none; where this machine has a GPU
+    TensorRT-RTX cannot run, say so, and build for the portable set all the same)."""
     if trt.builds_without_gpu:
+        here = local_gpu()
+        refusal = gpu_refusal(trt.flavor, here) if here is not None else None
+        if refusal is not None:
+            say(f"note: {refusal}. Building for the portable set (compute capability {RTX_PORTABLE}) anyway")
         return {"name": "any supported GPU (ahead-of-time build)", "compute_capability": RTX_PORTABLE}
     try:
         from kvforge import cuda
@@ -67,7 +82,11 @@ def build_target(trt: TensorRT) -> dict[str, str]:
             f"kvforge build with {trt.label} needs an NVIDIA GPU to build for; CUDA reports none (TensorRT-RTX "
             "builds without one: pip install 'kvforge[trt-rtx]')"
         )
-    return cuda.device_info(0)
+    gpu = cuda.device_info(0)
+    refusal = gpu_refusal(trt.flavor, gpu)
+    if refusal is not None:
+        raise BackendUnavailableError(refusal)
+    return gpu
 
 
 def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] | None:
@@ -134,7 +153,7 @@ def build_engines(
     plugin = _plugin_identity(trt, manifest)
     if plugin is not None and plugin_arch is not None:
         plugin = {**plugin, "arch": plugin_arch}  # PTX for another architecture: other engines
-    gpu = build_target(trt)
+    gpu = build_target(trt, say)
     key = build_key(manifest, options, trt.record(), gpu["compute_capability"], __version__, plugin)
     existing = _up_to_date(engine_dir, key)
     if existing is not None and not force:

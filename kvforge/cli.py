@@ -1,4 +1,4 @@
-"""The `kvforge` command line: demo | export | build | inspect here; generate | parity | bench | serve
+"""The `kvforge` command line: demo | export | build | inspect | doctor here; generate | parity | bench | serve
 in kvforge/cli_run.py; chat in kvforge/cli_chat.py; what they share in kvforge/cli_common.py.
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
@@ -315,6 +315,19 @@ def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max
                f"decode {info['decode_tokens_per_s']} tokens/s")
     hint = "--chat 'Tell me about Paris' --stream" if info["chat"] else "--prompt 'Hello' --stream"
     click.echo(f"next:      kvforge generate {info['export_dir']} {hint}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def doctor(as_json: bool) -> None:
+    """What this machine can run: GPUs, CUDA libraries, ONNX Runtime, TensorRT, and each backend (or why not)."""
+    from kvforge.doctor import diagnose, format_report
+
+    report = diagnose()
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(format_report(report))
 
 
 for _command in (cli_run.generate, cli_chat.chat, cli_run.parity, cli_run.bench, cli_run.serve):

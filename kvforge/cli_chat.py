@@ -150,8 +150,8 @@ def _stat_line(turn: Turn) -> str:
 @click.option("--max-seq-len", type=click.IntRange(2), default=None,
               help="Positions of the whole conversation (default: the export's max_capacity, at most 4096).")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
-              help="ort-cpu (default for ort/onnx exports) or emulate (default for trt exports): the "
-                   "conversation's KV rows are kept in host memory.")
+              help="ort-cpu (default for ort/onnx exports), emulate (default for trt exports), ort-cuda or "
+                   "tensorrt: any backend with row operations.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime backends: intra-op threads.")
 @emulation_option
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")

@@ -186,29 +186,58 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--prompt-len", default=128, show_default=True, type=int)
 @click.option("--new-tokens", default=128, show_default=True, type=int)
-@click.option("--batch", default=1, show_default=True, type=int, help="Rows (prompts of different lengths).")
-@click.option("--repeat", default=3, show_default=True, type=int, help="Rounds; medians are reported.")
+@click.option("--batch", default=None,
+              help="Rows (prompts of different lengths); GPU backends take a list, e.g. 1,8. [default: 1; GPU: 1,8]")
+@click.option("--repeat", default=None, type=int,
+              help="Rounds (CPU, default 3) or timed runs after a warm-up (GPU, default 5); medians are reported.")
 @click.option("--threads", default=2, show_default=True, type=int)
-@click.option("--compare", default="", help="Peers to run alongside, comma-separated: hf, ort-genai.")
-@click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cuda or tensorrt: the GPU benchmark (peers hf, hf-compiled on the same GPU). Default: the CPU one.")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
+@click.option("--compare", default="", help="Peers, comma-separated: hf, ort-genai (CPU); hf, hf-compiled (GPU).")
+@click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib; CPU).")
 @click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
               help="Also run kvforge with speculative decoding (alternating with plain): acceptance, tokens/s.")
 @click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
 @click.option("--cold-start/--no-cold-start", default=True, show_default=True,
-              help="Also time each system's cold start: a whole process from its start to its first token.")
+              help="Also time each system's cold start: a whole process from its start to its first token (CPU).")
 @no_spin_option
 @click.option("--json", "as_json", is_flag=True)
-def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int, compare: str,
-          plot: Path | None, speculate: str | None, draft_len: int, cold_start: bool, no_spin: bool,
-          as_json: bool) -> None:
-    """Benchmark an export (TTFT, decode tokens/s, peak RSS, weight bandwidth, cold start), optionally against peers."""
+def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None, repeat: int | None, threads: int,
+          backend: str | None, engine_dir: Path | None, compare: str, plot: Path | None, speculate: str | None,
+          draft_len: int, cold_start: bool, no_spin: bool, as_json: bool) -> None:
+    """Benchmark an export (TTFT, decode tokens/s, memory), optionally against peers: on the CPU (ort-cpu, with
+    weight bandwidth and cold start), or on a GPU with --backend ort-cuda / tensorrt."""
     from kvforge import bench as bench_module
+    from kvforge.bench_gpu import GPU_BACKENDS
 
+    peers = tuple(p.strip() for p in compare.split(",") if p.strip())
+    batches = _batch_sizes(batch)
+    if backend in GPU_BACKENDS:
+        from kvforge.bench_gpu import format_gpu_table, run_gpu_bench
+
+        if plot is not None or speculate is not None:
+            raise InputError("--plot and --speculate are options of the CPU benchmark, not of --backend " + backend)
+        progress = command_progress(False)
+        report = run_gpu_bench(export_dir, backend, batches or (1, 8), prompt_len, new_tokens,
+                               5 if repeat is None else repeat, peers, say=progress,
+                               backend_options=backend_options(engine_dir=engine_dir))
+        progress.close()
+        if as_json:
+            emit_json(report)
+        else:
+            click.echo(format_gpu_table(report))
+        return
+    if backend not in (None, "ort-cpu"):
+        raise InputError(f"kvforge bench runs ort-cpu (the CPU benchmark) or a GPU backend ({', '.join(GPU_BACKENDS)}), "
+                         f"not {backend}")
+    if batches is not None and len(batches) > 1:
+        raise InputError("several --batch sizes are for the GPU benchmark (--backend ort-cuda); give one")
     if plot is not None:  # before the rounds, not after minutes of measuring
         bench_module.check_plot(plot)
-    peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     progress = command_progress(False)
-    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batch, repeat, threads, peers, say=progress,
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batches[0] if batches else 1,
+                                    3 if repeat is None else repeat, threads, peers, say=progress,
                                     speculate=speculate, draft_len=draft_len, cold_start=cold_start,
                                     spinning=not no_spin)
     progress.close()
@@ -219,6 +248,18 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
         emit_json(report)
     else:
         click.echo(bench_module.format_table(report))
+
+
+def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise InputError(f"--batch takes a size or a comma-separated list of sizes (1,8), got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise InputError(f"--batch sizes must be positive, got {text!r}")
+    return sizes
 
 
 @click.command()
@@ -240,6 +281,9 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
               help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
                    "bound address and loopback names are answered, against DNS rebinding.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cpu (default), ort-cuda, tensorrt or emulate: any backend with row operations serves.")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
 @no_spin_option
 @click.option("--log-format", type=click.Choice(["text", "json", "off"]), default="text", show_default=True,
@@ -252,8 +296,8 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
           max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
-          threads: int | None, no_spin: bool, log_format: str, chat_template: str | None, use_ray: bool,
-          replicas: int, ray_address: str | None) -> None:
+          backend: str | None, engine_dir: Path | None, threads: int | None, no_spin: bool, log_format: str,
+          chat_template: str | None, use_ray: bool, replicas: int, ray_address: str | None) -> None:
     """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
 
     Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
@@ -264,7 +308,7 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
     check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
                    api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
-                   chat_template=chat_template)
+                   chat_template=chat_template, backend=backend, engine_dir=engine_dir)
     where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only

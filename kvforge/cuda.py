@@ -57,6 +57,31 @@ def set_device(device_id: int) -> None:
     check(_cudart().cudaSetDevice(int(device_id)))
 
 
+_COPY_KINDS = {"device_to_device": "cudaMemcpyDeviceToDevice", "device_to_host": "cudaMemcpyDeviceToHost",
+               "host_to_device": "cudaMemcpyHostToDevice"}
+
+
+def copy_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, kind: str) -> None:
+    """Copy `height` rows of `width` bytes, rows `src_pitch` apart, to rows `dst_pitch` apart, on the
+    legacy default stream (ONNX Runtime's runs have synchronised their own streams by then). A KV
+    cache row's positions are one such block per head. Copies from or to the host are done when this
+    returns; a device-to-device copy may still run: call `synchronize()` before other streams read it."""
+    cudart = _cudart()
+    check(cudart.cudaMemcpy2D(int(dst), int(dst_pitch), int(src), int(src_pitch), int(width), int(height),
+                              getattr(cudart.cudaMemcpyKind, _COPY_KINDS[kind])))
+
+
+def synchronize() -> None:
+    """Wait for all work on the current GPU."""
+    check(_cudart().cudaDeviceSynchronize())
+
+
+def memory_info() -> tuple[int, int]:
+    """(free, total) bytes of the current GPU."""
+    free, total = check(_cudart().cudaMemGetInfo())
+    return int(free), int(total)
+
+
 class Stream:
     """A stream of the GPU current when it is created."""
 

@@ -71,7 +71,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                api_key: str | None = None, model_name: str | None = None, prefill_chunk: int = 128,
                max_queue: int = 64, threads: int | None = None, spinning: bool = True,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
-               template_seconds: float | None = None, chat_template: str | Path | None = None):
+               template_seconds: float | None = None, chat_template: str | Path | None = None,
+               backend: str | None = None, engine_dir: str | Path | None = None):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps).
     `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
@@ -104,10 +105,12 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
         raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
-    options = {"threads": threads} if threads is not None else {}
+    options: dict[str, Any] = {"threads": threads} if threads is not None else {}
     if not spinning:  # only given when asked: backends other than ONNX Runtime's take no such option
         options["spinning"] = False
-    generator = Generator(export_dir, **options)
+    if engine_dir is not None:
+        options["engine_dir"] = engine_dir
+    generator = Generator(export_dir, backend=backend, **options)
     # A template given in place of the export's: one that cannot be read fails the start.
     override = (chat_template_override(chat_template, generator.folder, generator.manifest)
                 if chat_template is not None else None)

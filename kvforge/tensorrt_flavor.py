@@ -28,6 +28,11 @@ _LABELS = {"tensorrt": "TensorRT", "tensorrt-rtx": "TensorRT-RTX"}
 _MINIMUM = {"tensorrt": (10, 15), "tensorrt-rtx": (1, 7)}
 # Where an engine built by TensorRT-RTX without an explicit target runs (its documented default).
 RTX_PORTABLE = "8.0, 8.6, 8.9, 12.0+"
+# The compute capabilities whose GPUs each flavour's runtime runs engines on. TensorRT-RTX's own words on
+# an H200 (9.0): "Supported compute capabilities: 8.0 8.6 8.9 12.0 12.1 >12.0. TensorRT-RTX does not
+# support this compute capability, so the engine cannot be rebuilt for it." Standard TensorRT 10: Turing on.
+_RTX_RUNS_ON = ((8, 0), (8, 6), (8, 9))
+_STANDARD_OLDEST = (7, 5)
 _INSTALL_HINT = (
     "pip install 'kvforge[trt-rtx]' (TensorRT for RTX: builds engines on any machine, CPU included) or, on a "
     "machine with an NVIDIA GPU, pip install 'kvforge[trt]' (TensorRT >= 10.15)"
@@ -65,6 +70,38 @@ class TensorRT:
     def record(self) -> dict[str, str]:
         """What engines.json keeps: engines load only on the flavour and version that built them."""
         return {"flavor": self.flavor, "version": self.version}
+
+
+def _capability(compute_capability: str) -> tuple[int, int]:
+    major, _, minor = str(compute_capability).partition(".")
+    return int(major), int(minor or 0)
+
+
+def runs_on(flavor: str, compute_capability: str) -> bool:
+    """Whether `flavor`'s runtime runs engines on a GPU of this compute capability ("9.0")."""
+    cc = _capability(compute_capability)
+    if flavor == "tensorrt-rtx":
+        return cc in _RTX_RUNS_ON or cc[0] >= 12
+    return cc >= _STANDARD_OLDEST
+
+
+def runs_on_summary(flavor: str) -> str:
+    return RTX_PORTABLE if flavor == "tensorrt-rtx" else f"{'.'.join(map(str, _STANDARD_OLDEST))} and newer"
+
+
+def gpu_refusal(flavor: str, gpu: dict[str, str]) -> str | None:
+    """Why `flavor`'s engines cannot run on `gpu` ({name, compute_capability}), with what does run there;
+    None when they can. A rebuild never helps: the runtime itself refuses the architecture."""
+    if runs_on(flavor, gpu["compute_capability"]):
+        return None
+    where = f"{gpu.get('name', 'this GPU')} (compute capability {gpu['compute_capability']})"
+    if flavor == "tensorrt-rtx":
+        return (f"{_LABELS[flavor]} engines cannot run on {where}: TensorRT-RTX runs only on compute capability "
+                f"{RTX_PORTABLE}, and no rebuild changes that. On this GPU use standard TensorRT (pip install "
+                "'kvforge[trt]', then kvforge build --tensorrt tensorrt) or --backend ort-cuda with an ort-target "
+                "export (kvforge export --target ort --dtype fp16)")
+    return (f"{_LABELS[flavor]} does not run on {where} (it needs compute capability "
+            f"{runs_on_summary(flavor)}); use --backend ort-cuda with an ort-target export")
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

@@ -4,12 +4,17 @@
     slot = backend.allocate(batch, capacity)      # KV cache on the backend's device, bound in place
     logits = backend.prefill(slot, input_ids, logits_index)   # [B, V] float32 on the host
     logits = backend.decode(slot, token_ids, running)         # one token per row
+    backend.copy_rows(slot, 3, other, 0, n)       # rows move on the backend's device (serving)
     backend.limits                                # the batch / capacity it was built for
 
 A slot is what one request runs on: the cache buffers (bound as both past_* and present_*), their
 bindings, and `slot.cache`, the host-side state the Generator advances (`past_lens`, capacity
 checks). `Generator` knows only this protocol; backend options (ONNX Runtime's session mode and
 threads, TensorRT's engine folder) are the backend's keyword arguments.
+
+Row operations (copy_rows, read_rows / write_rows for the prefix store, view_rows for batch
+buckets) are what the serving scheduler needs: it never touches a buffer itself, so it serves on
+every backend that has them (`supports_rows`).
 
 Adding a backend: an entry in REGISTRY (its class, given lazily as "module:Class", and the export
 targets it runs) plus its own module. Backend names never equal a target's name.
@@ -70,6 +75,15 @@ class Backend(Protocol):
 
     def decode(self, slot: Slot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray: ...
 
+    # Row operations (serving: runtime/scheduler.py). A row's positions 0..positions-1, every layer.
+    def copy_rows(self, src: Slot, row: int, dst: Slot, dst_row: int, positions: int) -> None: ...
+
+    def read_rows(self, slot: Slot, row: int, positions: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
+
+    def write_rows(self, slot: Slot, row: int, layers: list[tuple[np.ndarray, np.ndarray]], positions: int) -> None: ...
+
+    def view_rows(self, slot: Slot, rows: int) -> Slot | None: ...  # the first `rows` rows, in place
+
     def kv_addresses(self, slot: Slot) -> dict[str, int]: ...
 
     def bound_output_addresses(self, slot: Slot, phase: str) -> dict[str, int]: ...
@@ -105,6 +119,14 @@ REGISTRY: dict[str, BackendEntry] = {
 # Earlier names, refused with the new one (a backend's name never equals a target's).
 RENAMED = {"trt": "tensorrt"}
 assert not set(REGISTRY) & set(TARGETS), "a backend and a target share a name"
+
+
+ROW_OPERATIONS = ("copy_rows", "read_rows", "write_rows", "view_rows")
+
+
+def supports_rows(backend: Any) -> bool:
+    """Whether `backend` has the row operations serving needs."""
+    return all(callable(getattr(backend, name, None)) for name in ROW_OPERATIONS)
 
 
 def default_backend(manifest: dict[str, Any]) -> str:

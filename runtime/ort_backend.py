@@ -6,10 +6,22 @@ The backend's sessions are shared; the per-request state lives in an `OrtSlot` (
 IO bindings, logits buffer and decode inputs), so several slots can run at once from different
 threads: ONNX Runtime allows concurrent `run` calls on one session, each with its own binding.
 A slot is bound once; a decode step writes into its numpy arrays and runs, nothing is rebound.
+
+On a CUDA device (ort-cuda) the step's inputs live in device buffers too. ONNX Runtime copies an
+input bound on one device to the device the graph reads it on once, when it is bound, not at every
+run; so a host `past_lens` or token array bound once was read at its bind-time values forever
+(decode ran every step at position 0 with token 0: wrong tokens from the second one on, measured
+on an H200), and so was a device `past_lens` that the prefill graph reads on the CPU (a
+continuation prefill ran at past_lens 0, measured on an H100). Each run uploads `past_lens` (and a
+decode step's token ids) into the slot's device buffers, one small copy each, and binds them again
+(the same addresses); the decode step's logits come back from a device buffer. With every decode
+input and output at a fixed device address, the decode step is captured once per slot as a CUDA
+graph (ONNX Runtime's `enable_cuda_graph`, one `gpu_graph_id` per slot) and replayed after.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +100,10 @@ class OrtSlot:
     decode_index: np.ndarray  # [B, 1] zeros: single mode's logits_index for S=1
     host_values: dict[str, ort.OrtValue] = field(default_factory=dict)
     prefill_inputs: tuple[np.ndarray, ...] = ()  # kept alive until the run (bind_cpu_input does not copy)
+    # ort-cuda: past_lens, the decode token ids, single mode's logits index and the decode logits, on
+    # the device (fixed addresses: what a CUDA graph replays); and the decode runs' options (graph id).
+    device_values: dict[str, ort.OrtValue] = field(default_factory=dict)
+    decode_options: ort.RunOptions | None = None
 
 
 class OrtBackend:
@@ -100,9 +116,15 @@ class OrtBackend:
     `device_id`, `max_capacity` (allocate at most this many positions), `spinning` (ONNX Runtime's
     intra-op threads busy-wait for work between ops, its default; False makes them sleep: on a CPU
     that other busy processes share, a spinning thread holds a core the thread with work needs;
-    see benchmarks/README.md, "Op-level decode profile")."""
+    see benchmarks/README.md, "Op-level decode profile"), `cuda_graphs` (ort-cuda: capture each slot's
+    decode step as a CUDA graph and replay it; on by default, needs decode.onnx's own session, so
+    "separate" sessions, the default on a GPU, where "shared" is the same and "single" runs decode
+    steps through the prefill graph, which copies a length to the host mid-graph)."""
 
     custom_ops_library: str | None = None  # registered on every session (the emulation's plugin op)
+    # Tests: run the device code path (device buffers, uploads, row copies through kvforge.cuda) on
+    # ONNX Runtime CPU, whose "device" memory is host memory (tests/test_device_path.py).
+    simulate_device = False
 
     def __init__(
         self,
@@ -111,23 +133,45 @@ class OrtBackend:
         device: str = "cpu",
         device_id: int = 0,
         threads: int | None = None,
-        sessions: str = "single",
+        sessions: str | None = None,
         max_capacity: int | None = None,
         spinning: bool = True,
+        cuda_graphs: bool | None = None,
     ) -> None:
         self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
         self.kv = KVLayout.from_manifest(manifest)
         if self.kv.dtype == "bfloat16" and device == "cpu":
             raise InputError(
                 f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
-                "use --backend ort-cuda or trt, or export with --dtype fp16 or fp32"
+                "use --backend ort-cuda, or export with --dtype fp16 or fp32"
             )
+        self.on_device = device != "cpu" or self.simulate_device
+        if sessions is None:
+            sessions = "separate" if self.on_device else "single"
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise InputError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+        if cuda_graphs and device == "cpu":
+            raise InputError("cuda_graphs is an option of backend 'ort-cuda' (CUDA graphs need a GPU)")
+        if cuda_graphs and sessions == "single":
+            raise InputError("cuda_graphs needs decode.onnx in its own session: use sessions='separate' "
+                             "('single' runs decode steps through the prefill graph, which cannot be captured)")
+        self.cuda_graphs = device != "cpu" and sessions != "single" and cuda_graphs is not False
+        self.cuda_graphs_refused: str | None = None  # ONNX Runtime's reason, where it would not capture
+        # ort-cuda: runs, uploads and row copies take turns (a CUDA graph capture must not see other work).
+        self._device_lock = threading.Lock()
+        self._graph_ids = itertools.count(1)
         self.folder = Path(folder)
         self.manifest = manifest
         self.device = device
         self.device_id = device_id
         self.num_layers = self.kv.num_layers
         providers = providers_for(device, device_id)
+        if device == "cuda" and manifest["target"] == "ort" and manifest.get("dtype") == "fp32":
+            raise InputError(
+                f"{folder} is an fp32 export of the ort target: ONNX Runtime's CUDA GroupQueryAttention has fp16 "
+                "and bf16 kernels only (fp32 would run attention on the CPU, copying the cache every step); "
+                "export with --dtype fp16 (or bf16) for --backend ort-cuda"
+            )
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise InputError(f"threads must be a positive integer, got {threads!r}")
         if not isinstance(spinning, bool):
@@ -137,6 +181,10 @@ class OrtBackend:
         self.session_mode = sessions
         self.sessions: dict[str, ort.InferenceSession] = {}
         for phase in ("prefill", "decode"):
+            phase_providers = providers
+            if self.cuda_graphs and phase == "decode":
+                phase_providers = [("CUDAExecutionProvider", {"device_id": device_id, "enable_cuda_graph": "1"}),
+                                   "CPUExecutionProvider"]
             if sessions == "single" and phase == "decode":
                 # The prefill graph takes any S, so S=1 is a decode step: one session, one copy of
                 # the weights, and ORT may prepack them (its CPU matmuls are faster packed).
@@ -159,12 +207,18 @@ class OrtBackend:
             options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.folder))
             graph_bytes = read_graph(self.folder, manifest, phase)
             file = self.folder / self.manifest["graphs"][phase]["file"]
+            disabled = CPU_DISABLED_OPTIMIZERS if device == "cpu" else None
             try:
-                self.sessions[phase] = ort.InferenceSession(
-                    graph_bytes, sess_options=options, providers=providers,
-                    disabled_optimizers=CPU_DISABLED_OPTIMIZERS if device == "cpu" else None)
+                self.sessions[phase] = ort.InferenceSession(graph_bytes, sess_options=options,
+                                                            providers=phase_providers, disabled_optimizers=disabled)
             except Exception as err:  # onnxruntime raises its own Fail/InvalidGraph types
-                raise ManifestError(f"ONNX Runtime could not load {file}: {_one_line(err)}; re-run the export") from err
+                if not (self.cuda_graphs and phase == "decode" and cuda_graphs is None):
+                    raise ManifestError(f"ONNX Runtime could not load {file}: {_one_line(err)}; re-run the export") from err
+                # CUDA graphs were the default, not asked for: a graph ONNX Runtime will not capture (a
+                # node it keeps on the CPU) still runs, step by step; its reason is kept.
+                self.cuda_graphs, self.cuda_graphs_refused = False, _one_line(err)
+                self.sessions[phase] = ort.InferenceSession(graph_bytes, sess_options=options, providers=providers,
+                                                            disabled_optimizers=disabled)
             self._check_session_io(phase, self.sessions[phase])
         self.logits_dtype = self._logits_dtype()
         self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
@@ -237,7 +291,8 @@ class OrtBackend:
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> OrtSlot:
         """A KV cache of this shape on the backend's device, bound to both phases in place."""
-        cache = KVCache.from_manifest(self.manifest, batch, capacity, device=self.device, device_id=self.device_id)
+        cache = KVCache.from_manifest(self.manifest, batch, capacity, device=self.device, device_id=self.device_id,
+                                      on_device=self.on_device)
         cache.max_capacity = self.limits.max_capacity
         with self._runs_lock:
             self.allocations += 1
@@ -277,31 +332,92 @@ class OrtBackend:
             LOGITS_POSITIONS: ort.OrtValue.ortvalue_from_numpy(slot.logits.reshape(batch, 1, self.vocab_size)),
             "decode_index": ort.OrtValue.ortvalue_from_numpy(slot.decode_index),
         }
+        inputs = slot.host_values
+        if self.on_device:
+            single = self.session_mode == "single"
+            slot.device_values = {
+                PAST_LENS: self._device_array(np.zeros(batch, np.int32)),
+                "decode_ids": self._device_array(slot.decode_ids),
+                "decode_index": self._device_array(slot.decode_index),
+                LOGITS: self._device_array(np.zeros((batch, 1, self.vocab_size) if single else (batch, self.vocab_size),
+                                                    self.logits_dtype)),
+            }
+            inputs = slot.device_values
+            slot.decode_options = self._decode_run_options()
         for phase, session in self.sessions.items():
             binding = session.io_binding()
             order: list[str] = []
-            binding.bind_ortvalue_input(PAST_LENS, slot.host_values[PAST_LENS])
+            binding.bind_ortvalue_input(PAST_LENS, inputs[PAST_LENS])
             if phase == "decode":
-                binding.bind_ortvalue_input(INPUT_IDS, slot.host_values["decode_ids"])
+                binding.bind_ortvalue_input(INPUT_IDS, inputs["decode_ids"])
                 if self.session_mode == "single":
-                    binding.bind_ortvalue_input(LOGITS_INDEX, slot.host_values["decode_index"])
+                    binding.bind_ortvalue_input(LOGITS_INDEX, inputs["decode_index"])
             per_position = phase == "prefill" or self.session_mode == "single"  # the prefill graph runs
-            binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS if per_position else LOGITS])
+            if self.on_device and phase == "decode":
+                binding.bind_ortvalue_output(LOGITS, slot.device_values[LOGITS])
+            else:  # prefill: into the host buffer (ONNX Runtime copies device outputs there after the run)
+                binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS if per_position else LOGITS])
             order.append(LOGITS)
             for layer, kind in self.kv.buffers():
-                buffer = (cache.keys if kind == "key" else cache.values)[layer]
-                binding.bind_ortvalue_input(cache_input(kind, layer), buffer)
-                binding.bind_ortvalue_output(cache_output(kind, layer), buffer)
+                self._bind_cache(binding, cache, layer, kind)
                 order.append(cache_output(kind, layer))
             slot.bindings[phase] = binding
             slot.output_order[phase] = order
         return slot
 
+    def _bind_cache(self, binding: ort.IOBinding, cache: KVCache, layer: int, kind: str) -> None:
+        """Bind one cache buffer as both past_* and present_*: its OrtValue, or (a device view, which has
+        none) its address with the view's shape."""
+        if cache.keys:
+            buffer = (cache.keys if kind == "key" else cache.values)[layer]
+            binding.bind_ortvalue_input(cache_input(kind, layer), buffer)
+            binding.bind_ortvalue_output(cache_output(kind, layer), buffer)
+            return
+        pointer = cache.buffer_pointers()[2 * layer + (kind == "value")]
+        dtype = cache.host_dtype
+        binding.bind_input(cache_input(kind, layer), self.device, self.device_id, dtype, list(cache.shape), pointer)
+        binding.bind_output(cache_output(kind, layer), self.device, self.device_id, dtype, list(cache.shape), pointer)
+
+    def _device_array(self, array: np.ndarray) -> ort.OrtValue:
+        """A device OrtValue holding a copy of `array` (so it starts initialised)."""
+        value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, self.device, self.device_id)
+        value.update_inplace(np.ascontiguousarray(array))
+        return value
+
+    def _decode_run_options(self) -> ort.RunOptions:
+        """Decode runs' options: quiet, and with CUDA graphs the slot's own graph id (its buffers differ
+        from every other slot's, so it is captured on its own)."""
+        options = ort.RunOptions()
+        options.log_severity_level = 4
+        options.add_run_config_entry("gpu_graph_id", str(next(self._graph_ids)) if self.cuda_graphs else "-1")
+        return options
+
     def bind_rows(self, slot: OrtSlot, rows: int) -> OrtSlot:
         """A slot that runs only the first `rows` rows of `slot`'s cache: the same KV memory and
         `past_lens` (KVCache.first_rows), its own bindings and logits buffer. A step on it writes its
         rows in place and leaves the others untouched (the serving scheduler's batch buckets)."""
+        if self.on_device and slot.cache.dtype == "bfloat16" and rows < slot.cache.batch:
+            raise InputError("a bf16 cache on the GPU has no row views (numpy has no bfloat16 to bind them with)")
         return self.bind(slot.cache.first_rows(rows))
+
+    # -- row operations (runtime/backend.py) -----------------------------------------------------
+    def view_rows(self, slot: OrtSlot, rows: int) -> OrtSlot | None:
+        """bind_rows, or None where the cache cannot be viewed (then callers run the whole batch)."""
+        if self.on_device and slot.cache.dtype == "bfloat16" and rows < slot.cache.batch:
+            return None
+        return self.bind_rows(slot, rows)
+
+    def copy_rows(self, src: OrtSlot, row: int, dst: OrtSlot, dst_row: int, positions: int) -> None:
+        with self._device_lock:
+            src.cache.copy_rows(row, dst.cache, dst_row, positions)
+
+    def read_rows(self, slot: OrtSlot, row: int, positions: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        with self._device_lock:
+            return slot.cache.read_rows(row, positions)
+
+    def write_rows(self, slot: OrtSlot, row: int, layers: list[tuple[np.ndarray, np.ndarray]], positions: int) -> None:
+        with self._device_lock:
+            slot.cache.write_rows(row, layers, positions)
 
     # -- running --------------------------------------------------------------------------------
     def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
@@ -334,22 +450,44 @@ class OrtBackend:
         return self._run(slot, "decode")
 
     def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
+        if self.on_device:
+            with self._device_lock:
+                return self._run_on_device(slot, phase)
+        self._session_run(slot, phase, _QUIET_RUN)
+        # float32 logits are returned as a view of the slot's buffer: valid until its next run.
+        return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)
+
+    def _run_on_device(self, slot: OrtSlot, phase: str) -> np.ndarray:
+        """Upload the step's inputs into the slot's device buffers (bound once, at fixed addresses),
+        run, and copy the logits back: the decode step's from its device buffer, prefill's ONNX Runtime
+        copies into the host buffer bound as its output."""
+        values = slot.device_values
         binding = slot.bindings[phase]
-        on_device = self.device != "cpu"  # CPU inputs and outputs need no stream synchronisation
-        if on_device:
-            binding.synchronize_inputs()
+        values[PAST_LENS].update_inplace(slot.cache.past_lens)
+        # Bound again (the same OrtValue, so the same address a CUDA graph replays): where a graph reads
+        # an input on the CPU (the prefill graph's length arithmetic reads past_lens there), ONNX Runtime
+        # copies the device value to the host when it is bound, and a value bound once would stay at its
+        # first contents. Where the graph reads it on the device, binding again copies nothing.
+        binding.bind_ortvalue_input(PAST_LENS, values[PAST_LENS])
+        if phase == "decode":
+            values["decode_ids"].update_inplace(slot.decode_ids)
+            binding.bind_ortvalue_input(INPUT_IDS, values["decode_ids"])
+        binding.synchronize_inputs()
+        self._session_run(slot, phase, slot.decode_options if phase == "decode" else _QUIET_RUN)
+        binding.synchronize_outputs()
+        if phase == "decode":
+            return values[LOGITS].numpy().reshape(slot.cache.batch, self.vocab_size).astype(np.float32, copy=False)
+        return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)
+
+    def _session_run(self, slot: OrtSlot, phase: str, options: ort.RunOptions) -> None:
         try:
-            self.sessions[phase].run_with_iobinding(binding, _QUIET_RUN)
+            self.sessions[phase].run_with_iobinding(slot.bindings[phase], options)
         except Exception as err:  # ORT's own exception types; say which graph and why, on one line
             raise KvforgeError(
                 f"ONNX Runtime failed running the {phase} graph of {self.folder}: {_one_line(err)}"
             ) from err
-        if on_device:
-            binding.synchronize_outputs()
         with self._runs_lock:
             self.runs[phase] += 1
-        # float32 logits are returned as a view of the slot's buffer: valid until its next run.
-        return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)
 
     def bound_output_addresses(self, slot: OrtSlot, phase: str) -> dict[str, int]:
         """Addresses of the outputs the last run of `phase` on `slot` wrote to, by output name.

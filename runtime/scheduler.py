@@ -4,7 +4,7 @@ One batch cache of `max_batch` rows holds the running requests, packed into its 
 decode step is one graph run over only the first `k` rows, `k` the smallest batch bucket (1, 2, 4,
 8, ..., max_batch) holding the running requests: every running request advances by one token, the
 free rows up to `k` are fed the pad token at a frozen `past_lens` (written, never read). Each bucket
-has its own binding over the leading rows of the same buffers (`backend.bind_rows`: a view, no
+has its own binding over the leading rows of the same buffers (`backend.view_rows`: a view, no
 copy per step), so a lone request runs a batch of 1, as `Generator.generate` does. A new request is
 prefilled alone on a one-row staging cache, in chunks of `prefill_chunk` tokens with a decode step
 of the running batch between chunks (so a long prompt does not stall the others), then its KV rows
@@ -19,9 +19,9 @@ copies those rows and prefills only what follows: the KV of position t depends o
 0..t, so the result is the same as prefilling everything.
 
 Requests are GenerationRequests (runtime/request.py) with one prompt; they end with the same
-FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free; the backend must keep
-its KV cache in host memory (ort-cpu, emulate): rows move between caches through `slot.cache.host_layers()`,
-and `backend.bind_rows` binds the buckets.
+FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free. The scheduler never
+touches a buffer: rows move through the backend's row operations (runtime/backend.py: copy_rows,
+read_rows / write_rows, view_rows), on the backend's device, so it serves on every backend that has them.
 
 Speculation (a request with `speculation`, greedy only): while it is the only running request,
 each step drafts up to draft_len tokens by prompt lookup (runtime/speculate.py) and verifies them in
@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import CapacityError, InputError, KvforgeError, QueueFullError
+from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, QueueFullError
+from kvforge.runtime.backend import supports_rows
 from kvforge.runtime.generator import Generator
 from kvforge.runtime.logit_controls import RowControls
 from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
@@ -238,17 +239,16 @@ class Scheduler:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
+        if not supports_rows(self.backend):
+            raise BackendUnavailableError(f"serving needs a backend with row operations (copy_rows, read_rows, "
+                                          f"write_rows, view_rows); backend {self.backend.name!r} has none")
         self.slot = self.backend.allocate(max_batch, self.capacity)
         self.stage = self.backend.allocate(1, self.capacity)
-        if not hasattr(self.slot.cache, "host_layers"):
-            raise InputError(f"serving needs a backend whose KV cache is in host memory (ort-cpu, emulate), "
-                             f"not {self.backend.name}")
-        self._rows = self.slot.cache.host_layers()
-        # Decode slots by batch bucket, each over the first rows of self.slot's buffers (same memory).
+        # Decode slots by batch bucket, each over the first rows of self.slot's buffers (same memory);
+        # a backend that cannot view rows runs the whole batch for every bucket.
         buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
-        self._decode_slots = {k: self.slot if k == max_batch else self.backend.bind_rows(self.slot, k)
+        self._decode_slots = {k: self.slot if k == max_batch else (self.backend.view_rows(self.slot, k) or self.slot)
                               for k in buckets}
-        self._stage_rows = self.stage.cache.host_layers()
         self.prefixes = PrefixStore(prefix_cache_bytes)
         self.pad = generator.pad_token_id
         self.eos = generator.eos_token_ids
@@ -372,9 +372,7 @@ class Scheduler:
             prompt = active.prompt_ids
             cached, kv = self.prefixes.lookup(prompt)
             if cached:
-                for (key, value), (stored_k, stored_v) in zip(self._stage_rows, kv, strict=True):
-                    key[0, :, :cached] = stored_k[:, :cached]
-                    value[0, :, :cached] = stored_v[:, :cached]
+                self.backend.write_rows(self.stage, 0, kv, cached)
             active.cached = active.prefilled = cached
             self.stage.cache.past_lens[0] = cached
         active = self._prefilling
@@ -395,9 +393,7 @@ class Scheduler:
         for choice in choices:  # one prefill, its KV rows copied to a free row per choice
             row = self._free_row()
             assert row is not None  # only this thread takes rows, and n were free
-            for (key, value), (skey, svalue) in zip(self._rows, self._stage_rows, strict=True):
-                key[row, :, : len(prompt)] = skey[0, :, : len(prompt)]
-                value[row, :, : len(prompt)] = svalue[0, :, : len(prompt)]
+            self.backend.copy_rows(self.stage, 0, self.slot, row, len(prompt))
             self.slot.cache.past_lens[row] = len(prompt)
             choice.row, choice.prefilled, choice.cached = row, active.prefilled, active.cached
             with self._cond:
@@ -483,9 +479,7 @@ class Scheduler:
             moved = self._running[last]
             assert moved is not None
             n = int(past_lens[last])
-            for key, value in self._rows:
-                key[free, :, :n] = key[last, :, :n]
-                value[free, :, :n] = value[last, :, :n]
+            self.backend.copy_rows(self.slot, last, self.slot, free, n)
             past_lens[free], past_lens[last] = n, 0
             moved.row = free
             with self._cond:
@@ -523,7 +517,7 @@ class Scheduler:
             # Positions written for this request: the prompt and every generated token but the last.
             written = a.prompt_ids + a.tokens[:-1]
             n = len(written)
-            self.prefixes.store(written, [(k[a.row, :, :n].copy(), v[a.row, :, :n].copy()) for k, v in self._rows])
+            self.prefixes.store(written, self.backend.read_rows(self.slot, a.row, n))
         if a.row >= 0:
             self.slot.cache.past_lens[a.row] = 0
         a.handle.emit(Done(reason, len(a.prompt_ids), len(a.tokens), a.prefilled - a.cached, a.cached,

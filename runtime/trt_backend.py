@@ -60,9 +60,15 @@ from kvforge.engine_plan import (
 )
 from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, ManifestError
 from kvforge.runtime.backend import Limits
-from kvforge.runtime.kv_cache import CacheState
+from kvforge.runtime.kv_cache import (
+    CacheState,
+    check_row_arrays,
+    device_copy_rows,
+    device_read_rows,
+    device_write_rows,
+)
 from kvforge.targets import get_target
-from kvforge.tensorrt_flavor import load_tensorrt
+from kvforge.tensorrt_flavor import gpu_refusal, load_tensorrt
 
 
 @dataclass
@@ -98,8 +104,11 @@ class TrtBackend:
             raise InputError(f"device_id {device_id} but CUDA reports {count} GPUs (0..{count - 1})")
         self.device_id = int(device_id)
         cuda.set_device(self.device_id)  # the stream, the engines and their contexts belong to this GPU
-        check_runtime_matches(self.engines_manifest, self.tensorrt.record(),
-                              cuda.device_info(device_id)["compute_capability"])
+        gpu = cuda.device_info(device_id)
+        refusal = gpu_refusal(self.tensorrt.flavor, gpu)
+        if refusal is not None:  # before any engine is read: TensorRT's own error would advise a rebuild
+            raise BackendUnavailableError(refusal)
+        check_runtime_matches(self.engines_manifest, self.tensorrt.record(), gpu["compute_capability"])
         if get_target(manifest["target"]).plugin is not None:
             from kvforge.plugins import trt_plugin
 
@@ -172,19 +181,63 @@ class TrtBackend:
         cache = CacheState(self.num_layers, batch, self.kv_heads, capacity, self.head_dim, self.kv_dtype,
                            self.limits.max_capacity)
         kv_bytes = self.kv.bytes(batch, capacity) // (2 * self.num_layers)  # one key or value buffer
-        seq = min(self.max_input_len, capacity)
+        sizes = {buffer_name(kind, layer): kv_bytes for layer, kind in self.kv.buffers()}
+        with self._on_device():  # the buffers' zeroing memsets go on the stream
+            buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
+            slot = self._slot(cache, buffers)
+            self.allocations += 1
+        return slot
+
+    def _slot(self, cache: CacheState, kv_buffers: dict[str, cuda.DeviceBuffer]) -> TrtSlot:
+        """A slot over `kv_buffers` with its own step buffers (ids, lengths, logits) sized for `cache`."""
+        batch, seq = cache.batch, min(self.max_input_len, cache.capacity)
         # Buffers by the names binding_plan() (kvforge/engine_plan.py) gives them.
         sizes = {INPUT_IDS: batch * seq * 8, "decode_ids": batch * 8, PAST_LENS: batch * 4,
                  LOGITS_INDEX: batch * MAX_POSITIONS * 8, "decode_index": batch * 8,
                  LOGITS: batch * MAX_POSITIONS * self.vocab_size * 4}
-        for layer, kind in self.kv.buffers():
-            sizes[buffer_name(kind, layer)] = kv_bytes
-        with self._on_device():  # the buffers' zeroing memsets go on the stream
-            buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
-            self.stream.synchronize()
-            logits = cuda.PinnedArray((batch, self.vocab_size), np.float32)
-            self.allocations += 1
-        return TrtSlot(cache, buffers, logits)
+        buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
+        self.stream.synchronize()
+        return TrtSlot(cache, {**buffers, **kv_buffers}, cuda.PinnedArray((batch, self.vocab_size), np.float32))
+
+    # -- row operations (serving) -----------------------------------------------------------------
+    def _kv_pointers(self, slot: TrtSlot) -> list[int]:
+        return [slot.buffers[buffer_name(kind, layer)].ptr for layer, kind in self.kv.buffers()]
+
+    def view_rows(self, slot: TrtSlot, rows: int) -> TrtSlot:
+        """A slot over the first `rows` rows of `slot`'s KV buffers (the same memory and past_lens),
+        with its own step buffers, so a decode step of a smaller batch runs in place (and captures its
+        own CUDA graph)."""
+        cache = slot.cache.first_rows(rows)
+        with self._on_device():
+            return self._slot(cache, {buffer_name(kind, layer): slot.buffers[buffer_name(kind, layer)]
+                                      for layer, kind in self.kv.buffers()})
+
+    def copy_rows(self, src: TrtSlot, row: int, dst: TrtSlot, dst_row: int, positions: int) -> None:
+        src.cache.check_row(row, positions)
+        dst.cache.check_row(dst_row, positions)
+        if positions:
+            with self._on_device():
+                device_copy_rows(src.cache, self._kv_pointers(src), row, dst.cache, self._kv_pointers(dst), dst_row,
+                                 positions, self._kv_itemsize)
+
+    def read_rows(self, slot: TrtSlot, row: int, positions: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        slot.cache.check_row(row, positions)
+        with self._on_device():
+            return device_read_rows(slot.cache, self._kv_pointers(slot), row, positions, self._kv_host_dtype)
+
+    def write_rows(self, slot: TrtSlot, row: int, layers: list[tuple[np.ndarray, np.ndarray]], positions: int) -> None:
+        slot.cache.check_row(row, positions)
+        check_row_arrays(slot.cache, layers, positions)
+        with self._on_device():
+            device_write_rows(slot.cache, self._kv_pointers(slot), row, layers, positions, self._kv_host_dtype)
+
+    @property
+    def _kv_host_dtype(self) -> np.dtype:  # bfloat16 rows travel as uint16 bits
+        return np.dtype({"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.kv_dtype])
+
+    @property
+    def _kv_itemsize(self) -> int:
+        return self._kv_host_dtype.itemsize
 
     def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """logits_index [B] -> logits [B, V]; [B, K] -> [B, K, V] (K <= MAX_POSITIONS)."""
@@ -243,7 +296,7 @@ class TrtBackend:
         shape = slot.cache.shape
         out = []
         for kind in ("key", "value"):
-            raw = np.empty(shape, dtype={"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.kv_dtype])
+            raw = np.empty(shape, dtype=self._kv_host_dtype)
             with self._on_device():
                 slot.buffers[f"{kind}.{layer}"].download(raw, self.stream)
                 self.stream.synchronize()

@@ -58,7 +58,7 @@ def test_kvforge_build_hands_the_cap_to_the_plugin_and_records_it(monkeypatch, t
     trt = types.SimpleNamespace(label="TensorRT 10.15.1", record=lambda: {"flavor": "tensorrt", "version": "10.15.1"})
     monkeypatch.setattr(trt_build, "load_tensorrt", lambda flavor: trt)
     monkeypatch.setattr(trt_build, "_plugin_identity", lambda trt, manifest: {"kernel_source": "k", "triton": "t"})
-    monkeypatch.setattr(trt_build, "build_target", lambda trt: {"name": "GPU", "compute_capability": "9.0"})
+    monkeypatch.setattr(trt_build, "build_target", lambda trt, say=None: {"name": "GPU", "compute_capability": "9.0"})
     monkeypatch.setattr(trt_build, "_build_one", lambda *args: (b"engine", b"timing", "plugin"))
     monkeypatch.setattr(trt_plugin, "register",
                         lambda max_shared_kib=None, arch=None: registered.append(max_shared_kib))
@@ -90,7 +90,7 @@ def test_kvforge_build_hands_the_architecture_to_the_plugin(monkeypatch, tmp_pat
                                 builds_without_gpu=False, plugin_module=lambda: object())
     monkeypatch.setattr(trt_build, "load_tensorrt", lambda flavor: trt)
     monkeypatch.setattr(trt_build, "_plugin_identity", lambda trt, manifest: {"kernel_source": "k", "triton": "t"})
-    monkeypatch.setattr(trt_build, "build_target", lambda trt: {"name": "GPU", "compute_capability": "9.0"})
+    monkeypatch.setattr(trt_build, "build_target", lambda trt, say=None: {"name": "GPU", "compute_capability": "9.0"})
     monkeypatch.setattr(trt_build, "_build_one", lambda *args: (b"engine", b"timing", "plugin"))
     monkeypatch.setattr(trt_plugin, "register", lambda max_shared_kib=None, arch=None: registered.append((max_shared_kib, arch)))
     result = CliRunner().invoke(main, ["build", str(export), "--arch", "sm_80", "--json"])

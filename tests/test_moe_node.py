@@ -40,7 +40,9 @@ def test_hf_experts_through_the_node_give_their_own_output(model_type: str, tmp_
     assert not any(name in ("gate_up_proj", "down_proj") for module in modules for name, _ in
                    module.named_parameters(recurse=False))
     for mine, reference in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(mine, reference, atol=1e-5, rtol=1e-5)
+        # fp32 sums in another order (transformers 5.24's batched_mm for gpt-oss) differ by ~2e-5 relative
+        # at these magnitudes; a wrong layout or activation differs by O(1).
+        torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
 
 
 def test_a_gate_the_node_does_not_model_keeps_the_gather_form(tmp_path) -> None:

@@ -54,3 +54,41 @@ def test_rtx_has_no_plugin_module() -> None:
     pytest.importorskip("tensorrt_rtx")
     rtx = load_tensorrt("tensorrt-rtx")
     assert rtx.plugin_module() is None  # no tensorrt.plugin: kvforge's plugin cannot be embedded there
+
+
+@pytest.mark.parametrize(("flavor", "capability", "runs"), [
+    ("tensorrt-rtx", "8.0", True), ("tensorrt-rtx", "8.6", True), ("tensorrt-rtx", "8.9", True),
+    ("tensorrt-rtx", "12.0", True), ("tensorrt-rtx", "12.1", True), ("tensorrt-rtx", "9.0", False),
+    ("tensorrt-rtx", "7.5", False), ("tensorrt-rtx", "8.7", False), ("tensorrt", "9.0", True),
+    ("tensorrt", "7.5", True), ("tensorrt", "7.0", False)])
+def test_which_gpus_each_flavour_runs_engines_on(flavor, capability, runs) -> None:
+    # TensorRT-RTX 1.7's own refusal on an H200: "Supported compute capabilities: 8.0 8.6 8.9 12.0 12.1 >12.0".
+    assert tensorrt_flavor.runs_on(flavor, capability) is runs
+    refusal = tensorrt_flavor.gpu_refusal(flavor, {"name": "NVIDIA H200", "compute_capability": capability})
+    assert (refusal is None) is runs
+
+
+def test_a_refusal_names_the_gpu_and_what_runs_there_never_a_rebuild() -> None:
+    refusal = tensorrt_flavor.gpu_refusal("tensorrt-rtx", {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"})
+    assert "NVIDIA H100 80GB HBM3 (compute capability 9.0)" in refusal
+    assert "8.0, 8.6, 8.9, 12.0+" in refusal and "--backend ort-cuda" in refusal and "standard TensorRT" in refusal
+    assert "no rebuild changes that" in refusal and "kvforge build --force" not in refusal
+
+
+def test_an_rtx_build_on_a_gpu_it_cannot_run_says_so_and_builds_for_the_portable_set(monkeypatch) -> None:
+    from kvforge.exporter import trt_build
+
+    _fake(monkeypatch, "tensorrt_rtx", "1.7.1.116")
+    monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: ["tensorrt-rtx"])
+    rtx = load_tensorrt()
+    said: list[str] = []
+    monkeypatch.setattr(trt_build, "local_gpu", lambda: {"name": "NVIDIA H200", "compute_capability": "9.0"})
+    target = trt_build.build_target(rtx, said.append)
+    assert target["compute_capability"] == tensorrt_flavor.RTX_PORTABLE
+    assert len(said) == 1 and "cannot run on NVIDIA H200 (compute capability 9.0)" in said[0]
+    said.clear()
+    monkeypatch.setattr(trt_build, "local_gpu", lambda: {"name": "NVIDIA L40S", "compute_capability": "8.9"})
+    trt_build.build_target(rtx, said.append)
+    monkeypatch.setattr(trt_build, "local_gpu", lambda: None)  # a CPU machine: nothing to say
+    trt_build.build_target(rtx, said.append)
+    assert said == []

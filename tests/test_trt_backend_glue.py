@@ -32,6 +32,7 @@ from kvforge.engine_plan import (
     engines_manifest,
     resolve_build_options,
 )
+from kvforge.errors import InputError
 from kvforge.manifest import file_record
 
 TRT_VERSION = "10.15.1"
@@ -128,6 +129,21 @@ class FakeCuda:
 
     def cudaMemcpyAsync(self, dst, src, nbytes, kind, stream):
         self.enqueue("copy", stream)
+        return (SUCCESS,)
+
+    def cudaMemcpy2D(self, dst, dpitch, src, spitch, width, height, kind):
+        # The legacy default stream: work on it while any stream captures breaks that capture.
+        with self._mutex:
+            if any(state["capture"] is not None for state in self.streams.values()):
+                self.violations.append("a copy on the default stream while a stream captures a CUDA graph")
+            self.events.append({"op": "copy_2d", "stream": 0, "dst": int(dst), "dpitch": int(dpitch),
+                                "src": int(src), "spitch": int(spitch), "width": int(width),
+                                "height": int(height), "kind": kind})
+        return (SUCCESS,)
+
+    def cudaDeviceSynchronize(self):
+        with self._mutex:
+            self.events.append({"op": "device_sync", "stream": 0})
         return (SUCCESS,)
 
     # -- graphs --------------------------------------------------------------------------------
@@ -404,3 +420,56 @@ def test_onnx_target_engines_allocate_every_slot_at_their_fixed_capacity(make_ba
     assert slot.cache.capacity == 256 and slot.buffers["key.0"].nbytes == 2 * 256 * 16 * 2
     _steps(backend, slot, 2)
     assert backend.graph_keys([slot]) == [(1, 256)]
+
+
+def test_row_operations_copy_on_the_device_with_the_cache_geometry(make_backend) -> None:
+    backend, fake = make_backend()
+    base = backend.allocate(2, 64)  # fp16, 2 KV heads, head_dim 16: 32 bytes a position, 2 KiB a head
+    _steps(backend, base, 3)
+    view = backend.view_rows(base, 1)
+    assert view.cache.batch == 1 and view.cache.capacity == 64
+    assert backend.kv_addresses(view) == backend.kv_addresses(base)  # the same KV memory
+    assert view.buffers["past_lens"] is not base.buffers["past_lens"]  # its own step buffers
+    view.cache.past_lens[0] = 9
+    assert base.cache.past_lens[0] == 9  # one fill level
+    _steps(backend, view, 3)  # the view captures a graph of its own, cleanly
+    fake.events.clear()
+    backend.copy_rows(base, 1, base, 0, 5)
+    copies = [e for e in fake.events if e["op"] == "copy_2d"]
+    key0 = backend.kv_addresses(base)["past_key.0"]
+    assert len(copies) == 4 and copies[0]["kind"] == fake.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+    assert (copies[0]["src"], copies[0]["dst"]) == (key0 + 2 * 2048, key0)  # row 1 -> row 0
+    assert (copies[0]["width"], copies[0]["height"], copies[0]["spitch"]) == (5 * 32, 2, 2048)
+    assert fake.events[-1]["op"] == "device_sync"  # before the stream's next run reads the rows
+    rows = backend.read_rows(base, 1, 5)
+    assert [k.shape for k, _ in rows] == [(2, 5, 16), (2, 5, 16)] and rows[0][0].dtype == np.float16
+    backend.write_rows(base, 0, rows, 5)
+    with pytest.raises(InputError, match="do not fit"):
+        backend.write_rows(base, 0, [(k[:1], v) for k, v in rows], 5)
+    with pytest.raises(InputError, match="outside the cache's 2 rows"):
+        backend.copy_rows(base, 2, base, 0, 1)
+    assert fake.violations == []
+
+
+def test_rtx_engines_on_a_gpu_they_cannot_run_are_refused_before_loading(make_backend, monkeypatch) -> None:
+    backend, fake = make_backend()  # engines.json says standard TensorRT on a 9.0 GPU: that loads
+    assert backend.name == "tensorrt"
+    from kvforge import tensorrt_flavor
+    from kvforge.errors import BackendUnavailableError
+    from kvforge.runtime.trt_backend import TrtBackend
+
+    record_path = backend.engine_dir / ENGINES_MANIFEST
+    record = json.loads(record_path.read_text())
+    record["tensorrt"] = {"flavor": "tensorrt-rtx", "version": "1.7.1.116"}
+    record_path.write_text(json.dumps(record))
+    rtx = types.ModuleType("tensorrt_rtx")
+    rtx.__version__ = "1.7.1.116"
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", rtx)
+    monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: ["tensorrt", "tensorrt-rtx"])
+    loaded: list[bytes] = []
+    rtx.Runtime = lambda logger: loaded.append(b"runtime")  # never reached
+    with pytest.raises(BackendUnavailableError) as err:
+        TrtBackend(backend.folder, backend.manifest, engine_dir=backend.engine_dir)
+    message = str(err.value)
+    assert "Fake GPU (compute capability 9.0)" in message and "--backend ort-cuda" in message
+    assert "rebuild" not in message.replace("no rebuild", "") and loaded == []
