@@ -237,3 +237,30 @@ def test_the_cleanup_drops_only_an_exact_zero_add(constant: float, kept: bool) -
     model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]))
     optimize_graph(model)
     assert ("Add" in [node.op_type for node in model.graph]) == kept
+
+
+@pytest.mark.parametrize(("domain", "attributes", "folds"), [
+    ("ai.onnxruntime._fusion", {}, True),  # onnxscript's intermediate node (transformers 5.24's trace)
+    ("com.microsoft", {}, True),  # ONNX Runtime's own, its cos/sin fusion already run (transformers 5.17's trace)
+    ("com.microsoft", {"interleaved": 1}, False),
+    ("com.microsoft", {"rotary_embedding_dim": 8}, False),  # partial rotary: GQA's do_rotary rotates all of D
+    ("com.microsoft", {"scale": 0.5}, False),  # scaled positions are not past_lens + t
+])
+def test_rope_before_attention_folds_only_as_gqa_computes_it(domain, attributes, folds) -> None:
+    import onnx_ir as ir
+
+    from kvforge.exporter.lowering import _pre_rotary
+
+    y = ir.Value(name="y", shape=ir.Shape(["batch", "seq", 4, 16]), type=ir.TensorType(ir.DataType.FLOAT))
+    inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT)) for n in ("positions", "cos", "sin")]
+    tape = ir.tape.Tape()
+    heads_first = tape.op("Transpose", [y], attributes={"perm": [0, 2, 1, 3]})
+    rotated = tape.op("RotaryEmbedding", [heads_first, *inputs], attributes={"interleaved": 0, **attributes},
+                      domain=domain)
+    back = tape.op("Transpose", [rotated], attributes={"perm": [0, 2, 1, 3]})
+    shape = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], np.int64))})
+    q = tape.op("Reshape", [back, shape])
+    found = _pre_rotary(q)
+    assert (found is not None) is folds
+    if folds:
+        assert found[0] is y and found[1].op_type == "RotaryEmbedding"
