@@ -26,7 +26,7 @@ import math
 import sys
 import time
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 
 H, HKV, D = 32, 8, 128
 PREFILL_SEQS = (512, 1024, 2048, 4096)

@@ -1,5 +1,5 @@
 """Cold start: `kvforge generate OUT --prompt TEXT --max-new-tokens 1` as whole processes against
-onnxruntime-genai's equivalent (kvforge.bench's cold worker: model, tokenizer, one token), alternating,
+onnxruntime-genai's equivalent (kvforge.tools.bench's cold worker: model, tokenizer, one token), alternating,
 plus one fresh process's breakdown of kvforge's stages (run one after another there, so each is its own).
 
     python benchmarks/bench_cold_start.py OUT [--genai GENAI_MODEL_DIR] [--rounds 9] [--threads 2]
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from kvforge.bench import COLD_PROMPT, cold_start_command
+from kvforge.tools.bench import COLD_PROMPT, cold_start_command
 
 STAGES = r"""
 import sys, time
@@ -29,7 +29,7 @@ import kvforge.cli  # what `kvforge generate` imports before it runs
 from kvforge.runtime import Generator  # (the command's own import)
 t1 = time.perf_counter()
 from pathlib import Path
-from kvforge.manifest import load_manifest, read_graph
+from kvforge.core.manifest import load_manifest, read_graph
 from kvforge.runtime.backend import create_backend
 from kvforge.runtime.tokenizer import Tokenizer
 folder, threads = Path(sys.argv[1]), int(sys.argv[2])

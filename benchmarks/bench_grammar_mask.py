@@ -100,7 +100,7 @@ def main() -> None:
 
     export = args.export
     if export is None:
-        from kvforge.demo import installed_real_model
+        from kvforge.cli.demo import installed_real_model
         from kvforge.exporter.export import export_model
 
         gguf = installed_real_model()

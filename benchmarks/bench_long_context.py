@@ -2,7 +2,7 @@
 onnxruntime-genai, alternating in one script so every system sees the same machine load.
 
 For each round, each cache position P and each system (the order rotates per round), one process runs
-`python -m kvforge.bench worker` (kvforge/bench.py): a short warm-up generation, then a P-token prompt
+`python -m kvforge.tools.bench worker` (kvforge/tools/bench.py): a short warm-up generation, then a P-token prompt
 (prefill, timed as TTFT) and NEW greedy tokens, EOS ignored; decode tokens/s is the NEW - 1 steps after
 the first token, at cache positions P .. P + NEW - 2: the prefill is not in it. The load average is
 read before each process. Reported: medians over rounds, and the median of the per-round ratios.
@@ -12,7 +12,7 @@ read before each process. Reported: medians over rounds, and the median of the p
 
 onnxruntime-genai's fp32 model is built from the fp32 export's source folder (cached, as `kvforge bench
 --compare ort-genai` does). The int8 rows also report whether their greedy tokens equal the fp32
-cache's at each position (how many leading tokens are identical; the prompt is kvforge.bench's
+cache's at each position (how many leading tokens are identical; the prompt is kvforge.tools.bench's
 synthetic id pattern, the same for all).
 
 `--fill` (kvforge only, with --no-peer): decode at position P without the P-token prefill, for caches
@@ -40,8 +40,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvforge.bench import _genai_model
-from kvforge.manifest import load_manifest
+from kvforge.core.manifest import load_manifest
+from kvforge.tools.bench import _genai_model
 
 FILL_CHUNK = 16
 PREFILL_LEN = 512
@@ -53,8 +53,8 @@ def fill_worker(path: str, position: int, new: int, threads: int) -> dict:
 
     import numpy as np
 
-    from kvforge.bench import _peak_rss_mb, prompt_ids
     from kvforge.runtime import Generator
+    from kvforge.tools.bench import _peak_rss_mb, prompt_ids
 
     gen = Generator(path, threads=threads)
     backend = gen.backend
@@ -98,8 +98,8 @@ def interleaved(paths: dict[str, str], position: int, steps: int, threads: int) 
 
     import numpy as np
 
-    from kvforge.bench import prompt_ids
     from kvforge.runtime import Generator
+    from kvforge.tools.bench import prompt_ids
 
     runs = {}
     for name, path in paths.items():
@@ -133,8 +133,8 @@ def prefill_interleaved(paths: dict[str, str], length: int, rounds: int, threads
 
     import numpy as np
 
-    from kvforge.bench import prompt_ids
     from kvforge.runtime import Generator
+    from kvforge.tools.bench import prompt_ids
 
     runs = {}
     for name, path in paths.items():
@@ -162,8 +162,8 @@ def peer_interleaved(export: str, genai_dir: str, position: int, steps: int, thr
     import numpy as np
     import onnxruntime_genai as og
 
-    from kvforge.bench import prompt_ids
     from kvforge.runtime import Generator
+    from kvforge.tools.bench import prompt_ids
 
     gen = Generator(export, threads=threads)
     backend = gen.backend
@@ -198,7 +198,7 @@ def run_worker(system: str, path: str, position: int, new: int, threads: int, fi
     if fill:
         command = [sys.executable, __file__, "--worker-fill", path, str(position), str(new), str(threads)]
     else:
-        command = [sys.executable, "-m", "kvforge.bench", "worker", system, path, str(position), str(new), "1",
+        command = [sys.executable, "-m", "kvforge.tools.bench", "worker", system, path, str(position), str(new), "1",
                    str(threads), "1"]
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:

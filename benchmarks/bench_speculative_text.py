@@ -82,7 +82,7 @@ def main() -> None:
     modes = ["kvforge plain", "kvforge lookup"]
     peer = None
     if args.genai_source is not None:
-        from kvforge import bench
+        from kvforge.tools import bench
 
         peer = GenaiPeer(bench._genai_model(args.genai_source, "fp32", print), args.threads)
         modes.append("ort-genai plain")

@@ -134,7 +134,7 @@ def prepare(run: Run) -> dict[str, Any]:
 
 # -- checks -----------------------------------------------------------------------------------------
 def env(run: Run) -> dict[str, Any]:
-    from kvforge.doctor import diagnose
+    from kvforge.tools.doctor import diagnose
 
     smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True) if _which("nvidia-smi") else None
     if smi is not None:
@@ -161,7 +161,7 @@ def _memcpy_nodes(folder: Path, phase: str, out: Path) -> dict[str, Any]:
     import onnx
     import onnxruntime as ort
 
-    from kvforge.manifest import load_manifest
+    from kvforge.core.manifest import load_manifest
 
     manifest = load_manifest(folder)
     options = ort.SessionOptions()
@@ -194,8 +194,8 @@ def decode(run: Run) -> dict[str, Any]:
     three ways: CUDA graphs (the default), no CUDA graphs, one session for both phases. Their tokens must
     be the same; the cache is written in place; ONNX Runtime adds no Memcpy node to the decode graph."""
     _need_cuda()
-    from kvforge.parity import run_parity
     from kvforge.runtime import Generator
+    from kvforge.tools.parity import run_parity
 
     folder = export(run, "llama-tiny")
     variants = (("graphs", {}), ("no_graphs", {"cuda_graphs": False}), ("single", {"sessions": "single"}))
@@ -235,8 +235,8 @@ def decode(run: Run) -> dict[str, Any]:
 def families(run: Run) -> dict[str, Any]:
     _need_cuda()
     from kvforge.models.recipes import FAMILY_RECIPES
-    from kvforge.parity import run_parity
     from kvforge.runtime import Generator
+    from kvforge.tools.parity import run_parity
 
     out: dict[str, Any] = {}
     for recipe in FAMILY_RECIPES:
@@ -270,7 +270,7 @@ def _graphs_state(folder: Path) -> Any:
 
 def _parity_of(run: Run, recipe: str, target: str, dtype: str) -> dict[str, Any]:
     _need_cuda()
-    from kvforge.parity import run_parity
+    from kvforge.tools.parity import run_parity
 
     folder = export(run, recipe, target, dtype)
     report = run_parity(hf_folder(run, recipe), folder, new_tokens=32, backend=BACKEND, perplexity_tokens=512)
@@ -375,7 +375,7 @@ def bench(run: Run) -> dict[str, Any]:
     if BACKEND != "ort-cuda":
         raise Skip("the GPU benchmark needs --backend ort-cuda")
     _need_cuda()
-    from kvforge.bench_gpu import format_gpu_table, run_gpu_bench
+    from kvforge.tools.bench_gpu import format_gpu_table, run_gpu_bench
 
     began = time.perf_counter()
     folder = export(run, "smollm2-135m-shape")

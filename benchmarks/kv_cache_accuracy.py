@@ -17,8 +17,8 @@ import json
 
 import numpy as np
 
-from kvforge.parity import DEFAULT_PROMPTS, PERPLEXITY_TEXT
 from kvforge.runtime import GenerationRequest, Generator
+from kvforge.tools.parity import DEFAULT_PROMPTS, PERPLEXITY_TEXT
 
 
 def window_scores(gen: Generator, window: list[int]) -> tuple[np.ndarray, list[int]]:

@@ -33,8 +33,8 @@ from typing import Any
 
 import onnx
 
-from kvforge.bench import _genai_model, prompt_ids
-from kvforge.manifest import load_manifest
+from kvforge.core.manifest import load_manifest
+from kvforge.tools.bench import _genai_model, prompt_ids
 
 NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 

@@ -3,7 +3,7 @@
 HF model (exporter/load.py) --(one dynamo trace, attention routed through the kvforge op;
 exporter/trace.py)--> canonical prefill graph --(clean-up and fusions; exporter/optimize.py)-->
 --(decode derived; exporter/trace.py)--> lowering per target (exporter/lowering.py) --> saved
-graphs and manifest (kvforge/manifest.py). Everything is written to a temporary sibling folder
+graphs and manifest (kvforge/core/manifest.py). Everything is written to a temporary sibling folder
 and renamed into place at the end, so a failed export leaves nothing that looks valid.
 """
 
@@ -24,17 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from kvforge import __version__
-from kvforge.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
-from kvforge.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
+from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
+from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
+from kvforge.core.manifest import MANIFEST_NAME, compose, file_record, io_spec, write_manifest
+from kvforge.core.output_folder import StagedFolder, check_output, fault_point
+from kvforge.core.targets import Target, get_target
 from kvforge.exporter.load import load_hf_config, load_hf_model, one_line
 from kvforge.exporter.probe import uniform_shape
 from kvforge.exporter.quantize import check_options as check_quantize
+from kvforge.exporter.targets import EXPORT_TARGETS, export_target
 from kvforge.exporter.weights import save_with_shared_weights
-from kvforge.manifest import MANIFEST_NAME, compose, file_record, io_spec, write_manifest
 from kvforge.models.families import family_for
 from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
-from kvforge.output_folder import StagedFolder, check_output, fault_point
-from kvforge.targets import TARGETS, Target, get_target
 
 TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 WEIGHTS_NAME = "model.weights"
@@ -64,13 +65,14 @@ class ExportOptions:
         if self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits)
-        if self.quantize is not None and not target.quantize:
+        passes = export_target(target.name)
+        if self.quantize is not None and not passes.quantize:
             raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target.name}")
         if self.kv_cache is not None:
             if self.kv_cache not in KV_CACHE_DTYPES:
                 raise InputError(f"--kv-cache takes {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache!r}")
-            if self.kv_cache not in target.kv_cache_dtypes:
-                able = [t.name for t in TARGETS.values() if self.kv_cache in t.kv_cache_dtypes]
+            if self.kv_cache not in passes.kv_cache_dtypes:
+                able = [t.name for t in EXPORT_TARGETS.values() if self.kv_cache in t.kv_cache_dtypes]
                 raise InputError(
                     f"--kv-cache {self.kv_cache}: the {target.name} target's attention ({target.summary}) has no "
                     f"quantised cache; use --target {' or '.join(able)}"
@@ -84,7 +86,7 @@ def _check_kernel_shapes(config, head_dim: int, target: Target, dtype: str, kv_h
     """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
     from kvforge.plugins import attention_launch
 
-    others = " or ".join(f"--target {name}" for name, t in TARGETS.items() if not t.kernel_shapes)
+    others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items() if not t.kernel_shapes)
     kv_heads = kv_heads or family_for(config).kv_heads(config)
     try:
         attention_launch.check_shapes(config.num_attention_heads, kv_heads, head_dim)
@@ -133,7 +135,7 @@ def exporter_source_digest() -> str:
     import kvforge
 
     digest = hashlib.sha256()
-    base = Path(next(iter(kvforge.__path__)))
+    base = Path(next(iter(kvforge.__path__))) / "core"
     files = [base / f"{name}.py" for name in ("contract", "targets", "manifest")]
     for package in ("kvforge.exporter", "kvforge.models", "kvforge.plugins"):
         files += sorted(Path(next(iter(importlib.import_module(package).__path__))).glob("*.py"))
@@ -165,7 +167,7 @@ def export_model(
     OUT_DIR.hf beside the output, and reused while the GGUF is unchanged). `options` (or the same
     fields as keywords: target, dtype, force, quantize, ...) say what to make; `quantize` ("int4" or
     "int8") quantises every weight matrix block-wise with ONNX Runtime's MatMulNBits quantiser (its
-    accuracy cost is measured afterwards by `kvforge.parity.measure_quantized`, which `kvforge
+    accuracy cost is measured afterwards by `kvforge.tools.parity.measure_quantized`, which `kvforge
     export` runs). Returns the manifest that was written to `out_dir`."""
     if options is not None and keywords:
         raise InputError("pass export options either as ExportOptions or as keywords, not both")
@@ -201,10 +203,11 @@ def export_model(
     config = load_hf_config(model_dir)
     family = family_for(config)
     family.check(config)
-    if target.kernel_shapes and family.trt_refusal:
+    passes = export_target(target.name)
+    if passes.kernel_shapes and family.trt_refusal:
         raise UnsupportedModelError(f"--target {target.name} cannot export {config.model_type} (the coverage sweep: "
                                     f"{family.trt_refusal}); use --target ort or --target onnx")
-    if target.kernel_shapes:
+    if passes.kernel_shapes:
         _check_kernel_shapes(config, family.head_dim(config), target, dtype)
 
     import torch
@@ -234,20 +237,20 @@ def export_model(
         # The head counts HF's attention really receives (a config's own convention can differ:
         # multi_query, num_kv_heads, ...): the KV cache follows them.
         shape = uniform_shape(model, layout.num_layers)
-        if shape.head_dim % target.head_dim_multiple:
-            others = " or ".join(f"--target {name}" for name, t in TARGETS.items()
+        if shape.head_dim % passes.head_dim_multiple:
+            others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
                                  if shape.head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
             raise UnsupportedModelError(f"{config.model_type}: its head size {shape.head_dim} is not a multiple of "
-                                        f"{target.head_dim_multiple}, which --target {target.name}'s attention "
+                                        f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
                                         f"({target.summary.split(' (')[0]}) needs; use {others}")
-        if target.kernel_shapes and shape.sinks:
+        if passes.kernel_shapes and shape.sinks:
             # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check above
             # raises before loading the model; this one catches a model outside the registry's rows).
             raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
                                         f"kernel (--target {target.name}) does not implement")
         if (shape.kv_heads, shape.head_dim) != (layout.num_kv_heads, layout.head_dim):
             layout = dataclasses.replace(layout, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
-            if target.kernel_shapes:
+            if passes.kernel_shapes:
                 _check_kernel_shapes(config, shape.head_dim, target, dtype, kv_heads=shape.kv_heads)
         fault_point("export:model-loaded")
         # Where the export's time goes (manifest "export_seconds"): the profile `kvforge bench` reports.
@@ -374,7 +377,7 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
         kv_scales, kv_quant = calibrate(model, config, layout, model_dir, options.kv_cache)
         lap("kv_calibrate")
     # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
-    if target.ort_fusions and options.quantize is None:
+    if export_target(target.name).ort_fusions and options.quantize is None:
         from kvforge.exporter.fusions import pretranspose_tied_lm_head
 
         pretranspose_tied_lm_head(prefill)
@@ -393,10 +396,11 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
         elif experts:
             quantization["moe_experts"] = INT8_EXPERTS
             say(f"note: {INT8_EXPERTS}")
-    rotary = rotary_caches(model, config.max_position_embeddings, layout.dtype) if target.ort_fusions else None
+    rotary = rotary_caches(model, config.max_position_embeddings, layout.dtype) \
+        if export_target(target.name).ort_fusions else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target, rotary, kv_scales, moe_quantize)
+        lower(graph, target.name, rotary, kv_scales, moe_quantize)
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, quantization, kv_quant

@@ -222,7 +222,7 @@ def _retype_output(graph: ir.Graph, value: ir.Value, dtype: ir.DataType) -> None
 
 
 def raise_mixed(node: ir.Node) -> None:
-    from kvforge.errors import ExportError
+    from kvforge.core.errors import ExportError
 
     raise ExportError(f"{node.op_type} node {node.name} mixes dtypes with a weight computed in the graph; "
                       "kvforge cannot align it (export with --dtype fp32)")

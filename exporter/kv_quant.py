@@ -24,17 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.contract import KVLayout
-from kvforge.errors import InputError
+from kvforge.core.contract import KVLayout
+from kvforge.core.errors import InputError
 
 QMAX = {"int8": 127}  # symmetric range used for the scale (ONNX Runtime clamps to [-128, 127])
 CALIBRATION_TOKENS = 2048
-CALIBRATION_SKIP = 1024  # kvforge.parity.DEFAULT_PERPLEXITY_TOKENS (no import: exporter -> kvforge base only)
+CALIBRATION_SKIP = 1024  # kvforge.tools.parity.DEFAULT_PERPLEXITY_TOKENS (no import: exporter -> kvforge base only)
 CALIBRATION_WINDOW = 512
 
 
 def _calibration_text() -> Path:
-    # The text kvforge's parity measures perplexity on (kvforge.parity.PERPLEXITY_TEXT), shipped as data.
+    # The text kvforge's parity measures perplexity on (kvforge.tools.parity.PERPLEXITY_TEXT), shipped as data.
     return Path(str(importlib.resources.files("kvforge") / "data" / "perplexity.txt"))
 
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from kvforge.contract import DTYPES
-from kvforge.errors import InputError
+from kvforge.core.contract import DTYPES
+from kvforge.core.errors import InputError
 from kvforge.models.families import family_for
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -3,7 +3,7 @@
 HF's MoE blocks keep their router (logits -> top-k -> normalisation, which differs by family: softmax
 or sigmoid, renormalised or not, grouped, biased) as plain graph ops; only the experts go through
 `torch.ops.kvforge.moe_experts`, registered as transformers' "kvforge" experts implementation. The
-dynamo exporter turns each call into one node (kvforge.contract.MOE_OP):
+dynamo exporter turns each call into one node (kvforge.core.contract.MOE_OP):
 
   inputs  hidden [N, H], top_k_index [N, k] int64, top_k_weights [N, k],
           gate_up [E, 2I, H] (gate and up rows interleaved: gate_j at row 2j, up_j at 2j + 1),
@@ -31,9 +31,10 @@ import torch
 from onnxscript import values as osv
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
 
-from kvforge.contract import MOE_OP
-from kvforge.errors import ExportError
-from kvforge.exporter.lowering import _const, _replace  # the attention lowerings' graph-editing helpers
+from kvforge.core.contract import MOE_OP
+from kvforge.core.errors import ExportError
+from kvforge.exporter.graph_edit import constant as _const
+from kvforge.exporter.graph_edit import replace_node as _replace
 
 EXPERTS_IMPLEMENTATION = "kvforge"
 _CANONICAL = "_kvforge_moe"  # the attribute a prepared experts module holds its MoEAttrs in
@@ -285,7 +286,7 @@ def lower_moe_to_ort(graph: ir.Graph, quantize: tuple[int, int] | None = None) -
     return len(nodes)
 
 
-def lower_moe_to_plain(graph: ir.Graph) -> int:
+def lower_moe_to_plain(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
     """Standard ONNX: gather each token's k experts' weights, two batched MatMuls, the activation, the
     weighted sum. Only the picked experts run (each token copies k weight matrices)."""
     nodes = moe_nodes(graph)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.targets import Target
+from kvforge.core.targets import Target
 
 
 def optimize_graph(model: Any) -> None:
@@ -86,8 +86,9 @@ def fuse_graph(model: Any, target: Target, quantized: bool = False) -> dict[str,
     contrib ops where the target runs on ONNX Runtime's contrib ops; merged parallel MatMuls (q/k/v)
     for every target, and pairs (gate/up) too when the weights are about to be `quantized`."""
     from kvforge.exporter.fusions import drop_reshape_round_trips, fuse_for_ort, fuse_parallel_matmuls
+    from kvforge.exporter.targets import export_target
 
-    counts = fuse_for_ort(model) if target.ort_fusions else {}
+    counts = fuse_for_ort(model) if export_target(target.name).ort_fusions else {}
     counts["parallel_matmuls"] = fuse_parallel_matmuls(model)
     if quantized:
         counts["paired_matmuls"] = fuse_parallel_matmuls(model, group_size=2)

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.errors import UnsupportedModelError
+from kvforge.core.errors import UnsupportedModelError
 
 PROBE_IMPLEMENTATION = "kvforge_probe"
 # What transformers' attention functions receive that kvforge's op models (or that does not change the

@@ -16,7 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 
-from kvforge.errors import ExportError, InputError
+from kvforge.core.errors import ExportError, InputError
 from kvforge.exporter.trace import quiet_logger
 
 BITS = {"int4": 4, "int8": 8}

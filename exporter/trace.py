@@ -1,7 +1,7 @@
 """The canonical graphs: one dynamo trace of the prefill graph, and the decode graph derived from it.
 
 The model runs inside GraphWrapper (exporter/wrapper.py), which routes attention through the kvforge
-op; the graph's inputs and outputs are named by the contract (kvforge/contract.py).
+op; the graph's inputs and outputs are named by the contract (kvforge/core/contract.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.contract import INPUT_IDS, LOGITS, LOGITS_INDEX, LOGITS_POSITIONS, GraphIO, KVLayout
+from kvforge.core.contract import INPUT_IDS, LOGITS, LOGITS_INDEX, LOGITS_POSITIONS, GraphIO, KVLayout
 
 OPSET = 24
 # Example sizes for tracing; every one of these dimensions is dynamic in the graphs.

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 from kvforge.models.families import family_for
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
 

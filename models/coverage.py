@@ -2,7 +2,7 @@
 tiny from its own default config (seeded random weights, the family's options kept), exported on
 every target and checked against Hugging Face eager.
 
-`python -m kvforge.coverage_sweep --write` runs it (kvforge/coverage_sweep.py: it drives the exporter
+`python -m kvforge.tools.coverage_sweep --write` runs it (kvforge/tools/coverage_sweep.py: it drives the exporter
 and the runtime, so it sits above them) and writes kvforge/data/coverage.json; README's
 coverage table is rendered from that file (`coverage_table()`), and `kvforge export` refuses a model
 type outside the passing set with the reason recorded there. Out of scope, with their reason, are
@@ -12,10 +12,12 @@ the types that are not attention decoders (OUT_OF_SCOPE).
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
-COVERAGE_FILE = Path(__file__).resolve().parents[1] / "kvforge" / "data" / "coverage.json"
+# kvforge.data in every layout (the repository's folders, an installed wheel, an editable install).
+COVERAGE_FILE = Path(str(resources.files("kvforge") / "data" / "coverage.json"))
 SWEEP_TARGETS = ("ort", "onnx", "trt")
 # A type passes when it passes on these; `trt` (kvforge's own kernel, checked here through its CPU
 # emulation) is a column of its own: a type that passes but fails there is refused on `--target trt`.

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.errors import UnsupportedModelError
+from kvforge.core.errors import UnsupportedModelError
 
 # Rotary variants whose tables HF computes from the positions alone, so they trace into the graph.
 # ("longrope" picks its short or long table from the largest position of the call, with torch.where.)
@@ -218,8 +218,8 @@ def _why_not(model_type: Any) -> str:
 def support_table() -> str:
     """The README's table of supported families x targets, generated from FAMILIES and the recipes
     (a test checks README against it, so the two cannot drift)."""
+    from kvforge.core.targets import TARGETS
     from kvforge.models.recipes import FAMILY_RECIPES, RECIPES
-    from kvforge.targets import TARGETS
 
     columns = " | ".join(f"`{name}`" for name in TARGETS)
     lines = [f"| Family (`model_type`) | Architecture | What it exercises | {columns} | Tiny recipes (parity-tested) |",

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvforge.errors import InputError, UnsupportedModelError
-from kvforge.manifest import sha256_file
+from kvforge.core.errors import InputError, UnsupportedModelError
+from kvforge.core.manifest import sha256_file
+from kvforge.core.output_folder import StagedFolder, check_output
 from kvforge.models.families import FAMILIES
-from kvforge.output_folder import StagedFolder, check_output
 
 GGUF_MARKER = "kvforge_gguf.json"
 GGUF_MAGIC = b"GGUF"

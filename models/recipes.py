@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
+from kvforge.core.output_folder import StagedFolder, check_output
 from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
-from kvforge.output_folder import StagedFolder, check_output
 
 
 @dataclass(frozen=True)

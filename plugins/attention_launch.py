@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvforge.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, PAST_LENS, AttentionAttrs
+from kvforge.core.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, PAST_LENS, AttentionAttrs
 
 INPUT_PARAMS = ATTENTION_INPUTS
 SCALAR_PARAMS = ("batch", "seq_len", "capacity")

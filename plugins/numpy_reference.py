@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 
 
 def kv_cache_attention_(

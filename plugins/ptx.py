@@ -38,7 +38,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")

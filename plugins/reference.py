@@ -1,11 +1,11 @@
 """The fused attention op's semantics, in torch: the reference every lowering is checked against.
 
-Inputs (kvforge.contract.ATTENTION_INPUTS of the canonical node, kvforge.contract.CANONICAL_OP):
+Inputs (kvforge.core.contract.ATTENTION_INPUTS of the canonical node, kvforge.core.contract.CANONICAL_OP):
   q [B, S, H*D], k [B, S, Hkv*D], v [B, S, Hkv*D]   (after RoPE / q-k norms)
   past_key, past_value [B, Hkv, C, D]                (the cache, capacity C)
   past_lens [B] int32                                (cached tokens per row before this call)
   sinks [H], optional (ATTENTION_OPTIONAL_INPUTS)    (a per-head logit that joins each softmax)
-Attributes: kvforge.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
+Attributes: kvforge.core.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
 Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
 New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
 0 .. past_lens[b] + t (and, with a sliding window W, only those > past_lens[b] + t - W).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 
 
 def kv_cache_attention(

@@ -1,7 +1,7 @@
 """`torch.ops.kvforge.kv_cache_attention`: the custom op HF attention is routed through at export.
 
 Its eager implementation is the reference (plugins/reference.py); the dynamo exporter turns each
-call into one canonical node (kvforge.contract.CANONICAL_OP) through `custom_translation_table`.
+call into one canonical node (kvforge.core.contract.CANONICAL_OP) through `custom_translation_table`.
 The op's inputs, outputs and attributes are the contract's (ATTENTION_INPUTS, ATTENTION_OUTPUTS,
 AttentionAttrs); torch.library and the translation need them spelled out as parameters, which
 `_check_signature` holds to the contract's order.
@@ -15,7 +15,7 @@ import onnx
 import torch
 from onnxscript import values as osv
 
-from kvforge.contract import (
+from kvforge.core.contract import (
     ATTENTION_INPUTS,
     ATTENTION_OPTIONAL_INPUTS,
     ATTENTION_OUTPUTS,
@@ -80,7 +80,7 @@ def _register_schema() -> None:
             ("I", ["tensor(int32)"], "cached tokens per row"),
         ],
         attributes=[
-            onnx.defs.OpSchema.Attribute(name, _ONNX_ATTR_TYPES[kind], f"kvforge.contract.AttentionAttrs.{name}")
+            onnx.defs.OpSchema.Attribute(name, _ONNX_ATTR_TYPES[kind], f"kvforge.core.contract.AttentionAttrs.{name}")
             for name, kind in AttentionAttrs.types().items()
         ],
     )

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.contract import ATTENTION_INPUTS, PLUGIN, AttentionAttrs
+from kvforge.core.contract import ATTENTION_INPUTS, PLUGIN, AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 from kvforge.plugins.ptx import KernelVariant, compile_kernel
 

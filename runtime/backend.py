@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvforge.contract import KVLayout, capacity_buckets
-from kvforge.errors import InputError
-from kvforge.targets import TARGETS, get_target
+from kvforge.core.contract import KVLayout, capacity_buckets
+from kvforge.core.errors import InputError
+from kvforge.core.targets import TARGETS, get_target
 
 if TYPE_CHECKING:  # the registry is read by the CLI without loading ONNX Runtime
     from kvforge.runtime.kv_cache import CacheState

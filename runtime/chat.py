@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvforge.errors import InputError, ManifestError
+from kvforge.core.errors import InputError, ManifestError
 
 ROLES = ("system", "user", "assistant", "tool")
 # A rendered prompt longer than this is a template gone wrong (no context window holds it).
@@ -65,7 +65,7 @@ class ChatTemplate:
 def _read_verified(folder: Path, name: str, manifest: dict[str, Any]) -> str | None:
     """The text of `folder/name` (None if absent), refusing a link out of the folder and checking the
     bytes read against the manifest's sha256 when it lists the file: what is hashed is what is used."""
-    from kvforge.manifest import resolve_in_folder
+    from kvforge.core.manifest import resolve_in_folder
 
     path = resolve_in_folder(Path(folder), name, f"the chat template file {name}")
     if not path.is_file():

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 
 RENDER_SECONDS = 2.0
 STARTUP_SECONDS = 60.0
@@ -140,7 +140,7 @@ def _child() -> None:
     """The child's loop: render each request, answer with the text or the error message."""
     import resource
 
-    from kvforge.errors import KvforgeError
+    from kvforge.core.errors import KvforgeError
     from kvforge.runtime.chat import _compile, render
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

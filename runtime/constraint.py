@@ -29,7 +29,7 @@ import llguidance.numpy as llnp
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 
 if TYPE_CHECKING:
     from kvforge.runtime.generator import Generator

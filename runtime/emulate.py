@@ -1,6 +1,6 @@
 """CPU emulation of the `trt` target: its graphs on ONNX Runtime CPU, the plugin node served in Python.
 
-A `trt`-target export carries kvforge's TensorRT plugin node (kvforge.contract.PLUGIN) where the other
+A `trt`-target export carries kvforge's TensorRT plugin node (kvforge.core.contract.PLUGIN) where the other
 targets carry an ONNX Runtime or ONNX attention op. Here that node runs as an onnxruntime-extensions
 Python op (which is why the node's domain is PLUGIN.onnx_domain, the domain those ops live in;
 TensorRT's parser ignores node domains). The op runs, as the emulate backend's `emulation` option says:
@@ -29,8 +29,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from kvforge.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, PAST_LENS, PLUGIN, AttentionAttrs
-from kvforge.errors import BackendUnavailableError, InputError, KvforgeError
+from kvforge.core.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, PAST_LENS, PLUGIN, AttentionAttrs
+from kvforge.core.errors import BackendUnavailableError, InputError, KvforgeError
 
 MODES = ("triton", "reference")
 DEFAULT_MODE = "triton"

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.contract import ModelSpec
-from kvforge.errors import CapacityError, InputError, KvforgeError, NumericalError
-from kvforge.manifest import load_manifest
+from kvforge.core.contract import ModelSpec
+from kvforge.core.errors import CapacityError, InputError, KvforgeError, NumericalError
+from kvforge.core.manifest import load_manifest
 from kvforge.runtime.backend import Backend, Slot, create_backend, default_backend
 from kvforge.runtime.chat import ChatTemplate, read_chat_template
 from kvforge.runtime.decode_loop import GenerationResult, GenerationStream, StepEvent, Steps, run_steps

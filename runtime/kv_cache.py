@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.contract import KVLayout, cache_input
-from kvforge.errors import CapacityError, InputError, ManifestError
+from kvforge.core.contract import KVLayout, cache_input
+from kvforge.core.errors import CapacityError, InputError, ManifestError
 
 KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}  # int8: `export --kv-cache int8`
 # numpy has no bfloat16: device caches of that type are made from ONNX's element type number.
@@ -110,7 +110,7 @@ class CacheState:
 
 # -- rows of device buffers -----------------------------------------------------------------------
 # A cache row's positions 0..n-1 in a [B, H, C, D] buffer are H blocks of n * D elements, C * D apart:
-# one 2-D copy per buffer (kvforge.cuda.copy_2d). Buffers are given by address, key 0, value 0, key 1, ...
+# one 2-D copy per buffer (kvforge.core.cuda.copy_2d). Buffers are given by address, key 0, value 0, key 1, ...
 
 
 def _geometry(cache: CacheState, itemsize: int) -> tuple[int, int, int]:
@@ -123,7 +123,7 @@ def _geometry(cache: CacheState, itemsize: int) -> tuple[int, int, int]:
 def device_copy_rows(src: CacheState, src_pointers: list[int], row: int, dst: CacheState, dst_pointers: list[int],
                      dst_row: int, positions: int, itemsize: int) -> None:
     """Copy positions 0..positions-1 of `row` of every buffer to `dst_row` of `dst`'s, on the device."""
-    from kvforge import cuda
+    from kvforge.core import cuda
 
     position, src_pitch, src_stride = _geometry(src, itemsize)
     _, dst_pitch, dst_stride = _geometry(dst, itemsize)
@@ -136,7 +136,7 @@ def device_copy_rows(src: CacheState, src_pointers: list[int], row: int, dst: Ca
 def device_read_rows(cache: CacheState, pointers: list[int], row: int, positions: int,
                      dtype: np.dtype) -> list[tuple[np.ndarray, np.ndarray]]:
     """Host copies [H, positions, D] of `row`'s first positions, (key, value) per layer."""
-    from kvforge import cuda
+    from kvforge.core import cuda
 
     position, pitch, stride = _geometry(cache, dtype.itemsize)
     out = []
@@ -151,7 +151,7 @@ def device_read_rows(cache: CacheState, pointers: list[int], row: int, positions
 def device_write_rows(cache: CacheState, pointers: list[int], row: int, layers: list[tuple[np.ndarray, np.ndarray]],
                       positions: int, dtype: np.dtype) -> None:
     """Write `row`'s first positions from host arrays in device_read_rows' form."""
-    from kvforge import cuda
+    from kvforge.core import cuda
 
     position, pitch, stride = _geometry(cache, dtype.itemsize)
     arrays = [np.ascontiguousarray(array, dtype=dtype) for pair in layers for array in pair]
@@ -176,7 +176,7 @@ class KVCache(CacheState):
     """ONNX Runtime key/value buffers (OrtValues on the CPU or a CUDA device) for every layer.
 
     Row operations (`copy_rows`, `read_rows`, `write_rows`, `first_rows`) move the written positions of
-    one batch row: numpy on the CPU, CUDA copies on a device (through cuda-python, kvforge.cuda), so
+    one batch row: numpy on the CPU, CUDA copies on a device (through cuda-python, kvforge.core.cuda), so
     a cache never leaves its device for them, except `read_rows`, whose copies go to host memory."""
 
     def __init__(
@@ -311,7 +311,7 @@ class KVCache(CacheState):
         device_write_rows(self, self._pointers, row, layers, positions, self.host_dtype)
 
     def _current_device(self) -> None:
-        from kvforge import cuda
+        from kvforge.core import cuda
 
         cuda.set_device(self.device_id)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import KvforgeError
+from kvforge.core.errors import KvforgeError
 from kvforge.runtime.sampling import SamplingConfig
 
 

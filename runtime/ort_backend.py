@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.contract import (
+from kvforge.core.contract import (
     INPUT_IDS,
     LOGITS,
     LOGITS_INDEX,
@@ -43,8 +43,8 @@ from kvforge.contract import (
     cache_output,
     parse_cache_name,
 )
-from kvforge.errors import BackendUnavailableError, InputError, KvforgeError, ManifestError
-from kvforge.manifest import io_entry, io_names, read_graph
+from kvforge.core.errors import BackendUnavailableError, InputError, KvforgeError, ManifestError
+from kvforge.core.manifest import io_entry, io_names, read_graph
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.kv_cache import KVCache
 
@@ -122,7 +122,7 @@ class OrtBackend:
     steps through the prefill graph, which copies a length to the host mid-graph)."""
 
     custom_ops_library: str | None = None  # registered on every session (the emulation's plugin op)
-    # Tests: run the device code path (device buffers, uploads, row copies through kvforge.cuda) on
+    # Tests: run the device code path (device buffers, uploads, row copies through kvforge.core.cuda) on
     # ONNX Runtime CPU, whose "device" memory is host memory (tests/test_device_path.py).
     simulate_device = False
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
 
 

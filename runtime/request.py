@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime.logprobs import MAX_LOGPROBS
 from kvforge.runtime.prompts import Prompts, as_id_list, is_int
 from kvforge.runtime.sampling import SamplingConfig

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 
 # Hugging Face's GenerationConfig defaults, used when a generation dict leaves a key out.
 HF_DEFAULT_TEMPERATURE = 1.0

@@ -48,7 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, QueueFullError
+from kvforge.core.errors import (
+    BackendUnavailableError,
+    CapacityError,
+    InputError,
+    KvforgeError,
+    QueueFullError,
+)
 from kvforge.runtime.backend import supports_rows
 from kvforge.runtime.generator import Generator
 from kvforge.runtime.logit_controls import RowControls

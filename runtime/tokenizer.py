@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
-from kvforge.errors import InputError, ManifestError
+from kvforge.core.errors import InputError, ManifestError
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 
 if TYPE_CHECKING:
     from kvforge.runtime.constraint import Grammar

@@ -19,7 +19,7 @@
   whichever thread calls in (CUDA's current device is per thread).
 
 - The engines load under the TensorRT flavour that built them (standard TensorRT or TensorRT-RTX,
-  kvforge/tensorrt_flavor.py). `onnx`-target engines fix the cache capacity at --max-seq-len, so
+  kvforge/core/tensorrt_flavor.py). `onnx`-target engines fix the cache capacity at --max-seq-len, so
   every slot is allocated at that one capacity.
 
 TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from kvforge import cuda
-from kvforge.contract import (
+from kvforge.core import cuda
+from kvforge.core.contract import (
     INPUT_IDS,
     LOGITS,
     LOGITS_INDEX,
@@ -50,7 +50,7 @@ from kvforge.contract import (
     buffer_name,
     cache_input,
 )
-from kvforge.engine_plan import (
+from kvforge.core.engine_plan import (
     ENGINE_DIR_NAME,
     MAX_POSITIONS,
     binding_plan,
@@ -58,7 +58,15 @@ from kvforge.engine_plan import (
     graph_key,
     load_engines_manifest,
 )
-from kvforge.errors import BackendUnavailableError, CapacityError, InputError, KvforgeError, ManifestError
+from kvforge.core.errors import (
+    BackendUnavailableError,
+    CapacityError,
+    InputError,
+    KvforgeError,
+    ManifestError,
+)
+from kvforge.core.targets import get_target
+from kvforge.core.tensorrt_flavor import gpu_refusal, load_tensorrt
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.kv_cache import (
     CacheState,
@@ -67,8 +75,6 @@ from kvforge.runtime.kv_cache import (
     device_read_rows,
     device_write_rows,
 )
-from kvforge.targets import get_target
-from kvforge.tensorrt_flavor import gpu_refusal, load_tensorrt
 
 
 @dataclass
@@ -191,7 +197,7 @@ class TrtBackend:
     def _slot(self, cache: CacheState, kv_buffers: dict[str, cuda.DeviceBuffer]) -> TrtSlot:
         """A slot over `kv_buffers` with its own step buffers (ids, lengths, logits) sized for `cache`."""
         batch, seq = cache.batch, min(self.max_input_len, cache.capacity)
-        # Buffers by the names binding_plan() (kvforge/engine_plan.py) gives them.
+        # Buffers by the names binding_plan() (kvforge/core/engine_plan.py) gives them.
         sizes = {INPUT_IDS: batch * seq * 8, "decode_ids": batch * 8, PAST_LENS: batch * 4,
                  LOGITS_INDEX: batch * MAX_POSITIONS * 8, "decode_index": batch * 8,
                  LOGITS: batch * MAX_POSITIONS * self.vocab_size * 4}

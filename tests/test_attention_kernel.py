@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from attention_cases import CASES, TOLERANCES, Case, check_case, make_inputs  # noqa: E402
 
-from kvforge.contract import AttentionAttrs  # noqa: E402
+from kvforge.core.contract import AttentionAttrs  # noqa: E402
 from kvforge.plugins import attention_launch as launch  # noqa: E402
 from kvforge.plugins import triton_attention as ta  # noqa: E402
 from kvforge.plugins.reference import kv_cache_attention  # noqa: E402

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from attention_cases import CASES, Case, check_case, make_inputs  # noqa: E402
 
-from kvforge.contract import PLUGIN, AttentionAttrs  # noqa: E402
+from kvforge.core.contract import PLUGIN, AttentionAttrs  # noqa: E402
 from kvforge.plugins import attention_launch as launch  # noqa: E402
 from kvforge.plugins import triton_attention as ta  # noqa: E402
 from kvforge.plugins.reference import kv_cache_attention  # noqa: E402

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 pytest.importorskip("torch")
 
 from kvforge.cli import main  # noqa: E402
-from kvforge.errors import BackendUnavailableError, InputError, ManifestError  # noqa: E402
-from kvforge.parity import run_parity  # noqa: E402
+from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.runtime.backend import create_backend  # noqa: E402
+from kvforge.tools.parity import run_parity  # noqa: E402
 
 # Backends that run on this machine, with the export target each runs.
 HERE = [("ort-cpu", "ort"), ("ort-cpu", "onnx"), ("emulate", "trt")]
@@ -71,7 +71,7 @@ def test_no_spin_reaches_the_sessions_of_generate_and_serve(exported) -> None:
     assert plain.exit_code == 0 and sleeping.exit_code == 0, sleeping.output
     assert json.loads(sleeping.output)["tokens"] == json.loads(plain.output)["tokens"]
     pytest.importorskip("fastapi")
-    from kvforge.server import create_app
+    from kvforge.serve.app import create_app
 
     app = create_app(folder, spinning=False)
     try:
@@ -166,7 +166,7 @@ def test_trt_backend_without_engines_or_tensorrt_says_what_to_do(exported, tmp_p
     with pytest.raises(ManifestError, match="no TensorRT engines were built there; run `kvforge build"):
         Generator(folder, backend="tensorrt")
     # An engine folder that passes its checks: then TensorRT itself is what is missing.
-    from kvforge.manifest import sha256_file
+    from kvforge.core.manifest import sha256_file
 
     engines = folder / "engines"
     engines.mkdir()
@@ -182,7 +182,7 @@ def test_trt_backend_without_engines_or_tensorrt_says_what_to_do(exported, tmp_p
 
 
 def test_batch_limits_of_a_backend_are_enforced(exported) -> None:
-    from kvforge.errors import CapacityError
+    from kvforge.core.errors import CapacityError
     from kvforge.runtime.backend import Limits
 
     gen = Generator(exported("llama-tiny", "ort"))

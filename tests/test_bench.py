@@ -12,9 +12,9 @@ pytest.importorskip("torch")
 
 from click.testing import CliRunner  # noqa: E402
 
-from kvforge import bench  # noqa: E402
 from kvforge.cli import main  # noqa: E402
-from kvforge.errors import BackendUnavailableError, KvforgeError  # noqa: E402
+from kvforge.core.errors import BackendUnavailableError, KvforgeError  # noqa: E402
+from kvforge.tools import bench  # noqa: E402
 
 
 @pytest.fixture()

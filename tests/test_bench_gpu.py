@@ -1,4 +1,4 @@
-"""`kvforge bench --backend ort-cuda` (kvforge/bench_gpu.py), the parts that run without a GPU: its checks,
+"""`kvforge bench --backend ort-cuda` (kvforge/tools/bench_gpu.py), the parts that run without a GPU: its checks,
 the kvforge worker (driven here on ort-cpu), a peer that fails beside the others, and the table.
 The figures themselves come from a GPU (benchmarks/results/bench_smollm2_fp16_h100.*), never from tests."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from kvforge import bench_gpu
 from kvforge.cli import main
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime import Generator
+from kvforge.tools import bench_gpu
 
 
 def test_bad_options_are_refused_before_any_run(exported) -> None:

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvforge.cli import main
-from kvforge.engine_plan import ENGINES_MANIFEST, build_key, engines_manifest, resolve_build_options
-from kvforge.errors import InputError
+from kvforge.core.engine_plan import ENGINES_MANIFEST, build_key, engines_manifest, resolve_build_options
+from kvforge.core.errors import InputError
 
 
 def _manifest(target: str = "trt") -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 import pydantic
 import pytest
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.models.tokenizer import EOS_ID, build_tokenizer
 from kvforge.runtime.constraint import Grammar, GrammarCompiler, apply_batch, compiler_for, mask_logits
 

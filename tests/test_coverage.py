@@ -1,4 +1,4 @@
-"""The architecture coverage sweep (kvforge/coverage_sweep.py, its data in kvforge/models/coverage.py): its table covers every causal-LM type
+"""The architecture coverage sweep (kvforge/tools/coverage_sweep.py, its data in kvforge/models/coverage.py): its table covers every causal-LM type
 of the installed transformers, README shows it, the registry is its passing set, a type it does not
 pass is refused at export with its recorded reason, and a re-run of a sample reproduces the table."""
 
@@ -12,8 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvforge.coverage_sweep import check_target, sweep_one  # noqa: E402
-from kvforge.errors import UnsupportedModelError  # noqa: E402
+from kvforge.core.errors import UnsupportedModelError  # noqa: E402
 from kvforge.models.coverage import (  # noqa: E402
     ATOL,
     OUT_OF_SCOPE,
@@ -24,6 +23,7 @@ from kvforge.models.coverage import (  # noqa: E402
     load_coverage,
 )
 from kvforge.models.families import FAMILIES, family_for  # noqa: E402
+from kvforge.tools.coverage_sweep import check_target, sweep_one  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 ROWS = load_coverage()["types"]

@@ -1,4 +1,4 @@
-"""kvforge/cuda.py (what the TensorRT backend allocates, copies and replays with) on a real GPU.
+"""kvforge/core/cuda.py (what the TensorRT backend allocates, copies and replays with) on a real GPU.
 
 Marked `gpu`: skips without cuda-python or a CUDA device."""
 
@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 pytest.importorskip("cuda.bindings")
 
-from kvforge import cuda  # noqa: E402
+from kvforge.core import cuda  # noqa: E402
 
 if cuda.device_count() == 0:
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -57,7 +57,7 @@ def test_a_captured_graph_replays_with_new_inputs_at_the_same_addresses() -> Non
 def test_errors_raise_with_cudas_name() -> None:
     from cuda.bindings import runtime as cudart
 
-    from kvforge.errors import KvforgeError
+    from kvforge.core.errors import KvforgeError
 
     with pytest.raises(KvforgeError, match="CUDA error cudaError"):
         cuda.check(cudart.cudaSetDevice(10_000))

@@ -1,6 +1,6 @@
 """ort-cuda's device code path, on the CPU: OrtBackend with `simulate_device` runs exactly the code a CUDA
 device runs (step inputs uploaded into bound buffers before every run, decode logits read back from a
-bound output buffer, row views bound by address, rows moved by kvforge.cuda's 2-D copies) over ONNX
+bound output buffer, row views bound by address, rows moved by kvforge.core.cuda's 2-D copies) over ONNX
 Runtime CPU, whose "device" memory is host memory, and a stand-in of cuda-python's runtime that does
 its copies with memmove. Tokens must be the ort-cpu path's, for a batch, speculation, serving with
 chunked prefill, row compaction and multi-turn prefix reuse; every row move must go through the copies.
@@ -17,8 +17,8 @@ import types
 import numpy as np
 import pytest
 
-from kvforge import cuda
-from kvforge.manifest import load_manifest
+from kvforge.core import cuda
+from kvforge.core.manifest import load_manifest
 from kvforge.runtime import GenerationRequest, Generator
 from kvforge.runtime.ort_backend import OrtBackend
 from kvforge.runtime.sampling import SamplingConfig

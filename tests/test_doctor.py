@@ -6,8 +6,8 @@ import json
 
 from click.testing import CliRunner
 
-from kvforge import doctor
 from kvforge.cli import main
+from kvforge.tools import doctor
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "memory_mib": 81559,
         "driver": "580.159.04"}
@@ -63,7 +63,7 @@ def test_ort_cuda_reasons_in_the_order_a_user_fixes_them() -> None:
 
 
 def test_tensorrt_info_judges_each_flavour_against_the_gpu(monkeypatch) -> None:
-    from kvforge import tensorrt_flavor
+    from kvforge.core import tensorrt_flavor
 
     monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: [])
     info = doctor.tensorrt_info({"name": "NVIDIA L40S", "compute_capability": "8.9"})

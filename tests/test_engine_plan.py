@@ -1,4 +1,4 @@
-"""TensorRT engines as plain data (kvforge/engine_plan.py) and `kvforge build` without TensorRT.
+"""TensorRT engines as plain data (kvforge/core/engine_plan.py) and `kvforge build` without TensorRT.
 
 TensorRT cannot be installed on these machines: what the build and the TensorRT backend decide
 (options, profiles, layouts, the engine manifest and its checks, binding plans) is tested here; the
@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvforge.cli import main
-from kvforge.engine_plan import (
+from kvforge.core.engine_plan import (
     ENGINES_MANIFEST,
     BuildOptions,
     binding_plan,
@@ -29,7 +29,7 @@ from kvforge.engine_plan import (
     resolve_build_options,
     static_capacity,
 )
-from kvforge.errors import InputError, ManifestError
+from kvforge.core.errors import InputError, ManifestError
 
 TRT = {"flavor": "tensorrt", "version": "10.15.1"}
 
@@ -132,7 +132,7 @@ def _engine_folder(tmp_path, export, **change) -> object:
     engines = tmp_path / "engines"
     engines.mkdir()
     (engines / "prefill.engine").write_bytes(b"x" * 10)
-    from kvforge.manifest import sha256_file
+    from kvforge.core.manifest import sha256_file
 
     record = {"format": "kvforge-engines/2", "export": {"manifest_sha256": sha256_file(export / "kvforge.json")},
               "files": {"prefill.engine": {"sha256": "s", "bytes": 10}}, "tensorrt": TRT,
@@ -234,7 +234,7 @@ def test_graph_keys_follow_slots() -> None:
 def test_build_without_tensorrt_is_one_line_and_writes_nothing(exported, tmp_path, monkeypatch) -> None:
     import shutil
 
-    from kvforge import tensorrt_flavor
+    from kvforge.core import tensorrt_flavor
 
     monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: [])  # as on a machine without either
     folder = shutil.copytree(exported("llama-tiny", "trt"), tmp_path / "export")

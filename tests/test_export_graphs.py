@@ -13,9 +13,9 @@ pytest.importorskip("torch")
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from kvforge.errors import ExportError, InputError, UnsupportedModelError  # noqa: E402
+from kvforge.core.errors import ExportError, InputError, UnsupportedModelError  # noqa: E402
+from kvforge.core.manifest import load_manifest  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.manifest import load_manifest  # noqa: E402
 
 ATTENTION_OP = {"ort": ("com.microsoft", "GroupQueryAttention"), "onnx": ("", "Attention")}
 
@@ -181,7 +181,7 @@ def test_failed_export_leaves_nothing_behind(tmp_path, hf_folder, monkeypatch) -
 
 
 def test_tampered_export_is_refused(tmp_path, exported) -> None:
-    from kvforge.errors import ManifestError
+    from kvforge.core.errors import ManifestError
 
     folder = tmp_path / "copy"
     shutil.copytree(exported("llama-tiny", "ort"), folder)
@@ -249,7 +249,7 @@ def test_the_cleanup_drops_only_an_exact_zero_add(constant: float, kept: bool) -
 def test_rope_before_attention_folds_only_as_gqa_computes_it(domain, attributes, folds) -> None:
     import onnx_ir as ir
 
-    from kvforge.exporter.lowering import _pre_rotary
+    from kvforge.exporter.graph_edit import pre_rotary
 
     y = ir.Value(name="y", shape=ir.Shape(["batch", "seq", 4, 16]), type=ir.TensorType(ir.DataType.FLOAT))
     inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT)) for n in ("positions", "cos", "sin")]
@@ -260,7 +260,7 @@ def test_rope_before_attention_folds_only_as_gqa_computes_it(domain, attributes,
     back = tape.op("Transpose", [rotated], attributes={"perm": [0, 2, 1, 3]})
     shape = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([0, 0, -1], np.int64))})
     q = tape.op("Reshape", [back, shape])
-    found = _pre_rotary(q)
+    found = pre_rotary(q)
     assert (found is not None) is folds
     if folds:
         assert found[0] is y and found[1].op_type == "RotaryEmbedding"

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (tests/test_families.py: one per family)
-from kvforge.parity import run_parity  # noqa: E402
+from kvforge.tools.parity import run_parity  # noqa: E402
 
 ATOL_FP32 = 1e-3
 

@@ -136,7 +136,7 @@ def test_the_demo_does_not_reuse_an_export_made_by_other_exporter_code(exported,
     import json
     import shutil
 
-    from kvforge.demo import _cached_export
+    from kvforge.cli.demo import _cached_export
     from kvforge.exporter.export import exporter_source_digest
 
     folder = shutil.copytree(exported("llama-tiny"), tmp_path / "export")

@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 
 import torch  # noqa: E402
 
-from kvforge.errors import UnsupportedModelError  # noqa: E402
+from kvforge.core.errors import UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model
 from kvforge.exporter.load import load_hf_model  # noqa: E402
 from kvforge.models.families import FAMILIES, family_for, support_table  # noqa: E402

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvforge.cli import main
-from kvforge.manifest import file_record
+from kvforge.core.manifest import file_record
 
 pytest.importorskip("torch")
 
@@ -492,12 +492,12 @@ def test_debug_shows_the_traceback_for_the_same_failure(sources) -> None:
 
 
 def test_an_unexpected_exception_is_still_one_line(sources, monkeypatch) -> None:
-    import kvforge.inspect
+    import kvforge.cli.inspect
 
     def boom(*_args, **_kwargs):
         raise ZeroDivisionError("simulated bug")
 
-    monkeypatch.setattr(kvforge.inspect, "describe", boom)
+    monkeypatch.setattr(kvforge.cli.inspect, "describe", boom)
     result = CliRunner().invoke(main, ["inspect", str(sources[1])])
     assert result.exit_code == 2
     assert result.stderr == "kvforge: error: unexpected ZeroDivisionError: simulated bug (run `kvforge --debug ...` for the traceback)\n"
@@ -577,7 +577,7 @@ def test_a_native_library_panic_is_one_line(sources, monkeypatch) -> None:
 
 def test_text_that_is_not_utf8_is_refused_by_the_tokenizer(sources) -> None:
     """The library path (and the server's): the tokenizer itself refuses lone surrogates in one line."""
-    from kvforge.errors import InputError
+    from kvforge.core.errors import InputError
     from kvforge.runtime.tokenizer import Tokenizer
 
     with pytest.raises(InputError, match="not valid UTF-8 .undecodable bytes at character 3."):
@@ -622,7 +622,7 @@ def test_external_data_locations_match_onnx(sources) -> None:
     """The runtime's onnx-free reader of external-data references against onnx's own parser."""
     import onnx
 
-    from kvforge.external_data import MalformedGraph, external_data_locations
+    from kvforge.core.external_data import MalformedGraph, external_data_locations
 
     for phase in ("prefill", "decode"):
         data = (sources[1] / f"{phase}.onnx").read_bytes()
@@ -637,7 +637,7 @@ def test_external_data_locations_match_onnx(sources) -> None:
 def test_an_empty_rendered_prompt_is_refused_before_the_graph_runs(sources) -> None:
     """Both the Generator and the serving Scheduler parse prompts in runtime/prompts.py: a chat
     template that renders to "" is an InputError there, not an ONNX Runtime failure mid-run."""
-    from kvforge.errors import InputError
+    from kvforge.core.errors import InputError
     from kvforge.runtime import GenerationRequest, Generator
     from kvforge.runtime.prompts import RenderedChat
     from kvforge.runtime.sampling import SamplingConfig
@@ -654,7 +654,7 @@ def test_an_empty_rendered_prompt_is_refused_before_the_graph_runs(sources) -> N
 
 def test_onnx_runtime_does_not_log_a_failed_run_itself(sources, capfd) -> None:
     """A failed run is one KvforgeError line; ONNX Runtime's own coloured log line of it is not printed."""
-    from kvforge.errors import KvforgeError
+    from kvforge.core.errors import KvforgeError
     from kvforge.runtime import Generator
 
     backend = Generator(sources[1]).backend

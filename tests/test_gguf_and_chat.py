@@ -58,7 +58,7 @@ def test_a_folder_with_two_gguf_files_is_ambiguous(tmp_path) -> None:
 
 
 def test_a_real_truncated_gguf_is_refused(tmp_path) -> None:
-    from kvforge.demo import installed_real_model
+    from kvforge.cli.demo import installed_real_model
 
     real = installed_real_model()
     if real is None:
@@ -120,7 +120,7 @@ def test_chat_rendering_equals_transformers_on_a_rich_template(tmp_path) -> None
 def test_chat_rendering_equals_transformers_on_smollm2(tmp_path) -> None:
     from transformers import AutoTokenizer
 
-    from kvforge.demo import installed_real_model
+    from kvforge.cli.demo import installed_real_model
 
     real = installed_real_model()
     if real is None:
@@ -132,7 +132,7 @@ def test_chat_rendering_equals_transformers_on_smollm2(tmp_path) -> None:
 
 
 def test_bad_messages_are_refused(tmp_path) -> None:
-    from kvforge.errors import InputError
+    from kvforge.core.errors import InputError
     from kvforge.runtime.chat import check_messages
 
     with pytest.raises(InputError, match="message 0 has role 'wizard'"):

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("torch")
 
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402
-from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
+from kvforge.tools.parity import run_parity  # noqa: E402
 
 PROMPTS = [[1, 50, 60, 70, 80, 90], [1, 33, 44]]
 
@@ -34,7 +34,7 @@ def _need_ort_cuda() -> None:
 def _need_tensorrt() -> None:
     if importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("cuda") is None:
         pytest.skip("needs TensorRT and cuda-python (pip install 'kvforge[trt]') on an NVIDIA GPU")
-    from kvforge import cuda
+    from kvforge.core import cuda
 
     if cuda.device_count() == 0:
         pytest.skip("needs an NVIDIA GPU")
@@ -93,7 +93,7 @@ def test_serving_on_ort_cuda_gives_solo_answers(exported) -> None:
                                                         ("onnx", "fp16", False)])
 def test_tensorrt_engines_match_hf(target, dtype, single, hf_folder, exported, tmp_path) -> None:
     _need_tensorrt()
-    from kvforge.exporter.trt_build import build_engines
+    from kvforge.build.trt_build import build_engines
 
     folder = exported("mistral-tiny", target, dtype)
     engine_dir = tmp_path / "engines"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvforge.manifest import load_manifest
-from kvforge.output_folder import StagedFolder, clean_stale
+from kvforge.core.manifest import load_manifest
+from kvforge.core.output_folder import StagedFolder, clean_stale
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ OLD_TARGET, NEW_TARGET = "onnx", "ort"  # the manifest's target tells the old ex
 # `python -c KILL_AT POINT ARGS...`: the CLI with a fault hook that SIGKILLs the process at POINT.
 KILL_AT = """
 import os, signal, sys
-from kvforge import output_folder
+from kvforge.core import output_folder
 point = sys.argv.pop(1)
 output_folder.FAULT_HOOKS.append(lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == point else None)
 from kvforge.cli import main
@@ -132,7 +132,7 @@ def test_a_live_export_is_never_cleaned_by_another(tmp_path) -> None:
 def test_without_an_atomic_swap_a_kill_between_the_renames_is_undone(tmp_path, monkeypatch) -> None:
     # Filesystems without renameat2(RENAME_EXCHANGE): the old folder is renamed aside, the new one in.
     # A kill between the two renames leaves no folder at the path; the next run puts the old one back.
-    import kvforge.output_folder as output_folder
+    import kvforge.core.output_folder as output_folder
 
     out = tmp_path / "export"
     out.mkdir()

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvforge.cli import main
-from kvforge.contract import KVLayout, cache_input, cache_output
-from kvforge.errors import InputError
-from kvforge.manifest import io_entry, load_manifest
+from kvforge.core.contract import KVLayout, cache_input, cache_output
+from kvforge.core.errors import InputError
+from kvforge.core.manifest import io_entry, load_manifest
 
 pytest.importorskip("torch")
 
@@ -58,7 +58,7 @@ def test_manifest_records_the_int8_cache_and_its_calibration(int8_export) -> Non
             for kind in ("key", "value"):
                 assert io_entry(manifest, phase, cache_input(kind, layer))["dtype"] == "int8"
                 assert io_entry(manifest, phase, cache_output(kind, layer))["dtype"] == "int8"
-    # The CLI measured what the int8 cache costs (perplexity gate of an 8-bit export, see kvforge.parity).
+    # The CLI measured what the int8 cache costs (perplexity gate of an 8-bit export, see kvforge.tools.parity).
     accuracy = printed["manifest"]["kv_cache_quantization"]["accuracy"]
     assert abs(accuracy["perplexity_relative_increase"]) < 0.02, accuracy
     assert load_manifest(out)["kv_cache_quantization"]["accuracy"] == accuracy

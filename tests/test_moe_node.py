@@ -159,7 +159,7 @@ def test_int4_experts_are_what_qmoe_computes(tmp_path) -> None:
 def test_int8_experts_are_refused_by_the_lowering_saying_why() -> None:
     import onnx_ir as ir
 
-    from kvforge.errors import ExportError
+    from kvforge.core.errors import ExportError
 
     graph = ir.Graph([], [], nodes=[ir.Node("kvforge", "MoEExperts", [None] * 5, attributes=[
         ir.AttrFloat32(name, 0.0) for name in ("activation_alpha", "activation_beta", "swiglu_limit")])])
@@ -175,7 +175,7 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
     import onnx
 
     from kvforge.exporter.export import export_model
-    from kvforge.parity import run_parity
+    from kvforge.tools.parity import run_parity
 
     model = build_tiny("qwen3_moe", tmp_path / "hf")
 

@@ -1,4 +1,4 @@
-"""kvforge/progress.py: every long step is shown with the time it covers."""
+"""kvforge/core/progress.py: every long step is shown with the time it covers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import re
 import time
 
-from kvforge.progress import StepProgress
+from kvforge.core.progress import StepProgress
 
 
 class _Terminal(io.StringIO):

@@ -11,15 +11,15 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvforge import parity as parity_module  # noqa: E402
-from kvforge.errors import InputError  # noqa: E402
+from kvforge.core.errors import InputError  # noqa: E402
+from kvforge.core.manifest import load_manifest  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.manifest import load_manifest  # noqa: E402
-from kvforge.parity import (
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.tools import parity as parity_module  # noqa: E402
+from kvforge.tools.parity import (
     measure_quantized,  # noqa: E402
     run_parity,  # noqa: E402
 )
-from kvforge.runtime import Generator  # noqa: E402
 
 RECIPE = "llama3-tiny"  # tied embeddings: the lm_head is the transposed embedding
 LAYERS, HIDDEN, VOCAB = 2, 64, 512  # the recipe's (models/recipes.py _TINY); checked below

@@ -1,4 +1,4 @@
-"""The Ray Serve deployment (kvforge/serve_ray.py): two local replicas answer through HTTP with the
+"""The Ray Serve deployment (kvforge/serve/ray_serve.py): two local replicas answer through HTTP with the
 same greedy text as Generator.generate."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from kvforge.errors import InputError  # noqa: E402
+from kvforge.core.errors import InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.serve_ray import deployment  # noqa: E402
+from kvforge.serve.ray_serve import deployment  # noqa: E402
 
 
 @pytest.mark.slow

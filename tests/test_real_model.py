@@ -19,10 +19,10 @@ pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow
 
 from kvforge.cli import main  # noqa: E402
-from kvforge.demo import REAL_NAME, installed_real_model  # noqa: E402
+from kvforge.cli.demo import REAL_NAME, installed_real_model  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
-from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
+from kvforge.tools.parity import run_parity  # noqa: E402
 
 GGUF = installed_real_model()
 if GGUF is None:
@@ -126,7 +126,7 @@ def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path, engine_
     # TensorRT-RTX's ahead-of-time builder on the CPU: the real model's fp16 `onnx`-target graphs, two
     # engines and one with two profiles. Running them needs a GPU (tests/test_gpu_backends.py).
     pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
-    from kvforge.exporter.trt_build import build_engines
+    from kvforge.build.trt_build import build_engines
 
     out = tmp_path / f"{REAL_NAME}-onnx-fp16"
     export_model(GGUF, out, target="onnx", dtype="fp16", hf_dir=real["hf"])  # reuses the conversion

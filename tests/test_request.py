@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime import FinishReason, GenerationRequest, Generator, SamplingConfig, Speculation
 from kvforge.runtime.request import Stopper, openai_finish_reason
 from kvforge.runtime.scheduler import Scheduler

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvforge.errors import CapacityError, InputError  # noqa: E402
+from kvforge.core.errors import CapacityError, InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 
 RECIPE = "llama-tiny"

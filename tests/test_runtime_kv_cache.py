@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvforge.errors import CapacityError, InputError, ManifestError
+from kvforge.core.errors import CapacityError, InputError, ManifestError
 from kvforge.runtime.kv_cache import KVCache, choose_capacity, needed_positions
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime.sampling import Sampler, SamplingConfig, filter_logits, greedy, sample
 
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from kvforge.errors import ManifestError
+from kvforge.core.errors import ManifestError
 from kvforge.runtime.tokenizer import Tokenizer
 
 CORPUS = ["hello world, the cache holds keys and values. héllo wörld — naïve café ünïcode"] * 4

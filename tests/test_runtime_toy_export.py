@@ -18,8 +18,8 @@ from onnx import TensorProto, helper
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
-from kvforge.errors import BackendUnavailableError, CapacityError, InputError, ManifestError
-from kvforge.manifest import FORMAT, file_record, write_manifest
+from kvforge.core.errors import BackendUnavailableError, CapacityError, InputError, ManifestError
+from kvforge.core.manifest import FORMAT, file_record, write_manifest
 from kvforge.runtime import Generator, SamplingConfig
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, MAX_POS = 61, 32, 4, 2, 8, 2, 64
@@ -320,7 +320,7 @@ def test_finished_rows_are_frozen(toy, expected) -> None:
 def test_a_nan_logit_in_a_decode_step_is_refused_with_its_step(toy, sampling) -> None:
     # One NaN in one row's logits at decode step 3, at a token that is not the row's maximum: greedy
     # checks only the picked logits (argmax picks a row's first NaN), sampling checks them all.
-    from kvforge.errors import NumericalError
+    from kvforge.core.errors import NumericalError
 
     gen = Generator(toy[0])
     decode = gen.backend.decode

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime import GenerationRequest, Generator
 from kvforge.runtime.request import resolve_sampling
 from kvforge.runtime.sampling import SamplingConfig, filter_logits

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvforge.errors import CapacityError, InputError, QueueFullError
+from kvforge.core.errors import CapacityError, InputError, QueueFullError
 from kvforge.runtime import FinishReason, GenerationRequest, Generator
 from kvforge.runtime.sampling import SamplingConfig
 from kvforge.runtime.scheduler import Delta, Done, Scheduler

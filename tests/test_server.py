@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 
 from kvforge.runtime import GenerationRequest, Generator  # noqa: E402
-from kvforge.server import create_app  # noqa: E402
+from kvforge.serve.app import create_app  # noqa: E402
 
 KEY = "test-key"
 

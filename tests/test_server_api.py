@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.server import create_app  # noqa: E402
+from kvforge.serve.app import create_app  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 TOL = 1e-4
@@ -214,7 +214,7 @@ def test_refused_fields_are_400_saying_why(base, path, fields, param, message) -
 
 
 def test_prompt_logprobs_are_score_with_the_top_tokens(reference) -> None:
-    from kvforge.errors import InputError
+    from kvforge.core.errors import InputError
 
     ids = reference.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     entries = reference.prompt_logprobs(ids, top=4)
@@ -231,7 +231,7 @@ def test_prompt_logprobs_are_score_with_the_top_tokens(reference) -> None:
 def test_a_batch_with_n_choices_is_one_log_line_with_its_usage(base, caplog) -> None:
     import logging
 
-    caplog.set_level(logging.INFO, logger="kvforge.server")
+    caplog.set_level(logging.INFO, logger="kvforge.serve.app")
     bodies = [{"prompt": ["Once upon a time", "def main"], "n": 2, "max_tokens": 3, "temperature": 0.5, "seed": 1},
               {"prompt": ["hello", "a b c"], "max_tokens": 0, "echo": True, "logprobs": 1}]
     for body in bodies:
@@ -239,7 +239,7 @@ def test_a_batch_with_n_choices_is_one_log_line_with_its_usage(base, caplog) -> 
         assert response.status_code == 200, response.text
         rid, usage = response.headers["x-request-id"], response.json()["usage"]
         for _ in range(100):  # written when the response ends
-            lines = [r for r in caplog.records if r.name == "kvforge.server" and r.kvforge_fields["id"] == rid]
+            lines = [r for r in caplog.records if r.name == "kvforge.serve.app" and r.kvforge_fields["id"] == rid]
             if lines:
                 break
             time.sleep(0.02)

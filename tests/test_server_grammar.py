@@ -23,7 +23,7 @@ import pydantic  # noqa: E402
 
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.runtime.constraint import Grammar  # noqa: E402
-from kvforge.server import create_app  # noqa: E402
+from kvforge.serve.app import create_app  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")

@@ -21,9 +21,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from kvforge.errors import InputError  # noqa: E402
+from kvforge.core.errors import InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.server import allowed_hosts_for, check_api_key, create_app  # noqa: E402
+from kvforge.serve.app import allowed_hosts_for, check_api_key, create_app  # noqa: E402
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -246,7 +246,7 @@ def test_a_template_swapped_after_loading_is_not_rendered(server, reference, tmp
 
 
 def test_a_template_linked_out_of_the_folder_is_refused(chat_export, tmp_path) -> None:
-    from kvforge.errors import ManifestError
+    from kvforge.core.errors import ManifestError
     from kvforge.runtime.chat import read_chat_template
 
     folder = tmp_path / "linked"

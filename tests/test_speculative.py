@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvforge.errors import InputError  # noqa: E402
+from kvforge.core.errors import InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.runtime.speculate import prompt_lookup  # noqa: E402
 
@@ -158,7 +158,7 @@ def test_server_speculate_extension(chat_export) -> None:
     openai = pytest.importorskip("openai")
     from serving import serving
 
-    from kvforge.server import create_app
+    from kvforge.serve.app import create_app
 
     app = create_app(chat_export, max_batch=2, max_seq_len=256, model_name="tiny", prefill_chunk=16)
     prompt = "a b c a b c a b c a b c a b"

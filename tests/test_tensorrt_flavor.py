@@ -1,4 +1,4 @@
-"""kvforge/tensorrt_flavor.py: which TensorRT is used, and one clear error when the wanted one is missing."""
+"""kvforge/core/tensorrt_flavor.py: which TensorRT is used, and one clear error when the wanted one is missing."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from kvforge import tensorrt_flavor
-from kvforge.errors import BackendUnavailableError
-from kvforge.tensorrt_flavor import load_tensorrt
+from kvforge.core import tensorrt_flavor
+from kvforge.core.errors import BackendUnavailableError
+from kvforge.core.tensorrt_flavor import load_tensorrt
 
 
 def _fake(monkeypatch, name: str, version: str, plugin: bool = False) -> None:

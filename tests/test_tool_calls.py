@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from serving import serving
 
-from kvforge.errors import InputError
+from kvforge.core.errors import InputError
 from kvforge.runtime.chat import ChatTemplate, check_messages
 from kvforge.runtime.tool_calls import (
     ToolCall,
@@ -239,7 +239,7 @@ def test_call_grammar_takes_exactly_the_allowed_calls(exported, fmt) -> None:
 def _install_template(source: Path, folder: Path, template: str) -> Path:
     """A copy of an export with `template` as its chat template, listed (and hashed) in the manifest
     as an export lists the chat_template.jinja it copies."""
-    from kvforge.manifest import file_record, load_manifest, write_manifest
+    from kvforge.core.manifest import file_record, load_manifest, write_manifest
 
     shutil.copytree(source, folder)
     (folder / "chat_template.jinja").write_text(template)
@@ -260,7 +260,7 @@ def server(tool_export):
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from kvforge.server import create_app
+    from kvforge.serve.app import create_app
 
     app = create_app(tool_export, max_batch=2, max_seq_len=1024, model_name="tiny", prefill_chunk=64,
                      chat_template="chatml-tools")
@@ -364,7 +364,7 @@ def test_tool_choice_none_and_auto_answer_as_without_tools(server, tool_export) 
 
 def test_tool_requests_refused_with_a_clear_400(server, exported, tmp_path) -> None:
     httpx = pytest.importorskip("httpx")
-    from kvforge.server import create_app
+    from kvforge.serve.app import create_app
 
     def post(base_or_client, body):
         return base_or_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
@@ -413,7 +413,7 @@ def test_generator_chat_ids_render_tools(exported, tmp_path) -> None:
 
 def test_a_chat_template_that_cannot_be_read_fails_the_start(exported, tmp_path) -> None:
     pytest.importorskip("fastapi")
-    from kvforge.server import create_app
+    from kvforge.serve.app import create_app
 
     (tmp_path / "latin1.jinja").write_bytes(b"caf\xe9")
     for name in (tmp_path / "missing.jinja", tmp_path / "latin1.jinja"):

@@ -1,4 +1,4 @@
-"""The TensorRT backend's CUDA discipline, on the CPU: runtime/trt_backend.py and kvforge/cuda.py over a
+"""The TensorRT backend's CUDA discipline, on the CPU: runtime/trt_backend.py and kvforge/core/cuda.py over a
 stand-in of cuda-python's runtime API and of TensorRT's runtime that record what reaches each stream.
 
 What the stand-ins flag (as `FakeCuda.violations`), each a way the real pair goes wrong:
@@ -25,22 +25,22 @@ import types
 import numpy as np
 import pytest
 
-from kvforge import cuda
-from kvforge.engine_plan import (
+from kvforge.core import cuda
+from kvforge.core.engine_plan import (
     ENGINE_DIR_NAME,
     ENGINES_MANIFEST,
     engines_manifest,
     resolve_build_options,
 )
-from kvforge.errors import InputError
-from kvforge.manifest import file_record
+from kvforge.core.errors import InputError
+from kvforge.core.manifest import file_record
 
 TRT_VERSION = "10.15.1"
 SUCCESS = 0
 
 
 class FakeCuda:
-    """cuda.bindings.runtime, as far as kvforge/cuda.py uses it, recording every stream operation."""
+    """cuda.bindings.runtime, as far as kvforge/core/cuda.py uses it, recording every stream operation."""
 
     cudaError_t = types.SimpleNamespace(cudaSuccess=SUCCESS)
     cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2,
@@ -377,7 +377,7 @@ def test_the_chosen_gpu_is_current_in_every_thread_that_calls_in(make_backend) -
 
 
 def test_a_device_id_beyond_the_gpus_is_refused(make_backend) -> None:
-    from kvforge.errors import InputError
+    from kvforge.core.errors import InputError
 
     with pytest.raises(InputError, match="device_id 2 but CUDA reports 2 GPUs"):
         make_backend(devices=2, device_id=2)
@@ -454,8 +454,8 @@ def test_row_operations_copy_on_the_device_with_the_cache_geometry(make_backend)
 def test_rtx_engines_on_a_gpu_they_cannot_run_are_refused_before_loading(make_backend, monkeypatch) -> None:
     backend, fake = make_backend()  # engines.json says standard TensorRT on a 9.0 GPU: that loads
     assert backend.name == "tensorrt"
-    from kvforge import tensorrt_flavor
-    from kvforge.errors import BackendUnavailableError
+    from kvforge.core import tensorrt_flavor
+    from kvforge.core.errors import BackendUnavailableError
     from kvforge.runtime.trt_backend import TrtBackend
 
     record_path = backend.engine_dir / ENGINES_MANIFEST

@@ -1,4 +1,4 @@
-"""exporter/trt_graph.py: what the build hands TensorRT's parser, checked on ONNX Runtime (no TensorRT needed).
+"""kvforge/build/trt_graph.py: what the build hands TensorRT's parser, checked on ONNX Runtime (no TensorRT needed).
 
 The rewritten graph must compute what the export computes: a static capacity changes no value, and
 Gemma 2's softcapped attention, decomposed into plain ops for TensorRT, matches ONNX Attention with
@@ -16,9 +16,9 @@ pytest.importorskip("torch")
 
 import onnxruntime as ort  # noqa: E402
 
-from kvforge.contract import KVLayout  # noqa: E402
-from kvforge.exporter.trt_graph import tensorrt_graph  # noqa: E402
-from kvforge.manifest import load_manifest  # noqa: E402
+from kvforge.build.trt_graph import tensorrt_graph  # noqa: E402
+from kvforge.core.contract import KVLayout  # noqa: E402
+from kvforge.core.manifest import load_manifest  # noqa: E402
 
 CAPACITY = 48
 

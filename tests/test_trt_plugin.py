@@ -16,7 +16,7 @@ import sys
 import fake_tensorrt as fake
 import pytest
 
-from kvforge.contract import ATTENTION_INPUTS, PLUGIN, AttentionAttrs
+from kvforge.core.contract import ATTENTION_INPUTS, PLUGIN, AttentionAttrs
 from kvforge.plugins import attention_launch as launch
 
 pytest.importorskip("triton")

@@ -20,12 +20,12 @@ pytest.importorskip("onnxruntime_extensions")
 onnx = pytest.importorskip("onnx")
 
 from kvforge.cli import main  # noqa: E402
-from kvforge.contract import PLUGIN  # noqa: E402
-from kvforge.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
+from kvforge.core.contract import PLUGIN  # noqa: E402
+from kvforge.core.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (every family, through the numpy reference)
-from kvforge.parity import run_parity  # noqa: E402
 from kvforge.runtime import Generator, emulate  # noqa: E402
+from kvforge.tools.parity import run_parity  # noqa: E402
 
 ATOL_FP32 = 1e-3
 REFERENCE = {"emulation": "reference"}  # the emulate backend's option: the numpy reference serves the plugin

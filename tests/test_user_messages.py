@@ -35,7 +35,7 @@ def test_inspect_shows_human_sizes(exported) -> None:
 def test_bench_plot_needs_are_checked_before_any_round(exported, monkeypatch, tmp_path) -> None:
     import importlib.util
 
-    from kvforge import bench
+    from kvforge.tools import bench
 
     def never(*args, **kwargs):
         raise AssertionError("the benchmark ran before --plot was checked")
@@ -68,7 +68,7 @@ def test_server_says_how_many_choices_it_takes(exported) -> None:
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from kvforge.server import create_app
+    from kvforge.serve.app import create_app
 
     with TestClient(create_app(exported("llama-tiny", "ort"), max_batch=1, max_seq_len=64)) as client:
         response = client.post("/v1/completions", json={"prompt": "x", "n": 17})

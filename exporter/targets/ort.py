@@ -1,0 +1,127 @@
+"""The `ort` target: com.microsoft.GroupQueryAttention per layer (in place when past and present are one
+OrtValue), with RoPE and packed q/k/v folded into it, ONNX Runtime's normalization fusions, MatMulNBits
+weights (`--quantize`), an int8 KV cache (`--kv-cache int8`), and ONNX Runtime's MoE op for experts."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from kvforge.core.contract import INPUT_IDS, LOGITS_INDEX, parse_cache_name
+from kvforge.core.errors import ExportError
+from kvforge.exporter.graph_edit import (
+    attention_inputs,
+    constant,
+    node_attributes,
+    pre_rotary,
+    replace_node,
+    split_output,
+)
+from kvforge.exporter.targets.base import ExportTarget
+
+
+def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.ndarray, np.ndarray] | None = None,
+                 kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+    """GroupQueryAttention per layer. With `rotary` (cos and sin caches [max_pos, D/2] from the
+    model's rotary embedding), RoPE moves into the attention op (do_rotary=1) wherever the graph
+    applies it right before attention, and q/k/v that are the three parts of one fused MatMul are
+    passed packed: one node per layer instead of a dozen layout and rotary ops. With `kv_scales`
+    (per layer the key and value scales [1, H_kv, 1, D], exporter/kv_quant.py) the cache is int8:
+    GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8."""
+    first = canonical[0]
+    q0, past_lens = first.inputs[0], first.inputs[5]
+    # The query length from the graph's input_ids, not from layer 0's q: that would keep layer 0's
+    # rotary path alive after it is folded into attention.
+    ids = next((value for value in graph.inputs if value.name == INPUT_IDS), q0)
+    shared = ir.tape.Tape()
+    # decode.onnx: input_ids [B, 1] and no logits_index (exporter/trace.py: derive_decode_graph).
+    one_token = (ids.shape is not None and len(ids.shape) == 2 and ids.shape[1] == 1) or (
+        ids is not q0 and LOGITS_INDEX not in {value.name for value in graph.inputs})
+    if one_token:
+        # decode.onnx (one new token per row): seqlens_k ("total length - 1") is past_lens itself, and
+        # total_sequence_length, which GQA reads on the host, is the cache's capacity from past_key's
+        # shape. So no device value is copied to the host mid-graph (a Memcpy node, which also rules out
+        # ONNX Runtime's CUDA graphs), and the step is never mistaken for a first prompt (GQA's test is
+        # S == total_sequence_length). The kernels attend each row's own seqlens_k + 1 positions.
+        seqlens_k = past_lens
+        capacity = shared.op("Shape", [first.inputs[3]], attributes={"start": 2, "end": 3})
+        total_len = shared.op("Cast", [capacity], attributes={"to": ir.DataType.INT32})
+    else:
+        seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
+        seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
+        total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
+        # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
+        # written too, but real tokens never attend them (causal) and decode overwrites them later.
+        # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
+        seqlens_k = shared.op("Sub", [total, constant(shared, np.array([1], np.int32), "kvforge_one")])
+        total_len = shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+    caches = None
+    if rotary is not None:
+        dtype = q0.dtype.numpy() if q0.dtype is not None else np.float32
+        caches = [constant(shared, table.astype(dtype), f"kvforge_rotary_{kind}") for kind, table in zip(("cos", "sin"), rotary, strict=True)]
+    graph.insert_before(first, shared.nodes)
+
+    for node in canonical:
+        attrs = node_attributes(node)
+        (q, k, v, past_key, past_value, _), sinks = attention_inputs(node)
+        tape = ir.tape.Tape()
+        do_rotary = 0
+        rotary_inputs: list[ir.Value | None] = [None, None]
+        pre_q, pre_k = (pre_rotary(q), pre_rotary(k)) if caches is not None else (None, None)
+        if pre_q is not None and pre_k is not None:
+            do_rotary = 1
+            flat = constant(tape, np.array([0, 0, -1], np.int64), None)
+            q = tape.op("Reshape", [pre_q[0], flat])
+            k = tape.op("Reshape", [pre_k[0], flat])
+            rotary_inputs = list(caches)
+            parts = [split_output(value) for value in (q, k, v)]
+            if all(parts) and len({id(p[0]) for p in parts}) == 1 and [p[1] for p in parts] == [0, 1, 2] \
+                    and len(parts[0][0].outputs) == 3:
+                q, k, v = parts[0][0].inputs[0], None, None  # packed [B, S, (H + 2 Hkv) * D]
+        quant: dict[str, int | str] = {}
+        scales: list[ir.Value] = []
+        if kv_scales is not None:
+            cache_name = parse_cache_name(past_key.name or "")
+            if cache_name is None:
+                raise ExportError(f"attention node {node.name} does not read a graph cache input; cannot quantise its cache")
+            scales = [constant(tape, scale, None) for scale in kv_scales[cache_name[2]]]
+            quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+        # GQA's optional inputs: cos_cache, sin_cache, position_ids, attention_bias, head_sink, k_scale, v_scale.
+        extra = [*rotary_inputs, None, None, sinks, *scales]
+        while extra and extra[-1] is None:
+            extra.pop()
+        out, present_key, present_value = tape.op_multi_out(
+            "GroupQueryAttention",
+            [q, k, v, past_key, past_value, seqlens_k, total_len, *extra],
+            attributes={
+                "num_heads": attrs["num_heads"],
+                "kv_num_heads": attrs["kv_num_heads"],
+                "scale": attrs["scale"],
+                "softcap": attrs["softcap"],
+                # Same W as HF's sliding_window (a query sees itself and W-1 earlier positions);
+                # tests check it against HF eager with a window shorter than the sequence.
+                "local_window_size": attrs["sliding_window"] if attrs["sliding_window"] > 0 else -1,
+                "do_rotary": do_rotary,
+                "rotary_interleaved": 0,
+                **quant,
+            },
+            domain="com.microsoft",
+            num_outputs=3,
+        )
+        replace_node(graph, node, tape, [out, present_key, present_value])
+    if kv_scales is not None:
+        for value in [*graph.inputs, *graph.outputs]:
+            if parse_cache_name(value.name or "") is not None:
+                value.dtype = ir.DataType.INT8
+    graph.opset_imports["com.microsoft"] = 1
+
+
+
+def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
+    from kvforge.exporter import moe  # torch's op registry: loaded when an export lowers, not before
+
+    return moe.lower_moe_to_ort(graph, quantize)
+
+
+TARGET = ExportTarget("ort", lower_to_ort, lower_moe, ort_fusions=True, quantize=True, kv_cache_dtypes=("int8",),
+                      head_dim_multiple=8)  # GroupQueryAttention's head sizes are multiples of 8

@@ -1,0 +1,330 @@
+"""`kvforge build`: an export folder's graphs -> TensorRT engines (prefill + decode, or one engine with two
+profiles), written atomically into the engine folder with engines.json (kvforge/core/engine_plan.py).
+
+Works with standard TensorRT (>= 10.15, on a GPU) or TensorRT for RTX (ahead of time, on any machine,
+CPU included), through kvforge/core/tensorrt_flavor.py.
+
+- `onnx` target: standard Attention + TensorScatter, imported natively as TensorRT's attention and
+  KV-cache-update layers. The KV-cache-update layer needs the cache's capacity static, so the graphs'
+  capacity dimension is fixed to --max-seq-len while parsing (in memory: the weights file is read
+  where it lies, never copied). Attention that TensorRT has no dedicated kernel for (fp32, small head
+  dims) is marked decomposable and rebuilt; engines.json says which engines needed it.
+- `trt` target: kvforge's plugin (registered before parsing, its PTX compiled for the GPU) through
+  `tensorrt.plugin`; TensorRT-RTX has no such module, so there it is refused in one line.
+
+Engines are reused when nothing they depend on changed (kvforge/engine_plan.build_key).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvforge import __version__
+from kvforge.core.contract import KVLayout, ModelSpec
+from kvforge.core.engine_plan import (
+    ENGINE_DIR_NAME,
+    ENGINES_MANIFEST,
+    TIMING_CACHE,
+    BuildOptions,
+    build_key,
+    engine_layout,
+    engines_manifest,
+    profile_shapes,
+    resolve_build_options,
+    static_capacity,
+)
+from kvforge.core.errors import BackendUnavailableError, ExportError, InputError
+from kvforge.build.trt_graph import tensorrt_graph
+from kvforge.core.manifest import file_record, load_manifest, read_graph
+from kvforge.core.output_folder import StagedFolder, check_output
+from kvforge.core.targets import get_target
+from kvforge.core.tensorrt_flavor import RTX_PORTABLE, TensorRT, gpu_refusal, load_tensorrt
+
+# TensorRT's builder says this when an attention layer has no dedicated kernel for its shape and dtype.
+NEEDS_DECOMPOSABLE = "not supported by a dedicated kernel"
+
+
+def local_gpu() -> dict[str, str] | None:
+    """This machine's first GPU ({name, compute_capability}), or None (none, or no cuda-python to ask)."""
+    try:
+        from kvforge.core import cuda
+
+        return cuda.device_info(0) if cuda.device_count() else None
+    except Exception:  # no cuda-python, no driver: nothing to say about a GPU
+        return None
+
+
+def build_target(trt: TensorRT, say: Callable[[str], None] = lambda _msg: None) -> dict[str, str]:
+    """The GPU the engines are built for: this machine's (standard TensorRT, which needs one), or
+    TensorRT-RTX's portable set (its ahead-of-time build needs none; where this machine has a GPU
+    TensorRT-RTX cannot run, say so, and build for the portable set all the same)."""
+    if trt.builds_without_gpu:
+        here = local_gpu()
+        refusal = gpu_refusal(trt.flavor, here) if here is not None else None
+        if refusal is not None:
+            say(f"note: {refusal}. Building for the portable set (compute capability {RTX_PORTABLE}) anyway")
+        return {"name": "any supported GPU (ahead-of-time build)", "compute_capability": RTX_PORTABLE}
+    try:
+        from kvforge.core import cuda
+
+        count = cuda.device_count()
+    except BackendUnavailableError as err:
+        raise BackendUnavailableError(
+            f"kvforge build with {trt.label} needs cuda-python (cuda.bindings) and an NVIDIA GPU: pip install "
+            "'kvforge[trt]' on a GPU machine, or build on any machine with TensorRT-RTX (pip install 'kvforge[trt-rtx]')"
+        ) from err
+    if count == 0:
+        raise BackendUnavailableError(
+            f"kvforge build with {trt.label} needs an NVIDIA GPU to build for; CUDA reports none (TensorRT-RTX "
+            "builds without one: pip install 'kvforge[trt-rtx]')"
+        )
+    gpu = cuda.device_info(0)
+    refusal = gpu_refusal(trt.flavor, gpu)
+    if refusal is not None:
+        raise BackendUnavailableError(refusal)
+    return gpu
+
+
+def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] | None:
+    """For the `trt` target: refuse where the plugin cannot be built, else what its PTX depends on."""
+    target = get_target(manifest["target"])
+    if target.plugin is None:
+        return None
+    if trt.plugin_module() is None:
+        raise BackendUnavailableError(
+            f"a {target.name}-target export cannot be built with {trt.label}: kvforge's attention plugin is embedded "
+            "through tensorrt.plugin (ahead-of-time kernels), which TensorRT-RTX does not have; export with "
+            "--target onnx (TensorRT's own attention), or build on a GPU machine with TensorRT >= 10.15"
+        )
+    from kvforge.plugins.ptx import kernel_identity
+
+    return kernel_identity()
+
+
+def _check_plugin_arch(manifest: dict[str, Any], arch: str) -> str:
+    from kvforge.plugins import trt_plugin
+
+    if manifest["target"] != "trt":
+        raise InputError(f"--arch picks the attention plugin's GPU architecture; a {manifest['target']}-target "
+                         "export does not use the plugin")
+    try:
+        return trt_plugin.check_arch(arch)
+    except ValueError as err:
+        raise InputError(f"--arch: {err}") from None
+
+
+def build_engines(
+    export_dir: str | Path,
+    engine_dir: str | Path | None = None,
+    dtype: str | None = None,
+    max_batch: int = 1,
+    max_input_len: int | None = None,
+    max_seq_len: int | None = None,
+    single_engine: bool = False,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+    tensorrt: str = "auto",
+    plugin_shared_kib: int | None = None,
+    plugin_arch: str | None = None,
+) -> dict[str, Any]:
+    """Build (or reuse) the engines of an export folder; returns engines.json's content. `tensorrt`:
+    "auto", "tensorrt" or "tensorrt-rtx" (kvforge/core/tensorrt_flavor.py). `plugin_shared_kib` (trt target):
+    cap the attention plugin's dynamic shared memory (e.g. 48). `plugin_arch` (trt target): the GPU
+    architecture to compile the plugin's kernel for (e.g. sm_90; default: the build GPU's)."""
+    say = progress or (lambda _msg: None)
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine,
+                                    plugin_shared_kib)
+    if plugin_arch is not None:
+        plugin_arch = _check_plugin_arch(manifest, plugin_arch)
+    engine_dir = Path(engine_dir) if engine_dir is not None else export_dir / ENGINE_DIR_NAME
+    if engine_dir.resolve() == export_dir.resolve() or engine_dir.resolve() in export_dir.resolve().parents:
+        raise InputError(
+            f"the engine folder {engine_dir} must not be the export folder or contain it (default "
+            f"{export_dir / ENGINE_DIR_NAME})"
+        )
+    check_output(engine_dir, [], force=True, marker=ENGINES_MANIFEST, what="kvforge engine folder")
+    trt = load_tensorrt(tensorrt)
+    plugin = _plugin_identity(trt, manifest)
+    if plugin is not None and plugin_arch is not None:
+        plugin = {**plugin, "arch": plugin_arch}  # PTX for another architecture: other engines
+    gpu = build_target(trt, say)
+    key = build_key(manifest, options, trt.record(), gpu["compute_capability"], __version__, plugin)
+    existing = _up_to_date(engine_dir, key)
+    if existing is not None and not force:
+        say(f"engines in {engine_dir} are up to date (same graphs, options, TensorRT and GPU); --force rebuilds")
+        return existing
+    if plugin is not None:
+        from kvforge.plugins import trt_plugin
+
+        trt_plugin.register(max_shared_kib=options.plugin_shared_kib, arch=plugin_arch)
+    started = time.perf_counter()
+    timing = (engine_dir / TIMING_CACHE).read_bytes() if (engine_dir / TIMING_CACHE).is_file() else b""
+    builds: dict[str, dict[str, Any]] = {}
+    with StagedFolder(engine_dir, ENGINES_MANIFEST, what="kvforge engine folder", say=say) as staged:
+        staging = staged.path
+        assert staging is not None
+        for entry in engine_layout(options).values():
+            if entry["file"] in builds:
+                continue
+            say(f"building {entry['file']} from {entry['graph']}.onnx for {gpu['name']} ({trt.label})")
+            one = time.perf_counter()
+            data, timing, attention = _build_one(trt, export_dir, manifest, options, entry["graph"], timing, say)
+            (staging / entry["file"]).write_bytes(data)
+            builds[entry["file"]] = {"seconds": round(time.perf_counter() - one, 2), "bytes": len(data),
+                                     "attention": attention}
+            say(f"built {entry['file']}: {len(data) / 1e6:.1f} MB in {builds[entry['file']]['seconds']:.1f}s "
+                f"(attention: {attention})")
+        if timing:
+            (staging / TIMING_CACHE).write_bytes(timing)
+        files = {name: file_record(staging / name) for name in sorted(builds)}
+        record = engines_manifest(export_dir, manifest, options, key, trt.record(), gpu, files,
+                                  time.perf_counter() - started, __version__, builds)
+        (staging / ENGINES_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
+        staged.publish()
+    say(f"built {', '.join(sorted(builds))} in {time.perf_counter() - started:.1f}s into {engine_dir}")
+    return record
+
+
+def _up_to_date(engine_dir: Path, key: str) -> dict[str, Any] | None:
+    path = engine_dir / ENGINES_MANIFEST
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key:
+        return None
+    for name, entry in record.get("files", {}).items():
+        file = engine_dir / name
+        if not file.is_file() or file.stat().st_size != entry.get("bytes"):
+            return None
+    return record
+
+
+class _Log:
+    """TensorRT's logger for one build: warnings and errors kept, to explain a failed build in one line."""
+
+    def __init__(self, trt: TensorRT) -> None:
+        base = trt.module.ILogger
+        messages: list[str] = []
+        severity = trt.module.ILogger.Severity
+
+        class Logger(base):  # type: ignore[misc, valid-type]
+            def __init__(self) -> None:
+                base.__init__(self)
+
+            def log(self, level: Any, msg: str) -> None:
+                if level in (severity.INTERNAL_ERROR, severity.ERROR):
+                    messages.append(msg)
+
+        self.logger = Logger()
+        self.errors = messages
+
+
+def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest: dict[str, Any],
+             options: BuildOptions, graph: str) -> tuple[Any, Any, int]:
+    """Parse `graph` into a strongly typed network (every tensor keeps the export's dtype, plugin IO
+    included), as kvforge/build/trt_graph.py rewrites it for TensorRT; also how many softcapped attention
+    nodes had to be decomposed. The weights stay in the export's file; the parser reads them there."""
+    read_graph(export_dir, manifest, graph)  # checks the file's sha256 before TensorRT reads it
+    path = export_dir / manifest["graphs"][graph]["file"]
+    kv = KVLayout.from_manifest(manifest)
+    caches = set(kv.cache_inputs()) | set(kv.cache_outputs())
+    proto, decomposed = tensorrt_graph(path, caches, options.max_seq_len if static_capacity(manifest) else None,
+                                       ModelSpec.from_manifest(manifest).num_heads, kv.num_kv_heads, kv.head_dim)
+    network = builder.create_network(1 << int(trt.module.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.module.OnnxParser(network, log.logger)
+    if not parser.parse(proto.SerializeToString(), str(path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise ExportError(f"{trt.label} could not parse {graph}.onnx: {errors}")
+    return network, parser, decomposed
+
+
+def _attention_layers(trt: TensorRT, network: Any) -> list[Any]:
+    layers = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.module.LayerType.ATTENTION_INPUT:
+            layer.__class__ = trt.module.IAttentionInputLayer  # the Python binding's way to downcast
+            layers.append(layer)
+    return layers
+
+
+def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], options: BuildOptions, graph: str,
+               timing: bytes, say: Callable[[str], None]) -> tuple[bytes, bytes, str]:
+    """One engine's bytes, the updated timing cache, and how its attention was built: "fused"
+    (TensorRT's dedicated kernels), "decomposed" (no dedicated kernel for this shape and dtype: marked
+    decomposable and rebuilt) or "plugin" (kvforge's kernel)."""
+    log = _Log(trt)
+    builder = trt.module.Builder(log.logger)
+    network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, options, graph)
+    # TensorRT's attention layer cannot softcap: those layers are plain ops (kvforge/build/trt_graph.py).
+    attention = "plugin" if get_target(manifest["target"]).plugin is not None else "decomposed (softcap)" if softcapped else "fused"
+    for attempt in ("fused", "decomposed"):
+        if attempt == "decomposed":
+            say(f"  {trt.label} has no dedicated attention kernel for {graph} ({options.dtype}, head_dim "
+                f"{manifest['kv_cache']['head_dim']}): marking attention decomposable and building again")
+            for layer in _attention_layers(trt, network):
+                layer.attention.decomposable = True
+            attention = "decomposed"
+        config = _config(trt, builder, manifest, options, graph, timing, say)
+        log.errors.clear()
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is not None:
+            if trt.has_timing_cache:
+                timing = bytes(config.get_timing_cache().serialize())
+            return bytes(serialized), timing, attention
+        needs_decomposable = any(NEEDS_DECOMPOSABLE in message for message in log.errors)
+        if attempt == "decomposed" or not needs_decomposable or not _attention_layers(trt, network):
+            break
+    detail = log.errors[-1] if log.errors else "see TensorRT's log above"
+    raise ExportError(f"{trt.label} failed to build the {graph} engine: {detail}")
+
+
+def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: BuildOptions, graph: str,
+            timing: bytes, say: Callable[[str], None]) -> Any:
+    config = builder.create_builder_config()
+    if get_target(manifest["target"]).plugin is not None:
+        # The plugin's present_* outputs alias past_* (in-place cache update).
+        feature = getattr(trt.module.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+        if feature is not None:
+            config.set_preview_feature(feature, True)
+    if trt.has_timing_cache:
+        config.set_timing_cache(config.create_timing_cache(timing), False)
+    phases = ["prefill", "decode"] if options.single_engine else [graph]
+    for phase in phases:
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in profile_shapes(manifest, options, phase).items():
+            profile.set_shape(name, low, opt, high)
+        config.add_optimization_profile(profile)
+    monitor = _progress_monitor(trt.module, say)
+    if monitor is not None:
+        config.progress_monitor = monitor
+    return config
+
+
+def _progress_monitor(trt: Any, say: Callable[[str], None]) -> Any:
+    base = getattr(trt, "IProgressMonitor", None)
+    if base is None:
+        return None
+
+    class Monitor(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            base.__init__(self)
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            if parent_phase is None:
+                say(f"  TensorRT: {phase_name} ({num_steps} steps)")
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            return True  # keep building
+
+        def phase_finish(self, phase_name: str) -> None:
+            pass
+
+    return Monitor()

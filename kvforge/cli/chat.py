@@ -1,0 +1,261 @@
+"""`kvforge chat OUT_DIR`: an interactive terminal chat (registered on the group in kvforge/cli/__init__.py).
+
+Each turn re-renders the whole conversation with the export's chat template and submits it to a
+one-row continuous-batching Scheduler (runtime/scheduler.py), the server's engine: its PrefixStore
+keeps the KV rows of the finished turn, so the next turn prefills only what the conversation added.
+
+Keys: `/reset` forgets the conversation (and its cached KV rows), `/exit` or Ctrl-D quits. Ctrl-C
+while an answer streams stops that answer, which stays in the conversation as far as it got (its
+question is dropped too when nothing was generated yet); Ctrl-C at the prompt clears the line.
+Piped stdin is read line by line, one turn per line, and Ctrl-C stops the program (exit 130).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from kvforge.cli.common import (
+    BACKEND_CHOICES,
+    backend_options,
+    check_utf8,
+    emulation_option,
+    sampling_keywords,
+    sampling_options,
+)
+from kvforge.core.errors import InputError, KvforgeError
+
+if TYPE_CHECKING:  # the runtime is imported when the command runs (startup time)
+    from kvforge.runtime import Generator
+    from kvforge.runtime.scheduler import Done, Scheduler
+
+PROMPT = "> "
+COMMANDS = "/reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer"
+
+
+@dataclass
+class Turn:
+    """One answer: its text as streamed, how the scheduler ended it, and how long it took."""
+
+    text: str
+    done: Done
+    seconds: float
+    interrupted: bool = False
+    context_full: bool = False  # its length limit was the room left in --max-seq-len, not --max-new-tokens
+
+    def stats(self) -> dict[str, Any]:
+        done = self.done
+        ttft = done.ttft_ms / 1e3 if done.ttft_ms is not None else self.seconds
+        decode_s = self.seconds - ttft
+        # Decode speed as `kvforge generate` reports it: the tokens after the first over the time after it.
+        rate = (done.completion_tokens - 1) / decode_s if done.completion_tokens > 1 and decode_s > 0 else 0.0
+        return {"answer": self.text, "finish_reason": str(done.finish_reason), "prompt_tokens": done.prompt_tokens,
+                "cached_tokens": done.cached_tokens, "completion_tokens": done.completion_tokens,
+                "ttft_ms": round(ttft * 1e3, 3), "decode_tokens_per_s": round(rate, 2)}
+
+
+class ChatSession:
+    """A conversation with `generator` through `scheduler` (one row): `ask` answers a user message
+    and keeps both in `messages`; `reset` starts over."""
+
+    def __init__(self, generator: Generator, scheduler: Scheduler, system: str | None, max_new_tokens: int,
+                 **request_options: Any) -> None:
+        self.generator = generator
+        self.scheduler = scheduler
+        self.system = system
+        self.max_new_tokens = max_new_tokens
+        self.request_options = request_options  # generator.request()'s sampling keywords and ignore_eos
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+        # A template that refuses the system role (or any message) says so now, not at the first turn.
+        generator.chat_ids([*self.messages, {"role": "user", "content": "Hi"}])
+
+    def reset(self) -> None:
+        """Forget the conversation and the KV rows kept of it: the next turn prefills from scratch."""
+        from kvforge.runtime.scheduler import PrefixStore
+
+        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+        # Between turns the scheduler thread does not touch its prefix store (a turn's rows are stored
+        # before its Done is sent), so swapping it here is safe.
+        self.scheduler.prefixes = PrefixStore(self.scheduler.prefixes.budget_bytes)
+
+    def ask(self, text: str, emit: Callable[[str], None], stop: Callable[[], bool] = lambda: False) -> Turn:
+        """Answer `text`, passing the answer's text to `emit` as it is generated. Once `stop()` is
+        true the answer is cancelled (Turn.interrupted) and nothing more is emitted. Errors raise
+        KvforgeError and leave the conversation as it was."""
+        from kvforge.runtime.prompts import RenderedChat
+        from kvforge.runtime.request import FinishReason
+        from kvforge.runtime.scheduler import Done
+
+        question = {"role": "user", "content": text}
+        ids = self.generator.chat_ids([*self.messages, question])
+        room = self.scheduler.capacity - len(ids) + 1  # the last generated token is never fed back
+        if room < 1:
+            raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "
+                             "positions of --max-seq-len; /reset starts over")
+        request = self.generator.request(RenderedChat(ids), min(self.max_new_tokens, room), **self.request_options)
+        events: queue.Queue = queue.Queue()
+        started = time.perf_counter()
+        handle = self.scheduler.submit(request, on_event=events.put)
+        pieces: list[str] = []
+        while True:
+            if stop() and not handle.cancelled.is_set():
+                handle.cancel()  # the scheduler ends it at its next step, with a Done
+            try:
+                event = events.get(timeout=0.05)  # short waits: `stop` is polled
+            except queue.Empty:
+                continue
+            if isinstance(event, Done):
+                break
+            if event.text and not handle.cancelled.is_set():
+                pieces.append(event.text)
+                emit(event.text)
+        seconds = time.perf_counter() - started
+        if event.finish_reason == FinishReason.ERROR:
+            raise KvforgeError(f"the answer failed: {event.error}")
+        answer = "".join(pieces)
+        interrupted = handle.cancelled.is_set()
+        if answer or not interrupted:
+            self.messages += [question, {"role": "assistant", "content": answer}]
+        return Turn(answer, event, seconds, interrupted, context_full=request.max_new_tokens < self.max_new_tokens)
+
+
+def _stat_line(turn: Turn) -> str:
+    s = turn.stats()
+    line = (f"[{s['completion_tokens']} tokens, {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens cached, "
+            f"ttft {s['ttft_ms']:.0f} ms, {s['decode_tokens_per_s']:.1f} tokens/s")
+    if turn.interrupted:
+        line += ", interrupted"
+    elif s["finish_reason"] == "length":
+        line += ", cut at the end of --max-seq-len (/reset)" if turn.context_full else ", cut at --max-new-tokens"
+    return line + "]"
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--system", "system_text", help="A system message that starts the conversation (kept by /reset).")
+@click.option("--max-new-tokens", default=512, show_default=True, type=click.IntRange(1),
+              help="Most tokens per answer (fewer when the conversation nears --max-seq-len).")
+@sampling_options
+@click.option("--ignore-eos", is_flag=True, help="Run each answer to --max-new-tokens even past end-of-turn tokens.")
+@click.option("--max-seq-len", type=click.IntRange(2), default=None,
+              help="Positions of the whole conversation (default: the export's max_capacity, at most 4096).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cpu (default for ort/onnx exports), emulate (default for trt exports), ort-cuda or "
+                   "tensorrt: any backend with row operations.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime backends: intra-op threads.")
+@emulation_option
+@click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
+@click.option("--quiet", is_flag=True, help="No banner and no statistics line after each answer.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per answer on stdout (answer, finish_reason, token counts, ttft_ms, "
+                   "decode_tokens_per_s) instead of streamed text.")
+def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_eos: bool,
+         max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, verify: bool,
+         quiet: bool, as_json: bool, **sampling: Any) -> None:
+    """Chat with an export in the terminal (multi-turn; earlier turns' KV rows are reused).
+
+    /reset forgets the conversation, /exit or Ctrl-D quits; Ctrl-C stops the answer being written
+    (what was written stays in the conversation) and clears the line at the prompt. With piped
+    input each line is a turn."""
+    from kvforge.core.contract import KVLayout
+    from kvforge.runtime import Generator
+    from kvforge.runtime.scheduler import Scheduler
+
+    check_utf8("--system", system_text)
+    generator = Generator(export_dir, backend=backend, verify_hashes=verify,
+                          **backend_options(threads=threads, emulation=emulation))
+    try:
+        generator.chat_template  # noqa: B018  (raises when the export has none)
+    except InputError as err:
+        raise InputError(f"{err} (kvforge chat renders every turn with the export's chat template; "
+                         f"`kvforge generate {export_dir} --prompt TEXT` takes plain prompts)") from None
+    scheduler = Scheduler(generator, max_batch=1, max_seq_len=max_seq_len)
+    # One conversation at a time: room for all of its KV rows is all the prefix store needs.
+    scheduler.prefixes.budget_bytes = KVLayout.from_manifest(generator.manifest).bytes(1, scheduler.capacity)
+    scheduler.start()
+    try:
+        _loop(ChatSession(generator, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,
+                          **sampling_keywords(sampling)),
+              generator, quiet, as_json)
+    finally:
+        scheduler.close()
+
+
+def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool) -> None:
+    interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: an error for that line, not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        if not quiet:
+            click.echo(click.style(f"kvforge chat: {generator.folder} on {generator.backend_name}; {COMMANDS}",
+                                   dim=True), err=True)
+
+    def emit(piece: str) -> None:
+        if not as_json:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+
+    while True:
+        try:
+            line = input(PROMPT) if interactive else sys.stdin.readline()
+        except EOFError:
+            line = ""
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            click.echo()  # Ctrl-C at the prompt clears the line, as a shell does
+            continue
+        if not line:  # EOF (Ctrl-D)
+            if interactive:
+                click.echo()
+            return
+        text = line.rstrip("\r\n")
+        command = text.strip()
+        if command == "/exit":
+            return
+        if command == "/reset":
+            session.reset()
+            if not quiet and not as_json:
+                click.echo(click.style("[conversation cleared]", dim=True), err=True)
+            continue
+        if not command:
+            continue
+        try:
+            check_utf8("the message", text)
+            turn = _ask_until_ctrl_c(session, text, emit) if interactive else session.ask(text, emit)
+        except KvforgeError as err:
+            if not interactive:
+                raise
+            click.echo(f"kvforge: error: {' '.join(str(err).split())}", err=True)
+            continue
+        if as_json:
+            click.echo(json.dumps(turn.stats()))
+            continue
+        click.echo()
+        if not quiet:
+            click.echo(click.style(_stat_line(turn), dim=True), err=True)
+
+
+def _ask_until_ctrl_c(session: ChatSession, text: str, emit: Callable[[str], None]) -> Turn:
+    """session.ask with Ctrl-C stopping the answer instead of the program. The handler only sets a
+    flag (no KeyboardInterrupt between showing a piece of text and keeping it), which `ask` polls."""
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: pressed.append(signum))
+    try:
+        return session.ask(text, emit, stop=lambda: bool(pressed))
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,130 @@
+"""What the `kvforge` commands share: option choices from the registries, progress, JSON output,
+and the small parsers and formatters of their messages."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from kvforge.core.errors import BackendUnavailableError, InputError
+from kvforge.core.progress import StepProgress
+from kvforge.runtime.backend import REGISTRY as BACKENDS
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def require_export_extra(command: str) -> None:
+    """The base install is the runtime; export/parity/demo need torch, transformers, onnxscript."""
+    import importlib.util
+
+    missing = [name for name in ("torch", "transformers", "onnx", "onnxscript", "onnx_ir")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BackendUnavailableError(
+            f"`kvforge {command}` needs the export extra ({', '.join(missing)} missing): "
+            "pip install torch==2.13.0 && pip install 'kvforge[export]'"
+        )
+
+
+BACKEND_CHOICES = list(BACKENDS)
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+def sampling_options(command: Command) -> Command:
+    """--greedy, --temperature, --top-k, --top-p, --seed: the sampling options `generate` and `chat` share."""
+    for option in reversed((
+        click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says."),
+        click.option("--temperature", type=float),
+        click.option("--top-k", type=int),
+        click.option("--top-p", type=float),
+        click.option("--seed", type=int),
+    )):
+        command = option(command)
+    return command
+
+
+def sampling_keywords(options: dict[str, Any]) -> dict[str, Any]:
+    """`Generator.request`'s sampling keywords from sampling_options' values; an option not given stays
+    None so that the export folder's generation config decides."""
+    return {"greedy": True if options["greedy"] else None, **{key: options[key] for key in SAMPLING_KEYS}}
+
+
+NO_SPIN_HELP = "ONNX Runtime backends: threads sleep instead of spinning while they wait (a busy shared CPU)."
+
+
+def no_spin_option(command: Command) -> Command:
+    return click.option("--no-spin", is_flag=True, help=NO_SPIN_HELP)(command)
+
+
+def emulation_option(command: Command) -> Command:
+    return click.option("--emulation", type=click.Choice(["triton", "reference"]), default=None,
+                        help="emulate backend: the Triton kernel under its interpreter (default) or the numpy "
+                             "reference (no torch or triton needed).")(command)
+
+
+def backend_options(**given: Any) -> dict[str, Any]:
+    """The backend options the user actually gave (each backend has its own defaults)."""
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def command_progress(quiet: bool) -> StepProgress:
+    """Progress on stderr for this command (nothing with --json); closed when the command ends."""
+    progress = StepProgress(quiet=quiet)
+    context = click.get_current_context(silent=True)
+    if context is not None:
+        context.call_on_close(progress.close)
+    return progress
+
+
+def emit_json(payload: dict[str, Any]) -> None:
+    click.echo(json.dumps(payload, indent=2, default=str))
+
+
+def dequantised_hint(manifest: dict[str, Any]) -> str | None:
+    """A quantised GGUF exported without --quantize grows to the export's dtype: say so and what to do."""
+    gguf = manifest["model"].get("source_gguf") or {}
+    quantized = sorted(t for t in gguf.get("tensor_types", {}) if t not in ("F32", "F16", "BF16"))
+    if not quantized or manifest.get("quantization"):
+        return None
+    weights = sum(r["bytes"] for name, r in manifest["files"].items() if name.endswith(".weights"))
+    return (f"note: the GGUF's {'/'.join(quantized)} weights ({human_bytes(gguf['bytes'])}) were dequantised to "
+            f"{manifest['dtype']} ({human_bytes(weights)}); --quantize int4 (target ort) keeps them at 4 bits")
+
+
+def human_bytes(count: int) -> str:
+    """1234 -> '1.2 KB', 269030016 -> '269.0 MB' (decimal units, as the sizes in README)."""
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def check_utf8(option: str, text: str | None) -> None:
+    """Bytes that are not UTF-8 on the command line (`$'\\xff'`) reach Python as lone surrogates,
+    which no tokenizer takes: say which option holds them, before loading anything."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"{option} is not valid UTF-8 text (undecodable bytes at character {err.start}); pass UTF-8 text"
+        ) from None
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.replace(" ", "").split(",") if part != ""]
+    except ValueError as err:
+        raise InputError(f"--prompt-ids expects comma-separated integer token ids, got {text!r}") from err
+
+

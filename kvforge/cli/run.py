@@ -1,0 +1,343 @@
+"""The `kvforge` commands that run an export: generate | parity | bench | serve (registered on the
+group in kvforge/cli/__init__.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from kvforge.cli.common import (
+    BACKEND_CHOICES,
+    backend_options,
+    check_utf8,
+    command_progress,
+    emit_json,
+    emulation_option,
+    no_spin_option,
+    parse_ids,
+    require_export_extra,
+    sampling_keywords,
+    sampling_options,
+)
+from kvforge.core.errors import InputError, ParityError
+
+if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
+    from kvforge.runtime import GenerationRequest, Generator
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeat for a batch).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
+@click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
+@click.option("--system", "system_text", help="With --chat: a system message first.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@sampling_options
+@click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cpu (default for ort/onnx exports), ort-cuda, tensorrt (TensorRT engines from `kvforge "
+                   "build`), or emulate (default for trt exports: the TensorRT plugin emulated on the CPU).")
+@click.option("--threads", type=int, help="ONNX Runtime backends: intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default=None,
+              help="ONNX Runtime backends: single (default: one session runs both phases, one weight copy), "
+                   "shared (both graphs over one memory-mapped copy), separate (both graphs, two copies).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
+@emulation_option
+@no_spin_option
+@click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
+@click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
+@click.option("--ignore-eos", is_flag=True, help="Run to --max-new-tokens even past end-of-sequence tokens.")
+@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
+              help="Speculative decoding with drafts copied from the context (greedy only; same tokens).")
+@click.option("--draft-len", default=6,  # runtime.speculate.DEFAULT_DRAFT_LEN (not imported: slow)
+              show_default=True, type=int,
+              help="With --speculate: most tokens drafted per step.")
+@click.option("--json", "as_json", is_flag=True)
+def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> None:
+    """Generate from an export folder."""
+    from kvforge.runtime import Generator
+    from kvforge.runtime.prompts import RenderedChat
+
+    if sum(map(bool, (options["prompts"], options["prompt_ids"], options["chat_text"] is not None))) != 1:
+        raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
+    if options["system_text"] is not None and options["chat_text"] is None:
+        raise InputError("--system goes with --chat")
+    for option in ("chat_text", "system_text"):  # (--prompt texts are checked with the prompts)
+        check_utf8(f"--{option.removesuffix('_text')}", options[option])
+    batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
+    generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
+                          **backend_options(threads=options["threads"], sessions=options["sessions"],
+                                            engine_dir=options["engine_dir"], emulation=options["emulation"],
+                                            spinning=False if options["no_spin"] else None))
+    request = _generation_request(generator, batch, options)
+    # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
+    streaming = stream and not as_json and (isinstance(request.prompts, RenderedChat) or len(request.prompts) == 1)
+    if streaming:
+        events = generator.stream(request)
+        for event in events:
+            piece = event.text[0] if event.text is not None else f"{event.token_ids[0]} "
+            click.echo(piece or "", nl=False)
+        click.echo()
+        result = events.result
+    else:
+        result = generator.generate(request)
+    speculation = request.speculation
+    payload = {
+        "tokens": result.tokens,
+        "text": result.text,
+        "prompt_tokens": result.prompt_tokens,
+        "finish_reason": result.finish_reason,
+        "ttft_ms": round(result.ttft_ms, 3),
+        "prefill_ms": round(result.prefill_ms, 3),
+        "decode_ms": round(result.decode_ms, 3),
+        "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+        "steps": result.steps,
+        "backend": generator.backend_name,
+        "sessions": getattr(generator.backend, "session_mode", None),
+    }
+    if speculation is not None:
+        payload["speculation"] = {
+            "method": speculation.method, "draft_len": speculation.draft_len, "draft_tokens": result.draft_tokens,
+            "accepted_tokens": result.accepted_tokens,
+            "acceptance_rate": round(result.accepted_tokens / result.draft_tokens, 4) if result.draft_tokens else 0.0,
+        }
+    if as_json:
+        emit_json(payload)
+        return
+    if not streaming:
+        for i, tokens in enumerate(result.tokens):
+            prefix = f"[{i}] " if len(result.tokens) > 1 else ""
+            click.echo(prefix + (result.text[i] if result.text is not None else ",".join(map(str, tokens))))
+    click.echo(
+        f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
+        f"{sum(map(len, result.tokens))} tokens generated"
+        + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculation else ""),
+        err=True,
+    )
+    cut = [i for i, reason in enumerate(result.finish_reason) if reason == "length"]
+    if cut and not request.ignore_eos:
+        which = "" if len(result.finish_reason) == 1 else f" (prompt {', '.join(map(str, cut))})"
+        click.echo(f"stopped at --max-new-tokens ({request.max_new_tokens}){which}, not at an end-of-sequence token; "
+                   "raise --max-new-tokens for a longer answer", err=True)
+
+
+def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:
+    """The GenerationRequest of `kvforge generate`'s options: the prompts (`batch`) or the chat,
+    sampling, limits, speculation."""
+    from kvforge.runtime.prompts import RenderedChat
+
+    if options["chat_text"] is not None:
+        messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None
+                    else [])
+        messages.append({"role": "user", "content": options["chat_text"]})
+        prompts: Any = RenderedChat(generator.chat_ids(messages))
+    else:
+        prompts = batch
+    sampling = sampling_keywords(options)
+    if options["speculate"] is not None and sampling["greedy"] is None \
+            and not any(options[key] for key in ("temperature", "top_k", "top_p")):
+        sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
+    return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
+                             ignore_eos=options["ignore_eos"], speculate=options["speculate"],
+                             draft_len=options["draft_len"], **sampling)
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--new-tokens", default=32, show_default=True, type=int)
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
+@click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="The backend to check (default: the one `kvforge generate` runs by default).")
+@click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default=None,
+              help="ONNX Runtime backends: single (default, as generate), shared or separate (run decode.onnx too).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
+@emulation_option
+@click.option("--against", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="Also compare with another backend (same tolerance, same prompts).")
+@click.option("--perplexity-tokens", default=1024, show_default=True, type=int,
+              help="Perplexity of export vs HF on this many tokens of kvforge's fixed text (0: skip).")
+@click.option("--json", "as_json", is_flag=True)
+def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
+           backend: str | None, sessions: str | None, engine_dir: Path | None, emulation: str | None,
+           against: str | None, perplexity_tokens: int, as_json: bool) -> None:
+    """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
+    require_export_extra("parity")
+    from kvforge.tools.parity import run_parity
+
+    progress = command_progress(as_json)
+    report = run_parity(model_dir, export_dir, prompts=list(prompts) or None, new_tokens=new_tokens,
+                        atol=atol, backend=backend, progress=progress, sessions=sessions,
+                        against=against, backend_options=backend_options(engine_dir=engine_dir, emulation=emulation),
+                        perplexity_tokens=perplexity_tokens)
+    progress.close()
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(report.summary())
+    if not report.passed:
+        raise ParityError(report.failure_reason())
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--prompt-len", default=128, show_default=True, type=int)
+@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--batch", default=None,
+              help="Rows (prompts of different lengths); GPU backends take a list, e.g. 1,8. [default: 1; GPU: 1,8]")
+@click.option("--repeat", default=None, type=int,
+              help="Rounds (CPU, default 3) or timed runs after a warm-up (GPU, default 5); medians are reported.")
+@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cuda or tensorrt: the GPU benchmark (peers hf, hf-compiled on the same GPU). Default: the CPU one.")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
+@click.option("--compare", default="", help="Peers, comma-separated: hf, ort-genai (CPU); hf, hf-compiled (GPU).")
+@click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib; CPU).")
+@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
+              help="Also run kvforge with speculative decoding (alternating with plain): acceptance, tokens/s.")
+@click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
+@click.option("--cold-start/--no-cold-start", default=True, show_default=True,
+              help="Also time each system's cold start: a whole process from its start to its first token (CPU).")
+@no_spin_option
+@click.option("--json", "as_json", is_flag=True)
+def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None, repeat: int | None, threads: int,
+          backend: str | None, engine_dir: Path | None, compare: str, plot: Path | None, speculate: str | None,
+          draft_len: int, cold_start: bool, no_spin: bool, as_json: bool) -> None:
+    """Benchmark an export (TTFT, decode tokens/s, memory), optionally against peers: on the CPU (ort-cpu, with
+    weight bandwidth and cold start), or on a GPU with --backend ort-cuda / tensorrt."""
+    from kvforge.tools import bench as bench_module
+    from kvforge.tools.bench_gpu import GPU_BACKENDS
+
+    peers = tuple(p.strip() for p in compare.split(",") if p.strip())
+    batches = _batch_sizes(batch)
+    if backend in GPU_BACKENDS:
+        from kvforge.tools.bench_gpu import format_gpu_table, run_gpu_bench
+
+        if plot is not None or speculate is not None:
+            raise InputError("--plot and --speculate are options of the CPU benchmark, not of --backend " + backend)
+        progress = command_progress(False)
+        report = run_gpu_bench(export_dir, backend, batches or (1, 8), prompt_len, new_tokens,
+                               5 if repeat is None else repeat, peers, say=progress,
+                               backend_options=backend_options(engine_dir=engine_dir))
+        progress.close()
+        if as_json:
+            emit_json(report)
+        else:
+            click.echo(format_gpu_table(report))
+        return
+    if backend not in (None, "ort-cpu"):
+        raise InputError(f"kvforge bench runs ort-cpu (the CPU benchmark) or a GPU backend ({', '.join(GPU_BACKENDS)}), "
+                         f"not {backend}")
+    if batches is not None and len(batches) > 1:
+        raise InputError("several --batch sizes are for the GPU benchmark (--backend ort-cuda); give one")
+    if plot is not None:  # before the rounds, not after minutes of measuring
+        bench_module.check_plot(plot)
+    progress = command_progress(False)
+    report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batches[0] if batches else 1,
+                                    3 if repeat is None else repeat, threads, peers, say=progress,
+                                    speculate=speculate, draft_len=draft_len, cold_start=cold_start,
+                                    spinning=not no_spin)
+    progress.close()
+    if plot is not None:
+        bench_module.plot(report, plot)
+        click.echo(f"kvforge: plot written to {plot}", err=True)
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(bench_module.format_table(report))
+
+
+def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise InputError(f"--batch takes a size or a comma-separated list of sizes (1,8), got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise InputError(f"--batch sizes must be positive, got {text!r}")
+    return sizes
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
+              help="Rows of the running batch (requests decoded together).")
+@click.option("--max-seq-len", type=click.IntRange(2), default=None,
+              help="Positions per request, prompt + max_tokens (default: the export's max_capacity, at most 4096).")
+@click.option("--prefill-chunk", default=128, show_default=True, type=click.IntRange(1),
+              help="Prompt tokens prefilled per step between decode steps of the running batch.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Requests that may wait; more get HTTP 429.")
+@click.option("--api-key", default=None,
+              help="Require 'Authorization: Bearer KEY' on every path but /health and /metrics (default: none).")
+@click.option("--max-body-bytes", default=2 << 20, show_default=True, type=click.IntRange(1024),
+              help="Largest request body; bigger ones get HTTP 413 and are never parsed.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
+                   "bound address and loopback names are answered, against DNS rebinding.")
+@click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
+              help="ort-cpu (default), ort-cuda, tensorrt or emulate: any backend with row operations serves.")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads.")
+@no_spin_option
+@click.option("--log-format", type=click.Choice(["text", "json", "off"]), default="text", show_default=True,
+              help="One line per request on stderr: key=value text, JSON objects, or none.")
+@click.option("--chat-template", default=None, metavar="FILE|chatml-tools",
+              help="A Jinja chat template to use instead of the export's (chatml-tools: kvforge's ChatML "
+                   "template with tools, for ChatML models such as SmolLM2).")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
+@click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
+def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
+          max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
+          backend: str | None, engine_dir: Path | None, threads: int | None, no_spin: bool, log_format: str,
+          chat_template: str | None, use_ray: bool, replicas: int, ray_address: str | None) -> None:
+    """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
+
+    Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
+    import signal
+
+    from kvforge.serve.app import check_api_key
+
+    check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
+    options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
+                   api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
+                   chat_template=chat_template, backend=backend, engine_dir=engine_dir)
+    where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
+
+    def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only
+        click.echo(f"kvforge: serving {export_dir} on {url or f'http://{host}:{port}/v1'} with {where} (Ctrl-C stops)",
+                   err=True)
+
+    if use_ray:
+        if log_format != "text":  # the replicas' logging is Ray's; never a flag that silently does nothing
+            raise click.UsageError("--log-format applies to the one-process server, not to --ray")
+        from kvforge.serve.ray_serve import run as run_ray
+
+        run_ray(export_dir, host=host, port=port, replicas=replicas, address=ray_address, ready=ready,
+                allowed_hosts=sorted(_allowed(host, allow_hosts)), **options)
+        return
+    from kvforge.serve.app import serve as run_server
+
+    def terminated(_signum: int, _frame: Any) -> None:  # SIGTERM while loading: a clean stop, not death by signal
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminated)
+    stopped_by = run_server(export_dir, host=host, port=port, ready=ready, allow_hosts=allow_hosts,
+                            log_format=log_format, **options)
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt  # kvforge: interrupted, exit 130 (cli._Group)
+    if stopped_by == signal.SIGTERM:
+        click.echo("kvforge: stopped (SIGTERM)", err=True)
+
+
+def _allowed(host: str, allow_hosts: tuple[str, ...]) -> frozenset[str]:
+    from kvforge.serve.app import allowed_hosts_for
+
+    return allowed_hosts_for(host, allow_hosts)

@@ -1,0 +1,304 @@
+"""The contracts every layer shares, defined once (DESIGN.md, "The KV cache contract").
+
+- The graph IO of each graph (`GraphIO`) and the KV layout (`KVLayout`), with their manifest form.
+- The fused attention op: its inputs, outputs and attributes (`AttentionAttrs`), the canonical ONNX
+  node's identity (`CANONICAL_OP`) and the TensorRT plugin's (`PLUGIN`).
+- The export dtypes and their element sizes.
+
+The exporter names graph values from here, every backend binds them from here and the manifest
+stores them in the form written here. Plain Python: no torch, onnx or onnxruntime import, so the
+runtime and the engine plan can read it. Nothing else in kvforge spells an IO name or the plugin
+identity (tests/test_contract.py greps for them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, get_type_hints
+
+from kvforge.core.errors import ManifestError
+
+# -- dtypes --------------------------------------------------------------------------------------
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # export dtype -> tensor dtype
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}  # bytes per element of the KV cache dtypes
+# `kvforge export --kv-cache`: quantised KV cache dtypes (export dtype -> cache tensor dtype). The
+# scales are constants inside the graphs, so the graph IO keeps its names; only the cache dtype changes.
+KV_CACHE_DTYPES = {"int8": "int8"}
+
+# -- graph IO ------------------------------------------------------------------------------------
+PHASES = ("prefill", "decode")
+INPUT_IDS = "input_ids"  # [B, S] int64 (decode: S = 1)
+PAST_LENS = "past_lens"  # [B] int32: cached tokens per row before this call
+LOGITS_INDEX = "logits_index"  # prefill only, [B, K] int64: the positions of S to return logits for
+LOGITS = "logits"  # prefill [B, K, V], decode [B, V]
+# Inside the decode graph: the prefill graph's per-position logits [B, 1, V] before the squeeze.
+# Bindable on ONNX Runtime, so a session of the prefill graph can serve decode steps.
+LOGITS_POSITIONS = "logits_positions"
+KV_KINDS = ("key", "value")
+_CACHE_NAME = re.compile(r"^(past|present)_(key|value)\.(\d+)$")
+
+
+def cache_input(kind: str, layer: int) -> str:
+    """`past_key.{layer}` / `past_value.{layer}`: the cache a graph reads."""
+    return f"past_{kind}.{layer}"
+
+
+def cache_output(kind: str, layer: int) -> str:
+    """`present_key.{layer}` / `present_value.{layer}`: the same buffer, bound as the graph's output."""
+    return f"present_{kind}.{layer}"
+
+
+def parse_cache_name(name: str) -> tuple[str, str, int] | None:
+    """("past" | "present", "key" | "value", layer) for a cache IO name, None for any other name."""
+    match = _CACHE_NAME.match(name)
+    return (match[1], match[2], int(match[3])) if match else None
+
+
+def buffer_name(kind: str, layer: int) -> str:
+    """The key of a slot's cache buffer (`key.3`): past and present of one layer and kind share it."""
+    return f"{kind}.{layer}"
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per layer one key and one value buffer `[B, num_kv_heads, C, head_dim]` (BNSH) of `dtype`;
+    the capacity C is chosen by the runtime, up to `max_capacity`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # a value of DTYPES, or of KV_CACHE_DTYPES for a quantised cache
+    max_capacity: int
+    layout: str = "BNSH"
+
+    def shape(self, batch: int, capacity: int) -> tuple[int, int, int, int]:
+        return (batch, self.num_kv_heads, capacity, self.head_dim)
+
+    def bytes(self, batch: int, capacity: int) -> int:
+        """Bytes of every key and value buffer of a cache of this batch and capacity."""
+        return 2 * self.num_layers * batch * self.num_kv_heads * capacity * self.head_dim * ITEMSIZE[self.dtype]
+
+    def buffers(self) -> list[tuple[int, str]]:
+        """(layer, kind) in graph order: key.0, value.0, key.1, ..."""
+        return [(layer, kind) for layer in range(self.num_layers) for kind in KV_KINDS]
+
+    def cache_inputs(self) -> list[str]:
+        return [cache_input(kind, layer) for layer, kind in self.buffers()]
+
+    def cache_outputs(self) -> list[str]:
+        return [cache_output(kind, layer) for layer, kind in self.buffers()]
+
+    def to_manifest(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> KVLayout:
+        """The `kv_cache` entry of a manifest, checked (ManifestError names the bad field)."""
+        kv = manifest.get("kv_cache")
+        if not isinstance(kv, Mapping):
+            raise ManifestError("the manifest's 'kv_cache' must be an object; re-run the export")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_capacity"):
+            value = kv.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ManifestError(f"kv_cache.{name} must be a positive integer, got {value!r}; re-run the export")
+        if kv.get("dtype") not in ITEMSIZE:
+            raise ManifestError(
+                f"kv_cache.dtype must be one of {', '.join(ITEMSIZE)}, got {kv.get('dtype')!r}; re-run the export"
+            )
+        if kv.get("layout", "BNSH") != "BNSH":
+            raise ManifestError(f"kv_cache.layout {kv.get('layout')!r} is not BNSH; re-run the export")
+        return cls(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["max_capacity"])
+
+
+MIN_BUCKET = 64  # the smallest cache capacity the runtime allocates
+
+
+def capacity_buckets(max_capacity: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Capacities a cache is allocated at: powers of two from `smallest`, then `max_capacity`. Requests
+    of different lengths then share buffers, bindings (and CUDA graphs, TensorRT profiles) while
+    never holding more than twice the positions they need."""
+    buckets = []
+    size = smallest
+    while size < max_capacity:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_capacity)
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """The input and output names of one graph, in graph order."""
+
+    phase: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @classmethod
+    def of(cls, phase: str, layout: KVLayout) -> GraphIO:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        head = (INPUT_IDS, PAST_LENS) + ((LOGITS_INDEX,) if phase == "prefill" else ())
+        return cls(phase, head + tuple(layout.cache_inputs()), (LOGITS, *layout.cache_outputs()))
+
+    def check(self, inputs: list[str], outputs: list[str], where: str) -> None:
+        """ManifestError unless `inputs` / `outputs` (any order) are exactly this graph's."""
+        if sorted(inputs) != sorted(self.inputs) or sorted(outputs) != sorted(self.outputs):
+            raise ManifestError(
+                f"{where}: the {self.phase} graph IO does not follow the KV cache contract: inputs {inputs}, outputs "
+                f"{outputs}; expected inputs {list(self.inputs)} and outputs {list(self.outputs)}; re-run the export"
+            )
+
+
+MAX_VOCAB_SIZE = 1 << 24  # 16.7M: far beyond real vocabularies (~260k), far below a crafted 1e12
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the runtime needs to know about the model besides its KV layout (manifest `model`)."""
+
+    vocab_size: int
+    num_heads: int
+    hidden_size: int | None = None
+    max_position_embeddings: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    sliding_window: int | None = None
+    source: str | None = None
+    architecture: str | None = None
+    model_type: str | None = None
+
+    def to_manifest(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["eos_token_id"] = list(self.eos_token_id)
+        return out
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any]) -> ModelSpec:
+        model = manifest.get("model")
+        if not isinstance(model, Mapping):
+            raise ManifestError("the manifest's 'model' must be an object; re-run the export")
+        for name in ("vocab_size", "num_heads"):
+            value = model.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ManifestError(f"model.{name} must be a positive integer, got {value!r}; re-run the export")
+        if model["vocab_size"] > MAX_VOCAB_SIZE:  # buffers are sized from it: refuse before allocating
+            raise ManifestError(
+                f"model.vocab_size {model['vocab_size']} is beyond any real vocabulary (at most {MAX_VOCAB_SIZE}); "
+                "the manifest was crafted or corrupted: re-run the export"
+            )
+        # Each field's type is checked here, so a crafted value fails in one line naming it, not
+        # deep in the runtime (int("x") of a pad id, a list where a count goes).
+        for name in ("hidden_size", "max_position_embeddings"):
+            _check_optional_int(model, name, minimum=1)
+        _check_optional_int(model, "sliding_window", minimum=0)
+        for name in ("bos_token_id", "pad_token_id"):  # HF configs hold negative ids (-1) too
+            _check_optional_int(model, name)
+        eos = model.get("eos_token_id")
+        if not (eos is None or _is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
+            raise ManifestError(
+                f"model.eos_token_id must be an integer, a list of integers or null, got {eos!r}; re-run the export"
+            )
+        for name in ("source", "architecture", "model_type"):
+            if model.get(name) is not None and not isinstance(model[name], str):
+                raise ManifestError(f"model.{name} must be a string or null, got {model[name]!r}; re-run the export")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in model.items() if k in known}
+        values["eos_token_id"] = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(**values)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_optional_int(section: Mapping[str, Any], name: str, minimum: int | None = None) -> None:
+    """ManifestError unless model.`name` is absent, null or an integer (>= `minimum`)."""
+    value = section.get(name)
+    if value is None:
+        return
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        wanted = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ManifestError(f"model.{name} must be {wanted} or null, got {value!r}; re-run the export")
+
+
+# -- the fused attention op ----------------------------------------------------------------------
+# The op's inputs, outputs and attributes, in this order everywhere: the torch op, the references,
+# the ONNX node, the Triton kernel's launch plan, the TensorRT plugin and the CPU emulation.
+ATTENTION_INPUTS = ("q", "k", "v", "past_key", "past_value", "past_lens")
+ATTENTION_OUTPUTS = ("out", "present_key", "present_value")
+# The canonical node's optional inputs, after ATTENTION_INPUTS. `sinks` [H]: one learned logit per query
+# head that joins every row's softmax and takes probability mass without adding a value (gpt-oss, Flint,
+# Granite SWA). The `ort` and `onnx` lowerings carry it; the TensorRT kernel has no sinks, so the `trt`
+# target refuses a model that uses them (the plugin's inputs stay ATTENTION_INPUTS).
+ATTENTION_OPTIONAL_INPUTS = ("sinks",)
+
+
+@dataclass(frozen=True)
+class AttentionAttrs:
+    """The fused attention node's attributes. Token t of row b attends cache positions
+    `0 .. past_lens[b] + t` (the last `sliding_window` of them when it is > 0); `softcap` > 0 caps
+    the scores as `softcap * tanh(score / softcap)`."""
+
+    num_heads: int
+    kv_num_heads: int
+    scale: float
+    softcap: float = 0.0
+    sliding_window: int = 0
+
+    def as_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> AttentionAttrs:
+        """From a node's attributes (extra keys, such as the plugin's, are ignored)."""
+        return cls(int(values["num_heads"]), int(values["kv_num_heads"]), float(values["scale"]),
+                   float(values.get("softcap", 0.0)), int(values.get("sliding_window", 0)))
+
+    @classmethod
+    def types(cls) -> dict[str, type]:
+        """Each attribute's Python type (int or float), by name: what schemas and op bridges declare."""
+        hints = get_type_hints(cls)
+        return {name: hints[name] for name in cls.names()}
+
+
+@dataclass(frozen=True)
+class OpIdentity:
+    """The canonical node every export traces to, before a target's lowering."""
+
+    domain: str
+    op_type: str
+    version: int
+
+
+@dataclass(frozen=True)
+class PluginIdentity:
+    """How TensorRT's ONNX parser finds kvforge's plugin: by op type plus the node attributes
+    plugin_namespace / plugin_version (it ignores the domain). The node's domain is the one
+    onnxruntime-extensions' Python ops use, so the CPU emulation serves the very same node."""
+
+    name: str
+    namespace: str
+    version: str
+    onnx_domain: str
+
+    @property
+    def id(self) -> str:
+        """`namespace::name`, the key of `tensorrt.plugin`'s registry."""
+        return f"{self.namespace}::{self.name}"
+
+    def node_attributes(self) -> dict[str, str]:
+        return {"plugin_namespace": self.namespace, "plugin_version": self.version}
+
+
+CANONICAL_OP = OpIdentity(domain="kvforge", op_type="KVCacheAttention", version=1)
+# The canonical mixture-of-experts node (exporter/moe.py defines its inputs and semantics).
+MOE_OP = OpIdentity(domain="kvforge", op_type="MoEExperts", version=1)
+PLUGIN = PluginIdentity(name="KVCacheAttention", namespace="kvforge", version="1", onnx_domain="ai.onnx.contrib")

@@ -1,0 +1,392 @@
+"""OpenAI's generation parameters in, choices with log-probabilities out (kvforge/serve/app.py).
+
+`sampling_options` turns a request body's sampling fields into `Generator.request` keywords;
+`completion_prompts` reads /v1/completions' prompt forms; `Choice` gathers one choice's text,
+tokens and log-probabilities and writes them in the chat shape
+(`logprobs.content = [{token, logprob, bytes, top_logprobs}]`) or the legacy completions shape
+(`logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`); `TokenPieces` gives each token
+id its text and bytes. With tools (runtime/tool_calls.py), a chat choice's text goes through a
+`DeltaStream` (content, and each tool call whole once it closes) and its message through `answer_message`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob
+from kvforge.runtime.request import MAX_CHOICES, FinishReason, GenerationRequest, openai_finish_reason
+from kvforge.runtime.scheduler import Delta, Done
+from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.tool_calls import DeltaStream, ToolRequest, answer_message
+from kvforge.serve.guard import ApiError, number_field, valid_text
+
+
+def sampling_options(body: dict[str, Any], kind: str, default_greedy: bool) -> dict[str, Any]:
+    """`Generator.request` keywords for the body's temperature, top_p, top_k, min_p, seed, the
+    penalties, n and logprobs. OpenAI's temperature 0 is greedy decoding: top_p, top_k, min_p and
+    seed then do nothing, the penalties still apply (they change the argmax). Without a
+    temperature, a filter asks to sample (as in the Python API), but one set to its "off" value
+    (top_k 0 or -1, top_p 1, min_p 0) keeps the export's own choice (`default_greedy`)."""
+    temperature = number_field(body, "temperature", None, float, 0.0, 2.0)
+    top_k = number_field(body, "top_k", None, int, -1, None)
+    filters = {"top_p": number_field(body, "top_p", None, float, 0.0, 1.0),
+               "top_k": None if top_k is None else max(top_k, 0),  # vLLM's -1 means off, as our 0
+               "min_p": number_field(body, "min_p", None, float, 0.0, 1.0),
+               "seed": number_field(body, "seed", None, int, 0, 2**63 - 1)}
+    options: dict[str, Any] = {
+        "presence_penalty": number_field(body, "presence_penalty", None, float, -2.0, 2.0),
+        "frequency_penalty": number_field(body, "frequency_penalty", None, float, -2.0, 2.0),
+        "repetition_penalty": number_field(body, "repetition_penalty", None, float, 0.01, 10.0),
+        "n": number_field(body, "n", 1, int, 1, MAX_CHOICES),
+        "logprobs": logprobs_option(body, kind),
+    }
+    if temperature == 0.0:
+        return {**options, "greedy": True}
+    if temperature is None and all(filters[k] in (None, off) for k, off in (("top_k", 0), ("top_p", 1), ("min_p", 0))):
+        options["greedy"] = default_greedy
+    return {**options, **filters, "temperature": temperature}
+
+
+def speculate_option(body: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """`Generator.request` keywords for kvforge's `"speculate": {"method": "prompt-lookup",
+    "draft_len": N}` extension ({} without it). Speculation is greedy: without sampling fields the
+    request decodes greedily whatever the export's default; with sampling asked for it is a 400."""
+    spec = body.get("speculate")
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or set(spec) - {"method", "draft_len"} or not isinstance(spec.get("method"), str):
+        raise ApiError(400, "'speculate' must be an object {\"method\": \"prompt-lookup\", \"draft_len\": N} "
+                            f"(draft_len optional), got {spec!r}"[:300], param="speculate")
+    if options.get("temperature") is None and "greedy" in options:
+        options["greedy"] = True  # no sampling field: the export's sampling default does not apply
+    elif not options.get("greedy"):
+        raise ApiError(400, "'speculate' needs greedy decoding (its tokens are verified against greedy decoding): "
+                            "set temperature to 0 or leave out temperature, top_p, top_k, min_p", param="speculate")
+    out = {"speculate": spec["method"]}
+    if spec.get("draft_len") is not None:
+        out["draft_len"] = spec["draft_len"]
+    return out
+
+
+def logprobs_option(body: dict[str, Any], kind: str) -> int | None:
+    """Alternatives per step wanted (0..20), or None for no log-probabilities. Chat: `logprobs`
+    true/false and `top_logprobs`; completions: `logprobs` an integer (false/null: off)."""
+    want = body.get("logprobs")
+    if kind == "chat":
+        if want is not None and not isinstance(want, bool):
+            raise ApiError(400, f"'logprobs' must be true or false, got {want!r}", param="logprobs")
+        top = number_field(body, "top_logprobs", None, int, 0, MAX_LOGPROBS)
+        if top and not want:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if want else None
+    if want is False:
+        return None
+    return number_field(body, "logprobs", None, int, 0, MAX_LOGPROBS)
+
+
+def completion_prompts(prompt: Any, max_prompts: int) -> list[str | list[int]]:
+    """/v1/completions' `prompt`: a string, a list of token ids, or a batch (a list of strings or
+    of token-id lists), as a list of prompts in order."""
+    if isinstance(prompt, str) or _ids(prompt):
+        return [prompt]
+    if (isinstance(prompt, list) and prompt
+            and (all(isinstance(p, str) for p in prompt) or all(_ids(p) for p in prompt))):
+        if len(prompt) > max_prompts:
+            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server takes at most {max_prompts} per "
+                                "request (its queue length): split the batch", param="prompt")
+        for p in prompt:
+            if isinstance(p, str):
+                valid_text(p, "'prompt'", "prompt")
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a batch: a non-empty list of "
+                        "strings or of token-id lists (not a mix)", param="prompt")
+
+
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class TokenPieces:
+    """Each token id's text and UTF-8 bytes (what OpenAI's `token` and `bytes` hold). Byte-level BPE
+    vocabularies store bytes as characters (GPT-2's table), which are mapped back; a token that is
+    only part of a character shows as "bytes:\\xe2\\x80" (OpenAI's form). Without a tokenizer a
+    token shows as "token_id:ID" (vLLM's form)."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        if tokenizer is None:
+            return
+        self._tok = tokenizer._tok
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._byte_level = _has_byte_level_decoder(json.loads(self._tok.to_str()).get("decoder"))
+        self._chars = {c: b for b, c in _gpt2_byte_chars().items()}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        piece = self._cache.get(token)
+        if piece is None:
+            piece = self._cache[token] = self._piece(token)
+        return piece
+
+    def offsets(self, ids: list[int]) -> list[int]:
+        """Character offset of each token of `ids` in their decoded text, special tokens (BOS)
+        taking none, as in the echoed prompt (a token held back, part of a character, starts where
+        the character does)."""
+        if self.tokenizer is None:
+            return [0] * len(ids)
+        detok, offsets, at = self.tokenizer.incremental(), [], 0
+        for token in ids:
+            offsets.append(at)
+            at += len(detok.add(token))
+        return offsets
+
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            return f"token_id:{token}", []
+        raw = self._tok.id_to_token(token) or ""
+        if token in self._added:
+            data = self._added[token].encode("utf-8")
+        elif self._byte_level and all(c in self._chars for c in raw):
+            data = bytes(self._chars[c] for c in raw)
+        elif raw.startswith("<0x") and raw.endswith(">") and len(raw) == 6:  # SentencePiece byte fallback
+            data = bytes([int(raw[3:5], 16)])
+        else:
+            data = self._tok.decode([token], skip_special_tokens=False).encode("utf-8")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return text, list(data)
+
+
+def _has_byte_level_decoder(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or [])
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table (byte-level BPE vocabularies spell bytes with it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class Choice:
+    """One choice of a response: its text, token count, finish reason and log-probabilities (when
+    asked for: `logprobs` alternatives per token). `prefix`: text before the generated text
+    (completions' echo); `prompt_ids` / `prompt_logprobs`: the echoed prompt's tokens and their
+    entries (None for the first token, which nothing predicts)."""
+
+    def __init__(self, index: int, pieces: TokenPieces | None, logprobs: int | None, prefix: str = "",
+                 prompt_ids: list[int] | None = None, prompt_logprobs: list[TokenLogprob | None] | None = None) -> None:
+        self.index = index
+        self.pieces = pieces
+        self.top = logprobs
+        self.parts = [prefix]
+        self.chars = len(prefix)
+        self.finish_reason: str | None = None
+        self.tokens: list[int] = []
+        self.entries: list[TokenLogprob | None] = []
+        self.offsets: list[int] = []
+        if logprobs is not None and prompt_ids is not None:
+            assert pieces is not None and prompt_logprobs is not None and len(prompt_logprobs) == len(prompt_ids)
+            self.tokens, self.entries = list(prompt_ids), list(prompt_logprobs)
+            self.offsets = pieces.offsets(prompt_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def add(self, text: str, logprobs: list[TokenLogprob] | None) -> tuple[int, int]:
+        """Append a delta; returns the slice of the entries it added (what its streamed chunk carries)."""
+        start = len(self.entries)
+        if self.top is not None:
+            for entry in logprobs or []:
+                self.tokens.append(entry.token)
+                self.entries.append(entry)
+                self.offsets.append(self.chars)
+        self.parts.append(text)
+        self.chars += len(text)
+        return start, len(self.entries)
+
+    # -- OpenAI's shapes ------------------------------------------------------------------------------
+    def chat_logprobs(self, start: int = 0, end: int | None = None) -> dict[str, Any] | None:
+        if self.top is None:
+            return None
+        return {"content": [self._chat_entry(e) for e in self.entries[start:end] if e is not None]}
+
+    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
+        assert self.pieces is not None
+        text, data = self.pieces(entry.token)
+        top = []
+        for token, logprob in entry.top:
+            alt, alt_data = self.pieces(token)
+            top.append({"token": alt, "logprob": logprob, "bytes": alt_data})
+        return {"token": text, "logprob": entry.logprob, "bytes": data, "top_logprobs": top}
+
+    def legacy_logprobs(self, start: int = 0, end: int | None = None) -> dict[str, Any] | None:
+        """The completions shape. `top_logprobs` holds the chosen token too (so up to logprobs + 1
+        entries, as OpenAI documents); the first prompt token has null for both."""
+        if self.top is None:
+            return None
+        assert self.pieces is not None
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry, offset in zip(self.tokens[start:end], self.entries[start:end], self.offsets[start:end],
+                                        strict=True):
+            out["tokens"].append(self.pieces(token)[0])
+            out["text_offset"].append(offset)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            top = {self.pieces(t)[0]: lp for t, lp in entry.top}
+            top.setdefault(self.pieces(entry.token)[0], entry.logprob)
+            out["token_logprobs"].append(entry.logprob)
+            out["top_logprobs"].append(top)
+        return out
+
+
+@dataclass
+class Job:
+    """One prompt of a request: its ids, the request generating from it (None: completions'
+    max_tokens 0, the prompt only scored), and for completions' echo its text and, with logprobs,
+    its log-probabilities (Generator.prompt_logprobs)."""
+
+    ids: list[int]
+    request: GenerationRequest | None
+    echo: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class Reply:
+    """The response to one request: `n` choices per job (index = prompt x n + choice), filled from
+    the scheduler's events (`add`, which also gives the streamed chunk), written in the chat or the
+    completions shape (`body`, or the chunks of `opening` and `add`)."""
+
+    def __init__(self, kind: str, rid: str, model: str, jobs: list[Job], pieces: TokenPieces, n: int,
+                 logprobs: int | None, tools: ToolRequest | None = None) -> None:
+        self.kind, self.rid, self.model, self.jobs, self.n, self.tools = kind, rid, model, jobs, n, tools
+        self.choices = [Choice(p * n + i, pieces, logprobs, job.echo or "",
+                               job.ids if job.echo is not None else None, job.prompt_logprobs)
+                        for p, job in enumerate(jobs) for i in range(n)]
+        # Per chat choice with tools: its streamed deltas (text held back while a call may be starting).
+        self.deltas = {c.index: DeltaStream(tools) for c in self.choices} if tools is not None else {}
+        self.dones: dict[int, Done] = {}
+        self.pending = sum(n for job in jobs if job.request is not None)
+
+    @property
+    def finished(self) -> bool:
+        return self.pending == 0
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The chunks streamed before any token: chat's role, completions' echoed prompt, and the
+        end of every choice that generates nothing (max_tokens 0)."""
+        chunks = []
+        for c in self.choices:
+            if self.kind == "chat":
+                chunks.append(self._chunk(c, {"role": "assistant", "content": ""}, None, None))
+            elif c.text:
+                chunks.append(self._chunk(c, c.text, c.legacy_logprobs(), None))
+        for p, job in enumerate(self.jobs):
+            if job.request is None:
+                for c in self.choices[p * self.n: (p + 1) * self.n]:
+                    c.finish_reason = "length"
+                    chunks.append(self._chunk(c, "", None, "length", last=self.finished and c is self.choices[-1]))
+        return chunks
+
+    def add(self, prompt: int, event: Delta | Done) -> list[dict[str, Any]]:
+        """Take one event of prompt `prompt`'s request; the chunks that stream it."""
+        c = self.choices[prompt * self.n + event.index]
+        stream = self.deltas.get(c.index)
+        if isinstance(event, Done):
+            self.dones[c.index] = event
+            self.pending -= 1
+            chunks = [self._chunk(c, delta, None, None) for delta in stream.finish()] if stream is not None else []
+            called = stream is not None and stream.calls > 0
+            c.finish_reason = "tool_calls" if called else openai_finish_reason(event.finish_reason)
+            return chunks + [self._chunk(c, "" if self.kind == "text" else {}, None, c.finish_reason,
+                                         last=self.finished)]
+        start, end = c.add(event.text, event.logprobs)
+        if self.kind != "chat":
+            return [self._chunk(c, event.text, c.legacy_logprobs(start, end), None)]
+        logprobs = c.chat_logprobs(start, end)
+        if stream is None:
+            return [self._chunk(c, {"content": event.text} if event.text else {}, logprobs, None)]
+        # The token's log-probabilities ride on the first delta it lets out (an empty one while held back).
+        deltas = stream.feed(event.text) or [{}]
+        return [self._chunk(c, delta, logprobs if i == 0 else None, None) for i, delta in enumerate(deltas)]
+
+    def _chunk(self, c: Choice, content: Any, logprobs: dict | None, reason: str | None,
+               last: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            choice = {"index": c.index, "delta": content, "logprobs": logprobs, "finish_reason": reason}
+            out = {"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
+                   "choices": [choice]}
+        else:
+            choice = {"index": c.index, "text": content, "logprobs": logprobs, "finish_reason": reason}
+            out = {"id": self.rid, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                   "choices": [choice]}
+        if last:
+            out["usage"] = self.usage()
+        return out
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(job.ids) for job in self.jobs)
+        completion = sum(d.completion_tokens for d in self.dones.values())
+        # Every choice of a prompt shares its prefill: count its cached positions once.
+        cached = sum(d.cached_tokens for i, d in self.dones.items() if i % self.n == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def body(self) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        choices = []
+        for c in self.choices:
+            if self.kind == "chat":
+                message, called = answer_message(c.text, self.tools)
+                choices.append({"index": c.index, "message": message, "logprobs": c.chat_logprobs(),
+                                "finish_reason": "tool_calls" if called else c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": c.legacy_logprobs(),
+                                "finish_reason": c.finish_reason or "length"})
+        return {"id": self.rid, "object": "chat.completion" if self.kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+class Tally:
+    """The scheduler's Done events of a request's choices (every prompt's n) merged into one Done,
+    `done` once the last has come (at once when nothing is generated): the request's line in the log
+    and its metrics. Tokens are summed (prefilled and cached positions once per prompt); the reason
+    is an error's or a cancellation's if any, else the first choice's to end. Scheduler thread only."""
+
+    def __init__(self, jobs: list[Job], n: int) -> None:
+        self.pending = sum(n for job in jobs if job.request is not None)
+        self.prompt_tokens = sum(len(job.ids) for job in jobs)
+        self.dones: list[Done] = []
+        self.done: Done | None = None if self.pending else self._merge()
+
+    def add(self, done: Done) -> Done | None:
+        """Take one choice's Done; the merged one when it was the last."""
+        self.dones.append(done)
+        self.pending -= 1
+        if self.pending == 0:
+            self.done = self._merge()
+        return self.done
+
+    def _merge(self) -> Done:
+        worst = [d for d in self.dones if d.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)]
+        first = (worst or self.dones or [None])[0]
+        ttfts = [d.ttft_ms for d in self.dones if d.ttft_ms is not None]
+        per_prompt = [d for d in self.dones if d.index == 0]
+        return Done(first.finish_reason if first is not None else FinishReason.LENGTH, self.prompt_tokens,
+                    sum(d.completion_tokens for d in self.dones), sum(d.prefilled_tokens for d in per_prompt),
+                    sum(d.cached_tokens for d in per_prompt), min(ttfts, default=None),
+                    first.error if first is not None else None)

@@ -1,0 +1,286 @@
+"""What every request to `kvforge serve` passes before its route (kvforge/serve/app.py): the ASGI guard
+(body size, Host, Content-Type, API key), the OpenAI-shaped error, and the checks of a body's fields
+and texts."""
+
+import contextlib
+import hmac
+import ipaddress
+import socket
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvforge.core.errors import InputError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        # A lone surrogate echoed from the request would make the JSON response itself fail to encode.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+
+DEFAULT_MAX_BODY_BYTES = 2 << 20  # a 2 MiB JSON body holds far more text than any context window
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
+
+# OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
+# top_k, min_p, repetition_penalty and ignore_eos are extensions (vLLM's names; llama-server takes
+# ignore_eos too); so is kvforge's `speculate`.
+COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
+                 "user", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                 "repetition_penalty", "response_format", "speculate", "ignore_eos"}
+FIELDS = {"text": COMMON_FIELDS | {"prompt", "echo"},
+          "chat": COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}}
+# Parameters it does not implement, accepted only with the value that changes nothing (or null),
+# so that a client asking for them learns that it does not get them.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
+}
+
+
+def number_field(body: dict, name: str, default: Any, kind: type, low: float | None = None, high: float | None = None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {value!r}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value!r}", param=name)
+    return kind(value)
+
+
+def check_fields(body: dict[str, Any], kind: str) -> None:
+    """400 for a parameter the server would otherwise ignore (honest API: README lists them)."""
+    for key, value in body.items():
+        if key in FIELDS[kind] or value is None:
+            continue
+        if key in NEUTRAL:
+            if any(type(value) is type(n) and value == n for n in NEUTRAL[key]):
+                continue
+            raise ApiError(400, f"'{key}' is not supported by this server (it would be ignored); leave it out or "
+                                f"set it to {NEUTRAL[key][0]!r}", param=key, code="unsupported_parameter")
+        raise ApiError(400, f"unknown or unsupported parameter {key!r}; this server takes "
+                            f"{', '.join(sorted(FIELDS[kind]))}", param=key, code="unsupported_parameter")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, "'stream_options' may only hold 'include_usage' (true or false); the usage is sent "
+                            "on the last chunk", param="stream_options")
+
+
+def response_format_grammar(value: Any) -> Any:
+    """The Grammar (runtime/constraint.py) a `response_format` asks for, or None for plain text.
+    OpenAI's {"type": "text"}, {"type": "json_object"} and {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}, and kvforge's {"type": "regex", "regex": ...} and
+    {"type": "lark", "grammar": ...}. Only the shape is checked here; compiling it is the caller's."""
+    from kvforge.runtime.constraint import Grammar
+
+    def bad(message: str) -> ApiError:
+        return ApiError(400, f"'response_format' {message}", param="response_format")
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad(f"must be an object with a 'type', got {value!r}"[:300])
+    kind = value["type"]
+    fields = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",), "lark": ("grammar",)}
+    if kind not in fields:
+        raise bad(f"type must be one of {', '.join(fields)}; got {kind!r}")
+    extra = set(value) - {"type", *fields[kind]}
+    if extra:
+        raise bad(f"of type {kind!r} takes {['type', *fields[kind]]}, not {sorted(extra)}")
+    try:
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return Grammar.json_object()
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise bad('of type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
+            extra = set(spec) - {"name", "schema", "strict", "description"}
+            if extra:
+                raise bad(f"json_schema takes name, schema, strict and description, not {sorted(extra)}")
+            return Grammar.json_schema(spec["schema"])
+        text = value.get(fields[kind][0])
+        if not isinstance(text, str):
+            raise bad(f'of type "{kind}" needs "{fields[kind][0]}" as a string')
+        return Grammar.regex(text) if kind == "regex" else Grammar.lark(text)
+    except InputError as err:
+        raise bad(f"is not usable: {err}") from None
+
+
+def valid_text(text: str, where: str, param: str) -> str:
+    """`text`, or a 400 for a lone surrogate (JSON's "\\udce9" escape alone), which is not Unicode text
+    and which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"{where} holds {text[err.start:err.end]!r} at character {err.start}, a lone surrogate, "
+                            "which is not Unicode text; send valid UTF-8 (a \\ud800-\\udbff escape must be followed "
+                            "by a \\udc00-\\udfff one)", param=param) from None
+    return text
+
+
+def message_content(content: Any, i: int) -> Any:
+    """OpenAI's content forms: a str, or a list of parts of which only text parts are taken
+    (joined by newlines); other parts are refused by name."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:80]
+            raise ApiError(400, f"messages[{i}].content[{j}] is a {shown} part; this server takes text parts only "
+                                "({'type': 'text', 'text': ...})", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class Guard:
+    """ASGI middleware run before FastAPI sees a request: Host check (DNS rebinding), API key
+    (constant-time), and for POSTs the content type and a body read up to `max_body_bytes` (413
+    beyond it, before the rest arrives). `on_refuse(path, status, message)` hears of each refusal
+    (the request log)."""
+
+    OPEN_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
+
+    def __init__(self, app: Any, api_key: str | None, allowed_hosts: frozenset[str] | None, max_body_bytes: int,
+                 on_refuse: Callable[[str, int, str], None] | None = None) -> None:
+        self.app = app
+        self.on_refuse = on_refuse
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.allowed_hosts = allowed_hosts
+        self.max_body_bytes = max_body_bytes
+
+    def _host_ok(self, value: str) -> bool:
+        assert self.allowed_hosts is not None
+        if "*" in self.allowed_hosts:
+            return True
+        name = value.strip().lower()
+        if name.startswith("["):
+            name = name[1:name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.split(":")[0]
+        name = name.rstrip(".")
+        if name in self.allowed_hosts:
+            return True
+        if "*ip" in self.allowed_hosts:  # bound to a wildcard address: any IP literal (not a rebindable name)
+            with contextlib.suppress(ValueError):
+                ipaddress.ip_address(name)
+                return True
+        return False
+
+    @staticmethod
+    async def _drain(receive: Callable, size: int) -> bool:
+        """Read and drop the rest of an oversize body (up to DRAIN_BYTES, for at most 5 s), so that
+        the 413 reaches the client: closing a socket with unread data resets the connection and the
+        client may see that instead. False if the client went away."""
+        import anyio
+
+        with anyio.move_on_after(5):
+            while size <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return False
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+        return True
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.responses import JSONResponse
+
+        headers = {k.decode("latin-1"): v for k, v in scope.get("headers", [])}
+
+        async def refuse(err: ApiError) -> None:
+            if self.on_refuse is not None:
+                self.on_refuse(scope["path"], err.status, err.message)
+            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+
+        host = headers.get("host")
+        if self.allowed_hosts is not None and host is not None and not self._host_ok(host.decode("latin-1")):
+            shown = host.decode("latin-1")[:100]
+            return await refuse(ApiError(
+                421, f"this server does not answer for Host {shown!r} (a page on another site may be trying to "
+                     f"reach it); use http://127.0.0.1, or, if that name is yours, start the server with "
+                     f"--allow-host {shown.split(':')[0]}",
+                code="host_not_allowed"))
+        if self.expected is not None and scope["path"] not in self.OPEN_PATHS:
+            if not hmac.compare_digest(headers.get("authorization", b""), self.expected):
+                return await refuse(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                             kind="authentication_error", code="invalid_api_key"))
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        ctype = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return await refuse(ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
+                                              f"{ctype or 'no content type'!r})", code="unsupported_media_type"))
+        too_big = ApiError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes "
+                                "(kvforge serve --max-body-bytes); send a shorter prompt", code="request_too_large")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await refuse(ApiError(400, "the Content-Length header is not a number"))
+            if int(length) > self.max_body_bytes:
+                if int(length) <= DRAIN_BYTES and not await self._drain(receive, 0):
+                    return None
+                return await refuse(too_big)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                if message.get("more_body", False) and not await self._drain(receive, size):
+                    return None
+                return await refuse(too_big)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:  # the body once, then the client's own messages (disconnect)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def check_api_key(api_key: str | None) -> None:
+    """Refuse a key no client could ever send (every request would then be a 401)."""
+    if api_key is None:
+        return
+    if api_key == "" or api_key != api_key.strip():
+        raise InputError("--api-key is empty or has spaces around it, so no 'Authorization: Bearer KEY' header "
+                         "could match it; pass the key without surrounding whitespace")
+    if not (api_key.isascii() and api_key.isprintable()):
+        raise InputError("--api-key must be printable ASCII (HTTP headers carry no other text), so this one could "
+                         "never match; choose another key")
+
+
+def allowed_hosts_for(host: str, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The Host names a server bound to `host` answers: loopback names, the bound address, and
+    `extra` (`--allow-host`; `*` allows all); bound to a wildcard address, also any IP literal and
+    this machine's names."""
+    names = {*LOOPBACK_HOSTS, host.strip("[]").lower(), *(h.strip().lower().rstrip(".") for h in extra)}
+    if host in ("0.0.0.0", "::", ""):
+        names |= {"*ip", socket.gethostname().lower(), socket.getfqdn().lower()}
+    return frozenset(names)
+
+

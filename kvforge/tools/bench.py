@@ -1,0 +1,506 @@
+"""`kvforge bench`: time to first token, decode tokens/s, peak memory and weight bandwidth, against peers.
+
+Every system runs in its own process (so peak RSS is its own), after a warm-up generation, and the
+systems take turns round by round so that machine noise hits all alike; the table reports medians and
+the spread over rounds, and each peer's ratio to kvforge. Peers: Hugging Face eager on the export's
+source folder, and onnxruntime-genai with a model its builder makes from that folder (fp32, or int4 when
+the export is int4-quantised), cached under ~/.cache/kvforge/bench.
+
+Cold start: a whole process per system and round, from its spawn to its exit after printing one
+generated token (interpreter, imports, manifest checks, tokenizer, session creation, first prefill), as
+a CLI user pays it on every call: for kvforge its own `kvforge generate OUT --prompt TEXT
+--max-new-tokens 1`, for onnxruntime-genai the few calls of its Python API that do the same (model,
+tokenizer, one token), for Hugging Face from_pretrained and generate. Alternated like the rest.
+
+Decode tokens/s excludes the prefill; achieved bandwidth = weight bytes read per decode step / step
+time, next to this machine's measured ceiling (a short ONNX Runtime MatMul probe, cached).
+
+Worker mode (what each process runs): python -m kvforge.tools.bench worker SYSTEM PATH PROMPT_LEN NEW BATCH THREADS SPIN
+[DRAFT_LEN] (SPIN: 1, or 0 for kvforge's --no-spin); a peer's cold start: python -m kvforge.tools.bench cold SYSTEM PATH
+PROMPT THREADS (PROMPT: text, or ids as 1,2,3)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.errors import BackendUnavailableError, InputError
+from kvforge.core.manifest import load_manifest
+
+PEERS = ("hf", "ort-genai")
+CACHE = Path(os.environ.get("KVFORGE_BENCH_CACHE") or Path.home() / ".cache" / "kvforge" / "bench")
+
+
+def prompt_ids(length: int, row: int = 0, vocab: int = 512) -> list[int]:
+    """A fixed, repeatable prompt of token ids every system gets (a different one per batch row)."""
+    return [((7 + 2 * row) * i + 3 * row) % (vocab - 10) + 5 for i in range(length)]
+
+
+# The warm-up generation (sessions, thread pools, arenas) uses at most this much of the prompt: a long
+# prompt's prefill (minutes at 8k positions on 2 cores) is paid once, in the timed run, whose decode
+# tokens/s excludes it. kvforge's timed run then allocates its cache bucket inside its TTFT.
+WARMUP_PROMPT = 256
+
+
+def _warmup(rows: list[list[int]]) -> list[list[int]]:
+    return [row[:WARMUP_PROMPT] for row in rows]
+
+
+def _peak_rss_mb() -> float:
+    # VmHWM is this process image's own peak: ru_maxrss survives execve on Linux, so a worker would
+    # report its parent's peak whenever that was larger.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- workers (one process each) ---------------------------------------------------------------------
+def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True,
+                  draft_len: int = 0) -> dict[str, Any]:
+    """kvforge's greedy decode; with `draft_len`, prompt-lookup speculation (its drafts verified in one
+    prefill call per step). The tokens go back too, so the two modes can be checked for equality."""
+    from kvforge.runtime import GenerationRequest, Generator, Speculation
+
+    gen = Generator(path, threads=threads, spinning=spinning)
+    prompts = [prompt_ids(prompt_len - 3 * b, b, gen.vocab_size) for b in range(batch)]  # different lengths
+    speculation = Speculation("prompt-lookup", draft_len) if draft_len else None
+    request = GenerationRequest(prompts, new, ignore_eos=True, speculation=speculation)  # greedy
+    gen.generate(request.replace(prompts=_warmup(prompts), max_new_tokens=8))  # warm-up
+    start = time.perf_counter()
+    result = gen.generate(request)
+    total_s = time.perf_counter() - start
+    steps = result.steps
+    out: dict[str, Any] = {"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
+                           "step_ms": result.decode_ms / max(steps, 1),
+                           "end_to_end_tokens_per_s": sum(map(len, result.tokens)) / total_s,
+                           "tokens": result.tokens}
+    if draft_len:
+        out.update(steps=steps, draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens)
+    return out
+
+
+def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    full = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+
+    def run(tokens: int, rows: list[list[int]]) -> tuple[float, float]:
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # left padding, as HF generate wants
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            first = time.perf_counter()
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            step_mask = mask
+            for _ in range(tokens - 1):
+                step_mask = torch.cat([step_mask, torch.ones(batch, 1, dtype=mask.dtype)], 1)
+                out = model(input_ids=token, attention_mask=step_mask, past_key_values=cache, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            end = time.perf_counter()
+        return (first - start) * 1e3, batch * (tokens - 1) / (end - first)
+
+    run(8, _warmup(full))
+    ttft, tps = run(new, full)
+    return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
+
+
+def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True) -> dict[str, float]:
+    # `spinning` is kvforge's: genai_config.json's session_options take no ORT config entries, so
+    # onnxruntime-genai always runs with ONNX Runtime's default (spinning threads).
+    import onnxruntime_genai as og
+
+    config = og.Config(path)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    genai_config = json.loads((Path(path) / "genai_config.json").read_text())["model"]
+    vocab, pad = genai_config["vocab_size"], int(genai_config.get("pad_token_id") or 0)
+    full = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+
+    def run(tokens: int, rows: list[list[int]]) -> tuple[float, float]:
+        params = og.GeneratorParams(model)
+        width = max(map(len, rows))
+        params.set_search_options(max_length=width + tokens, min_length=width + tokens, do_sample=False,
+                                  batch_size=batch)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        if batch == 1:
+            generator.append_tokens(rows[0])
+        else:  # a batch goes in as one 2-D array: rows left-padded with the model's pad id
+            import numpy as np
+
+            generator.append_tokens(np.array([[pad] * (width - len(r)) + r for r in rows], dtype=np.int32))
+        generator.generate_next_token()
+        first = time.perf_counter()
+        count = 1
+        while not generator.is_done():
+            generator.generate_next_token()
+            count += 1
+        end = time.perf_counter()
+        return (first - start) * 1e3, batch * (count - 1) / (end - first)
+
+    run(8, _warmup(full))
+    ttft, tps = run(new, full)
+    return {"ttft_ms": ttft, "decode_tokens_per_s": tps, "step_ms": 1e3 * batch / tps}
+
+
+# -- cold start: one whole process, start to first token ---------------------------------------------
+COLD_PROMPT = "What is the capital of France?"
+
+
+def _cold_genai(path: str, prompt: str, threads: int) -> str:
+    import onnxruntime_genai as og
+
+    config = og.Config(path)
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    tokenizer = og.Tokenizer(model)
+    ids = _cold_ids(prompt) or list(tokenizer.encode(prompt))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    generator.generate_next_token()
+    return tokenizer.decode(generator.get_sequence(0)[-1:])
+
+
+def _cold_hf(path: str, prompt: str, threads: int) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = _cold_ids(prompt) or tokenizer.encode(prompt)
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=1, do_sample=False)
+    return tokenizer.decode(out[0, len(ids):])
+
+
+def _cold_ids(prompt: str) -> list[int] | None:
+    """The prompt's token ids when it is given as ids ("1,2,3"), else None (a text)."""
+    return [int(i) for i in prompt.split(",")] if prompt.replace(",", "").isdigit() else None
+
+
+COLD: dict[str, Callable[[str, str, int], str]] = {"ort-genai": _cold_genai, "hf": _cold_hf}
+
+
+def cold_start_command(system: str, path: str, prompt: str, threads: int) -> list[str]:
+    """The process whose run time is `system`'s cold start: kvforge's own CLI, a peer's cold worker."""
+    if system == "kvforge":
+        given = ["--prompt-ids", prompt] if _cold_ids(prompt) else ["--prompt", prompt]
+        return [sys.executable, "-m", "kvforge.cli", "generate", path, *given, "--max-new-tokens", "1", "--greedy",
+                "--threads", str(threads)]
+    return [sys.executable, "-m", "kvforge.tools.bench", "cold", system, path, prompt, str(threads)]
+
+
+def cold_start_ms(system: str, path: str, prompt: str, threads: int) -> float:
+    """Milliseconds from spawning `system`'s cold-start process to its exit (it prints one token)."""
+    command = cold_start_command(system, path, prompt, threads)
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    elapsed = (time.perf_counter() - start) * 1e3
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise InputError(f"the {system} cold-start process failed: {tail}")
+    return elapsed
+
+
+SPECULATIVE = "kvforge+lookup"  # kvforge with prompt-lookup speculation (--speculate prompt-lookup)
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {"kvforge": _work_kvforge, SPECULATIVE: _work_kvforge,
+                                                     "hf": _work_hf, "ort-genai": _work_genai}
+
+
+def _worker_main(argv: list[str]) -> None:
+    system, path, prompt_len, new, batch, threads, spin, *extra = argv
+    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads), spin == "1", *map(int, extra))
+    result["peak_rss_mb"] = _peak_rss_mb()
+    print(json.dumps(result))
+
+
+# -- the orchestrator -------------------------------------------------------------------------------
+def bandwidth_probe(threads: int) -> Callable[[], float]:
+    """A probe of the GB/s that ONNX Runtime streams weights at on this machine: a
+    [1, 4096] x [4096, 8192] fp32 MatMul (128 MB of weights, far over the caches), 30 runs, the 90th
+    percentile of their throughput (a ceiling). This host's bandwidth drifts between 25 and 40 GB/s
+    over minutes (shared machine), so the bench calls the probe in every round, beside the systems."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(0).standard_normal((4096, 8192)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8192])],
+        initializer=[numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options)
+    x = np.ones((1, 4096), np.float32)
+
+    def probe() -> float:
+        for _ in range(3):
+            session.run(None, {"x": x})
+        rates = []
+        for _ in range(30):
+            start = time.perf_counter()
+            session.run(None, {"x": x})
+            rates.append(weight.nbytes / (time.perf_counter() - start) / 1e9)
+        return float(np.percentile(rates, 90))
+
+    return probe
+
+
+def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Path:
+    import hashlib
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        raise BackendUnavailableError(
+            "--compare ort-genai needs onnxruntime-genai: pip install onnxruntime-genai (or pip install 'kvforge[bench]')"
+        )
+    key = hashlib.sha256(f"{source.resolve()}:{precision}".encode()).hexdigest()[:16]
+    out = CACHE / f"genai-{key}-{precision}"
+    if (out / "genai_config.json").is_file():
+        return out
+    say(f"building onnxruntime-genai's {precision} model from {source} (its model builder)")
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(out),
+                           "-p", precision, "-e", "cpu"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise InputError(f"onnxruntime-genai's builder failed on {source}: {proc.stderr.strip().splitlines()[-1:]}")
+    (out / "kvforge_build_seconds").write_text(f"{time.perf_counter() - started:.2f}")
+    return out
+
+
+def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
+              repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
+              say: Callable[[str], None] | None = None, speculate: str | None = None,
+              draft_len: int = 6, cold_start: bool = True, spinning: bool = True) -> dict[str, Any]:
+    """The report (see the module docstring). `speculate="prompt-lookup"` adds kvforge with speculation
+    (row SPECULATIVE) beside plain kvforge; `cold_start=False` skips the cold-start processes;
+    `spinning=False`: kvforge's ONNX Runtime threads sleep instead of spinning while they wait (the
+    peers keep their defaults)."""
+    from kvforge.core.targets import get_target
+    from kvforge.runtime.speculate import check_speculation
+
+    say = say or (lambda _msg: None)
+    for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--batch", batch, 1),
+                             ("--repeat", repeat, 1), ("--threads", threads, 1)):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    unknown = sorted(set(compare) - set(PEERS))
+    if unknown:
+        raise InputError(f"--compare takes {', '.join(PEERS)}; got {', '.join(unknown)}")
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    if speculate is not None:
+        try:
+            check_speculation(speculate, draft_len)
+        except ValueError as err:
+            raise InputError(f"--speculate: {err}") from err
+        rows_at_once = get_target(manifest["target"]).continue_batch
+        if rows_at_once is not None and batch > rows_at_once:
+            raise InputError(f"--speculate with --batch {batch}: the {manifest['target']!r} target verifies drafts "
+                             f"for {rows_at_once} row(s) per call; use --batch 1 or an export with --target onnx")
+    source = Path(manifest["model"].get("source", ""))
+    quant = manifest.get("quantization") or {}
+    systems: dict[str, str] = {"kvforge": str(export_dir)}
+    if speculate is not None:
+        systems[SPECULATIVE] = str(export_dir)
+    if "hf" in compare:
+        if not (source / "config.json").is_file():
+            raise InputError(f"--compare hf needs the export's source folder {source}, which is gone")
+        systems["hf"] = str(source)
+    if "ort-genai" in compare:
+        # The builder's CPU precisions are fp32 and int4: an int8 export is compared with its fp32.
+        peer_precision = "int4" if quant.get("bits") == 4 else "fp32"
+        systems["ort-genai"] = str(_genai_model(source, peer_precision, say))
+    # Cold start is timed on a text prompt when the export has a tokenizer (a CLI user's call), else on ids.
+    cold_prompt = COLD_PROMPT if (export_dir / "tokenizer.json").is_file() else ",".join(
+        map(str, prompt_ids(8, 0, int(manifest["model"]["vocab_size"]))))
+    cold: dict[str, list[float]] = {name: [] for name in systems}
+    probe = bandwidth_probe(threads)
+    probes: list[float] = []
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    for round_ in range(repeat):
+        probes.append(probe())
+        for name, path in systems.items():  # take turns, round by round
+            say(f"round {round_ + 1}/{repeat}: {name}")
+            extra = [str(draft_len)] if name == SPECULATIVE else []
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvforge.tools.bench", "worker", name, path, str(prompt_len), str(new_tokens),
+                 str(batch), str(threads), "1" if spinning else "0", *extra], capture_output=True, text=True,
+            )
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise InputError(f"the {name} benchmark process failed: {tail}")
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        for name, path in systems.items() if cold_start else ():  # cold starts take turns too
+            if name == SPECULATIVE:  # the same process start as plain kvforge's
+                continue
+            say(f"round {round_ + 1}/{repeat}: {name} cold start")
+            cold[name].append(cold_start_ms(name, path, cold_prompt, threads))
+            runs[name][-1]["cold_start_ms"] = cold[name][-1]
+    # Speculation keeps greedy output: its tokens must be plain kvforge's, round by round.
+    tokens = {name: [sample.pop("tokens", None) for sample in samples] for name, samples in runs.items()}
+    weight_bytes = int(quant.get("weights_bytes") or manifest.get("weights_sharing", {}).get("weights_bytes", 0))
+    table = {}
+    for name, samples in runs.items():
+        row = {}
+        for metric in ("ttft_ms", "decode_tokens_per_s", "peak_rss_mb", "step_ms", "end_to_end_tokens_per_s",
+                       "cold_start_ms"):
+            if metric not in samples[0]:  # end to end: kvforge's rows only; cold start: not the lookup row
+                continue
+            values = [s[metric] for s in samples]
+            row[metric] = statistics.median(values)
+            row[f"{metric}_spread"] = [min(values), max(values)]
+        table[name] = row
+    ours = table["kvforge"]
+    # Every decode step reads every weight once, whatever the batch.
+    ours["weight_gbps"] = weight_bytes / (ours["step_ms"] / 1e3) / 1e9 if weight_bytes else None
+    # Each round's achieved GB/s against the probe taken in that round; the median of those.
+    ours["bandwidth_fraction"] = statistics.median(
+        weight_bytes / (sample["step_ms"] / 1e3) / 1e9 / gbps for sample, gbps in zip(runs["kvforge"], probes, strict=True)
+    ) if weight_bytes else None
+    bandwidth = statistics.median(probes)
+    if SPECULATIVE in table:
+        spec, last = table[SPECULATIVE], runs[SPECULATIVE][-1]
+        spec.update(draft_len=draft_len, draft_tokens=last["draft_tokens"], accepted_tokens=last["accepted_tokens"],
+                    graph_runs=last["steps"] + 1, tokens_match_plain=tokens[SPECULATIVE] == tokens["kvforge"])
+        spec["acceptance_rate"] = last["accepted_tokens"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
+        spec["decode_ratio_over_plain"] = spec["decode_tokens_per_s"] / ours["decode_tokens_per_s"]
+        spec["end_to_end_ratio_over_plain"] = spec["end_to_end_tokens_per_s"] / ours["end_to_end_tokens_per_s"]
+    for name, row in table.items():
+        if name in PEERS and SPECULATIVE in table:
+            row["decode_ratio_speculative_over_peer"] = table[SPECULATIVE]["decode_tokens_per_s"] / row["decode_tokens_per_s"]
+        if name in PEERS:
+            row["decode_ratio_kvforge_over_peer"] = ours["decode_tokens_per_s"] / row["decode_tokens_per_s"]
+            row["ttft_ratio_kvforge_over_peer"] = ours["ttft_ms"] / row["ttft_ms"]
+            row["rss_ratio_kvforge_over_peer"] = ours["peak_rss_mb"] / row["peak_rss_mb"]
+            if cold_start:
+                row["cold_start_ratio_kvforge_over_peer"] = ours["cold_start_ms"] / row["cold_start_ms"]
+    # Export / build time: kvforge's from its manifest, the peer builder's as timed when it ran.
+    ours["export_s"] = (manifest.get("export_seconds") or {}).get("total")
+    if "ort-genai" in systems:
+        timing = Path(systems["ort-genai"]) / "kvforge_build_seconds"
+        table["ort-genai"]["export_s"] = float(timing.read_text()) if timing.is_file() else None
+        table["ort-genai"]["precision"] = peer_precision
+        if ours["export_s"] and table["ort-genai"]["export_s"]:
+            table["ort-genai"]["export_ratio_kvforge_over_peer"] = ours["export_s"] / table["ort-genai"]["export_s"]
+    return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
+            "repeat": repeat, "threads": threads, "spinning": spinning, "weight_bytes": weight_bytes,
+            "speculate": speculate, "cold_start_prompt": cold_prompt if cold_start else None,
+            "machine_bandwidth_gbps": bandwidth, "machine_bandwidth_gbps_spread": [min(probes), max(probes)],
+            "export_profile_s": manifest.get("export_seconds"),
+            "systems": table, "raw": runs}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{report['export']}: prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch "
+             f"{report['batch']}, {report['threads']} threads"
+             f"{'' if report.get('spinning', True) else ' (kvforge: --no-spin)'}, median of {report['repeat']} rounds",
+             f"{'system':<16}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}   ratios kvforge/peer"]
+    for name, row in report["systems"].items():
+        ratios = "" if name not in PEERS else (
+            f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}, "
+            f"RSS x{row['rss_ratio_kvforge_over_peer']:.2f}")
+        if name == SPECULATIVE:
+            ratios = f"   over plain kvforge: decode x{row['decode_ratio_over_plain']:.2f}"
+        lo, hi = row["decode_tokens_per_s_spread"]
+        label = f"{name} {row['precision']}" if row.get("precision") else name
+        lines.append(f"{label:<16}{row['ttft_ms']:>10.1f}{row['decode_tokens_per_s']:>9.1f} ({lo:.0f}-{hi:.0f})"
+                     f"{row['peak_rss_mb']:>10.0f}{ratios}")
+    ours = report["systems"]["kvforge"]
+    spec = report["systems"].get(SPECULATIVE)
+    if spec is not None:
+        same = "same tokens as plain decoding" if spec["tokens_match_plain"] else "TOKENS DIFFER FROM PLAIN DECODING"
+        lines.append(f"{SPECULATIVE} (draft_len {spec['draft_len']}): {spec['accepted_tokens']}/{spec['draft_tokens']} "
+                     f"drafted tokens accepted ({100 * spec['acceptance_rate']:.0f}%), {spec['graph_runs']} graph runs; "
+                     f"end to end {ours['end_to_end_tokens_per_s']:.1f} -> {spec['end_to_end_tokens_per_s']:.1f} tok/s "
+                     f"(x{spec['end_to_end_ratio_over_plain']:.2f}); {same}")
+        for name, row in report["systems"].items():
+            if "decode_ratio_speculative_over_peer" in row:
+                lines.append(f"{SPECULATIVE} decode over {name}: x{row['decode_ratio_speculative_over_peer']:.2f}")
+    if "cold_start_ms" in ours:
+        lines.append("cold start (whole process, start to first token), ms: " + "; ".join(
+            f"{name} {row['cold_start_ms']:.0f} ({row['cold_start_ms_spread'][0]:.0f}-{row['cold_start_ms_spread'][1]:.0f})"
+            + (f", kvforge x{row['cold_start_ratio_kvforge_over_peer']:.2f}" if name != "kvforge" else "")
+            for name, row in report["systems"].items() if "cold_start_ms" in row))
+    for name, row in report["systems"].items():
+        if row.get("export_s"):
+            ratio = row.get("export_ratio_kvforge_over_peer")
+            lines.append(f"{name} export/build: {row['export_s']:.1f} s" + (f" (kvforge x{ratio:.2f})" if ratio else ""))
+    if ours.get("weight_gbps"):
+        lines.append(f"kvforge reads {report['weight_bytes'] / 1e6:.0f} MB of weights per decode step: "
+                     f"{ours['weight_gbps']:.1f} GB/s; {100 * ours['bandwidth_fraction']:.0f}% of the bandwidth this machine's "
+                     f"probe measured in the same rounds (median {report['machine_bandwidth_gbps']:.1f} GB/s)")
+    return "\n".join(lines)
+
+
+def check_plot(path: str | Path) -> None:
+    """Fail before any measuring if `--plot PATH` could not be drawn or written."""
+    import importlib.util
+
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise InputError(f"--plot writes a PNG; give a path ending in .png, got {path}")
+    if not path.parent.resolve().is_dir():
+        raise InputError(f"--plot {path}: the folder {path.parent} does not exist")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BackendUnavailableError("--plot needs matplotlib: pip install 'kvforge[bench]'")
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    check_plot(path)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["systems"])
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    metrics = (("decode_tokens_per_s", "decode tokens/s (higher is better)", "{:.1f}"),
+               ("ttft_ms", "time to first token, ms (lower is better)", "{:.1f}"),
+               ("peak_rss_mb", "peak RSS, MB (lower is better)", "{:.0f}"))
+    for ax, (metric, label, fmt) in zip(axes, metrics, strict=True):
+        values = [report["systems"][n][metric] for n in names]
+        spreads = [report["systems"][n][f"{metric}_spread"] for n in names]
+        errors = [[v - s[0] for v, s in zip(values, spreads, strict=True)], [s[1] - v for v, s in zip(values, spreads, strict=True)]]
+        bars = ax.bar(names, values, yerr=errors, capsize=4, color=["#2f6db5"] + ["#999999"] * (len(names) - 1))
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], label_type="center", color="white")
+        ax.set_title(label, fontsize=10)
+    fig.suptitle(f"{Path(report['export']).name}: prompt {report['prompt_len']}, {report['new_tokens']} new, "
+                 f"batch {report['batch']}, {report['threads']} threads; bars: median, whiskers: min-max of "
+                 f"{report['repeat']} rounds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        _worker_main(sys.argv[2:])
+    elif len(sys.argv) == 6 and sys.argv[1] == "cold":
+        print(COLD[sys.argv[2]](sys.argv[3], sys.argv[4], int(sys.argv[5])))

@@ -1,0 +1,260 @@
+"""`kvforge bench EXPORT --backend ort-cuda` (or tensorrt): time to first token, decode tokens/s and GPU
+memory at each batch size, against Hugging Face on the same GPU.
+
+Peers (`--compare`): `hf`, Hugging Face eager `generate` in the export's dtype; `hf-compiled`, the same
+with a static KV cache, with which `generate` compiles its decoding forward, here under
+`torch.compile(mode="reduce-overhead", fullgraph=True)`: the CUDA-graph setup a GPU user tries first
+(transformers' own recipe for fast generation; the prefill stays eager). Both see the
+same prompt ids as kvforge (rows of different lengths, left-padded for Hugging Face), greedy, and
+generate exactly `new_tokens` per row.
+
+Each system runs in its own process (GPU memory is its own: the device's memory in use after the runs,
+CUDA context included, measured the same way for every system), warms up (sessions, CUDA graphs, torch
+compilation) on the very request it then times, and times it `repeat` times; medians are reported.
+Hugging Face's time to first token is when `generate` hands its streamer the first token (after the
+prefill, the first pick and its copy to the host); kvforge's is the Generator's own.
+
+Worker mode: python -m kvforge.tools.bench_gpu worker SYSTEM PATH PROMPT_LEN NEW BATCHES REPEAT BACKEND OPTIONS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.errors import InputError
+from kvforge.core.manifest import load_manifest
+
+GPU_BACKENDS = ("ort-cuda", "tensorrt")
+GPU_PEERS = ("hf", "hf-compiled")
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+
+
+def prompt_rows(prompt_len: int, batch: int, vocab: int) -> list[list[int]]:
+    from kvforge.tools.bench import prompt_ids
+
+    return [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+
+
+def gpu_memory_mb() -> float | None:
+    """The GPU's memory in use (MB), through cuda-python, else nvidia-smi; None where neither answers."""
+    try:
+        from kvforge.core import cuda
+
+        free, total = cuda.memory_info()
+        return (total - free) / 1e6
+    except Exception:  # no cuda-python: ask nvidia-smi
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+        return float(out.stdout.split()[0]) * 1.048576 if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _median_row(samples: list[dict[str, float]]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for metric in samples[0]:
+        values = [s[metric] for s in samples]
+        row[metric] = statistics.median(values)
+        row[f"{metric}_spread"] = [min(values), max(values)]
+    return row
+
+
+# -- workers (one process each) ---------------------------------------------------------------------
+def _work_kvforge(path: str, prompt_len: int, new: int, batches: list[int], repeat: int, backend: str,
+                  options: dict[str, Any]) -> dict[str, Any]:
+    from kvforge.runtime import GenerationRequest, Generator
+
+    gen = Generator(path, backend=backend, **options)
+    out: dict[str, Any] = {"batches": {}, "tokens": {}}
+    for batch in batches:
+        request = GenerationRequest(prompt_rows(prompt_len, batch, gen.vocab_size), new, ignore_eos=True)  # greedy
+        first = gen.generate(request)  # warm-up: the same shapes, so the same slot, bindings and CUDA graph
+        samples = []
+        for _ in range(repeat):
+            result = gen.generate(request)
+            samples.append({"ttft_ms": result.ttft_ms, "decode_tokens_per_s": result.decode_tokens_per_s,
+                            "step_ms": result.decode_ms / max(result.steps, 1)})
+        out["batches"][str(batch)] = _median_row(samples)
+        out["tokens"][str(batch)] = first.tokens
+    out["cuda_graphs"] = bool(getattr(gen.backend, "cuda_graphs", False))
+    out["cuda_graphs_refused"] = getattr(gen.backend, "cuda_graphs_refused", None)
+    return out
+
+
+class _FirstToken:
+    """A `generate` streamer that notes when the first generated token arrives (its first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _work_hf(path: str, prompt_len: int, new: int, batches: list[int], repeat: int, backend: str,
+             options: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, options["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+    if options.get("compiled"):
+        # transformers' recipe: a static cache (fixed shapes), with which `generate` compiles the decoding
+        # forward, here with CUDA graphs (reduce-overhead) over the whole graph; the prefill stays eager.
+        from transformers import CompileConfig
+
+        model.generation_config.cache_implementation = "static"
+        model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    vocab = model.config.vocab_size
+    out: dict[str, Any] = {"batches": {}, "tokens": {}}
+    for batch in batches:
+        rows = prompt_rows(prompt_len, batch, vocab)
+        _, tokens = _hf_run(model, rows, new)  # warm-up (and, compiled, the compilation of both phases)
+        _hf_run(model, rows, new)
+        out["batches"][str(batch)] = _median_row([_hf_run(model, rows, new)[0] for _ in range(repeat)])
+        out["tokens"][str(batch)] = tokens
+    return out
+
+
+def _hf_run(model: Any, rows: list[list[int]], new: int) -> tuple[dict[str, float], list[list[int]]]:
+    """One timed greedy `generate` of `new` tokens per row: its timings and the generated ids."""
+    import torch
+
+    batch, width = len(rows), max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device="cuda")  # left padding
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device="cuda")
+    streamer = _FirstToken()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                   do_sample=False, streamer=streamer, pad_token_id=0, eos_token_id=None)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    assert streamer.first is not None
+    return ({"ttft_ms": (streamer.first - start) * 1e3,
+             "decode_tokens_per_s": batch * (new - 1) / (end - streamer.first),
+             "step_ms": (end - streamer.first) * 1e3 / (new - 1)},
+            generated[:, width:].tolist())
+
+
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {"kvforge": _work_kvforge, "hf": _work_hf, "hf-compiled": _work_hf}
+
+
+def _worker_main(argv: list[str]) -> None:
+    system, path, prompt_len, new, batches, repeat, backend, options = argv
+    result = WORKERS[system](path, int(prompt_len), int(new), [int(b) for b in batches.split(",")], int(repeat),
+                             backend, json.loads(options))
+    result["gpu_memory_mb"] = gpu_memory_mb()
+    print(json.dumps(result))
+
+
+# -- the orchestrator -------------------------------------------------------------------------------
+def run_gpu_bench(export_dir: str | Path, backend: str, batches: tuple[int, ...] = (1, 8), prompt_len: int = 128,
+                  new_tokens: int = 128, repeat: int = 5, compare: tuple[str, ...] = (),
+                  say: Callable[[str], None] | None = None, backend_options: dict[str, Any] | None = None,
+                  worker_timeout: float | None = None) -> dict[str, Any]:
+    """The report (see the module docstring). kvforge's failure fails the run; a peer that fails or runs
+    past `worker_timeout` seconds is reported with its error, beside the figures of the others."""
+    say = say or (lambda _msg: None)
+    if backend not in GPU_BACKENDS:
+        raise InputError(f"the GPU benchmark runs backend {', '.join(GPU_BACKENDS)}; got {backend!r}")
+    unknown = sorted(set(compare) - set(GPU_PEERS))
+    if unknown:
+        raise InputError(f"--compare with --backend {backend} takes {', '.join(GPU_PEERS)}; got {', '.join(unknown)}")
+    for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--repeat", repeat, 1)):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    if not batches or min(batches) < 1:
+        raise InputError(f"--batch takes positive sizes, got {batches}")
+    if prompt_len - 3 * (max(batches) - 1) < 1:
+        raise InputError(f"--prompt-len {prompt_len} is too short for batch {max(batches)} (row b has prompt-len - 3b tokens)")
+    export_dir = Path(export_dir)
+    manifest = load_manifest(export_dir)
+    source = Path(manifest["model"].get("source", ""))
+    systems = {"kvforge": (str(export_dir), dict(backend_options or {}))}
+    dtype = TORCH_DTYPES.get(manifest["dtype"], "float16")
+    for peer in compare:
+        if not (source / "config.json").is_file():
+            raise InputError(f"--compare {peer} needs the export's source folder {source}, which is gone")
+        systems[peer] = (str(source), {"dtype": dtype, "compiled": peer == "hf-compiled"})
+    results: dict[str, dict[str, Any]] = {}
+    for name, (path, options) in systems.items():
+        say(f"{name}: batches {', '.join(map(str, batches))}, {repeat} timed runs each after a warm-up")
+        command = [sys.executable, "-m", "kvforge.tools.bench_gpu", "worker", name, path, str(prompt_len), str(new_tokens),
+                   ",".join(map(str, batches)), str(repeat), backend, json.dumps(options)]
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=worker_timeout)
+            failure = None if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        except subprocess.TimeoutExpired:
+            failure = f"still running after {worker_timeout:.0f} s; stopped"
+        if failure is not None:
+            if name == "kvforge":
+                raise InputError(f"the kvforge benchmark process failed: {failure}")
+            say(f"{name}: failed: {failure}")
+            results[name] = {"error": failure, "batches": {}, "tokens": {}}
+            continue
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = results["kvforge"]
+    for name, result in results.items():
+        if name == "kvforge" or "error" in result:
+            continue
+        for batch, row in result["batches"].items():
+            mine = ours["batches"][batch]
+            row["decode_ratio_kvforge_over_peer"] = mine["decode_tokens_per_s"] / row["decode_tokens_per_s"]
+            row["ttft_ratio_kvforge_over_peer"] = mine["ttft_ms"] / row["ttft_ms"]
+            # Greedy on both sides: the same tokens, except where fp16 rounding flips a near tie.
+            row["tokens_equal_kvforge"] = result["tokens"][batch] == ours["tokens"][batch]
+    for result in results.values():
+        result.pop("tokens")
+    return {"export": str(export_dir), "backend": backend, "dtype": manifest["dtype"], "prompt_len": prompt_len,
+            "new_tokens": new_tokens, "batches": list(batches), "repeat": repeat, "gpu": _gpu_name(),
+            "systems": results}
+
+
+def _gpu_name() -> str | None:
+    from kvforge.tools.doctor import gpus
+
+    found, _ = gpus()
+    return found[0]["name"] if found else None
+
+
+def format_gpu_table(report: dict[str, Any]) -> str:
+    lines = [f"{report['export']} on {report['gpu'] or 'a GPU'} ({report['backend']}, {report['dtype']}): prompt "
+             f"{report['prompt_len']}, {report['new_tokens']} new tokens, median of {report['repeat']} runs",
+             f"{'system':<14}{'batch':>6}{'TTFT ms':>10}{'decode tok/s':>14}{'GPU MB':>9}   ratios kvforge/peer"]
+    for name, result in report["systems"].items():
+        if "error" in result:
+            lines.append(f"{name:<14}failed: {result['error']}")
+            continue
+        memory = result.get("gpu_memory_mb")
+        for batch, row in result["batches"].items():
+            ratios = "" if name == "kvforge" else (
+                f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}"
+                f"{'' if row['tokens_equal_kvforge'] else ' (tokens differ)'}")
+            lines.append(f"{name:<14}{batch:>6}{row['ttft_ms']:>10.2f}{row['decode_tokens_per_s']:>14.0f}"
+                         f"{memory if memory is not None else float('nan'):>9.0f}{ratios}")
+    graphs = report["systems"]["kvforge"].get("cuda_graphs")
+    lines.append(f"kvforge decode steps {'replayed from CUDA graphs' if graphs else 'run without CUDA graphs'}; "
+                 "GPU MB: the device's memory in use after the runs (CUDA context included)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "worker":
+        _worker_main(sys.argv[2:])

@@ -1,0 +1,342 @@
+"""`kvforge parity`: the same prompts through Hugging Face eager and through an export.
+
+For every prompt the export generates `new_tokens` greedy tokens (EOS ignored, so every run is
+the same length). Hugging Face eager then scores prompt + those tokens in one forward pass: at
+each step we compare the export's logits with HF's (max abs error) and the export's token with
+HF's argmax (greedy agreement, teacher-forced so one early flip does not hide later steps).
+HF's own cached `generate` must also produce exactly the export's tokens.
+
+Tolerances (max abs logit error per step): fp32 1e-3, fp16 0.15, bf16 0.5 (bf16 keeps 8 mantissa bits
+against fp16's 11; no backend here runs bf16 yet). A token mismatch fails the gate
+unless HF's own top-2 margin at that step is below 2 x atol (a numerical tie, reported as such).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvforge.core.errors import InputError, NumericalError
+from kvforge.core.manifest import load_manifest
+
+DEFAULT_PROMPTS = (
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog. Attention lets every token look back",
+    "def main(): return 42",
+)
+DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 0.15, "bf16": 0.5}
+# Perplexity on a fixed text shipped with kvforge (kvforge/data/perplexity.txt, ~3000 tokens of
+# original prose), in independent windows, HF vs export. Tolerance on |ppl_export / ppl_hf - 1|.
+PERPLEXITY_TEXT = Path(str(resources.files("kvforge") / "data" / "perplexity.txt"))
+PERPLEXITY_WINDOW = 256
+DEFAULT_PERPLEXITY_TOKENS = 1024
+PERPLEXITY_RTOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 5e-2}
+# A weight-quantised export is not expected to give HF's logits or every greedy token: it passes when
+# its perplexity on the shipped text is at most this much above HF's (fp32); logit error and greedy
+# agreement are reported, not gated.
+# Round-to-nearest int4 costs small models much (SmolLM2-135M-Instruct: +21.8% all-int4, +13.3% with
+# an int8 lm_head; int8: +0.5%), so the int4 gate catches a broken quantisation, not RTN's usual cost.
+QUANTIZED_PERPLEXITY_RISE = {8: 0.02, 4: 0.30}
+
+
+@dataclass
+class PromptParity:
+    prompt: str
+    prompt_tokens: int
+    export_tokens: list[int]
+    hf_generate_tokens: list[int]
+    step_max_abs_err: list[float]
+    step_hf_margin: list[float]
+    mismatched_steps: list[int]
+    tie_steps: list[int]
+    error: str | None = None  # the export could not produce this prompt's logits (NaN, ...)
+    # --against BACKEND: that backend's tokens, and the max logit error between the two backends per
+    # step up to their first token difference (after it they see different histories).
+    against_tokens: list[int] | None = None
+    against_step_max_abs_err: list[float] | None = None
+    hf_stopped_at_eos: bool = False
+
+    @property
+    def max_abs_err(self) -> float:
+        return max(self.step_max_abs_err) if self.step_max_abs_err else float("nan")
+
+    @property
+    def generate_equal(self) -> bool:
+        """HF's own generate() gave the export's tokens (up to an end-of-sequence token where HF's
+        generate stops: transformers fills an unset eos_token_id from the model's generation
+        config, while the export is run past EOS so every prompt has the same length)."""
+        hf, ours = self.hf_generate_tokens, self.export_tokens
+        return hf == ours or (self.hf_stopped_at_eos and len(hf) < len(ours) and hf == ours[: len(hf)])
+
+
+@dataclass
+class ParityReport:
+    export_dir: str
+    target: str
+    dtype: str
+    backend: str
+    sessions: str | None
+    atol: float
+    new_tokens: int
+    prompts: list[PromptParity] = field(default_factory=list)
+    against: str | None = None
+    perplexity: dict[str, Any] | None = None
+    quantization: dict[str, Any] | None = None  # the manifest's: {"bits", "block_size", ...}
+
+    @property
+    def max_abs_err(self) -> float:
+        errors = [p.max_abs_err for p in self.prompts]
+        return float("nan") if any(np.isnan(e) for e in errors) else max(errors)
+
+    @property
+    def passed(self) -> bool:
+        return self.failure_reason() == ""
+
+    def failure_reason(self) -> str:
+        reasons = []
+        nan = False
+        for i, p in enumerate(self.prompts):
+            nan_steps = [step for step, err in enumerate(p.step_max_abs_err) if np.isnan(err)]
+            if p.error is not None:
+                reasons.append(f"prompt {i}: {p.error}")
+                nan = nan or "NaN" in p.error
+            elif nan_steps:
+                reasons.append(f"prompt {i}: the export's logits are NaN at steps {nan_steps}")
+                nan = True
+            elif p.max_abs_err > self.atol and self.quantization is None:
+                step = int(np.argmax(p.step_max_abs_err))
+                reasons.append(f"prompt {i}: max logit error {p.max_abs_err:.3g} > atol {self.atol:g} (step {step})")
+            if p.against_tokens is not None:
+                against_err = max(p.against_step_max_abs_err or [0.0])
+                if p.against_tokens != p.export_tokens:
+                    first = _first_difference(p.against_tokens, p.export_tokens)
+                    reasons.append(f"prompt {i}: {self.against} gives different tokens from step {first}")
+                if against_err > self.atol:
+                    reasons.append(f"prompt {i}: logits differ from {self.against} by {against_err:.3g} > atol {self.atol:g}")
+            if self.quantization is not None:
+                continue
+            if p.error is None and p.mismatched_steps:
+                reasons.append(f"prompt {i}: greedy token differs from HF at steps {p.mismatched_steps}")
+            elif p.error is None and not p.generate_equal and not p.tie_steps:
+                reasons.append(f"prompt {i}: HF generate() tokens differ from the export's")
+        ppl = self.perplexity
+        if self.quantization is not None and ppl is not None:
+            rise = ppl["export"] / ppl["hf"] - 1.0
+            if not rise <= ppl["tolerance"]:
+                reasons.append(f"perplexity {ppl['export']:.4g} vs HF {ppl['hf']:.4g}: the {self.quantization['bits']}-bit "
+                               f"export's is {100 * rise:.2f}% higher, more than the {100 * ppl['tolerance']:g}% allowed")
+        elif ppl is not None and not ppl["relative_difference"] <= ppl["tolerance"]:
+            reasons.append(f"perplexity {ppl['export']:.4g} vs HF {ppl['hf']:.4g}: relative difference "
+                           f"{ppl['relative_difference']:.3g} > {ppl['tolerance']:g}")
+        if nan:
+            reasons.append("NaN logits mean corrupted weights or an overflow in a low-precision export: "
+                           f"check the folder with `kvforge inspect {self.export_dir} --verify`")
+        return "; ".join(reasons)
+
+    def summary(self) -> str:
+        lines = [f"parity {self.export_dir} (target {self.target}, {self.dtype}, {self.backend}, sessions {self.sessions}, "
+                 f"{self.new_tokens} new tokens, atol {self.atol:g})"]
+        if self.quantization is not None:
+            lines.append(f"  weights quantised to int{self.quantization['bits']} (blocks of {self.quantization['block_size']}): "
+                         "gated on perplexity only; logit error and greedy agreement are reported, not gated")
+        for i, p in enumerate(self.prompts):
+            if p.error is not None:
+                lines.append(f"  prompt {i} ({p.prompt_tokens} tokens): {p.error}")
+                continue
+            agree = self.new_tokens - len(p.mismatched_steps) - len(p.tie_steps)
+            lines.append(
+                f"  prompt {i} ({p.prompt_tokens} tokens): max logit err {p.max_abs_err:.3g}, "
+                f"greedy agreement {agree}/{self.new_tokens}"
+                + (f" (+{len(p.tie_steps)} numerical ties)" if p.tie_steps else "")
+                + f", HF generate equal: {'yes' if p.generate_equal else 'no'}"
+                + (f"; vs {self.against}: max logit err {max(p.against_step_max_abs_err or [0.0]):.3g}, "
+                   f"tokens equal: {'yes' if p.against_tokens == p.export_tokens else 'no'}"
+                   if p.against_tokens is not None else "")
+            )
+        if self.perplexity is not None:
+            ppl = self.perplexity
+            lines.append(f"  perplexity on {ppl['tokens']} tokens of {ppl['text']} (windows of {ppl['window']}): "
+                         f"export {ppl['export']:.4f}, HF {ppl['hf']:.4f}, relative difference "
+                         f"{ppl['relative_difference']:.2e} (tolerance {ppl['tolerance']:g}"
+                         + (", a rise over HF" if self.quantization is not None else "") + ")")
+        lines.append("PASS" if self.passed else f"FAIL: {self.failure_reason()}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for prompt in data["prompts"]:  # JSON has no NaN: a NaN error is reported as null
+            prompt["step_max_abs_err"] = [None if np.isnan(e) else e for e in prompt["step_max_abs_err"]]
+        data["passed"] = self.passed
+        data["max_abs_err"] = None if np.isnan(self.max_abs_err) else self.max_abs_err
+        data["failure"] = self.failure_reason() or None
+        return data
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first step where two token lists differ (the shorter length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def lossy_quantization(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """What makes an export's logits differ from HF's by design: its weight quantisation (manifest
+    `quantization`), else an int8 KV cache (`kv_cache_quantization`, gated as 8 bits), else None."""
+    kv = manifest.get("kv_cache_quantization")
+    if manifest.get("quantization") is not None:
+        return {**manifest["quantization"], **({"kv_cache": kv["dtype"]} if kv else {})}
+    return {"bits": 8, "kv_cache": kv["dtype"]} if kv else None
+
+
+def run_parity(
+    model_dir: str | Path,
+    export_dir: str | Path,
+    prompts: list[str] | None = None,
+    new_tokens: int = 32,
+    atol: float | None = None,
+    backend: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    sessions: str | None = None,
+    against: str | None = None,
+    backend_options: dict[str, Any] | None = None,
+    perplexity_tokens: int = DEFAULT_PERPLEXITY_TOKENS,
+    hf_model: Any = None,
+) -> ParityReport:
+    """Check `backend` (default: what `kvforge generate` runs, the export's default backend in its
+    default session mode) against Hugging Face eager; `sessions` picks an ONNX Runtime session mode
+    ("shared" runs decode.onnx too); `against` also compares with another backend; the perplexity of
+    the first `perplexity_tokens` tokens of the shipped text is compared too (0 skips it)."""
+    import torch
+    from transformers import GenerationConfig
+
+    from kvforge.exporter.load import load_hf_model
+    from kvforge.runtime import GenerationRequest, Generator
+
+    say = progress or (lambda _msg: None)
+    if new_tokens < 1:
+        raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
+    if atol is not None and not atol > 0:
+        raise InputError(f"--atol must be > 0, got {atol}")
+    if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
+        raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
+    quantization = lossy_quantization(load_manifest(export_dir))
+    if quantization is not None and perplexity_tokens < 2:
+        raise InputError(f"{export_dir} is quantised to int{quantization['bits']}; its parity gate is perplexity, "
+                         "so --perplexity-tokens must be at least 2 (default 1024)")
+    options = dict(backend_options or {})
+    if sessions is not None:
+        options["sessions"] = sessions
+    generator = Generator(export_dir, backend=backend, **options)
+    other = Generator(export_dir, backend=against) if against is not None else None
+    backend = generator.backend_name
+    manifest = generator.manifest
+    if generator.tokenizer is None:
+        raise InputError(f"{export_dir} has no tokenizer.json; parity needs text prompts it can tokenize")
+    dtype = manifest["dtype"]
+    atol = DEFAULT_ATOL[dtype] if atol is None else atol
+    if hf_model is None:
+        say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
+    model = hf_model if hf_model is not None else load_hf_model(model_dir, dtype)
+    report = ParityReport(str(export_dir), manifest["target"], dtype, backend,
+                          getattr(generator.backend, "session_mode", None), atol, new_tokens,
+                          against=other.backend_name if other is not None else None, quantization=quantization)
+    no_eos = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
+        pad_token_id=manifest["model"].get("pad_token_id") or 0,
+    )
+    for text in prompts or list(DEFAULT_PROMPTS):
+        ids = generator.tokenizer.encode(text)
+        say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
+        try:
+            request = GenerationRequest([ids], new_tokens, ignore_eos=True, keep_logits=True)  # greedy
+            result = generator.generate(request)
+        except NumericalError as err:
+            report.prompts.append(PromptParity(text, len(ids), [], [], [], [], [], [],
+                                               error=f"the export's logits are NaN at step {err.step}"))
+            continue
+        tokens = result.tokens[0]
+        export_logits = np.stack([step[0] for step in result.logits]).astype(np.float32)  # [N, V]
+        with torch.no_grad():
+            full = torch.tensor([ids + tokens[:-1]])
+            ref = model(full).logits[0, len(ids) - 1 :].float().numpy()  # [N, V]
+            generated = model.generate(torch.tensor([ids]), generation_config=no_eos)[0, len(ids):].tolist()
+        err = np.abs(export_logits - ref).max(axis=-1)
+        top2 = np.sort(ref, axis=-1)[:, -2:]
+        margin = top2[:, 1] - top2[:, 0]
+        hf_argmax = ref.argmax(axis=-1)
+        mismatched, ties = [], []
+        for step, token in enumerate(tokens):
+            if token != int(hf_argmax[step]):
+                (ties if margin[step] < 2 * atol else mismatched).append(step)
+        entry = PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(),
+                             mismatched, ties)
+        entry.hf_stopped_at_eos = bool(generated) and len(generated) < len(tokens) and generated[-1] in generator.eos_token_ids
+        if other is not None:
+            theirs = other.generate(request)
+            same = min(_first_difference(theirs.tokens[0], tokens), len(tokens) - 1)
+            their_logits = np.stack([step[0] for step in theirs.logits[: same + 1]]).astype(np.float32)
+            entry.against_tokens = theirs.tokens[0]
+            entry.against_step_max_abs_err = np.abs(their_logits - export_logits[: same + 1]).max(axis=-1).round(8).tolist()
+        report.prompts.append(entry)
+    if perplexity_tokens:
+        say(f"perplexity on the first {perplexity_tokens} tokens of {PERPLEXITY_TEXT.name}")
+        report.perplexity = _perplexity(generator, model, perplexity_tokens, dtype)
+        if quantization is not None:
+            report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization["bits"])]
+    return report
+
+
+def _perplexity(generator: Any, model: Any, max_tokens: int, dtype: str) -> dict[str, Any]:
+    """Perplexity of the export and of HF eager on the same windows of the shipped text."""
+    import torch
+
+    ids = generator.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:max_tokens]
+    windows = [ids[i : i + PERPLEXITY_WINDOW] for i in range(0, len(ids), PERPLEXITY_WINDOW)]
+    windows = [w for w in windows if len(w) >= 2]
+    ours, theirs = [], []
+    for window in windows:
+        try:
+            ours.append(generator.score(window))
+        except NumericalError:
+            ours.append(np.full(len(window) - 1, np.nan))
+        with torch.no_grad():
+            logits = model(torch.tensor([window])).logits[0, :-1].double()
+        targets = torch.tensor(window[1:])[:, None]
+        theirs.append(torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].numpy())
+    export_ppl = float(np.exp(-np.concatenate(ours).mean()))
+    hf_ppl = float(np.exp(-np.concatenate(theirs).mean()))
+    return {
+        "text": PERPLEXITY_TEXT.name, "tokens": int(sum(len(w) - 1 for w in windows)), "window": PERPLEXITY_WINDOW,
+        "export": export_ppl, "hf": hf_ppl, "relative_difference": abs(export_ppl / hf_ppl - 1.0),
+        "tolerance": PERPLEXITY_RTOL[dtype],
+    }
+
+
+def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, hf_model: Any = None) -> dict[str, Any]:
+    """A quantised export against the fp32 model it came from (Hugging Face eager, which the fp32
+    export matches to ~1e-4): max logit error, greedy agreement over 32 tokens on kvforge's parity
+    prompts, and perplexity on 1024 tokens of its fixed text. Recorded in the export's manifest as
+    `quantization.accuracy`, or `kv_cache_quantization.accuracy` for an int8 KV cache with fp32 weights
+    (measured on the published export, after the export wrote it)."""
+    from kvforge.core.manifest import record_section
+
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    section = "quantization" if manifest.get("quantization") else "kv_cache_quantization"
+    if not manifest.get(section):
+        raise InputError(f"{folder} is not a quantised export (it was exported without --quantize or --kv-cache)")
+    model_dir = Path(model_dir if model_dir is not None else manifest["model"]["source"])
+    report = run_parity(model_dir, folder, new_tokens=32, hf_model=hf_model)
+    steps = sum(len(p.step_max_abs_err) for p in report.prompts)
+    agree = sum(len(p.step_max_abs_err) - len(p.mismatched_steps) - len(p.tie_steps) for p in report.prompts)
+    ppl = report.perplexity or {}
+    accuracy = {"reference": "fp32 model (Hugging Face eager)", "max_abs_logit_err": round(float(report.max_abs_err), 4),
+                "greedy_agreement": f"{agree}/{steps}", "perplexity": round(ppl.get("export", float("nan")), 4),
+                "reference_perplexity": round(ppl.get("hf", float("nan")), 4),
+                "perplexity_relative_increase": round(ppl.get("export", 0) / ppl.get("hf", 1) - 1, 5),
+                "perplexity_tokens": ppl.get("tokens")}
+    record_section(folder, section, {**manifest[section], "accuracy": accuracy})
+    return accuracy
