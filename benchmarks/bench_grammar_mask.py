@@ -113,7 +113,7 @@ def main() -> None:
     assert gen.tokenizer is not None
 
     t0 = time.perf_counter()
-    compiler = compiler_for(gen)
+    compiler = compiler_for(gen.vocabulary)
     tokenizer_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiled = compiler.compile(Grammar.json_schema(SCHEMA))

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvforge.core.errors import InputError
 
 if TYPE_CHECKING:
-    from kvforge.runtime.generator import Generator
+    from kvforge.runtime.vocabulary import Vocabulary
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -112,9 +112,9 @@ class Grammar:
         except ValueError as err:  # not a JSON object, or bad x-guidance options
             raise InputError(f"the json_schema grammar cannot be compiled: {err}") from None
 
-    def matcher(self, generator: Generator) -> GrammarMatcher:
-        """A fresh matcher for one row of `generator` (compiled once per export and grammar)."""
-        return compiler_for(generator).compile(self).matcher()
+    def matcher(self, vocabulary: Vocabulary) -> GrammarMatcher:
+        """A fresh matcher for one row over `vocabulary` (compiled once per export and grammar)."""
+        return compiler_for(vocabulary).compile(self).matcher()
 
 
 class GrammarMatcher:
@@ -236,15 +236,16 @@ _compilers_lock = threading.Lock()
 _executor_instance: llguidance.LLExecutor | None = None
 
 
-def compiler_for(generator: Generator) -> GrammarCompiler:
-    """The GrammarCompiler of `generator`'s export, built on first use and kept while it lives."""
+def compiler_for(vocabulary: Vocabulary) -> GrammarCompiler:
+    """The GrammarCompiler of an export's vocabulary (Generator.vocabulary), built on first use and kept
+    while the vocabulary lives."""
     with _compilers_lock:
-        compiler = _compilers.get(generator)
+        compiler = _compilers.get(vocabulary)
         if compiler is None:
-            if generator.tokenizer is None:
-                raise InputError(f"constrained decoding needs the export's tokenizer.json; {generator.folder} has none")
-            compiler = GrammarCompiler(generator.tokenizer.to_json(), generator.vocab_size, generator.eos_token_ids)
-            _compilers[generator] = compiler
+            if vocabulary.tokenizer is None:
+                raise InputError(f"constrained decoding needs the export's tokenizer.json; {vocabulary.folder} has none")
+            compiler = GrammarCompiler(vocabulary.tokenizer.to_json(), vocabulary.vocab_size, vocabulary.eos_token_ids)
+            _compilers[vocabulary] = compiler
         return compiler
 
 

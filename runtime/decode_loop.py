@@ -13,21 +13,14 @@ import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvforge.runtime.backend import Slot
-from kvforge.runtime.logit_controls import RowControls
-from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
-from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
-from kvforge.runtime.sampling import Sampler, choice_seed
-from kvforge.runtime.sampling import greedy as greedy_tokens
-from kvforge.runtime.speculate import prompt_lookup
+from kvforge.runtime.engine import Accepted, StepEngine
+from kvforge.runtime.logprobs import TokenLogprob
+from kvforge.runtime.request import FinishReason, GenerationRequest
+from kvforge.runtime.rows import Row
 from kvforge.runtime.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from kvforge.runtime.generator import Generator
 
 
 @dataclass
@@ -83,214 +76,85 @@ class GenerationStream:
         return self._result
 
 
-class _Rows:
-    """Per-row state: the tokens generated so far, each row's Stopper, and which rows still run."""
-
-    def __init__(self, request: GenerationRequest, prompts: list[list[int]], eos_ids: frozenset[int],
-                 tokenizer: Tokenizer | None, report_text: bool, controls: list[RowControls] | None = None) -> None:
-        self.prompts = prompts
-        self.controls = controls
-        self.logprobs: list[list[TokenLogprob]] | None = [[] for _ in prompts] if request.logprobs is not None else None
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.stoppers = [Stopper(request, eos_ids, tokenizer.incremental() if tokenizer else None) for _ in prompts]
-        self.running = np.ones(len(prompts), dtype=bool)
-        # The running rows as a list too: the step loop reads it where a numpy call on `running`
-        # would cost tens of microseconds with caches cold from the graph run.
-        self.live = list(range(len(prompts)))
-        self.report_text = report_text
-
-    def accept(self, step: int, picked: np.ndarray, rows: object = None,
-               logprobs: dict[int, TokenLogprob] | None = None) -> StepEvent:
-        """Append picked[b] (with logprobs[b]) to each running row (or to `rows`) and end the rows it stops."""
-        batch = len(self.prompts)
-        new: list[int | None] = [None] * batch
-        deltas = [""] * batch if self.report_text else None
-        step_logprobs: list[TokenLogprob | None] | None = [None] * batch if logprobs is not None else None
-        for b in list(self.live) if rows is None else rows:
-            token = int(picked[b])
-            self.tokens[b].append(token)
-            new[b] = token
-            if self.controls is not None:
-                self.controls[b].advance(token)
-            if logprobs is not None and self.logprobs is not None and step_logprobs is not None:
-                self.logprobs[b].append(logprobs[b])
-                step_logprobs[b] = logprobs[b]
-            delta = self.stoppers[b].add(token)
-            if self.stoppers[b].reason is not None:
-                self.running[b] = False
-                self.live.remove(b)
-            if deltas is not None:
-                deltas[b] = delta
-        return StepEvent(step=step, token_ids=new, text=deltas, finished=[s.reason is not None for s in self.stoppers],
-                         logprobs=step_logprobs)
-
-    def pick(self, logits: np.ndarray, sampler: Sampler,
-             top: int | None) -> tuple[np.ndarray, dict[int, TokenLogprob] | None]:
-        """Each row's next token from raw [B, V] logits: penalties and grammar on a copy for the running
-        rows that have controls, then the sampler; and the logprobs of the raw logits when asked."""
-        processed = logits
-        if self.controls is not None:
-            processed = logits.copy()  # the raw logits stay for keep_logits and logprobs
-            for b in self.live:
-                self.controls[b].apply(processed[b])
-        picked = sampler(processed)
-        if top is None:
-            return picked, None
-        return picked, token_logprobs(logits, picked, top, np.flatnonzero(self.running))
-
-
 @dataclass
 class _Counts:
-    steps: int = 0
     decode_s: float = 0.0
     decoded_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
 
 
-def run_steps(gen: Generator, slot: Slot, request: GenerationRequest, prompts: list[list[int]], text_mode: bool,
-              stream_text: bool, start: float, controls: list[RowControls] | None = None) -> Steps:
-    """The events of one request on `slot` (which the caller owns); returns its GenerationResult.
-    `prompts` holds request.n rows per prompt (choice i of a prompt at row p * n + i); `controls`:
-    each row's penalties / grammar matcher, or None when the request has neither."""
-    backend = gen.backend
+def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list[int]], tokenizer: Tokenizer | None,
+              text_mode: bool, report_text: bool, start: float) -> Steps:
+    """The events of one request whose rows are placed on `engine` (row b: prompts[b]); returns its
+    GenerationResult. `tokenizer`: decodes the rows' text at the end (text_mode); `report_text`: the
+    events carry each row's text delta (streamed text)."""
     batch = len(prompts)
-    lens = np.array([len(row) for row in prompts], dtype=np.int64)
-    input_ids = np.full((batch, int(lens.max())), gen.pad_token_id, dtype=np.int64)
-    for b, row in enumerate(prompts):
-        input_ids[b, : len(row)] = row
-    # Text is decoded step by step only where it is streamed or stop strings must be found in it.
-    incremental = gen.tokenizer is not None and ((text_mode and stream_text) or bool(request.stop))
-    rows = _Rows(request, prompts, gen.eos_token_ids, gen.tokenizer if incremental else None,
-                 report_text=text_mode and stream_text, controls=controls)
-    # n > 1: each choice its own stream, as its own Scheduler choice draws (seed + i); else one for the batch.
-    n = request.n
-    sampler = Sampler(request.sampling, [choice_seed(request.sampling.seed, b % n) for b in range(batch)]
-                      if n > 1 else None)
-    top = request.logprobs
     keep_logits = request.keep_logits
     kept_logits: list[np.ndarray] = []
-
-    cache = slot.cache
-    cache.reset()
+    rows = [engine.rows[b] for b in range(batch)]
     t_prefill = time.perf_counter()
-    logits = gen.check_logits(backend.prefill(slot, input_ids, lens - 1), 0)
-    cache.past_lens[:] = lens
+    step = engine.prefill(prompts)
     prefill_ms = (time.perf_counter() - t_prefill) * 1e3
     if keep_logits:
-        kept_logits.append(logits.copy())  # the backend reuses its logits buffer every run
-    picked, logprobs = rows.pick(logits, sampler, top)
-    event = rows.accept(0, picked, logprobs=logprobs)
+        kept_logits.append(step.logits.copy())  # the backend reuses its logits buffer every run
+    logprobs = request.logprobs is not None
+    event = _event(0, rows, step.positions[0], report_text, logprobs)
     ttft_ms = (time.perf_counter() - start) * 1e3
     yield event
 
     counts = _Counts()
-    draft_len = request.speculation.draft_len if request.speculation is not None else 0
-    feed = np.zeros(batch, dtype=np.int64)
-    # Greedy on the raw logits: the NaN check looks at the picked logits only (Generator.check_logits).
-    plain_greedy = request.sampling.greedy and controls is None
-    # ... and without logprobs the argmax is all a step samples: called directly, not through the
-    # Sampler (each call costs microseconds with caches cold from the graph run).
-    bare_greedy = plain_greedy and top is None
-    while rows.live:
+    speculation = request.speculation
+    while engine.running():
         t_step = time.perf_counter()
-        drafts = draft_tokens(rows, draft_len, request.max_new_tokens) if draft_len else None
-        if drafts is not None:
-            events = _verify_drafts(gen, slot, rows, drafts, counts)
-            counts.decode_s += time.perf_counter() - t_step
-            yield from events
-            continue
-        # Finished rows get the pad token at a frozen past_lens: written, never read.
-        every_row = len(rows.live) == batch
-        if not every_row:
-            feed[:] = gen.pad_token_id
-        for b in rows.live:
-            feed[b] = rows.tokens[b][-1]
-        logits = backend.decode(slot, feed, None if every_row else rows.running)
-        if not plain_greedy:
-            gen.check_logits(logits, counts.steps + 1)
-        if every_row:
-            cache.past_lens += 1
+        step = engine.verify(speculation.draft_len, request.max_new_tokens) if speculation is not None else None
+        if step is not None:
+            counts.drafted += step.drafted
+            counts.accepted += step.accepted_drafts
         else:
-            cache.past_lens[rows.running] += 1
-        counts.steps += 1
-        counts.decoded_tokens += len(rows.live)
-        if keep_logits:
-            kept_logits.append(logits.copy())
-        picked, logprobs = (greedy_tokens(logits), None) if bare_greedy else rows.pick(logits, sampler, top)
-        if plain_greedy:
-            gen.check_logits(logits, counts.steps, greedy_picks=picked)
-        event = rows.accept(counts.steps, picked, logprobs=logprobs)
+            step = engine.decode()
+            if keep_logits:
+                kept_logits.append(step.logits.copy())
+        counts.decoded_tokens += step.tokens
+        events = [_event(engine.steps, rows, accepted, report_text, logprobs) for accepted in step.positions]
         counts.decode_s += time.perf_counter() - t_step
-        yield event
+        yield from events
 
     text = None
     if text_mode:
-        assert gen.tokenizer is not None
+        assert tokenizer is not None
         if request.stop:
-            text = [stopper.text for stopper in rows.stoppers]  # the text ends before a stop string
+            text = [row.stopper.text for row in rows]  # the text ends before a stop string
         else:
-            text = [gen.tokenizer.decode(row) for row in rows.tokens]
+            text = [tokenizer.decode(row.tokens) for row in rows]
     return GenerationResult(
-        tokens=rows.tokens,
+        tokens=[row.tokens for row in rows],
         text=text,
-        prompt_tokens=[int(n) for n in lens],
-        finish_reason=[FinishReason(s.reason) for s in rows.stoppers],
+        prompt_tokens=[len(p) for p in prompts],
+        finish_reason=[FinishReason(row.reason) for row in rows],
         ttft_ms=ttft_ms,
         prefill_ms=prefill_ms,
         decode_ms=counts.decode_s * 1e3,
         decode_tokens_per_s=counts.decoded_tokens / counts.decode_s if counts.decode_s > 0 else 0.0,
-        steps=counts.steps,
+        steps=engine.steps,
         draft_tokens=counts.drafted,
         accepted_tokens=counts.accepted,
         logits=kept_logits if keep_logits else None,
-        logprobs=rows.logprobs,
+        logprobs=[row.logprobs for row in rows] if request.logprobs is not None else None,
     )
 
 
-def draft_tokens(rows: _Rows, draft_len: int, max_new_tokens: int) -> list[np.ndarray] | None:
-    """Each running row's prompt-lookup draft (empty for the others), or None when no row has one.
-    A draft never runs past max_new_tokens: the token after it is always produced too."""
-    drafts: list[np.ndarray] = []
-    for b, prompt in enumerate(rows.prompts):
-        tokens = rows.tokens[b]
-        room = min(draft_len, max_new_tokens - len(tokens) - 1)
-        if not rows.running[b] or room < 1:
-            drafts.append(np.empty(0, dtype=np.int64))
-            continue
-        context = np.fromiter((*prompt, *tokens), dtype=np.int64, count=len(prompt) + len(tokens))
-        drafts.append(prompt_lookup(context, room))
-    return drafts if any(len(d) for d in drafts) else None
-
-
-def _verify_drafts(gen: Generator, slot: Slot, rows: _Rows, drafts: list[np.ndarray], counts: _Counts) -> list[StepEvent]:
-    """One prefill call checks every row's draft: fed [last token, draft...] at past_lens, logits at
-    each fed position. Greedy keeps the draft's matching prefix plus the token after it; positions
-    written beyond that are never read before being rewritten."""
-    batch = len(rows.prompts)
-    width = 1 + max(len(d) for d in drafts)
-    block = np.full((batch, width), gen.pad_token_id, dtype=np.int64)
-    live = np.flatnonzero(rows.running)
-    for b in live:
-        block[b, 0] = rows.tokens[b][-1]
-        block[b, 1: 1 + len(drafts[b])] = drafts[b]
-    index = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
-    picked = greedy_tokens(gen.check_logits(gen.backend.prefill(slot, block, index), counts.steps + 1))
-    counts.steps += 1
-    kept = np.zeros(batch, dtype=np.int64)
-    for b in live:
-        draft = drafts[b]
-        n = 0
-        while n < len(draft) and picked[b, n] == draft[n]:
-            n += 1
-        kept[b] = n + 1
-        counts.drafted += len(draft)
-        counts.accepted += n
-    slot.cache.past_lens[live] += kept[live]
-    events = []
-    for j in range(int(kept.max())):
-        accepting = [b for b in live if rows.running[b] and j < kept[b]]
-        if accepting:
-            events.append(rows.accept(counts.steps, picked[:, j], accepting))
-            counts.decoded_tokens += len(accepting)
-    return events
+def _event(step: int, rows: list[Row], accepted: list[Accepted], report_text: bool, logprobs: bool) -> StepEvent:
+    """The StepEvent of the rows `accepted` took a token in (the others: None)."""
+    batch = len(rows)
+    tokens: list[int | None] = [None] * batch
+    deltas = [""] * batch if report_text else None
+    step_logprobs: list[TokenLogprob | None] | None = [None] * batch if logprobs else None
+    for item in accepted:
+        tokens[item.at] = item.token
+        if deltas is not None:
+            deltas[item.at] = item.delta
+        if step_logprobs is not None:
+            step_logprobs[item.at] = item.logprob
+    return StepEvent(step=step, token_ids=tokens, text=deltas, finished=[row.finished for row in rows],
+                     logprobs=step_logprobs)

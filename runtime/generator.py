@@ -28,14 +28,17 @@ from kvforge.core.manifest import load_manifest
 from kvforge.runtime.backend import Backend, Slot, create_backend, default_backend
 from kvforge.runtime.chat import ChatTemplate, read_chat_template
 from kvforge.runtime.decode_loop import GenerationResult, GenerationStream, StepEvent, Steps, run_steps
+from kvforge.runtime.engine import StepEngine
 from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
 from kvforge.runtime.logit_controls import RowControls
 from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob, token_logprobs
 from kvforge.runtime.prompts import Prompts, RenderedChat, as_id_list, is_int, parse_prompts
-from kvforge.runtime.request import GenerationRequest
-from kvforge.runtime.sampling import SamplingConfig
+from kvforge.runtime.request import GenerationRequest, Stopper
+from kvforge.runtime.rows import Picker, Row
+from kvforge.runtime.sampling import SamplingConfig, choice_seed
 from kvforge.runtime.slot_pool import SlotPool
 from kvforge.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
+from kvforge.runtime.vocabulary import Vocabulary
 
 # Re-exported: these lived here before the split.
 __all__ = ["GenerationRequest", "GenerationResult", "GenerationStream", "Generator", "Prompts", "RenderedChat",
@@ -82,6 +85,8 @@ class Generator:
                 self._load_text()  # (leaving the block waits for the backend, also on an error here)
         else:
             self._load_text()
+        self.vocabulary = Vocabulary(self.folder, self.tokenizer, self.vocab_size, self.pad_token_id,
+                                     self.eos_token_ids)
         if building is not None:
             self.backend: Backend = building.result()  # its error, if any, raised here
         elif name is not None:
@@ -190,13 +195,13 @@ class Generator:
 
     def grammar_matcher(self, grammar: Any) -> Any:
         """A fresh per-row matcher for the constraint spec `grammar` (request.grammar): the spec's
-        `matcher(generator)`; the matcher's `apply(logits_row)` masks, `advance(token)` moves on
-        (runtime/logit_controls.py)."""
+        `matcher(vocabulary)` (this export's Vocabulary); the matcher's `apply(logits_row)` masks,
+        `advance(token)` moves on (runtime/logit_controls.py)."""
         make = getattr(grammar, "matcher", None)
         if not callable(make):
-            raise InputError(f"constrained decoding needs a grammar spec with a matcher(generator) method (see "
+            raise InputError(f"constrained decoding needs a grammar spec with a matcher(vocabulary) method (see "
                              f"kvforge.runtime.constraint), got {type(grammar).__name__}")
-        return make(self)
+        return make(self.vocabulary)
 
     def row_controls(self, request: GenerationRequest, prompt: list[int]) -> RowControls | None:
         """The penalties / grammar matcher of one row of `request`, or None when it has neither."""
@@ -325,11 +330,21 @@ class Generator:
                     "with --target onnx"
                 )
         cap = choose_capacity(needed, self.max_capacity, request.capacity, buckets=limits.capacity_buckets)
-        controls = None
-        if request.sampling.penalized or request.grammar is not None:
-            controls = [self.row_controls(request, row) for row in ids]  # a grammar that fails, fails here
+        # Text is decoded step by step only where it is streamed or stop strings must be found in it.
+        incremental = self.tokenizer is not None and ((text_mode and stream_text) or bool(request.stop))
+        rows = [Row(prompt, Stopper(request, self.eos_token_ids, self.tokenizer.incremental() if incremental else None),
+                    self.row_controls(request, prompt), keep_logprobs=request.logprobs is not None)
+                for prompt in ids]  # a grammar that fails, fails here, before a slot is taken
+        # n choices: each its own stream, as its own Scheduler choice draws (seed + i); else one for the batch.
+        n = request.n
+        picker = Picker(request.sampling, [choice_seed(request.sampling.seed, b % n) for b in range(len(ids))]
+                        if n > 1 else None, logprobs=request.logprobs)
         slot = self.slots.acquire(len(ids), cap)
-        return self._owning(slot, run_steps(self, slot, request, ids, text_mode, stream_text, start, controls))
+        engine = StepEngine(self.backend, slot, self.pad_token_id, self.check_logits)
+        for b, row in enumerate(rows):
+            engine.place(b, row, picker)
+        steps = run_steps(engine, request, ids, self.tokenizer, text_mode, text_mode and stream_text, start)
+        return self._owning(slot, steps)
 
     def _owning(self, slot: Slot, loop: Steps) -> Steps:
         """Run `loop` and give its slot back to the pool when it ends, fails or is closed."""

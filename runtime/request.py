@@ -85,7 +85,7 @@ class GenerationRequest:
     grammar and temperature). `n`: choices per prompt (1..16), each with its own random stream
     (seed + i, see sampling.choice_seed); the Scheduler prefills the prompt once and copies its KV
     rows, the Generator repeats each prompt row n times (result rows prompt-major: p0c0, p0c1, ...).
-    `grammar`: a constraint spec whose `matcher(generator)` gives each row a matcher that masks
+    `grammar`: a constraint spec whose `matcher(vocabulary)` gives each row a matcher that masks
     the logits (runtime/logit_controls.py; runtime/constraint.py builds them)."""
 
     prompts: Prompts

@@ -182,7 +182,7 @@ def test_bad_grammar_values(make, message) -> None:
 
 
 def test_generator_without_tokenizer_is_input_error(tmp_path) -> None:
-    class NoTokenizer:  # what compiler_for reads of a Generator
+    class NoTokenizer:  # what compiler_for reads of a Vocabulary
         tokenizer = None
         folder = tmp_path
 

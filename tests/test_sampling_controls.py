@@ -62,7 +62,7 @@ class AllowOnly:
         def advance(self, token: int) -> None:
             self.advanced.append(token)
 
-    def matcher(self, generator: Generator) -> AllowOnly.Matcher:
+    def matcher(self, vocabulary: object) -> AllowOnly.Matcher:
         self.matchers.append(AllowOnly.Matcher(self.allowed))
         return self.matchers[-1]
 
@@ -194,7 +194,7 @@ def test_grammar_masks_its_rows_only_inside_one_batch(served) -> None:
 
 def test_a_grammar_without_a_matcher_is_refused(served) -> None:
     generator, scheduler = served
-    message = "constrained decoding needs a grammar spec with a matcher(generator) method"
+    message = "constrained decoding needs a grammar spec with a matcher(vocabulary) method"
     with pytest.raises(InputError, match=r"constrained decoding needs a grammar spec .* got dict"):
         generator.stream([PROMPT], max_new_tokens=2, grammar={"type": "json"})
     with pytest.raises(InputError) as info:

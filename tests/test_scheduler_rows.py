@@ -35,7 +35,7 @@ def recorded(request, exported, monkeypatch):
 
     def spy(slot, token_ids, running=None):
         if np.shares_memory(slot.cache.past_lens, scheduler.slot.cache.past_lens):
-            steps.append((slot.cache.batch, running.copy()))
+            steps.append((slot.cache.batch, np.ones(slot.cache.batch, bool) if running is None else running.copy()))
         return decode(slot, token_ids, running)
 
     monkeypatch.setattr(generator.backend, "decode", spy)

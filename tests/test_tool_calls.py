@@ -215,7 +215,7 @@ def test_call_grammar_takes_exactly_the_allowed_calls(exported, fmt) -> None:
     from kvforge.runtime.constraint import compiler_for
 
     generator = Generator(exported("llama-tiny"))
-    compiler = compiler_for(generator)
+    compiler = compiler_for(generator.vocabulary)
 
     def call(name, args):
         body = json.dumps({"name": name, "arguments" if fmt == "hermes" else "parameters": args})

@@ -240,7 +240,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         grammar = response_format_grammar(body.get("response_format"))
         if grammar is not None:
             try:  # compiled here, off the event loop; the scheduler's rows then copy the cached result
-                compiler_for(generator).compile(grammar)
+                compiler_for(generator.vocabulary).compile(grammar)
             except InputError as err:
                 raise ApiError(400, str(err), param="response_format") from err
         if constraint is not None:
@@ -339,7 +339,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         try:
             constraint = tools.grammar() if tools is not None else None
             if constraint is not None:
-                compiler_for(generator).compile(constraint)
+                compiler_for(generator.vocabulary).compile(constraint)
         except InputError as err:
             raise ApiError(400, f"the tools' parameters cannot be enforced: {err}", param="tools") from err
         return constraint

@@ -1,0 +1,221 @@
+"""The step engine: one batch KV cache (a backend slot) and the rows in it, advanced by prefill, decode
+and draft-verification steps. The Generator (one request, its rows placed at once) and the Scheduler
+(requests joining and leaving a running batch) both drive it, so the token protocol, speculation and
+the cache bookkeeping are written once, here and in runtime/rows.py.
+
+    engine = StepEngine(backend, slot, pad_token_id, check_logits)
+    engine.place(0, row, picker)                       # a Row (runtime/rows.py) at batch row 0
+    step = engine.prefill([prompt])                    # every placed row from position 0
+    step = engine.decode()                             # one token for every running row
+    step = engine.verify(draft_len, max_new_tokens)    # prompt-lookup drafts, or None when there are none
+    for accepted in step.positions: ...                # (batch row, Row, token, text delta, logprob) each
+
+The engine never touches a buffer: cache rows move through the backend's row operations (`admit` copies
+a row prefilled elsewhere into the batch, `compact` moves rows down). Finished rows stay where they are
+until released: a decode step feeds them the pad token at a frozen `past_lens` (written, never read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvforge.runtime.backend import Backend, Slot
+from kvforge.runtime.logprobs import TokenLogprob
+from kvforge.runtime.rows import Picker, Row
+from kvforge.runtime.sampling import greedy as greedy_tokens
+
+# check(logits, step, greedy_picks=None) -> logits, raising NumericalError on NaN (Generator.check_logits)
+Check = Callable[..., np.ndarray]
+
+
+class Accepted(NamedTuple):
+    at: int  # batch row
+    row: Row
+    token: int
+    delta: str  # the text the token lets out ("" while held back, or without a detokenizer)
+    logprob: TokenLogprob | None
+
+
+@dataclass
+class Step:
+    """What one engine step produced: the tokens accepted at each position it emitted (a prefill or decode
+    step emits one, a verification up to draft_len + 1), its raw logits (prefill and decode: [B, V], the
+    backend's buffer, valid until the next run), and the tokens it drafted and had accepted."""
+
+    positions: list[list[Accepted]] = field(default_factory=list)
+    logits: np.ndarray | None = None
+    drafted: int = 0
+    accepted_drafts: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.positions))
+
+
+class StepEngine:
+    def __init__(self, backend: Backend, slot: Slot, pad_token_id: int, check: Check) -> None:
+        self.backend = backend
+        self.slot = slot
+        self.pad = pad_token_id
+        self.check = check
+        batch = slot.cache.batch
+        self.rows: list[Row | None] = [None] * batch
+        self.pickers: list[Picker | None] = [None] * batch
+        self.steps = 0  # graph runs after the prefill (decode steps and verifications)
+
+    @property
+    def cache(self) -> Any:
+        return self.slot.cache
+
+    # -- rows -------------------------------------------------------------------------------------
+    def place(self, at: int, row: Row, picker: Picker) -> None:
+        self.rows[at], self.pickers[at] = row, picker
+
+    def release(self, at: int) -> Row | None:
+        """Free batch row `at` (its positions are never read again)."""
+        row = self.rows[at]
+        self.rows[at], self.pickers[at] = None, None
+        self.cache.past_lens[at] = 0
+        return row
+
+    def free_rows(self) -> list[int]:
+        return [at for at, row in enumerate(self.rows) if row is None]
+
+    def running(self, upto: int | None = None) -> list[int]:
+        """Batch rows (of the first `upto`) whose row has not finished."""
+        rows = self.rows if upto is None else self.rows[:upto]
+        return [at for at, row in enumerate(rows) if row is not None and not row.finished]
+
+    def admit(self, placements: Sequence[tuple[int, Row, Picker]], source: Slot, positions: int,
+              logits: np.ndarray) -> list[Accepted]:
+        """Rows prefilled on row 0 of `source` (another slot of this backend, positions 0..positions-1):
+        copy that row into each placement's batch row, place them, and pick their first tokens from the
+        prefill's raw logits [V]."""
+        for at, row, picker in placements:
+            self.backend.copy_rows(source, 0, self.slot, at, positions)
+            self.cache.past_lens[at] = positions
+            self.place(at, row, picker)
+        ats = [at for at, _, _ in placements]
+        return self._pick_accept(ats, np.broadcast_to(logits, (len(ats), logits.shape[-1])), 0)
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Move the last occupied row into the first free row below it until the occupied rows are the
+        first ones (their written positions and past_lens, through the backend); the (from, to) moves."""
+        moves = []
+        past_lens = self.cache.past_lens
+        while True:
+            free = next((at for at, row in enumerate(self.rows) if row is None), None)
+            last = max((at for at, row in enumerate(self.rows) if row is not None), default=-1)
+            if free is None or free > last:
+                return moves
+            n = int(past_lens[last])
+            self.backend.copy_rows(self.slot, last, self.slot, free, n)
+            past_lens[free], past_lens[last] = n, 0
+            self.rows[free], self.pickers[free] = self.rows[last], self.pickers[last]
+            self.rows[last], self.pickers[last] = None, None
+            moves.append((last, free))
+
+    # -- steps ------------------------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> Step:
+        """Every placed row's prompt (row b: prompts[b]) from position 0 in one call, right-padded; the
+        logits at each prompt's last position give the rows their first tokens."""
+        lens = np.array([len(p) for p in prompts], dtype=np.int64)
+        ids = np.full((len(prompts), int(lens.max())), self.pad, dtype=np.int64)
+        for b, prompt in enumerate(prompts):
+            ids[b, : len(prompt)] = prompt
+        self.cache.reset()
+        logits = self.check(self.backend.prefill(self.slot, ids, lens - 1), 0)
+        self.cache.past_lens[:] = lens
+        return Step([self._pick_accept(range(len(prompts)), logits, 0)], logits)
+
+    def decode(self, view: Slot | None = None) -> Step:
+        """One token for every running row of `view` (this slot, or one over its first rows: the
+        scheduler's batch buckets); the others are fed the pad token at their frozen past_lens."""
+        slot = view if view is not None else self.slot
+        batch = slot.cache.batch
+        running = self.running(batch)
+        every = len(running) == batch
+        feed = np.full(batch, self.pad, dtype=np.int64)
+        mask = None
+        if not every:
+            mask = np.zeros(batch, dtype=bool)
+            mask[running] = True
+        for at in running:
+            feed[at] = self.rows[at].tokens[-1]
+        logits = self.backend.decode(slot, feed, mask)
+        if every:
+            slot.cache.past_lens += 1
+        else:
+            slot.cache.past_lens[mask] += 1
+        self.steps += 1
+        occupied = [at for at in range(batch) if self.rows[at] is not None]
+        return Step([self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
+                                       self.steps)], logits)
+
+    def verify(self, draft_len: int, max_new_tokens: int, view: Slot | None = None) -> Step | None:
+        """Each running row's prompt-lookup draft checked in one prefill call at its past_lens: fed its
+        last token and the draft, the row keeps the draft's prefix greedy decoding agrees with and the
+        token after it (positions written beyond are rewritten before they are read). None when no row
+        has a draft (then a plain decode step runs)."""
+        slot = view if view is not None else self.slot
+        batch = slot.cache.batch
+        running = self.running(batch)
+        drafts = {at: self.rows[at].draft(draft_len, max_new_tokens) for at in running}
+        if not any(len(d) for d in drafts.values()):
+            return None
+        width = 1 + max(len(d) for d in drafts.values())
+        block = np.full((batch, width), self.pad, dtype=np.int64)
+        for at, draft in drafts.items():
+            block[at, 0] = self.rows[at].tokens[-1]
+            block[at, 1: 1 + len(draft)] = draft
+        index = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
+        self.steps += 1
+        picked = greedy_tokens(self.check(self.backend.prefill(slot, block, index), self.steps))
+        step = Step()
+        kept = np.zeros(batch, dtype=np.int64)
+        for at, draft in drafts.items():
+            n = 0
+            while n < len(draft) and picked[at, n] == draft[n]:
+                n += 1
+            kept[at] = n + 1
+            step.drafted += len(draft)
+            step.accepted_drafts += n
+        slot.cache.past_lens[running] += kept[running]
+        for j in range(int(kept.max())):
+            accepting = [at for at in running if not self.rows[at].finished and j < kept[at]]
+            if accepting:
+                step.positions.append([self._accept(at, int(picked[at, j]), None) for at in accepting])
+        return step
+
+    # -- the token protocol -----------------------------------------------------------------------
+    def _pick_accept(self, ats: Sequence[int], logits: np.ndarray, step: int) -> list[Accepted]:
+        """Pick the next token of the rows at batch rows `ats` (logits[i] is ats[i]'s raw logits) and
+        accept it for those still running. Rows pick with their request's Picker, a block per picker."""
+        ats = list(ats)
+        rows = [self.rows[at] for at in ats]
+        pickers = [self.pickers[at] for at in ats]
+        if all(p.bare_greedy for p in pickers) and all(r.controls is None for r in rows):
+            picked = greedy_tokens(logits)
+            self.check(logits, step, picked)  # argmax picks a row's first NaN: the picked logits tell
+            return [self._accept(at, int(picked[i]), None) for i, at in enumerate(ats) if not rows[i].finished]
+        self.check(logits, step)
+        out = []
+        groups: dict[int, list[int]] = {}
+        for i, picker in enumerate(pickers):
+            groups.setdefault(id(picker), []).append(i)
+        for members in groups.values():
+            block = logits if len(members) == len(ats) else logits[members]
+            tokens, logprobs = pickers[members[0]].pick(block, [rows[i] for i in members])
+            for k, i in enumerate(members):
+                if not rows[i].finished:
+                    out.append(self._accept(ats[i], int(tokens[k]), logprobs[k] if logprobs else None))
+        out.sort(key=lambda accepted: accepted.at)
+        return out
+
+    def _accept(self, at: int, token: int, logprob: TokenLogprob | None) -> Accepted:
+        row = self.rows[at]
+        return Accepted(at, row, token, row.accept(token, logprob), logprob)

@@ -1,0 +1,64 @@
+"""The serving scheduler's multi-turn reuse: the KV rows of finished requests, by their token sequence,
+bounded in bytes (least recently used first out). A later prompt that starts with the same tokens (the
+next turn of a chat) copies those rows and prefills only what follows: the KV of position t depends only
+on tokens 0..t, so the result is the same as prefilling everything. The rows are host copies
+(Backend.read_rows), whatever device the cache lives on."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+
+import numpy as np
+
+
+class PrefixStore:
+    """KV rows of finished requests by their token sequence, least recently used evicted first."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]] = (
+            collections.OrderedDict())
+        self._ids = itertools.count()
+        self.hits = 0
+
+    def lookup(self, prompt: list[int]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]] | None]:
+        """The longest stored prefix of `prompt` (at most len(prompt) - 1 positions: the last prompt
+        token is always run, for its logits) and that entry's KV (rows beyond it are not used)."""
+        best, best_key = 0, None
+        tokens = np.asarray(prompt, dtype=np.int64)
+        for key, (stored, _) in self._entries.items():
+            n = min(len(stored), len(tokens) - 1)
+            if n <= best:
+                continue
+            differ = np.flatnonzero(stored[:n] != tokens[:n])
+            common = int(differ[0]) if differ.size else n
+            if common > best:
+                best, best_key = common, key
+        if best_key is None:
+            return 0, None
+        self._entries.move_to_end(best_key)
+        self.hits += 1
+        return best, self._entries[best_key][1]
+
+    def store(self, tokens: list[int], kv: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        size = sum(k.nbytes + v.nbytes for k, v in kv)
+        if size > self.budget_bytes or not tokens:
+            return
+        new = np.asarray(tokens, dtype=np.int64)
+        # An entry that is a prefix of the new one is superseded by it.
+        for key, (stored, _kv) in list(self._entries.items()):
+            if len(stored) <= len(new) and np.array_equal(stored, new[: len(stored)]):
+                self._drop(key)
+        self._entries[next(self._ids)] = (new, kv)
+        self.bytes += size
+        while self.bytes > self.budget_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: int) -> None:
+        _, kv = self._entries.pop(key)
+        self.bytes -= sum(k.nbytes + v.nbytes for k, v in kv)
+
+    def __len__(self) -> int:
+        return len(self._entries)

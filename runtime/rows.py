@@ -1,0 +1,94 @@
+"""The token protocol, written once for the Generator and the Scheduler: a `Row` is one sequence being
+generated (a prompt row of a Generator request, one choice of a served request), a `Picker` is how the
+rows of one request pick their next tokens.
+
+    picker = Picker(request.sampling, logprobs=request.logprobs)      # one per request (or per choice)
+    picked, logprobs = picker.pick(logits_block, rows)                # raw [len(rows), V] logits, in row order
+    delta = row.accept(int(picked[i]), logprobs[i] if logprobs else None)   # text it lets out; row.finished
+
+A row's logit controls (penalties, a grammar's mask) apply to a copy of the raw logits before the
+sampler; log-probabilities describe the raw logits (runtime/logprobs.py). A picker samples the block of
+all its rows, finished ones included: with one random stream for a batch, a finished row still takes
+its draw, so a seeded batch draws the same numbers whichever rows end first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvforge.runtime.logit_controls import RowControls
+from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
+from kvforge.runtime.request import FinishReason, Stopper
+from kvforge.runtime.sampling import Sampler, SamplingConfig
+from kvforge.runtime.speculate import prompt_lookup
+
+
+class Row:
+    """One sequence: its prompt, the tokens generated so far (with their log-probabilities when asked),
+    its logit controls, and its Stopper, which decides when it ends and what text it lets out."""
+
+    def __init__(self, prompt: Sequence[int], stopper: Stopper, controls: RowControls | None = None,
+                 keep_logprobs: bool = False, index: int = 0) -> None:
+        self.prompt = list(prompt)
+        self.stopper = stopper
+        self.controls = controls
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if keep_logprobs else None
+        self.index = index  # the choice of its request (n > 1)
+        self.owner: object = None  # the driver's own record of the row (the Scheduler's request)
+
+    @property
+    def finished(self) -> bool:
+        return self.stopper.reason is not None
+
+    @property
+    def reason(self) -> FinishReason | None:
+        return self.stopper.reason
+
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> str:
+        """Append `token` (and its logprob), advance the controls; returns the text it lets out."""
+        self.tokens.append(token)
+        if self.controls is not None:
+            self.controls.advance(token)
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
+        return self.stopper.add(token)
+
+    def draft(self, draft_len: int, max_new_tokens: int) -> np.ndarray:
+        """Up to `draft_len` prompt-lookup tokens from the row's own context (empty when it has finished
+        or has no room): a draft never runs past max_new_tokens, the token after it is always produced."""
+        room = min(draft_len, max_new_tokens - len(self.tokens) - 1)
+        if self.finished or room < 1:
+            return np.empty(0, dtype=np.int64)
+        size = len(self.prompt) + len(self.tokens)
+        return prompt_lookup(np.fromiter((*self.prompt, *self.tokens), dtype=np.int64, count=size), room)
+
+
+class Picker:
+    """How the rows of one request pick: its sampling (one random stream for all its rows, or one per row
+    for n > 1 choices, see sampling.choice_seed), its rows' controls, and `logprobs` alternatives."""
+
+    def __init__(self, sampling: SamplingConfig, row_seeds: Sequence[int | None] | None = None,
+                 logprobs: int | None = None) -> None:
+        self.sampler = Sampler(sampling, row_seeds)
+        self.top = logprobs
+        # Greedy on the raw logits with nothing else to report: an argmax is all a step needs.
+        self.bare_greedy = sampling.greedy and logprobs is None
+
+    def pick(self, logits: np.ndarray, rows: Sequence[Row]) -> tuple[np.ndarray, dict[int, TokenLogprob] | None]:
+        """Each row's next token from raw logits [len(rows), V] (row i of `logits` is rows[i]'s), and the
+        logprobs of the rows still running, by position in `rows`."""
+        processed = logits
+        live = [i for i, row in enumerate(rows) if not row.finished]
+        if any(rows[i].controls is not None for i in live):
+            processed = logits.copy()  # the raw logits stay for logprobs (and keep_logits)
+            for i in live:
+                controls = rows[i].controls
+                if controls is not None:
+                    controls.apply(processed[i])
+        picked = self.sampler(processed)
+        if self.top is None:
+            return picked, None
+        return picked, token_logprobs(logits, picked, self.top, live)
