@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from kvforge.tools.bench import COLD_PROMPT, cold_start_command
+from kvforge.tools.bench_workers import COLD_PROMPT, cold_start_command
 
 STAGES = r"""
 import sys, time

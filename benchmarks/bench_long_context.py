@@ -54,7 +54,7 @@ def fill_worker(path: str, position: int, new: int, threads: int) -> dict:
     import numpy as np
 
     from kvforge.runtime import Generator
-    from kvforge.tools.bench import _peak_rss_mb, prompt_ids
+    from kvforge.tools.bench_workers import _peak_rss_mb, prompt_ids
 
     gen = Generator(path, threads=threads)
     backend = gen.backend
@@ -99,7 +99,7 @@ def interleaved(paths: dict[str, str], position: int, steps: int, threads: int) 
     import numpy as np
 
     from kvforge.runtime import Generator
-    from kvforge.tools.bench import prompt_ids
+    from kvforge.tools.bench_workers import prompt_ids
 
     runs = {}
     for name, path in paths.items():
@@ -134,7 +134,7 @@ def prefill_interleaved(paths: dict[str, str], length: int, rounds: int, threads
     import numpy as np
 
     from kvforge.runtime import Generator
-    from kvforge.tools.bench import prompt_ids
+    from kvforge.tools.bench_workers import prompt_ids
 
     runs = {}
     for name, path in paths.items():
@@ -163,7 +163,7 @@ def peer_interleaved(export: str, genai_dir: str, position: int, steps: int, thr
     import onnxruntime_genai as og
 
     from kvforge.runtime import Generator
-    from kvforge.tools.bench import prompt_ids
+    from kvforge.tools.bench_workers import prompt_ids
 
     gen = Generator(export, threads=threads)
     backend = gen.backend

@@ -194,7 +194,7 @@ def decode(run: Run) -> dict[str, Any]:
     three ways: CUDA graphs (the default), no CUDA graphs, one session for both phases. Their tokens must
     be the same; the cache is written in place; ONNX Runtime adds no Memcpy node to the decode graph."""
     _need_cuda()
-    from kvforge.runtime import Generator
+    from kvforge.runtime import Generator, inspection
     from kvforge.tools.parity import run_parity
 
     folder = export(run, "llama-tiny")
@@ -218,8 +218,8 @@ def decode(run: Run) -> dict[str, Any]:
     result["repeat_equal"] = [_greedy(gen, [p])[0] for p in PROMPTS] == first  # replays = the capture run
     in_place = []
     for event in gen.stream([PROMPTS[0]], max_new_tokens=6, greedy=True, ignore_eos=True):
-        addresses = gen.kv_buffer_addresses()
-        bound = gen.bound_output_addresses("prefill" if event.step == 0 else "decode")
+        addresses = inspection.kv_addresses(gen)
+        bound = inspection.bound_output_addresses(gen, "prefill" if event.step == 0 else "decode")
         in_place.append({n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses)
     result["in_place"] = all(in_place)
     try:

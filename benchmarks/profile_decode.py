@@ -34,7 +34,8 @@ from typing import Any
 import onnx
 
 from kvforge.core.manifest import load_manifest
-from kvforge.tools.bench import _genai_model, prompt_ids
+from kvforge.tools.bench import _genai_model
+from kvforge.tools.bench_workers import prompt_ids
 
 NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvforge.tools.bench import prompt_ids
+from kvforge.tools.bench_workers import prompt_ids
 
 
 class _TimedSession:

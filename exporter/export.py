@@ -11,34 +11,29 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import shutil
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvforge import __version__
-from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
+from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout
 from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
-from kvforge.core.manifest import MANIFEST_NAME, compose, file_record, io_spec, write_manifest
+from kvforge.core.manifest import MANIFEST_NAME, write_manifest
 from kvforge.core.output_folder import StagedFolder, check_output, fault_point
 from kvforge.core.targets import Target, get_target
+from kvforge.exporter.export_manifest import WEIGHTS_NAME, export_manifest
 from kvforge.exporter.load import load_hf_config, load_hf_model, one_line
 from kvforge.exporter.probe import uniform_shape
 from kvforge.exporter.quantize import check_options as check_quantize
 from kvforge.exporter.targets import EXPORT_TARGETS, export_target
 from kvforge.exporter.weights import save_with_shared_weights
-from kvforge.models.families import family_for
+from kvforge.models.families import Family, family_for
 from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
 
 TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
-WEIGHTS_NAME = "model.weights"
 COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json",
     "chat_template.jinja",
@@ -82,12 +77,13 @@ class ExportOptions:
         return target
 
 
-def _check_kernel_shapes(config, head_dim: int, target: Target, dtype: str, kv_heads: int | None = None) -> None:
+def _check_kernel_shapes(config, family: Family, head_dim: int, target: Target, dtype: str,
+                         kv_heads: int | None = None) -> None:
     """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
     from kvforge.plugins import attention_launch
 
     others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items() if not t.kernel_shapes)
-    kv_heads = kv_heads or family_for(config).kv_heads(config)
+    kv_heads = kv_heads or family.kv_heads(config)
     try:
         attention_launch.check_shapes(config.num_attention_heads, kv_heads, head_dim)
     except ValueError as err:
@@ -100,67 +96,13 @@ def _check_kernel_shapes(config, head_dim: int, target: Target, dtype: str, kv_h
         raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.dtypes)}, not {dtype!r}")
 
 
-def _io_spec(values) -> list[dict[str, Any]]:
-    return [io_spec(value.name, value.dtype.numpy().name, [dim if isinstance(dim, int) else str(dim) for dim in value.shape])
-            for value in values]
-
-
-def _graph_summary(model) -> dict[str, Any]:
-    counts = Counter(f"{node.domain}.{node.op_type}" if node.domain else node.op_type for node in model.graph)
-    attention = {op: n for op, n in counts.items() if op.endswith(("GroupQueryAttention", "Attention"))}
-    return {"nodes": sum(counts.values()), "attention": attention, "op_counts": dict(sorted(counts.items()))}
-
-
-def _chat_template_source(folder: Path) -> str | None:
-    """Where the export's chat template lives (transformers 5 writes chat_template.jinja; older
-    tokenizers keep it in tokenizer_config.json), or None."""
-    if (folder / "chat_template.jinja").is_file():
-        return "chat_template.jinja"
-    config = folder / "tokenizer_config.json"
-    if config.is_file():
-        try:
-            if isinstance(json.loads(config.read_text()).get("chat_template"), str):
-                return "tokenizer_config.json"
-        except ValueError:
-            pass
-    return None
-
-
-def exporter_source_digest() -> str:
-    """sha256 (16 hex) of the code that decides an export's bytes: kvforge's exporter, model adapters,
-    attention op, and the contracts and manifest form they follow. The version string alone does not
-    change between commits, so a cached export (the demo's) is reused only when this matches too."""
-    import importlib
-
-    import kvforge
-
-    digest = hashlib.sha256()
-    base = Path(next(iter(kvforge.__path__))) / "core"
-    files = [base / f"{name}.py" for name in ("contract", "targets", "manifest")]
-    for package in ("kvforge.exporter", "kvforge.models", "kvforge.plugins"):
-        files += sorted(Path(next(iter(importlib.import_module(package).__path__))).glob("*.py"))
-    for file in files:
-        digest.update(file.name.encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def tool_versions() -> dict[str, str]:
-    """The versions of the packages an export's bytes depend on (recorded in the manifest)."""
-    versions = {}
-    for package in ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            pass
-    return versions
-
-
 def export_model(
     model_dir: str | Path,
     out_dir: str | Path,
     options: ExportOptions | None = None,
     *,
     progress: Callable[[str], None] | None = None,
+    families: Mapping[str, Family] | None = None,
     **keywords: Any,
 ) -> dict[str, Any]:
     """Export a local HF causal LM folder, or a GGUF file (converted first into `hf_dir`, default
@@ -168,7 +110,8 @@ def export_model(
     fields as keywords: target, dtype, force, quantize, ...) say what to make; `quantize` ("int4" or
     "int8") quantises every weight matrix block-wise with ONNX Runtime's MatMulNBits quantiser (its
     accuracy cost is measured afterwards by `kvforge.tools.parity.measure_quantized`, which `kvforge
-    export` runs). Returns the manifest that was written to `out_dir`."""
+    export` runs). `families`: the family registry (default: kvforge.models.families.families(); the
+    coverage sweep passes its trials'). Returns the manifest that was written to `out_dir`."""
     if options is not None and keywords:
         raise InputError("pass export options either as ExportOptions or as keywords, not both")
     try:
@@ -180,35 +123,19 @@ def export_model(
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
     target = options.resolve()
-    gguf_record = None
-    converted_s = None
-    gguf_file = find_gguf(model_dir) if Path(model_dir).exists() else None
-    if gguf_file is not None:
-        # A GGUF file: convert it (or reuse its conversion) to a Hugging Face folder, then export that.
-        hf_dir = Path(options.hf_dir) if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
-        check_output(out_dir, [gguf_file.resolve(), hf_dir.absolute()], force=options.force, marker=MANIFEST_NAME)
-        converting, converted = time.perf_counter(), []
-
-        def watch(message: str) -> None:  # a reused conversion is not reported as one
-            converted.append(message.startswith("converting "))
-            say(message)
-
-        model_dir = convert_gguf(gguf_file, hf_dir, progress=watch)
-        converted_s = time.perf_counter() - converting if any(converted) else None
-        gguf_record = json.loads((Path(model_dir) / GGUF_MARKER).read_text())
-    model_dir = Path(model_dir).resolve()
+    model_dir, gguf_record, converted_s = _gguf_input(model_dir, out_dir, options, say)
     dtype = options.dtype
     # Before any work: never replace something that is not an export, or that holds the model.
     check_output(out_dir, [model_dir], force=options.force, marker=MANIFEST_NAME)
-    config = load_hf_config(model_dir)
-    family = family_for(config)
+    config = load_hf_config(model_dir, families)
+    family = family_for(config, families)
     family.check(config)
     passes = export_target(target.name)
     if passes.kernel_shapes and family.trt_refusal:
         raise UnsupportedModelError(f"--target {target.name} cannot export {config.model_type} (the coverage sweep: "
                                     f"{family.trt_refusal}); use --target ort or --target onnx")
     if passes.kernel_shapes:
-        _check_kernel_shapes(config, family.head_dim(config), target, dtype)
+        _check_kernel_shapes(config, family, family.head_dim(config), target, dtype)
 
     import torch
 
@@ -216,42 +143,12 @@ def export_model(
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=config.max_position_embeddings)
-    torch_dtype = getattr(torch, DTYPES[dtype])
-
     # The staging folder comes first, so an unwritable output fails before the slow work.
     with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say) as staged:
-        staging = staged.path
-        assert staging is not None
+        assert staged.path is not None
         say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
-        model = load_hf_model(model_dir, dtype)
-        # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
-        # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
-        # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
-        if getattr(model, "_can_set_experts_implementation", lambda: False)():
-            from kvforge.exporter.moe import prepare_experts
-
-            model.set_experts_implementation("batched_mm")
-            routed = prepare_experts(model)
-            say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
-                + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
-        # The head counts HF's attention really receives (a config's own convention can differ:
-        # multi_query, num_kv_heads, ...): the KV cache follows them.
-        shape = uniform_shape(model, layout.num_layers)
-        if shape.head_dim % passes.head_dim_multiple:
-            others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
-                                 if shape.head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
-            raise UnsupportedModelError(f"{config.model_type}: its head size {shape.head_dim} is not a multiple of "
-                                        f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
-                                        f"({target.summary.split(' (')[0]}) needs; use {others}")
-        if passes.kernel_shapes and shape.sinks:
-            # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check above
-            # raises before loading the model; this one catches a model outside the registry's rows).
-            raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
-                                        f"kernel (--target {target.name}) does not implement")
-        if (shape.kv_heads, shape.head_dim) != (layout.num_kv_heads, layout.head_dim):
-            layout = dataclasses.replace(layout, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
-            if passes.kernel_shapes:
-                _check_kernel_shapes(config, shape.head_dim, target, dtype, kv_heads=shape.kv_heads)
+        model = load_hf_model(model_dir, dtype, families)
+        layout = _probe_model(model, config, family, layout, target, dtype, say)
         fault_point("export:model-loaded")
         # Where the export's time goes (manifest "export_seconds"): the profile `kvforge bench` reports.
         clock = {"load": time.perf_counter() - started}
@@ -264,59 +161,125 @@ def export_model(
             mark = now
 
         try:
-            graphs, quantization, kv_quant = _build_graphs(model, config, layout, target, options, torch_dtype, say,
-                                                           lap, lower, model_dir)
+            graphs, quantization, kv_quant = _build_graphs(model, config, family, layout, target, options,
+                                                           getattr(torch, DTYPES[dtype]), say, lap, lower, model_dir)
             fault_point("export:graphs-built")
-            say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
-            sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
-            lap("write")
-            fault_point("export:weights-written")
-            for name in COPIED_FILES:
-                if (model_dir / name).is_file():
-                    shutil.copy2(model_dir / name, staging / name)
-            if not (staging / "tokenizer.json").is_file():
-                say("warning: no tokenizer.json in the model folder; generate will take token ids only")
-            extra: dict[str, Any] = {}
-            if quantization is not None:
-                extra["quantization"] = {**quantization, "weights_bytes": sizes["weights_bytes"]}
-            if kv_quant is not None:  # the cache the runtime allocates is int8; how its scales were made
-                extra["kv_cache_quantization"] = kv_quant
-                layout = dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[kv_quant["dtype"]])
-            clock["total"] = time.perf_counter() - started
-            extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
-            manifest = _manifest(config, model_dir, target, dtype, layout, graphs, staging, sizes, gguf_record, extra)
-            write_manifest(staging, manifest)
-            fault_point("export:manifest-written")
+            manifest = _write(staged.path, graphs, config, model_dir, target, dtype, layout, gguf_record,
+                              quantization, kv_quant, clock, started, lap, say)
             staged.publish()
         except KvforgeError:
             raise
         except Exception as err:
-            if disk_full(err, out_dir.parent):
-                # Whatever layer failed (onnx-ir, numpy's tofile, shutil's copy naming the *source*
-                # file), the cause is the output's filesystem: name the output, not the model.
-                raise ExportError(
-                    f"no space left on device while writing {out_dir}; free space on that filesystem or choose another "
-                    "output folder; nothing was changed at the output"
-                ) from err
-            if isinstance(err, OSError):
-                raise ExportError(
-                    f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
-                    "nothing was changed at the output"
-                ) from err
-            if "longrope_frequency_update" in str(err):
-                # transformers 5.17's LongRoPE asks for the sequence length as a Python value, which
-                # torch.export cannot give; the transformers CI installs (5.24) traces it.
-                import transformers
-
-                raise ExportError(
-                    f"transformers {transformers.__version__} cannot trace {model_dir}'s LongRoPE for export "
-                    "(a data-dependent branch in longrope_frequency_update); upgrade transformers (5.24 works: "
-                    "pip install -U transformers); nothing was changed at the output"
-                ) from err
-            raise ExportError(f"export of {model_dir} failed: {type(err).__name__}: {one_line(err)}") from err
+            raise _failure(err, out_dir, model_dir) from err
     before = f"; converting the GGUF before it took {converted_s:.1f} s" if converted_s is not None else ""
     say(f"exported to {out_dir}: load, trace, optimise and write took {time.perf_counter() - started:.1f} s{before}")
     return manifest
+
+
+def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
+                say: Callable[[str], None]) -> tuple[Path, dict[str, Any] | None, float | None]:
+    """The Hugging Face folder to export: `model_dir` itself, or a GGUF file's conversion (made, or reused
+    while the GGUF is unchanged); with the GGUF's record and the conversion's seconds (None if reused)."""
+    gguf_file = find_gguf(model_dir) if Path(model_dir).exists() else None
+    if gguf_file is None:
+        return Path(model_dir).resolve(), None, None
+    hf_dir = Path(options.hf_dir) if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
+    check_output(out_dir, [gguf_file.resolve(), hf_dir.absolute()], force=options.force, marker=MANIFEST_NAME)
+    converting, converted = time.perf_counter(), []
+
+    def watch(message: str) -> None:  # a reused conversion is not reported as one
+        converted.append(message.startswith("converting "))
+        say(message)
+
+    folder = convert_gguf(gguf_file, hf_dir, progress=watch)
+    converted_s = time.perf_counter() - converting if any(converted) else None
+    return Path(folder).resolve(), json.loads((Path(folder) / GGUF_MARKER).read_text()), converted_s
+
+
+def _probe_model(model: Any, config: Any, family: Family, layout: KVLayout, target: Target, dtype: str,
+                 say: Callable[[str], None]) -> KVLayout:
+    """Prepare the loaded model's experts for export and check the attention shapes HF really passes
+    against the target; the KV layout those shapes give."""
+    passes = export_target(target.name)
+    # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
+    # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
+    # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
+    if getattr(model, "_can_set_experts_implementation", lambda: False)():
+        from kvforge.exporter.moe import prepare_experts
+
+        model.set_experts_implementation("batched_mm")
+        routed = prepare_experts(model)
+        say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
+            + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
+    # The head counts HF's attention really receives (a config's own convention can differ:
+    # multi_query, num_kv_heads, ...): the KV cache follows them.
+    shape = uniform_shape(model, layout.num_layers)
+    if shape.head_dim % passes.head_dim_multiple:
+        others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
+                             if shape.head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
+        raise UnsupportedModelError(f"{config.model_type}: its head size {shape.head_dim} is not a multiple of "
+                                    f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
+                                    f"({target.summary.split(' (')[0]}) needs; use {others}")
+    if passes.kernel_shapes and shape.sinks:
+        # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check before
+        # loading raises; this one catches a model outside the registry's rows).
+        raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
+                                    f"kernel (--target {target.name}) does not implement")
+    if (shape.kv_heads, shape.head_dim) != (layout.num_kv_heads, layout.head_dim):
+        layout = dataclasses.replace(layout, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
+        if passes.kernel_shapes:
+            _check_kernel_shapes(config, family, shape.head_dim, target, dtype, kv_heads=shape.kv_heads)
+    return layout
+
+
+def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, target: Target, dtype: str,
+           layout: KVLayout, gguf_record: dict[str, Any] | None, quantization: dict[str, Any] | None,
+           kv_quant: dict[str, Any] | None, clock: dict[str, float], started: float, lap: Callable[[str], None],
+           say: Callable[[str], None]) -> dict[str, Any]:
+    """The graphs with their one weights file, the model's tokenizer and config files, and the manifest."""
+    say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
+    sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
+    lap("write")
+    fault_point("export:weights-written")
+    for name in COPIED_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, staging / name)
+    if not (staging / "tokenizer.json").is_file():
+        say("warning: no tokenizer.json in the model folder; generate will take token ids only")
+    extra: dict[str, Any] = {}
+    if quantization is not None:
+        extra["quantization"] = {**quantization, "weights_bytes": sizes["weights_bytes"]}
+    if kv_quant is not None:  # the cache the runtime allocates is int8; how its scales were made
+        extra["kv_cache_quantization"] = kv_quant
+        layout = dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[kv_quant["dtype"]])
+    clock["total"] = time.perf_counter() - started
+    extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
+    manifest = export_manifest(config, model_dir, target, dtype, layout, graphs, staging, sizes, gguf_record, extra)
+    write_manifest(staging, manifest)
+    fault_point("export:manifest-written")
+    return manifest
+
+
+def _failure(err: Exception, out_dir: Path, model_dir: Path) -> ExportError:
+    """An export's unexpected failure as one ExportError naming its cause (nothing changed at the output)."""
+    if disk_full(err, out_dir.parent):
+        # Whatever layer failed (onnx-ir, numpy's tofile, shutil's copy naming the *source*
+        # file), the cause is the output's filesystem: name the output, not the model.
+        return ExportError(f"no space left on device while writing {out_dir}; free space on that filesystem or "
+                           "choose another output folder; nothing was changed at the output")
+    if isinstance(err, OSError):
+        return ExportError(f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
+                           "nothing was changed at the output")
+    if "longrope_frequency_update" in str(err):
+        # transformers 5.17's LongRoPE asks for the sequence length as a Python value, which
+        # torch.export cannot give; the transformers CI installs (5.24) traces it.
+        import transformers
+
+        return ExportError(
+            f"transformers {transformers.__version__} cannot trace {model_dir}'s LongRoPE for export "
+            "(a data-dependent branch in longrope_frequency_update); upgrade transformers (5.24 works: "
+            "pip install -U transformers); nothing was changed at the output")
+    return ExportError(f"export of {model_dir} failed: {type(err).__name__}: {one_line(err)}")
 
 
 # Below this much free space on the output's filesystem, a write error that gives no reason (numpy's
@@ -346,8 +309,8 @@ def disk_full(err: BaseException, written: Path) -> bool:
     return False
 
 
-def _build_graphs(model, config, layout: KVLayout, target: Target, options: ExportOptions, torch_dtype, say, lap,
-                  lower, model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+def _build_graphs(model, config, family: Family, layout: KVLayout, target: Target, options: ExportOptions,
+                  torch_dtype, say, lap, lower, model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """Trace, clean up, fuse, (quantise,) derive decode and lower: the two graphs in memory, the weight
     quantisation's record and the quantised KV cache's (None when not asked for)."""
     from kvforge.exporter.fusions import rotary_caches
@@ -356,7 +319,7 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
     from kvforge.exporter.trace import derive_decode_graph, trace_prefill
 
     say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
-    prefill = trace_prefill(model, layout, torch_dtype)
+    prefill = trace_prefill(model, layout, torch_dtype, family)
     lap("trace")
     optimize_graph(prefill)
     lap("optimize")
@@ -404,38 +367,3 @@ def _build_graphs(model, config, layout: KVLayout, target: Target, options: Expo
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, quantization, kv_quant
-
-
-def _manifest(config, model_dir, target: Target, dtype: str, layout: KVLayout, graphs, folder: Path, sizes,
-              gguf_record, extra: dict[str, Any]) -> dict[str, Any]:
-    eos = config.eos_token_id
-    generation: dict[str, Any] = {}
-    generation_file = folder / "generation_config.json"
-    if generation_file.is_file():
-        generation = json.loads(generation_file.read_text())
-        eos = generation.get("eos_token_id", eos)
-    eos_list = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
-    spec = ModelSpec(
-        vocab_size=config.vocab_size, num_heads=config.num_attention_heads, hidden_size=config.hidden_size,
-        max_position_embeddings=config.max_position_embeddings, bos_token_id=getattr(config, "bos_token_id", None),
-        eos_token_id=eos_list, pad_token_id=getattr(config, "pad_token_id", None),
-        sliding_window=getattr(config, "sliding_window", None), source=str(model_dir),
-        architecture=(config.architectures or [None])[0], model_type=config.model_type,
-    )
-    model = spec.to_manifest()
-    if gguf_record is not None:
-        model["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256", "architecture", "tensor_types")}
-    files = {path.name: file_record(path) for path in sorted(folder.iterdir())
-             if path.is_file() and path.name != MANIFEST_NAME}
-    manifest = compose(
-        model=spec, kv_cache=layout, target=target.name, dtype=dtype, weights=WEIGHTS_NAME, files=files,
-        graphs={phase: {"file": f"{phase}.onnx", **_graph_summary(graph),
-                        "inputs": _io_spec(graph.graph.inputs), "outputs": _io_spec(graph.graph.outputs)}
-                for phase, graph in graphs.items()},
-        kvforge_version=__version__, kvforge_source=exporter_source_digest(),
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        weights_sharing=sizes, chat_template=_chat_template_source(folder), generation=generation,
-        tools=tool_versions(), **extra,
-    )
-    manifest["model"] = model
-    return manifest

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 
 from kvforge.core.contract import DTYPES
 from kvforge.core.errors import InputError
-from kvforge.models.families import family_for
+from kvforge.models.families import Family, family_for
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -18,7 +19,7 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
-def load_hf_config(model_dir: str | Path):
+def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None = None):
     """AutoConfig for a local HF folder, with errors that say what is wrong. The family is checked
     on the raw config.json first, so an unknown model_type is named as such."""
     from transformers import AutoConfig
@@ -35,7 +36,7 @@ def load_hf_config(model_dir: str | Path):
         raise InputError(f"{config_file} is not valid JSON ({one_line(err)}); fix or re-save the model folder") from err
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: not a model config")
-    family_for(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")))
+    family_for(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")), families)
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, OSError, KeyError, TypeError) as err:
@@ -56,15 +57,16 @@ def _check_weight_files(model_dir: Path) -> None:
     raise InputError(f"{model_dir} has no weights (*.safetensors); pass a complete Hugging Face model folder")
 
 
-def load_hf_model(model_dir: str | Path, dtype: str = "fp32"):
-    """The local HF model with its eager attention, in eval mode (also the parity reference)."""
+def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[str, Family] | None = None):
+    """The local HF model with its eager attention, in eval mode (also the parity reference). `families`:
+    the family registry to check it against (default: kvforge.models.families.families())."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     model_dir = Path(model_dir)
-    config = load_hf_config(model_dir)
-    family_for(config)
+    config = load_hf_config(model_dir, families)
+    family_for(config, families)
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_weight_files(model_dir)

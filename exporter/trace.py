@@ -34,7 +34,7 @@ def quiet_logger(name: str, level: int = logging.ERROR):
         logger.setLevel(before)
 
 
-def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any) -> Any:
+def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None) -> Any:
     """The canonical prefill graph (an onnx_ir model): attention as one kvforge node per layer, every
     batch, sequence, position and capacity dimension dynamic, IO named by the contract."""
     import torch
@@ -56,7 +56,7 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any) -> Any:
     with warnings.catch_warnings(), contextlib.redirect_stdout(io_module.StringIO()), quiet_logger("torch.onnx"):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            GraphWrapper(model, "prefill"),
+            GraphWrapper(model, "prefill", family),
             tuple(args + cache),
             dynamo=True,
             input_names=list(io.inputs),

@@ -13,7 +13,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvforge.core.contract import AttentionAttrs
-from kvforge.models.families import family_for
+from kvforge.models.families import Family, family_for
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
 
 ATTN_IMPLEMENTATION = "kvforge"
@@ -89,13 +89,13 @@ class GraphWrapper(torch.nn.Module):
     Only the selected positions go through lm_head.
     """
 
-    def __init__(self, model: torch.nn.Module, phase: str) -> None:
+    def __init__(self, model: torch.nn.Module, phase: str, family: Family | None = None) -> None:
         super().__init__()
         if phase not in ("prefill", "decode"):
             raise ValueError(phase)
         self.model = model
         self.phase = phase
-        self.family = family_for(model.config)
+        self.family = family if family is not None else family_for(model.config)
 
     def forward(self, input_ids: torch.Tensor, past_lens: torch.Tensor, *rest: torch.Tensor):
         if self.phase == "prefill":

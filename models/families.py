@@ -9,9 +9,10 @@ cannot export.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from kvforge.core.errors import UnsupportedModelError
@@ -99,7 +100,8 @@ def _rope_parameter_sets(config: Any) -> list[tuple[str, dict[str, Any]]]:
     return nested or [("", params)]
 
 
-FAMILIES: dict[str, Family] = {
+# The hand-written families: plain data, no I/O at import.
+HAND_WRITTEN: dict[str, Family] = {
     family.model_type: family
     for family in (
         Family("llama", ("LlamaForCausalLM",), "Llama 1-3.x incl. llama3 rope scaling, tied or untied embeddings"),
@@ -132,30 +134,26 @@ def _swept_families() -> dict[str, Family]:
         name: Family(name, (row["architecture"],), "coverage sweep", **row.get("logit_keys", {}), swept=True,
                      trt_refusal=row.get("trt_reason"))
         for name, row in load_coverage()["types"].items()
-        if row["status"] == "pass" and name not in FAMILIES and "architecture" in row
+        if row["status"] == "pass" and name not in HAND_WRITTEN and "architecture" in row
     }
 
 
-FAMILIES.update(_swept_families())
+@functools.cache
+def families() -> Mapping[str, Family]:
+    """The registry: the hand-written families and the types the coverage sweep passes (its data file is
+    read on the first call, not at import). Read-only: a caller that needs another registry (the sweep's
+    trials) makes its own and passes it."""
+    return MappingProxyType({**HAND_WRITTEN, **_swept_families()})
 
 
-@contextlib.contextmanager
-def trial_family(model_type: str, architecture: str, config: Any = None) -> Iterator[Family]:
-    """The coverage sweep's way to try a type: a plain Family for it while the block runs. A hand-written
-    family keeps its own; a swept one is tried afresh, so its recorded `trt` refusal does not refuse
-    the re-run that might clear it."""
-    recorded = FAMILIES.get(model_type)
-    if recorded is not None and not recorded.swept:
-        yield recorded
-        return
-    family = FAMILIES[model_type] = Family(model_type, (architecture,), "coverage sweep trial", **logit_keys(config))
-    try:
-        yield family
-    finally:
-        if recorded is None:
-            del FAMILIES[model_type]
-        else:
-            FAMILIES[model_type] = recorded
+def trial_registry(model_type: str, architecture: str, config: Any = None) -> dict[str, Family]:
+    """The coverage sweep's registry for trying a type: the registry with a plain Family for it. A
+    hand-written family keeps its own; a swept one is tried afresh, so its recorded `trt` refusal does
+    not refuse the re-run that might clear it."""
+    registry = dict(families())
+    if model_type not in HAND_WRITTEN:
+        registry[model_type] = Family(model_type, (architecture,), "coverage sweep trial", **logit_keys(config))
+    return registry
 
 
 # The config fields *ForCausalLM.forward reads to transform lm_head's output, by Family key.
@@ -168,22 +166,24 @@ def logit_keys(config: Any) -> dict[str, str]:
     return {key: field for key, field in LOGIT_KEYS.items() if config is not None and hasattr(config, field)}
 
 
-def supported_architectures() -> list[str]:
-    return sorted({arch for family in FAMILIES.values() for arch in family.architectures})
+def supported_architectures(registry: Mapping[str, Family] | None = None) -> list[str]:
+    return sorted({arch for family in (registry or families()).values() for arch in family.architectures})
 
 
-def family_for(config: Any) -> Family:
-    """The family adapter for a transformers config, or a clear error naming what is supported."""
+def family_for(config: Any, registry: Mapping[str, Family] | None = None) -> Family:
+    """The family adapter for a transformers config (from `registry`, default: families()), or a clear
+    error naming what is supported."""
+    registry = registry if registry is not None else families()
     model_type = getattr(config, "model_type", None)
     architectures = getattr(config, "architectures", None) or []
     if isinstance(architectures, str):
         architectures = [architectures]
-    supported = ", ".join(supported_architectures())
-    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    supported = ", ".join(supported_architectures(registry))
+    family = registry.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         named = f" ({', '.join(map(str, architectures))})" if architectures else ""
         claimed: dict[str, str] = {}
-        for other in FAMILIES.values():  # hand-written families first: several swept types reuse their classes
+        for other in registry.values():  # hand-written families first: several swept types reuse their classes
             for arch in set(other.architectures) & set(architectures):
                 claimed.setdefault(arch, other.model_type)
         if claimed:
@@ -216,7 +216,7 @@ def _why_not(model_type: Any) -> str:
 
 
 def support_table() -> str:
-    """The README's table of supported families x targets, generated from FAMILIES and the recipes
+    """The README's table of supported families x targets, generated from HAND_WRITTEN and the recipes
     (a test checks README against it, so the two cannot drift)."""
     from kvforge.core.targets import TARGETS
     from kvforge.models.recipes import FAMILY_RECIPES, RECIPES
@@ -224,7 +224,7 @@ def support_table() -> str:
     columns = " | ".join(f"`{name}`" for name in TARGETS)
     lines = [f"| Family (`model_type`) | Architecture | What it exercises | {columns} | Tiny recipes (parity-tested) |",
              "|---|---|---|" + "---|" * len(TARGETS) + "---|"]
-    for family in (family for family in FAMILIES.values() if not family.swept):
+    for family in HAND_WRITTEN.values():
         recipes = [f"`{name}`" for name in FAMILY_RECIPES if RECIPES[name].model_type == family.model_type]
         lines.append(f"| `{family.model_type}` | {', '.join(family.architectures)} | {family.notes} | "
                      + "✓ | " * len(TARGETS) + f"{', '.join(recipes)} |")

@@ -20,7 +20,7 @@ from typing import Any
 from kvforge.core.errors import InputError, UnsupportedModelError
 from kvforge.core.manifest import sha256_file
 from kvforge.core.output_folder import StagedFolder, check_output
-from kvforge.models.families import FAMILIES
+from kvforge.models.families import families
 
 GGUF_MARKER = "kvforge_gguf.json"
 GGUF_MAGIC = b"GGUF"
@@ -67,9 +67,9 @@ def _check_supported(path: Path, header: dict[str, Any]) -> None:
     arch = header["architecture"]
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{path} is a GGUF of architecture {arch!r}, which transformers cannot read")
-    if arch not in FAMILIES:
+    if arch not in families():
         raise UnsupportedModelError(
-            f"{path} is a GGUF of architecture {arch!r}; kvforge exports {', '.join(sorted(FAMILIES))}"
+            f"{path} is a GGUF of architecture {arch!r}; kvforge exports {', '.join(sorted(families()))}"
         )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.core.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs, attention_parameters, check_attention_parameters
 
 
 def kv_cache_attention_(
@@ -52,3 +52,6 @@ def kv_cache_attention_(
     probs /= probs.sum(axis=-1, keepdims=True)
     out = (probs @ values).astype(q.dtype)  # [B, H, S, D]
     return out.transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head_dim)
+
+
+check_attention_parameters(kv_cache_attention_, attention_parameters(spelled=False))

@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.core.contract import AttentionAttrs
+from kvforge.core.contract import (
+    ATTENTION_OPTIONAL_INPUTS,
+    AttentionAttrs,
+    attention_parameters,
+    check_attention_parameters,
+)
 
 
 def kv_cache_attention(
@@ -61,3 +66,6 @@ def kv_cache_attention(
     out = torch.matmul(probs, values).to(q.dtype)
     out = out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
     return out, present_key, present_value
+
+
+check_attention_parameters(kv_cache_attention, attention_parameters(spelled=False) + ATTENTION_OPTIONAL_INPUTS)

@@ -4,12 +4,10 @@ Its eager implementation is the reference (plugins/reference.py); the dynamo exp
 call into one canonical node (kvforge.core.contract.CANONICAL_OP) through `custom_translation_table`.
 The op's inputs, outputs and attributes are the contract's (ATTENTION_INPUTS, ATTENTION_OUTPUTS,
 AttentionAttrs); torch.library and the translation need them spelled out as parameters, which
-`_check_signature` holds to the contract's order.
+`check_attention_parameters` holds to the contract's order at import.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import onnx
 import torch
@@ -22,14 +20,10 @@ from kvforge.core.contract import (
     CANONICAL_OP,
     PAST_LENS,
     AttentionAttrs,
+    attention_parameters,
+    check_attention_parameters,
 )
 from kvforge.plugins import reference
-
-
-def _check_signature(fn) -> None:
-    names = tuple(inspect.signature(fn).parameters)
-    if names != ATTENTION_INPUTS + ATTENTION_OPTIONAL_INPUTS + AttentionAttrs.names():
-        raise RuntimeError(f"{fn.__name__} takes {names}, not the contract's attention op")
 
 
 def _kv_cache_attention(
@@ -50,7 +44,7 @@ def _kv_cache_attention(
     return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks)
 
 
-_check_signature(_kv_cache_attention)
+check_attention_parameters(_kv_cache_attention, attention_parameters(sinks=True))
 kv_cache_attention = torch.library.custom_op("kvforge::kv_cache_attention", mutates_args=())(_kv_cache_attention)
 
 
@@ -99,6 +93,6 @@ def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, num_heads,
     return node(*inputs, **attrs.as_dict(), _outputs=len(ATTENTION_OUTPUTS))
 
 
-_check_signature(onnx_translation)
+check_attention_parameters(onnx_translation, attention_parameters(sinks=True))
 
 CUSTOM_TRANSLATION_TABLE = {torch.ops.kvforge.kv_cache_attention.default: onnx_translation}

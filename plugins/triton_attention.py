@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from kvforge.core.contract import AttentionAttrs
+from kvforge.core.contract import AttentionAttrs, attention_parameters, check_attention_parameters
 from kvforge.plugins import attention_launch as launch
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -306,38 +306,52 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(
-    batch: int,
-    seq: int,
-    capacity: int,
-    head_dim: int,
-    attrs: AttentionAttrs,
-    num_splits: int | None,
-    block_m: int | None,
-    block_n: int | None,
-    config: launch.KernelConfig | None,
-    num_sms: int,
-    dot_fp32: bool,
-) -> tuple[launch.KernelConfig, tuple[int, int, int], tuple[int, int], dict]:
+def _plan(batch: int, seq: int, capacity: int, head_dim: int, attrs: AttentionAttrs, num_splits: int | None,
+          block_m: int | None, block_n: int | None, config: launch.KernelConfig | None, num_sms: int,
+          dot_fp32: bool) -> tuple[launch.KernelConfig, tuple[int, int, int], tuple[int, int], dict]:
     """Config, grid, workspace sizes and constexprs of a call; cached, as decode repeats the same shapes."""
     kv_num_heads = attrs.kv_num_heads
     group = attrs.num_heads // kv_num_heads
     if config is None:
-        config = launch.choose_config(
-            batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms
-        )
+        config = launch.choose_config(batch, seq, kv_num_heads, group, head_dim, capacity, num_splits, num_sms)
         for name, size in (("block_m", block_m), ("block_n", block_n)):
             if size is not None and (size < 16 or size & (size - 1)):
                 raise ValueError(f"{name} must be a power of two >= 16; got {size}")
-        config = dataclasses.replace(
-            config, block_m=block_m or config.block_m, block_n=block_n or config.block_n
-        )
+        config = dataclasses.replace(config, block_m=block_m or config.block_m, block_n=block_n or config.block_n)
     grid = launch.launch_grid(batch, seq, kv_num_heads, group, config.num_splits, config.block_m)
-    workspace = launch.workspace_shape(
-        batch, seq, kv_num_heads, group, head_dim, config.num_splits, config.block_m
-    )
+    workspace = launch.workspace_shape(batch, seq, kv_num_heads, group, head_dim, config.num_splits, config.block_m)
     consts = launch.constexprs(attrs, head_dim, config, dot_fp32)
     return config, grid, workspace, consts
+
+
+def _check_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_key: torch.Tensor,
+                     past_value: torch.Tensor, past_lens: torch.Tensor, attrs: AttentionAttrs) -> None:
+    """Refuse, with the shapes, what the kernel would read or write out of bounds."""
+    batch, seq, q_width = q.shape
+    _, _, capacity, head_dim = past_key.shape
+    num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
+    launch.check_shapes(num_heads, kv_num_heads, head_dim)
+    if (
+        q_width != num_heads * head_dim
+        or k.shape != (batch, seq, kv_num_heads * head_dim)
+        or k.shape != v.shape
+    ):
+        raise ValueError(
+            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} with "
+            f"num_heads={num_heads}, kv_num_heads={kv_num_heads}, head_dim={head_dim}"
+        )
+    if past_key.shape != (batch, kv_num_heads, capacity, head_dim) or past_value.shape != past_key.shape:
+        raise ValueError(
+            f"caches must be [B, Hkv, C, D]; got {tuple(past_key.shape)}, {tuple(past_value.shape)}"
+        )
+    if not (past_key.is_contiguous() and past_value.is_contiguous()):
+        raise ValueError("past_key/past_value must be contiguous: the kernel writes the new rows in place")
+    if len({q.dtype, k.dtype, v.dtype, past_key.dtype, past_value.dtype}) != 1:
+        raise ValueError("q, k, v and the caches must share one dtype")
+    if past_lens.shape != (batch,):
+        raise ValueError(f"past_lens must be [B]; got {tuple(past_lens.shape)}")
+    if past_lens.device.type == "cpu" and int(past_lens.max()) + seq > capacity:
+        raise ValueError(f"past_lens + S exceeds the cache capacity {capacity}")
 
 
 def kv_cache_attention_triton(
@@ -365,32 +379,9 @@ def kv_cache_attention_triton(
     TRITON_INTERPRET is set). `block_m` / `block_n` override the tile sizes (powers of two >= 16) and
     `config` every launch choice, for tests and tuning.
     """
-    batch, seq, q_width = q.shape
+    _check_arguments(q, k, v, past_key, past_value, past_lens, attrs)
+    batch, seq, _ = q.shape
     _, _, capacity, head_dim = past_key.shape
-    num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
-    launch.check_shapes(num_heads, kv_num_heads, head_dim)
-    if (
-        q_width != num_heads * head_dim
-        or k.shape != (batch, seq, kv_num_heads * head_dim)
-        or k.shape != v.shape
-    ):
-        raise ValueError(
-            f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} with "
-            f"num_heads={num_heads}, kv_num_heads={kv_num_heads}, head_dim={head_dim}"
-        )
-    if past_key.shape != (batch, kv_num_heads, capacity, head_dim) or past_value.shape != past_key.shape:
-        raise ValueError(
-            f"caches must be [B, Hkv, C, D]; got {tuple(past_key.shape)}, {tuple(past_value.shape)}"
-        )
-    if not (past_key.is_contiguous() and past_value.is_contiguous()):
-        raise ValueError("past_key/past_value must be contiguous: the kernel writes the new rows in place")
-    if len({q.dtype, k.dtype, v.dtype, past_key.dtype, past_value.dtype}) != 1:
-        raise ValueError("q, k, v and the caches must share one dtype")
-    if past_lens.shape != (batch,):
-        raise ValueError(f"past_lens must be [B]; got {tuple(past_lens.shape)}")
-    if past_lens.device.type == "cpu" and int(past_lens.max()) + seq > capacity:
-        raise ValueError(f"past_lens + S exceeds the cache capacity {capacity}")
-
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     past_lens = past_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
@@ -440,3 +431,7 @@ def kv_cache_attention_triton(
 def run_interpreted(*args, **kwargs) -> torch.Tensor:
     """`kv_cache_attention_triton` under Triton's interpreter (CPU tensors), whatever TRITON_INTERPRET."""
     return kv_cache_attention_triton(*args, interpret=True, **kwargs)
+
+
+check_attention_parameters(_kv_cache_attention_kernel, launch.KERNEL_PARAMS)
+check_attention_parameters(kv_cache_attention_triton, attention_parameters(spelled=False))

@@ -33,7 +33,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.core.contract import ATTENTION_INPUTS, PLUGIN, AttentionAttrs
+from kvforge.core.contract import (
+    PLUGIN,
+    AttentionAttrs,
+    attention_parameters,
+    check_attention_parameters,
+)
 from kvforge.plugins import attention_launch as launch
 from kvforge.plugins.ptx import KernelVariant, compile_kernel
 
@@ -131,16 +136,6 @@ def is_registered(trtp: Any) -> bool:
     return namespace is not None and hasattr(namespace, PLUGIN.name)
 
 
-def _check_signature(fn: Any, extra: tuple[str, ...] = ()) -> None:
-    # tensorrt.plugin needs the parameters spelled out; they must still be the contract's, in its order.
-    import inspect
-
-    names = tuple(inspect.signature(fn).parameters)
-    expected = ATTENTION_INPUTS + AttentionAttrs.names() + extra
-    if names != expected:
-        raise RuntimeError(f"{fn.__name__} takes {names}, but the attention op is {expected}")
-
-
 def register(max_shared_kib: int | None = None, arch: str | None = None) -> None:
     """Register the plugin with the `tensorrt.plugin` imported now, unless it already has it. The options
     apply to the engines built from now on: `max_shared_kib` compiles the kernels with at most this much
@@ -187,7 +182,8 @@ def register(max_shared_kib: int | None = None, arch: str | None = None) -> None
         extra[0], extra[1], extra[2] = trtp.SymInt32(batch), trtp.SymInt32(seq), trtp.SymInt32(capacity)
         return kernel.name, kernel.ptx, params, extra
 
-    _check_signature(describe)
-    _check_signature(aot, ("outputs", "tactic"))
+    # tensorrt.plugin needs the parameters spelled out; they must still be the contract's, in its order.
+    check_attention_parameters(describe, attention_parameters())
+    check_attention_parameters(aot, attention_parameters() + ("outputs", "tactic"))
     trtp.register(PLUGIN.id)(describe)
     trtp.aot_impl(PLUGIN.id)(aot)

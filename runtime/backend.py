@@ -84,11 +84,6 @@ class Backend(Protocol):
 
     def view_rows(self, slot: Slot, rows: int) -> Slot | None: ...  # the first `rows` rows, in place
 
-    def kv_addresses(self, slot: Slot) -> dict[str, int]: ...
-
-    def bound_output_addresses(self, slot: Slot, phase: str) -> dict[str, int]: ...
-
-    def read_kv(self, slot: Slot, layer: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -113,7 +108,7 @@ class BackendEntry:
 REGISTRY: dict[str, BackendEntry] = {
     "ort-cpu": BackendEntry("kvforge.runtime.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cpu"}),
     "ort-cuda": BackendEntry("kvforge.runtime.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cuda"}),
-    "emulate": BackendEntry("kvforge.runtime.ort_backend:EmulateBackend", ("trt",)),
+    "emulate": BackendEntry("kvforge.runtime.emulate:EmulateBackend", ("trt",)),
     "tensorrt": BackendEntry("kvforge.runtime.trt_backend:TrtBackend", ("trt", "onnx")),
 }
 # Earlier names, refused with the new one (a backend's name never equals a target's).

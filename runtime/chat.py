@@ -109,12 +109,6 @@ def chat_template_override(name: str | Path, folder: Path, manifest: dict[str, A
     return ChatTemplate(text, specials, f"the chat template {name}")
 
 
-def load_chat_template(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
-    """The export's chat template (or None) and the special tokens a template may refer to."""
-    template, specials, _ = _load(Path(folder), manifest)
-    return template, specials
-
-
 def _load(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str, str], str]:
     config: dict[str, Any] = {}
     config_text = _read_verified(folder, "tokenizer_config.json", manifest)

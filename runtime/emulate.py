@@ -26,11 +26,22 @@ import contextlib
 import importlib.util
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from kvforge.core.contract import ATTENTION_INPUTS, ATTENTION_OUTPUTS, PAST_LENS, PLUGIN, AttentionAttrs
+from kvforge.core.contract import (
+    ATTENTION_INPUTS,
+    ATTENTION_OUTPUTS,
+    PAST_LENS,
+    PLUGIN,
+    AttentionAttrs,
+    attention_parameters,
+    check_attention_parameters,
+)
 from kvforge.core.errors import BackendUnavailableError, InputError, KvforgeError
+from kvforge.runtime.ort_backend import OrtBackend, OrtSlot
 
 MODES = ("triton", "reference")
 DEFAULT_MODE = "triton"
@@ -112,6 +123,11 @@ def _serve(q, k, v, past_key, past_value, past_lens, **node_attrs):
     return out.astype(np.float32), past_key, past_value
 
 
+for _runner in (_run_triton, _run_reference):
+    check_attention_parameters(_runner, attention_parameters(spelled=False))
+check_attention_parameters(_serve, ATTENTION_INPUTS)  # the node's attributes come as keywords
+
+
 def custom_ops_library(mode: str) -> str:
     """Check that `mode` can run, register the plugin op with onnxruntime-extensions (once per process)
     and return the custom-ops library path to register on an ONNX Runtime session."""
@@ -134,3 +150,39 @@ def custom_ops_library(mode: str) -> str:
         )(_serve)
         _registered = get_library_path()
         return _registered
+
+
+class EmulateBackend(OrtBackend):
+    """The `trt` target's graphs on ONNX Runtime CPU, kvforge's plugin node served in Python
+    (runtime/emulate.py). Same options as ort-cpu, plus `emulation`: "triton" (the Triton kernel under
+    its interpreter; default) or "reference" (the numpy reference, torch-free). Fixed per backend."""
+
+    def __init__(
+        self,
+        folder: str | Path,
+        manifest: dict[str, Any],
+        device_id: int = 0,
+        threads: int | None = None,
+        sessions: str = "single",
+        max_capacity: int | None = None,
+        emulation: str | None = None,
+    ) -> None:
+        self.emulation = resolve_mode(emulation)
+        if manifest["kv_cache"]["dtype"] == "bfloat16":
+            raise InputError(
+                f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend 'emulate' "
+                "cannot run it; build TensorRT engines (--backend tensorrt), or export with --dtype fp32"
+            )
+        if manifest["kv_cache"]["dtype"] != "float32":
+            raise InputError(
+                f"backend 'emulate' runs fp32 trt exports only ({folder} is {manifest['dtype']}): its Python "
+                "op bridge has no float16/bfloat16; export with --dtype fp32, or build TensorRT engines"
+            )
+        self.custom_ops_library = custom_ops_library(self.emulation)
+        super().__init__(folder, manifest, "cpu", device_id, threads, sessions, max_capacity)
+        self.name = "emulate"
+
+    def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
+        # The plugin op is registered once per process: tell it which implementation this backend runs.
+        with serving(self.emulation):
+            return super()._run(slot, phase)

@@ -283,28 +283,10 @@ class Generator:
         """The KV cache of the most recently started request."""
         return self.slots.last.cache if self.slots.last is not None else None
 
-    def kv_buffer_addresses(self) -> dict[str, int]:
-        """Address of every KV buffer of the most recent request's cache, by graph input name
-        ({} before any request)."""
-        return self.backend.kv_addresses(self.slots.last) if self.slots.last is not None else {}
-
-    def bound_output_addresses(self, phase: str) -> dict[str, int]:
-        """Addresses the last `phase` run of the most recent request wrote its outputs to (KV outputs
-        must equal the cache's)."""
-        if self.slots.last is None:
-            return {}
-        return self.backend.bound_output_addresses(self.slots.last, phase)
-
     @property
     def runs(self) -> dict[str, int]:
         """How many times each graph has run (prefill / decode) since load."""
         return dict(self.backend.runs)
-
-    def read_kv_cache(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Copies of layer `layer`'s key and value buffers [B, H_kv, C, D]."""
-        if self.slots.last is None:
-            raise RuntimeError("no KV cache yet: run generate() first")
-        return self.backend.read_kv(self.slots.last, layer)
 
     # -- internals ------------------------------------------------------------------------------
     def _run(self, request: GenerationRequest, stream_text: bool) -> Steps:

@@ -36,56 +36,23 @@ from kvforge.core.contract import (
     LOGITS_INDEX,
     LOGITS_POSITIONS,
     PAST_LENS,
-    GraphIO,
     KVLayout,
     ModelSpec,
     cache_input,
     cache_output,
-    parse_cache_name,
 )
-from kvforge.core.errors import BackendUnavailableError, InputError, KvforgeError, ManifestError
-from kvforge.core.manifest import io_entry, io_names, read_graph
+from kvforge.core.errors import InputError, KvforgeError, ManifestError
 from kvforge.runtime.backend import Limits
 from kvforge.runtime.kv_cache import KVCache
-
-DEVICES = ("cpu", "cuda")
-# "single": the prefill graph serves decode steps too (one session, one weight copy, prepacked);
-# "shared": prefill.onnx + decode.onnx over one memory-mapped weight copy, prepacking off;
-# "separate": prefill.onnx + decode.onnx, each session prepacks its own copy (two copies).
-SESSION_MODES = ("single", "shared", "separate")
-LOGITS_DTYPES = {"float32": np.float32, "float16": np.float16}
-# ONNX Runtime optimisers left out on the CPU. ConstantFolding's only work on these graphs (checked on
-# every recipe's export, fp32 and int8/int4) is a transposed copy of a tied lm_head's embedding (113 MB
-# for SmolLM2-135M) at every session creation; without it the Transpose fuses into a FusedMatMul over
-# the embedding itself: the same tokens and decode speed, a session built ~0.3 s sooner (peak RSS the
-# same; benchmarks/README.md "Cold start").
-CPU_DISABLED_OPTIMIZERS = ["ConstantFolding"]
-_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64",
-               "tensor(int32)": "int32", "tensor(bfloat16)": "bfloat16", "tensor(int8)": "int8"}
-
-
-# ONNX Runtime logs a failed run on stderr itself (a raw, coloured line) before raising; the error
-# is re-raised here as one line with the same text, so its own log of runs is turned off (FATAL only).
-_QUIET_RUN = ort.RunOptions()
-_QUIET_RUN.log_severity_level = 4
-# ORT's Python run_with_iobinding looks this entry up on every run and, when it is absent, pays for a
-# C++ exception turned into a Python one (~40 us a step, ~0.8% of a quiet int4 decode step here). "0" is the
-# value an absent entry means (the default CUDA/WebGPU graph annotation), so behaviour is unchanged.
-_QUIET_RUN.add_run_config_entry("gpu_graph_id", "0")
-
-
-def providers_for(device: str, device_id: int = 0) -> list[Any]:
-    if device == "cpu":
-        return ["CPUExecutionProvider"]
-    if device == "cuda":
-        available = ort.get_available_providers()
-        if "CUDAExecutionProvider" not in available:
-            raise BackendUnavailableError(
-                "backend 'ort-cuda' needs onnxruntime's CUDAExecutionProvider, but this onnxruntime offers "
-                f"{available}; install onnxruntime-gpu (pip install 'kvforge[gpu]') or use backend='ort-cpu'"
-            )
-        return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
-    raise InputError(f"unknown ONNX Runtime device {device!r}; expected one of {DEVICES}")
+from kvforge.runtime.ort_sessions import (
+    _QUIET_RUN,
+    check_options,
+    check_session_io,
+    logits_dtype,
+    one_line,
+    open_session,
+    providers_for,
+)
 
 
 @dataclass
@@ -140,14 +107,46 @@ class OrtBackend:
     ) -> None:
         self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
         self.kv = KVLayout.from_manifest(manifest)
+        self.folder, self.manifest, self.device, self.device_id = Path(folder), manifest, device, device_id
+        self.num_layers = self.kv.num_layers
+        self.on_device = device != "cpu" or self.simulate_device
+        sessions = sessions if sessions is not None else ("separate" if self.on_device else "single")
+        self._check_device(cuda_graphs, sessions)
+        check_options(threads, spinning, sessions, max_capacity)
+        providers = providers_for(device, device_id)
+        self.cuda_graphs = device != "cpu" and sessions != "single" and cuda_graphs is not False
+        self.cuda_graphs_refused: str | None = None  # ONNX Runtime's reason, where it would not capture
+        # ort-cuda: runs, uploads and row copies take turns (a CUDA graph capture must not see other work).
+        self._device_lock = threading.Lock()
+        self._graph_ids = itertools.count(1)
+        self.session_mode = sessions
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        opening = dict(device=device, threads=threads, spinning=spinning, sessions=sessions,
+                       custom_ops_library=self.custom_ops_library)
+        for phase in ("prefill", "decode"):
+            if sessions == "single" and phase == "decode":
+                # The prefill graph takes any S, so S=1 is a decode step: one session, one copy of
+                # the weights, and ORT may prepack them (its CPU matmuls are faster packed).
+                self.sessions["decode"] = self.sessions["prefill"]
+                continue
+            self.sessions[phase] = self._open(phase, providers, cuda_graphs, opening)
+            check_session_io(manifest, self.kv, phase, self.sessions[phase])
+        self.logits_dtype = logits_dtype(manifest)
+        self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
+        self.runs = {"prefill": 0, "decode": 0}
+        self.allocations = 0
+        self._runs_lock = threading.Lock()
+        self.limits = Limits.from_manifest(manifest, max_capacity=max_capacity)
+
+    def _check_device(self, cuda_graphs: bool | None, sessions: str) -> None:
+        """What the device itself rules out: bf16 on the CPU, an fp32 `ort` export on CUDA, CUDA graphs
+        without a GPU or without decode.onnx's own session."""
+        folder, device = self.folder, self.device
         if self.kv.dtype == "bfloat16" and device == "cpu":
             raise InputError(
                 f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
                 "use --backend ort-cuda, or export with --dtype fp16 or fp32"
             )
-        self.on_device = device != "cpu" or self.simulate_device
-        if sessions is None:
-            sessions = "separate" if self.on_device else "single"
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise InputError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
         if cuda_graphs and device == "cpu":
@@ -155,138 +154,31 @@ class OrtBackend:
         if cuda_graphs and sessions == "single":
             raise InputError("cuda_graphs needs decode.onnx in its own session: use sessions='separate' "
                              "('single' runs decode steps through the prefill graph, which cannot be captured)")
-        self.cuda_graphs = device != "cpu" and sessions != "single" and cuda_graphs is not False
-        self.cuda_graphs_refused: str | None = None  # ONNX Runtime's reason, where it would not capture
-        # ort-cuda: runs, uploads and row copies take turns (a CUDA graph capture must not see other work).
-        self._device_lock = threading.Lock()
-        self._graph_ids = itertools.count(1)
-        self.folder = Path(folder)
-        self.manifest = manifest
-        self.device = device
-        self.device_id = device_id
-        self.num_layers = self.kv.num_layers
-        providers = providers_for(device, device_id)
-        if device == "cuda" and manifest["target"] == "ort" and manifest.get("dtype") == "fp32":
-            raise InputError(
-                f"{folder} is an fp32 export of the ort target: ONNX Runtime's CUDA GroupQueryAttention has fp16 "
-                "and bf16 kernels only (fp32 would run attention on the CPU, copying the cache every step); "
-                "export with --dtype fp16 (or bf16) for --backend ort-cuda"
-            )
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise InputError(f"threads must be a positive integer, got {threads!r}")
-        if not isinstance(spinning, bool):
-            raise InputError(f"spinning must be True or False, got {spinning!r}")
-        if sessions not in SESSION_MODES:
-            raise InputError(f"unknown sessions mode {sessions!r}; choose one of {', '.join(SESSION_MODES)}")
-        self.session_mode = sessions
-        self.sessions: dict[str, ort.InferenceSession] = {}
-        for phase in ("prefill", "decode"):
-            phase_providers = providers
-            if self.cuda_graphs and phase == "decode":
-                phase_providers = [("CUDAExecutionProvider", {"device_id": device_id, "enable_cuda_graph": "1"}),
-                                   "CPUExecutionProvider"]
-            if sessions == "single" and phase == "decode":
-                # The prefill graph takes any S, so S=1 is a decode step: one session, one copy of
-                # the weights, and ORT may prepack them (its CPU matmuls are faster packed).
-                self.sessions["decode"] = self.sessions["prefill"]
-                continue
-            options = ort.SessionOptions()
-            if self.custom_ops_library is not None:
-                options.register_custom_ops_library(self.custom_ops_library)
-            if threads is not None:
-                options.intra_op_num_threads = threads
-            if not spinning:
-                options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            if sessions == "shared":
-                # ORT memory-maps the external weights file, so both sessions read the same page-cache
-                # copy. The CPU kernels' prepacking would make a private packed copy per session (two
-                # copies of the weights); turning it off keeps one, at some decode speed.
-                options.add_session_config_entry("session.disable_prepacking", "1")
-            # The graph is loaded from the bytes that were checked against the manifest's sha256;
-            # its external weights are resolved in the export folder (ORT refuses paths leaving it).
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.folder))
-            graph_bytes = read_graph(self.folder, manifest, phase)
-            file = self.folder / self.manifest["graphs"][phase]["file"]
-            disabled = CPU_DISABLED_OPTIMIZERS if device == "cpu" else None
-            try:
-                self.sessions[phase] = ort.InferenceSession(graph_bytes, sess_options=options,
-                                                            providers=phase_providers, disabled_optimizers=disabled)
-            except Exception as err:  # onnxruntime raises its own Fail/InvalidGraph types
-                if not (self.cuda_graphs and phase == "decode" and cuda_graphs is None):
-                    raise ManifestError(f"ONNX Runtime could not load {file}: {_one_line(err)}; re-run the export") from err
-                # CUDA graphs were the default, not asked for: a graph ONNX Runtime will not capture (a
-                # node it keeps on the CPU) still runs, step by step; its reason is kept.
-                self.cuda_graphs, self.cuda_graphs_refused = False, _one_line(err)
-                self.sessions[phase] = ort.InferenceSession(graph_bytes, sess_options=options, providers=providers,
-                                                            disabled_optimizers=disabled)
-            self._check_session_io(phase, self.sessions[phase])
-        self.logits_dtype = self._logits_dtype()
-        self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
-        self.runs = {"prefill": 0, "decode": 0}
-        self.allocations = 0
-        self._runs_lock = threading.Lock()
-        if max_capacity is not None and (isinstance(max_capacity, bool) or not isinstance(max_capacity, int)
-                                         or max_capacity < 1):
-            raise InputError(f"max_capacity must be a positive integer, got {max_capacity!r}")
-        self.limits = Limits.from_manifest(manifest, max_capacity=max_capacity)
-
-    # -- checks ---------------------------------------------------------------------------------
-    def _check_session_io(self, phase: str, session: ort.InferenceSession) -> None:
-        want = GraphIO.of(phase, self.kv)
-        file = self.manifest["graphs"][phase]["file"]
-        have_in = [node.name for node in session.get_inputs()]
-        have_out = [node.name for node in session.get_outputs()]
-        if sorted(have_in) != sorted(want.inputs) or sorted(have_out) != sorted(want.outputs):
-            raise ManifestError(
-                f"{file} has inputs {have_in} and outputs {have_out}, "
-                f"which disagree with its manifest; the folder was modified, re-run the export"
-            )
-        # Dtypes and fixed dimensions the manifest states must be the graph's: the runtime sizes its
-        # buffers from the manifest, so a mismatch would only show as an ONNX Runtime error mid-run.
-        kv = self.kv
-        vocab = ModelSpec.from_manifest(self.manifest).vocab_size
-        for node in list(session.get_inputs()) + list(session.get_outputs()):
-            entry = io_entry(self.manifest, phase, node.name) or {}
-            dtype = _ORT_DTYPES.get(node.type, node.type)
-            if "dtype" in entry and entry["dtype"] != dtype:
-                raise ManifestError(
-                    f"{file}: {node.name} is {dtype} but the manifest says {entry['dtype']}; re-run the export"
-                )
-            wanted = entry.get("shape")
-            if node.name == LOGITS and node.shape and isinstance(node.shape[-1], int) and node.shape[-1] != vocab:
-                # The logits buffers are sized by vocab_size: a manifest claiming another size (1e12)
-                # would allocate by it, or hand back garbage rows.
-                raise ManifestError(
-                    f"{file}: its logits have {node.shape[-1]} entries per position but the manifest's "
-                    f"model.vocab_size is {vocab}; the manifest was modified: re-run the export"
-                )
-            if parse_cache_name(node.name) is not None:
-                wanted = [None, kv.num_kv_heads, None, kv.head_dim]
-                if dtype != kv.dtype:
-                    raise ManifestError(
-                        f"{file}: {node.name} is {dtype} but the manifest's KV cache dtype is {kv.dtype}; "
-                        "re-run the export"
-                    )
-            if wanted is None:
-                continue
-            shape = list(node.shape)
-            fixed_disagree = len(shape) != len(wanted) or any(
-                isinstance(w, int) and isinstance(h, int) and w != h for w, h in zip(wanted, shape, strict=False)
-            )
-            if fixed_disagree:
-                raise ManifestError(
-                    f"{file}: {node.name} has shape {shape} but the manifest says {wanted}; the manifest and the "
-                    "graph disagree, re-run the export"
+        if device == "cuda":
+            providers_for(device, self.device_id)  # no CUDA provider: say so before anything else
+            if self.manifest["target"] == "ort" and self.manifest.get("dtype") == "fp32":
+                raise InputError(
+                    f"{folder} is an fp32 export of the ort target: ONNX Runtime's CUDA GroupQueryAttention has "
+                    "fp16 and bf16 kernels only (fp32 would run attention on the CPU, copying the cache every step); "
+                    "export with --dtype fp16 (or bf16) for --backend ort-cuda"
                 )
 
-    def _logits_dtype(self) -> type:
-        entry = io_entry(self.manifest, "decode", LOGITS)
-        if entry is None or LOGITS not in io_names(self.manifest["graphs"]["decode"], "outputs"):
-            raise ManifestError(f"the manifest's decode graph has no {LOGITS!r} output; re-run the export")
-        dtype = entry.get("dtype", "float32")
-        if dtype not in LOGITS_DTYPES:
-            raise ManifestError(f"logits dtype {dtype!r} is not supported; expected {sorted(LOGITS_DTYPES)}")
-        return LOGITS_DTYPES[dtype]
+    def _open(self, phase: str, providers: list[Any], cuda_graphs: bool | None,
+              opening: dict[str, Any]) -> ort.InferenceSession:
+        file = self.folder / self.manifest["graphs"][phase]["file"]
+        graphs = self.cuda_graphs and phase == "decode"
+        if graphs:
+            providers = [("CUDAExecutionProvider", {"device_id": self.device_id, "enable_cuda_graph": "1"}),
+                         "CPUExecutionProvider"]
+        try:
+            return open_session(self.folder, self.manifest, phase, providers, **opening)
+        except Exception as err:  # onnxruntime raises its own Fail/InvalidGraph types
+            if not (graphs and cuda_graphs is None):
+                raise ManifestError(f"ONNX Runtime could not load {file}: {one_line(err)}; re-run the export") from err
+            # CUDA graphs were the default, not asked for: a graph ONNX Runtime will not capture (a node it
+            # keeps on the CPU) still runs, step by step; its reason is kept.
+            self.cuda_graphs, self.cuda_graphs_refused = False, one_line(err)
+        return open_session(self.folder, self.manifest, phase, providers_for(self.device, self.device_id), **opening)
 
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> OrtSlot:
@@ -484,7 +376,7 @@ class OrtBackend:
             self.sessions[phase].run_with_iobinding(slot.bindings[phase], options)
         except Exception as err:  # ORT's own exception types; say which graph and why, on one line
             raise KvforgeError(
-                f"ONNX Runtime failed running the {phase} graph of {self.folder}: {_one_line(err)}"
+                f"ONNX Runtime failed running the {phase} graph of {self.folder}: {one_line(err)}"
             ) from err
         with self._runs_lock:
             self.runs[phase] += 1
@@ -496,44 +388,3 @@ class OrtBackend:
         return {name: value.data_ptr() for name, value in zip(slot.output_order[phase], outputs, strict=True)}
 
 
-class EmulateBackend(OrtBackend):
-    """The `trt` target's graphs on ONNX Runtime CPU, kvforge's plugin node served in Python
-    (runtime/emulate.py). Same options as ort-cpu, plus `emulation`: "triton" (the Triton kernel under
-    its interpreter; default) or "reference" (the numpy reference, torch-free). Fixed per backend."""
-
-    def __init__(
-        self,
-        folder: str | Path,
-        manifest: dict[str, Any],
-        device_id: int = 0,
-        threads: int | None = None,
-        sessions: str = "single",
-        max_capacity: int | None = None,
-        emulation: str | None = None,
-    ) -> None:
-        from kvforge.runtime import emulate
-
-        self.emulation = emulate.resolve_mode(emulation)
-        if manifest["kv_cache"]["dtype"] == "bfloat16":
-            raise InputError(
-                f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so backend 'emulate' "
-                "cannot run it; build TensorRT engines (--backend tensorrt), or export with --dtype fp32"
-            )
-        if manifest["kv_cache"]["dtype"] != "float32":
-            raise InputError(
-                f"backend 'emulate' runs fp32 trt exports only ({folder} is {manifest['dtype']}): its Python "
-                "op bridge has no float16/bfloat16; export with --dtype fp32, or build TensorRT engines"
-            )
-        self.custom_ops_library = emulate.custom_ops_library(self.emulation)
-        self._serving = emulate.serving
-        super().__init__(folder, manifest, "cpu", device_id, threads, sessions, max_capacity)
-        self.name = "emulate"
-
-    def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
-        # The plugin op is registered once per process: tell it which implementation this backend runs.
-        with self._serving(self.emulation):
-            return super()._run(slot, phase)
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

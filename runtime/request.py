@@ -111,6 +111,9 @@ class GenerationRequest:
         object.__setattr__(self, "max_new_tokens", int(n))
         object.__setattr__(self, "stop_token_ids", frozenset(as_id_list(self.stop_token_ids, what="stop_token_ids")))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        for flag in ("ignore_eos", "keep_logits"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InputError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.capacity is not None and not is_int(self.capacity):
             raise InputError(f"capacity must be an integer or None, got {self.capacity!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -178,7 +181,7 @@ class GenerationRequest:
             raise InputError(str(err)) from err
         return cls(
             prompts, max_new_tokens, config, stop_token_ids=stop_token_ids or frozenset(), stop=stop or (),
-            capacity=capacity,            ignore_eos=bool(ignore_eos), keep_logits=bool(keep_logits),
+            capacity=capacity, ignore_eos=ignore_eos, keep_logits=keep_logits,
             speculation=Speculation(speculate, int(draft_len)) if speculate is not None else None,
             logprobs=logprobs, n=n, grammar=grammar,
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
@@ -44,6 +46,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest token string in the vocabulary (added tokens included): no text of
+        more than this many characters per token can fit a given number of tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (for llguidance's token masks, runtime/constraint.py)."""
         return self._tok.to_str()
@@ -81,3 +89,90 @@ class IncrementalDetokenizer:
         tail = full[self._emitted :]
         self._emitted = len(full)
         return tail
+
+
+class TokenPieces:
+    """Each token id's text and UTF-8 bytes (what OpenAI's `token` and `bytes` hold). Byte-level BPE
+    vocabularies store bytes as characters (GPT-2's table), which are mapped back; a token that is
+    only part of a character shows as "bytes:\\xe2\\x80" (OpenAI's form). Without a tokenizer a
+    token shows as "token_id:ID" (vLLM's form)."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        if tokenizer is None:
+            return
+        self._tok = tokenizer._tok
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._byte_level = _has_byte_level_decoder(json.loads(self._tok.to_str()).get("decoder"))
+        self._chars = {c: b for b, c in _gpt2_byte_chars().items()}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        piece = self._cache.get(token)
+        if piece is None:
+            piece = self._cache[token] = self._piece(token)
+        return piece
+
+    def offsets(self, ids: list[int]) -> list[int]:
+        """Character offset of each token of `ids` in their decoded text, special tokens (BOS)
+        taking none, as in the echoed prompt (a token held back, part of a character, starts where
+        the character does)."""
+        if self.tokenizer is None:
+            return [0] * len(ids)
+        detok, offsets, at = self.tokenizer.incremental(), [], 0
+        for token in ids:
+            offsets.append(at)
+            at += len(detok.add(token))
+        return offsets
+
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            return f"token_id:{token}", []
+        raw = self._tok.id_to_token(token) or ""
+        if token in self._added:
+            data = self._added[token].encode("utf-8")
+        elif self._byte_level and all(c in self._chars for c in raw):
+            data = bytes(self._chars[c] for c in raw)
+        elif raw.startswith("<0x") and raw.endswith(">") and len(raw) == 6:  # SentencePiece byte fallback
+            data = bytes([int(raw[3:5], 16)])
+        else:
+            data = self._tok.decode([token], skip_special_tokens=False).encode("utf-8")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+        return text, list(data)
+
+
+def _has_byte_level_decoder(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or [])
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table (byte-level BPE vocabularies spell bytes with it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _has_byte_level_decoder(decoder: Any) -> bool:
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or [])
+
+
+def _gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table (byte-level BPE vocabularies spell bytes with it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table

@@ -55,7 +55,6 @@ from kvforge.core.engine_plan import (
     MAX_POSITIONS,
     binding_plan,
     check_runtime_matches,
-    graph_key,
     load_engines_manifest,
 )
 from kvforge.core.errors import (
@@ -338,7 +337,3 @@ class TrtBackend:
         self.stream.synchronize()
         self.runs[phase] += 1
         return slot.logits.array
-
-    def graph_keys(self, slots: list[TrtSlot]) -> list[tuple[int, int]]:
-        """The (batch, capacity) of every slot that holds a captured decode graph (tests, stats)."""
-        return [graph_key(s.cache.batch, s.cache.capacity) for s in slots if s.graph is not None]

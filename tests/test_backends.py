@@ -14,7 +14,10 @@ pytest.importorskip("torch")
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError  # noqa: E402
-from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime import (
+    Generator,  # noqa: E402
+    inspection,
+)
 from kvforge.runtime.backend import create_backend  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
 
@@ -120,19 +123,19 @@ def test_cache_is_updated_in_place_for_every_backend_and_session_mode(backend, t
     addresses = None
     for event in stream:
         if event.step == 0:
-            addresses = gen.kv_buffer_addresses()
+            addresses = inspection.kv_addresses(gen)
             assert len(set(addresses.values())) == 2 * layers
             for layer in range(layers):
-                key, value = gen.read_kv_cache(layer)
+                key, value = inspection.read_kv(gen, layer)
                 key[:, :, -1], value[:, :, -1] = 7.0, -7.0
                 gen.cache.keys[layer].update_inplace(key)
                 gen.cache.values[layer].update_inplace(value)
-        bound = gen.bound_output_addresses("prefill" if event.step == 0 else "decode")
+        bound = inspection.bound_output_addresses(gen, "prefill" if event.step == 0 else "decode")
         assert {n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses
     decode_graph = gen.backend.sessions["decode"]
     assert (decode_graph is gen.backend.sessions["prefill"]) == (sessions == "single")
     for layer in range(layers):
-        key, value = gen.read_kv_cache(layer)
+        key, value = inspection.read_kv(gen, layer)
         assert (key[:, :, -1] == 7.0).all() and (value[:, :, -1] == -7.0).all()
     assert gen.runs == {"prefill": 1, "decode": stream.result.steps}
 

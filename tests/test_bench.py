@@ -14,7 +14,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.errors import BackendUnavailableError, KvforgeError  # noqa: E402
-from kvforge.tools import bench  # noqa: E402
+from kvforge.tools import bench, bench_workers  # noqa: E402
 
 
 @pytest.fixture()
@@ -54,7 +54,7 @@ def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
     # The cold start: `kvforge generate` itself as a whole process (on ids when the export has no tokenizer).
     ours = report["systems"]["kvforge"]
     assert ours["cold_start_ms_spread"][0] <= ours["cold_start_ms"] == report["raw"]["kvforge"][0]["cold_start_ms"] > 0
-    command = bench.cold_start_command("kvforge", folder, report["cold_start_prompt"], 1)
+    command = bench_workers.cold_start_command("kvforge", folder, report["cold_start_prompt"], 1)
     assert command[1:5] == ["-m", "kvforge.cli", "generate", folder] and "--max-new-tokens" in command
     bad = CliRunner().invoke(main, ["bench", folder, "--compare", "vllm"])
     assert bad.exit_code == 2 and "--compare takes hf, ort-genai; got vllm" in bad.output

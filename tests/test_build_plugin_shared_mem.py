@@ -47,7 +47,7 @@ def test_the_cap_is_a_build_option_in_engines_json_and_the_key(tmp_path) -> None
 
 def test_kvforge_build_hands_the_cap_to_the_plugin_and_records_it(monkeypatch, tmp_path) -> None:
     # TensorRT and the GPU are stood in for; everything between the flag and them runs.
-    from kvforge.exporter import trt_build
+    from kvforge.engines import trt_build
     from kvforge.plugins import trt_plugin
 
     export = tmp_path / "export"
@@ -77,7 +77,7 @@ def test_kvforge_build_hands_the_cap_to_the_plugin_and_records_it(monkeypatch, t
 
 def test_kvforge_build_hands_the_architecture_to_the_plugin(monkeypatch, tmp_path) -> None:
     # The plugin's PTX architecture is a build option, not an environment variable.
-    from kvforge.exporter import trt_build
+    from kvforge.engines import trt_build
     from kvforge.plugins import trt_plugin
 
     export = tmp_path / "export"

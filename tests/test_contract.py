@@ -123,12 +123,12 @@ LAYERS = {
     "plugins": {"core"},
     "exporter": {"core", "models", "plugins"},
     "runtime": {"core", "plugins"},
-    "build": {"core", "plugins"},
-    "tools": {"core", "models", "plugins", "exporter", "runtime", "build"},
+    "engines": {"core", "plugins"},
+    "tools": {"core", "models", "plugins", "exporter", "runtime", "engines"},
     "serve": {"core", "runtime"},
-    "cli": {"core", "models", "plugins", "exporter", "runtime", "build", "tools", "serve"},
+    "cli": {"core", "models", "plugins", "exporter", "runtime", "engines", "tools", "serve"},
 }
-FOLDERS = {"core": "kvforge/core", "build": "kvforge/build", "cli": "kvforge/cli", "serve": "kvforge/serve",
+FOLDERS = {"core": "kvforge/core", "engines": "kvforge/engines", "cli": "kvforge/cli", "serve": "kvforge/serve",
            "tools": "kvforge/tools", "exporter": "exporter", "runtime": "runtime", "plugins": "plugins", "models": "models"}
 MODULE_STRING = re.compile(r"kvforge(\.\w+)+(:\w+)?")
 
@@ -167,6 +167,8 @@ def test_layering_no_module_imports_upward() -> None:
     below it: the exporter never the runtime, the runtime never the exporter, nothing the apps."""
     loose = [p.name for p in (ROOT / "kvforge").glob("*.py") if p.name != "__init__.py"]
     assert not loose, f"modules outside the layer folders: {loose}"
+    folders = {p.name for p in (ROOT / "kvforge").iterdir() if p.is_dir() and p.name not in ("data", "__pycache__")}
+    assert folders == {folder.split("/")[1] for folder in FOLDERS.values() if folder.startswith("kvforge/")}
     assert imported_layers((ROOT / "kvforge" / "__init__.py").read_text()) == []
     wrong = []
     for layer, folder in FOLDERS.items():
@@ -188,3 +190,26 @@ def test_the_layering_check_sees_every_kind_of_upward_import(layer, source) -> N
     # hand list named, and importlib strings.
     assert layering_violations(layer, source), source
     assert not layering_violations(layer, "from kvforge.core.errors import InputError\nimport numpy")
+
+
+def test_every_written_out_attention_op_is_checked_at_import() -> None:
+    # Each implementation that spells the op's parameters out calls check_attention_parameters at import.
+    root = Path(__file__).resolve().parents[1]
+    sites = {path.relative_to(root).as_posix() for folder in ("plugins", "runtime")
+             for path in (root / folder).glob("*.py") if "check_attention_parameters(" in path.read_text()}
+    assert sites == {"plugins/torch_op.py", "plugins/trt_plugin.py", "plugins/reference.py",
+                     "plugins/numpy_reference.py", "plugins/triton_attention.py", "runtime/emulate.py"}
+
+
+def test_an_attention_op_out_of_contract_order_is_refused() -> None:
+    def swapped(q, k, v, past_value, past_key, past_lens, attrs, *, interpret=None):
+        return q
+
+    def in_order(q, k, v, past_key, past_value, past_lens, attrs, *, interpret=None):
+        return q
+
+    contract.check_attention_parameters(in_order, contract.attention_parameters(spelled=False))
+    with pytest.raises(RuntimeError, match=r"swapped takes .*'past_value', 'past_key'.* contract is"):
+        contract.check_attention_parameters(swapped, contract.attention_parameters(spelled=False))
+    spelled = contract.attention_parameters(sinks=True)
+    assert spelled == contract.ATTENTION_INPUTS + ("sinks",) + contract.AttentionAttrs.names()

@@ -22,7 +22,9 @@ from kvforge.models.coverage import (  # noqa: E402
     coverage_table,
     load_coverage,
 )
-from kvforge.models.families import FAMILIES, family_for  # noqa: E402
+from kvforge.models.families import HAND_WRITTEN, families, family_for  # noqa: E402
+
+FAMILIES = families()
 from kvforge.tools.coverage_sweep import check_target, sweep_one  # noqa: E402
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -55,9 +57,9 @@ def test_a_type_that_fails_on_trt_in_the_sweep_is_refused_there(hf_folder, tmp_p
     from kvforge.exporter.export import export_model
 
     why = "the kernel's emulation disagrees with HF"
-    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], trt_refusal=why))
+    registry = {**FAMILIES, "llama": dataclasses.replace(FAMILIES["llama"], trt_refusal=why)}
     with pytest.raises(UnsupportedModelError, match=f"--target trt cannot export llama .*{why}.*--target ort"):
-        export_model(hf_folder("llama-tiny"), tmp_path / "out", target="trt")
+        export_model(hf_folder("llama-tiny"), tmp_path / "out", target="trt", families=registry)
     assert not (tmp_path / "out").exists()  # refused before any work
 
 
@@ -161,18 +163,16 @@ def test_attention_sinks_are_refused_on_trt_before_any_work(tmp_path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_a_rerun_tries_a_swept_type_afresh_so_its_trt_refusal_can_clear(monkeypatch) -> None:
-    import dataclasses
+def test_a_rerun_tries_a_swept_type_afresh_so_its_trt_refusal_can_clear() -> None:
+    from kvforge.models.families import trial_registry
 
-    from kvforge.models.families import trial_family
-
-    recorded = dataclasses.replace(FAMILIES["gpt_neox"], trt_refusal="recorded by an earlier sweep")
-    monkeypatch.setitem(FAMILIES, "gpt_neox", recorded)
-    with trial_family("gpt_neox", "GPTNeoXForCausalLM") as family:
-        assert family.trt_refusal is None and FAMILIES["gpt_neox"] is family
-    assert FAMILIES["gpt_neox"] is recorded
-    with trial_family("llama", "LlamaForCausalLM") as family:  # a hand-written family keeps its own
-        assert family is FAMILIES["llama"] and not family.swept
+    assert FAMILIES["gpt_neox"].swept
+    registry = trial_registry("gpt_neox", "GPTNeoXForCausalLM")
+    assert registry["gpt_neox"].trt_refusal is None and registry["gpt_neox"] is not FAMILIES["gpt_neox"]
+    assert families()["gpt_neox"] is FAMILIES["gpt_neox"]  # the registry itself never changes
+    assert trial_registry("llama", "LlamaForCausalLM")["llama"] is HAND_WRITTEN["llama"]  # hand-written keeps its own
+    with pytest.raises(TypeError):
+        families()["llama"] = HAND_WRITTEN["llama"]  # read-only
 
 
 def test_real_shape_configs_keep_the_default_layer_shapes() -> None:
@@ -209,3 +209,14 @@ def test_a_real_shape_rerun_passes() -> None:
     # OPT at its default (OPT-125m) layer shapes: one layer, the real hidden size and heads.
     row = sweep_one("opt", ("ort", "onnx"), real=True)
     assert row["status"] == "pass" and ROWS["opt"]["real"]["status"] == "pass", row
+
+
+def test_the_registry_reads_no_file_at_import() -> None:
+    # The coverage data is read when the registry is first asked for, not when kvforge is imported.
+    import subprocess
+    import sys
+
+    code = ("import kvforge.models.families as f, kvforge.exporter.export, kvforge.cli; "
+            "assert f.families.cache_info().currsize == 0, 'read at import'; f.families(); "
+            "assert f.families.cache_info().currsize == 1")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -137,7 +137,7 @@ def test_the_demo_does_not_reuse_an_export_made_by_other_exporter_code(exported,
     import shutil
 
     from kvforge.cli.demo import _cached_export
-    from kvforge.exporter.export import exporter_source_digest
+    from kvforge.exporter.export_manifest import exporter_source_digest
 
     folder = shutil.copytree(exported("llama-tiny"), tmp_path / "export")
     source = hf_folder("llama-tiny")

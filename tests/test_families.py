@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from kvforge.core.errors import UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model
 from kvforge.exporter.load import load_hf_model  # noqa: E402
-from kvforge.models.families import FAMILIES, family_for, support_table  # noqa: E402
+from kvforge.models.families import families, family_for, support_table  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES, build_model  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 
@@ -36,7 +36,7 @@ def test_every_registered_family_has_a_parity_tested_recipe() -> None:
         family = family_for(model.config)  # the recipe's model really is what the family registers
         assert type(model).__name__ in family.architectures, name
         covered.setdefault(family.model_type, set()).add(type(model).__name__)
-    for model_type, family in FAMILIES.items():
+    for model_type, family in families().items():
         if family.swept:  # registered by the coverage sweep: tests/test_coverage.py
             continue
         assert covered.get(model_type) == set(family.architectures), f"{model_type} has no parity-tested recipe"

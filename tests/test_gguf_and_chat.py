@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from kvforge.cli import main  # noqa: E402
-from kvforge.runtime.chat import load_chat_template, render  # noqa: E402
+from kvforge.runtime.chat import read_chat_template, render  # noqa: E402
 from kvforge.runtime.tokenizer import Tokenizer  # noqa: E402
 
 
@@ -93,8 +93,9 @@ TEMPLATE = (
 
 def _compare(folder, hf_tokenizer, template_source: str) -> None:
     kv_tokenizer = Tokenizer(folder)
-    template, specials = load_chat_template(folder, {"chat_template": template_source})
-    assert template is not None
+    read = read_chat_template(folder, {"chat_template": template_source})
+    assert read is not None
+    template, specials = read.text, read.specials
     for messages in CONVERSATIONS:
         for add_prompt in (True, False):
             want = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tokenize=True)

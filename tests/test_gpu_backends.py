@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("torch")
 
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402
-from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime import Generator, inspection  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
 
 PROMPTS = [[1, 50, 60, 70, 80, 90], [1, 33, 44]]
@@ -60,8 +60,8 @@ def test_ort_cuda_updates_in_place_and_continues_prefills(options, hf_folder, ex
     gen = Generator(folder, backend="ort-cuda", **options)
     stream = gen.stream(PROMPTS, max_new_tokens=8, greedy=True, ignore_eos=True)
     for event in stream:
-        addresses = gen.kv_buffer_addresses()
-        bound = gen.bound_output_addresses("prefill" if event.step == 0 else "decode")
+        addresses = inspection.kv_addresses(gen)
+        bound = inspection.bound_output_addresses(gen, "prefill" if event.step == 0 else "decode")
         assert {n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses
     # A prefill at past_lens > 0 (speculation's verification) reads this call's lengths, not its first.
     lookup = [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]]
@@ -93,7 +93,7 @@ def test_serving_on_ort_cuda_gives_solo_answers(exported) -> None:
                                                         ("onnx", "fp16", False)])
 def test_tensorrt_engines_match_hf(target, dtype, single, hf_folder, exported, tmp_path) -> None:
     _need_tensorrt()
-    from kvforge.build.trt_build import build_engines
+    from kvforge.engines.trt_build import build_engines
 
     folder = exported("mistral-tiny", target, dtype)
     engine_dir = tmp_path / "engines"
@@ -109,6 +109,6 @@ def test_tensorrt_engines_match_hf(target, dtype, single, hf_folder, exported, t
     gen = Generator(folder, backend="tensorrt", engine_dir=engine_dir)
     result = gen.generate(PROMPTS, max_new_tokens=16, greedy=True, ignore_eos=True)
     print(f"trt: ttft {result.ttft_ms:.2f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s")
-    addresses = gen.kv_buffer_addresses()
-    bound = gen.bound_output_addresses("decode")
+    addresses = inspection.kv_addresses(gen)
+    bound = inspection.bound_output_addresses(gen, "decode")
     assert {n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses

@@ -126,7 +126,7 @@ def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path, engine_
     # TensorRT-RTX's ahead-of-time builder on the CPU: the real model's fp16 `onnx`-target graphs, two
     # engines and one with two profiles. Running them needs a GPU (tests/test_gpu_backends.py).
     pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
-    from kvforge.build.trt_build import build_engines
+    from kvforge.engines.trt_build import build_engines
 
     out = tmp_path / f"{REAL_NAME}-onnx-fp16"
     export_model(GGUF, out, target="onnx", dtype="fp16", hf_dir=real["hf"])  # reuses the conversion

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvforge.core.errors import CapacityError, InputError  # noqa: E402
-from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime import Generator, inspection  # noqa: E402
 
 RECIPE = "llama-tiny"
 NEW_TOKENS = 32
@@ -88,15 +88,15 @@ def test_text_prompt_uses_the_folders_tokenizer(gen, folders, hf_model) -> None:
 
 def test_kv_buffers_stay_bound_across_decode_steps(gen) -> None:
     stream = gen.stream(PROMPTS[:2], max_new_tokens=NEW_TOKENS, greedy=True, stop_token_ids=[])
-    addresses = gen.kv_buffer_addresses()
+    addresses = inspection.kv_addresses(gen)
     runs_before = gen.runs
     steps = 0
     for event in stream:
         phase = "prefill" if event.step == 0 else "decode"
-        bound = gen.bound_output_addresses(phase)
+        bound = inspection.bound_output_addresses(gen, phase)
         assert {n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses
         steps += 1
-    assert gen.kv_buffer_addresses() == addresses
+    assert inspection.kv_addresses(gen) == addresses
     assert gen.runs["decode"] - runs_before["decode"] == stream.result.steps == steps - 1
 
 
@@ -127,18 +127,18 @@ def test_last_cache_slot_is_never_touched(gen) -> None:
     for event in stream:
         if event.step == 0:
             for layer in range(layers):
-                key, _ = gen.read_kv_cache(layer)
+                key, _ = inspection.read_kv(gen, layer)
                 key[:, :, -1] = 3.5
                 gen.cache.keys[layer].update_inplace(key)
     for layer in range(layers):
-        key, _ = gen.read_kv_cache(layer)
+        key, _ = inspection.read_kv(gen, layer)
         assert (key[:, :, -1] == 3.5).all()
 
 
 def test_fp16_export_runs_with_float16_cache(fp16_export, hf_greedy) -> None:
     gen16 = Generator(fp16_export)
     result = gen16.generate(PROMPTS, max_new_tokens=8, greedy=True)
-    assert gen16.read_kv_cache(0)[0].dtype == np.float16
+    assert inspection.read_kv(gen16, 0)[0].dtype == np.float16
     # fp16 rounding may flip a near-tie late in a sequence; the first tokens must agree with fp32 HF.
     assert [tokens[:4] for tokens in result.tokens] == [tokens[:4] for tokens in hf_greedy]
 
@@ -155,7 +155,7 @@ def test_cache_fills_to_exact_capacity_in_place_with_hf_keys(gen, hf_model) -> N
     with torch.no_grad():
         hf_cache = hf_model(torch.tensor([tokens]), use_cache=True).past_key_values
     for layer in range(gen.manifest["kv_cache"]["num_layers"]):
-        key, value = gen.read_kv_cache(layer)
+        key, value = inspection.read_kv(gen, layer)
         assert key.shape[2] == capacity
         hf_key, hf_value = hf_cache.layers[layer].keys[0].numpy(), hf_cache.layers[layer].values[0].numpy()
         np.testing.assert_allclose(key[0], hf_key, atol=1e-4)

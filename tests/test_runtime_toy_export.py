@@ -20,7 +20,7 @@ from tokenizers import models, pre_tokenizers, processors
 
 from kvforge.core.errors import BackendUnavailableError, CapacityError, InputError, ManifestError
 from kvforge.core.manifest import FORMAT, file_record, write_manifest
-from kvforge.runtime import Generator, SamplingConfig
+from kvforge.runtime import Generator, SamplingConfig, inspection
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, MAX_POS = 61, 32, 4, 2, 8, 2, 64
 PAD, BOS, EOS = 0, 1, 2
@@ -279,29 +279,29 @@ def test_cache_holds_reference_keys_in_the_runtime_buffers(toy) -> None:
         assert gen.cache.past_lens[b] == len(fed)
         _, ref_keys = reference_forward(weights, fed)
         for layer in range(LAYERS):
-            keys, _ = gen.read_kv_cache(layer)
+            keys, _ = inspection.read_kv(gen, layer)
             np.testing.assert_allclose(keys[b, :, : len(fed)], ref_keys[layer], rtol=1e-4, atol=1e-4)
 
 
 def test_same_buffers_bound_at_every_step(toy) -> None:
     gen = Generator(toy[0])
     stream = gen.stream(PROMPTS, max_new_tokens=10, greedy=True)
-    addresses = gen.kv_buffer_addresses()
+    addresses = inspection.kv_addresses(gen)
     assert len(addresses) == 2 * LAYERS and len(set(addresses.values())) == 2 * LAYERS
     seen_steps = []
     for event in stream:
         phase = "prefill" if event.step == 0 else "decode"
-        bound = gen.bound_output_addresses(phase)
+        bound = inspection.bound_output_addresses(gen, phase)
         for i in range(LAYERS):
             assert bound[f"present_key.{i}"] == addresses[f"past_key.{i}"]
             assert bound[f"present_value.{i}"] == addresses[f"past_value.{i}"]
-        assert gen.kv_buffer_addresses() == addresses
+        assert inspection.kv_addresses(gen) == addresses
         seen_steps.append(event.step)
     assert seen_steps == list(range(len(seen_steps)))
     assert gen.runs == {"prefill": 1, "decode": stream.result.steps}
     # A second request of the same shape reuses the buffers instead of allocating new ones.
     gen.generate(PROMPTS, max_new_tokens=10, greedy=True)
-    assert gen.kv_buffer_addresses() == addresses
+    assert inspection.kv_addresses(gen) == addresses
 
 
 def test_finished_rows_are_frozen(toy, expected) -> None:
@@ -460,12 +460,12 @@ def test_graph_writes_only_new_rows_in_place(toy) -> None:
     for event in stream:
         if event.step == 0:
             for layer in range(LAYERS):
-                key, value = gen.read_kv_cache(layer)
+                key, value = inspection.read_kv(gen, layer)
                 key[:, :, -1], value[:, :, -1] = 7.0, -7.0
                 gen.cache.keys[layer].update_inplace(key)
                 gen.cache.values[layer].update_inplace(value)
     for layer in range(LAYERS):
-        key, value = gen.read_kv_cache(layer)
+        key, value = inspection.read_kv(gen, layer)
         assert (key[:, :, -1] == 7.0).all() and (value[:, :, -1] == -7.0).all()
         for b in range(len(PROMPTS)):
             assert np.abs(key[b, :, : gen.cache.past_lens[b]]).sum(axis=-1).min() > 0  # every filled row written

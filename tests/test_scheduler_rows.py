@@ -24,11 +24,16 @@ def _request(prompt: list[int], n: int) -> GenerationRequest:
     return GenerationRequest(prompt, n, SamplingConfig(greedy=True), ignore_eos=True)
 
 
-@pytest.fixture(params=["ort", "onnx"])
+@pytest.fixture(params=[("ort", "ort-cpu"), ("onnx", "ort-cpu"), ("trt", "emulate")], ids=lambda p: "-".join(p))
 def recorded(request, exported, monkeypatch):
-    """A generator, a 4-row scheduler on it (not started: tests submit first, so that the steps
-    do not depend on thread timing), and the (bound batch, running mask) of its every decode step."""
-    generator = Generator(exported("llama-tiny", request.param))
+    """A generator on each backend that runs on the CPU, a 4-row scheduler on it (not started: tests
+    submit first, so that the steps do not depend on thread timing), and the (bound batch, running
+    mask) of its every decode step."""
+    from kvforge.runtime import emulate
+
+    monkeypatch.setattr(emulate, "DEFAULT_MODE", "reference")  # the numpy reference serves the plugin node
+    target, backend = request.param
+    generator = Generator(exported("llama-tiny", target), backend=backend)
     scheduler = Scheduler(generator, max_batch=4, max_seq_len=128, prefill_chunk=8)
     steps: list[tuple[int, np.ndarray]] = []
     decode = generator.backend.decode

@@ -23,16 +23,38 @@ from kvforge.serve.app import create_app  # noqa: E402
 KEY = "test-key"
 
 
+@pytest.fixture(scope="module", params=["ort-cpu", "emulate"])
+def served(request, chat_export, exported, tmp_path_factory):
+    """(backend, export) for every backend that runs on the CPU: the ort export on ort-cpu, the trt
+    export (plugin node served by the numpy reference) on emulate; the same weights and chat template."""
+    if request.param == "ort-cpu":
+        yield request.param, chat_export
+        return
+    from conftest import CHAT_TEMPLATE
+    from serving import with_template
+
+    from kvforge.runtime import emulate
+
+    folder = with_template(exported("llama-tiny", "trt"), tmp_path_factory.mktemp("emulate") / "chat", CHAT_TEMPLATE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(emulate, "DEFAULT_MODE", "reference")
+        yield request.param, folder
+
+
 @pytest.fixture(scope="module")
-def server(chat_export):
-    app = create_app(chat_export, max_batch=4, max_seq_len=256, api_key=KEY, model_name="tiny", prefill_chunk=16)
+def server(served):
+    backend, folder = served
+    app = create_app(folder, max_batch=4, max_seq_len=256, api_key=KEY, model_name="tiny", prefill_chunk=16,
+                     backend=backend)
+    assert app.state.generator.backend_name == backend
     with serving(app) as base:
         yield base, app
 
 
 @pytest.fixture(scope="module")
-def reference(chat_export):
-    return Generator(chat_export)
+def reference(served):
+    backend, folder = served
+    return Generator(folder, backend=backend)
 
 
 def _client(base: str):

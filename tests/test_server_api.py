@@ -231,7 +231,7 @@ def test_prompt_logprobs_are_score_with_the_top_tokens(reference) -> None:
 def test_a_batch_with_n_choices_is_one_log_line_with_its_usage(base, caplog) -> None:
     import logging
 
-    caplog.set_level(logging.INFO, logger="kvforge.serve.app")
+    caplog.set_level(logging.INFO, logger="kvforge.serve")
     bodies = [{"prompt": ["Once upon a time", "def main"], "n": 2, "max_tokens": 3, "temperature": 0.5, "seed": 1},
               {"prompt": ["hello", "a b c"], "max_tokens": 0, "echo": True, "logprobs": 1}]
     for body in bodies:
@@ -239,7 +239,7 @@ def test_a_batch_with_n_choices_is_one_log_line_with_its_usage(base, caplog) -> 
         assert response.status_code == 200, response.text
         rid, usage = response.headers["x-request-id"], response.json()["usage"]
         for _ in range(100):  # written when the response ends
-            lines = [r for r in caplog.records if r.name == "kvforge.serve.app" and r.kvforge_fields["id"] == rid]
+            lines = [r for r in caplog.records if r.name == "kvforge.serve" and r.kvforge_fields["id"] == rid]
             if lines:
                 break
             time.sleep(0.02)
@@ -265,4 +265,4 @@ def test_ignore_eos_extension_runs_to_max_tokens_as_the_python_api(client, refer
         assert got.choices[0].finish_reason == ("length" if ignore else "stop")
         assert got.choices[0].text == reference.tokenizer.decode(want.tokens[0], skip_special_tokens=True)
     response = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "ignore_eos": "yes"}, timeout=30)
-    assert response.status_code == 400 and "'ignore_eos' must be true or false" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "ignore_eos must be true or false" in response.json()["error"]["message"]

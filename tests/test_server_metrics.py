@@ -63,7 +63,7 @@ def request_lines(caplog, ids: list[str], timeout: float = 5.0) -> dict[str, log
     may be just after the client read the last chunk), exactly one each."""
     deadline = time.monotonic() + timeout
     while True:
-        records = [r for r in caplog.records if r.name == "kvforge.serve.app"]
+        records = [r for r in caplog.records if r.name == "kvforge.serve"]
         found = {i: [r for r in records if r.kvforge_fields.get("id") == i] for i in ids}
         if all(found.values()) or time.monotonic() > deadline:
             break
@@ -85,7 +85,7 @@ def sse(base: str, body: dict) -> tuple[str, dict, str]:
 
 def test_metrics_and_log_lines_agree_with_the_responses(served, caplog) -> None:
     base, _ = served
-    caplog.set_level(logging.INFO, logger="kvforge.serve.app")
+    caplog.set_level(logging.INFO, logger="kvforge.serve")
     before = scrape(base)
     ran: dict[str, dict] = {}  # id -> usage, as the clients got them
     reasons: dict[str, str] = {}
@@ -163,13 +163,13 @@ def test_metrics_and_log_lines_agree_with_the_responses(served, caplog) -> None:
     assert lines[rid].kvforge_fields["stream"] is True
     text = lines[refused_id].getMessage()
     assert "status=400" in text and "temperature" in text and "prompt_tokens" not in text
-    guard = [r for r in caplog.records if r.name == "kvforge.serve.app" and r.kvforge_fields["status"] == 401]
+    guard = [r for r in caplog.records if r.name == "kvforge.serve" and r.kvforge_fields["status"] == 401]
     assert len(guard) == 1 and guard[0].kvforge_fields["endpoint"] == "/v1/chat/completions"
 
 
 def test_a_stream_whose_client_goes_away_is_logged_as_cancelled(served, chat_export, caplog) -> None:
     base, app = served
-    caplog.set_level(logging.INFO, logger="kvforge.serve.app")
+    caplog.set_level(logging.INFO, logger="kvforge.serve")
     prompt = next(p for p in ([5, 6, 7], [9, 10, 11, 12], [20, 21], [30, 31, 32])
                   if Generator(chat_export).generate([p], max_new_tokens=40, greedy=True).finish_reason[0] == "length")
     scheduler = app.state.scheduler

@@ -76,7 +76,7 @@ def test_a_refusal_names_the_gpu_and_what_runs_there_never_a_rebuild() -> None:
 
 
 def test_an_rtx_build_on_a_gpu_it_cannot_run_says_so_and_builds_for_the_portable_set(monkeypatch) -> None:
-    from kvforge.exporter import trt_build
+    from kvforge.engines import trt_build
 
     _fake(monkeypatch, "tensorrt_rtx", "1.7.1.116")
     monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: ["tensorrt-rtx"])

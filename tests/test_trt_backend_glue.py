@@ -304,6 +304,13 @@ def make_backend(monkeypatch, tmp_path):
     return make
 
 
+def _graph_keys(slots) -> list[tuple[int, int]]:
+    """The (batch, capacity) of every slot that holds a captured decode graph."""
+    from kvforge.core.engine_plan import graph_key
+
+    return [graph_key(s.cache.batch, s.cache.capacity) for s in slots if s.graph is not None]
+
+
 def _steps(backend, slot, decodes: int) -> None:
     batch = slot.cache.batch
     backend.prefill(slot, np.ones((batch, 4), np.int64), np.full(batch, 3))
@@ -334,7 +341,7 @@ def test_nothing_reaches_the_stream_while_another_slot_captures(make_backend, ca
         backend.read_kv(second, 0)
     other_done.set()
     worker.join(timeout=10)
-    assert backend.graph_keys([first]) == [(1, 64)]
+    assert _graph_keys([first]) == [(1, 64)]
     assert fake.violations == []
 
 
@@ -348,7 +355,7 @@ def test_each_captured_slot_has_its_own_warmed_up_decode_context(make_backend, s
         for slot in slots:
             backend.decode(slot, np.ones(slot.cache.batch, np.int64))
             slot.cache.past_lens += 1
-    assert backend.graph_keys(slots) == [(1, 64), (2, 128)]
+    assert _graph_keys(slots) == [(1, 64), (2, 128)]
     assert fake.violations == []
     captured = [event["context"] for graph in fake.graphs.values() for event in graph]
     assert len(captured) == 2 and captured[0] is not captured[1]
@@ -370,7 +377,7 @@ def test_the_chosen_gpu_is_current_in_every_thread_that_calls_in(make_backend) -
     worker = threading.Thread(target=serve)
     worker.start()
     worker.join(timeout=10)
-    assert slot_box and backend.graph_keys(slot_box) == [(2, 64)]
+    assert slot_box and _graph_keys(slot_box) == [(2, 64)]
     assert [state["device"] for state in fake.streams.values()] == [1]
     assert set(fake.malloc_devices) == {1}
     assert fake.violations == []
@@ -419,7 +426,7 @@ def test_onnx_target_engines_allocate_every_slot_at_their_fixed_capacity(make_ba
     slot = backend.allocate(1, 64)
     assert slot.cache.capacity == 256 and slot.buffers["key.0"].nbytes == 2 * 256 * 16 * 2
     _steps(backend, slot, 2)
-    assert backend.graph_keys([slot]) == [(1, 256)]
+    assert _graph_keys([slot]) == [(1, 256)]
 
 
 def test_row_operations_copy_on_the_device_with_the_cache_geometry(make_backend) -> None:

@@ -19,11 +19,11 @@ from click.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
 
-from kvforge.build.trt_build import _network, build_engines  # noqa: E402
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.engine_plan import ENGINES_MANIFEST, resolve_build_options  # noqa: E402
 from kvforge.core.manifest import load_manifest  # noqa: E402
 from kvforge.core.tensorrt_flavor import load_tensorrt  # noqa: E402
+from kvforge.engines.trt_build import _network, build_engines  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402
 
 MAX_SEQ_LEN = 64
@@ -33,7 +33,7 @@ def _layer_counts(folder, graph: str) -> tuple[dict[str, int], int]:
     trt = load_tensorrt("tensorrt-rtx")
     manifest = load_manifest(folder)
     options = resolve_build_options(manifest, max_batch=2, max_seq_len=MAX_SEQ_LEN)
-    from kvforge.build.trt_build import _Log
+    from kvforge.engines.trt_build import _Log
 
     log = _Log(trt)
     network, _parser, softcapped = _network(trt, trt.module.Builder(log.logger), log, folder, manifest, options, graph)

@@ -1,4 +1,4 @@
-"""kvforge/build/trt_graph.py: what the build hands TensorRT's parser, checked on ONNX Runtime (no TensorRT needed).
+"""kvforge/engines/trt_graph.py: what the build hands TensorRT's parser, checked on ONNX Runtime (no TensorRT needed).
 
 The rewritten graph must compute what the export computes: a static capacity changes no value, and
 Gemma 2's softcapped attention, decomposed into plain ops for TensorRT, matches ONNX Attention with
@@ -16,9 +16,9 @@ pytest.importorskip("torch")
 
 import onnxruntime as ort  # noqa: E402
 
-from kvforge.build.trt_graph import tensorrt_graph  # noqa: E402
 from kvforge.core.contract import KVLayout  # noqa: E402
 from kvforge.core.manifest import load_manifest  # noqa: E402
+from kvforge.engines.trt_graph import tensorrt_graph  # noqa: E402
 
 CAPACITY = 48
 
@@ -70,7 +70,7 @@ def test_rewritten_graphs_compute_what_the_export_computes(recipe, softcapped, e
 
 def test_softcap_decomposition_is_sensitive_to_the_softcap(exported, tmp_path) -> None:
     # The comparison above can fail: a decomposition that drops the cap gives other logits.
-    from kvforge.exporter import trt_graph
+    from kvforge.engines import trt_graph
 
     folder = shutil.copytree(exported("gemma2-tiny", "onnx", "fp32"), tmp_path / "export")
     manifest = load_manifest(folder)

@@ -24,7 +24,7 @@ from kvforge.core.contract import PLUGIN  # noqa: E402
 from kvforge.core.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (every family, through the numpy reference)
-from kvforge.runtime import Generator, emulate  # noqa: E402
+from kvforge.runtime import Generator, emulate, inspection  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
 
 ATOL_FP32 = 1e-3
@@ -119,18 +119,18 @@ def test_emulated_decode_updates_the_bound_cache_in_place(mode, exported, monkey
     layers = gen.manifest["kv_cache"]["num_layers"]
     for event in stream:
         if event.step == 0:
-            addresses = gen.kv_buffer_addresses()
+            addresses = inspection.kv_addresses(gen)
             for layer in range(layers):
-                key, value = gen.read_kv_cache(layer)
+                key, value = inspection.read_kv(gen, layer)
                 key[:, :, -1], value[:, :, -1] = 7.0, -7.0
                 gen.cache.keys[layer].update_inplace(key)
                 gen.cache.values[layer].update_inplace(value)
         phase = "prefill" if event.step == 0 else "decode"
-        bound = gen.bound_output_addresses(phase)
+        bound = inspection.bound_output_addresses(gen, phase)
         assert {n.replace("present", "past"): a for n, a in bound.items() if n != "logits"} == addresses
-    assert gen.kv_buffer_addresses() == addresses
+    assert inspection.kv_addresses(gen) == addresses
     for layer in range(layers):
-        key, value = gen.read_kv_cache(layer)
+        key, value = inspection.read_kv(gen, layer)
         assert (key[:, :, -1] == 7.0).all() and (value[:, :, -1] == -7.0).all()
         for b in range(len(prompts)):
             assert np.abs(key[b, :, : gen.cache.past_lens[b]]).sum(axis=-1).min() > 0

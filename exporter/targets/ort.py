@@ -29,34 +29,11 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
     (per layer the key and value scales [1, H_kv, 1, D], exporter/kv_quant.py) the cache is int8:
     GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8."""
     first = canonical[0]
-    q0, past_lens = first.inputs[0], first.inputs[5]
-    # The query length from the graph's input_ids, not from layer 0's q: that would keep layer 0's
-    # rotary path alive after it is folded into attention.
-    ids = next((value for value in graph.inputs if value.name == INPUT_IDS), q0)
     shared = ir.tape.Tape()
-    # decode.onnx: input_ids [B, 1] and no logits_index (exporter/trace.py: derive_decode_graph).
-    one_token = (ids.shape is not None and len(ids.shape) == 2 and ids.shape[1] == 1) or (
-        ids is not q0 and LOGITS_INDEX not in {value.name for value in graph.inputs})
-    if one_token:
-        # decode.onnx (one new token per row): seqlens_k ("total length - 1") is past_lens itself, and
-        # total_sequence_length, which GQA reads on the host, is the cache's capacity from past_key's
-        # shape. So no device value is copied to the host mid-graph (a Memcpy node, which also rules out
-        # ONNX Runtime's CUDA graphs), and the step is never mistaken for a first prompt (GQA's test is
-        # S == total_sequence_length). The kernels attend each row's own seqlens_k + 1 positions.
-        seqlens_k = past_lens
-        capacity = shared.op("Shape", [first.inputs[3]], attributes={"start": 2, "end": 3})
-        total_len = shared.op("Cast", [capacity], attributes={"to": ir.DataType.INT32})
-    else:
-        seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
-        seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
-        total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
-        # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
-        # written too, but real tokens never attend them (causal) and decode overwrites them later.
-        # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
-        seqlens_k = shared.op("Sub", [total, constant(shared, np.array([1], np.int32), "kvforge_one")])
-        total_len = shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+    seqlens_k, total_len = _lengths(graph, first, shared)
     caches = None
     if rotary is not None:
+        q0 = first.inputs[0]
         dtype = q0.dtype.numpy() if q0.dtype is not None else np.float32
         caches = [constant(shared, table.astype(dtype), f"kvforge_rotary_{kind}") for kind, table in zip(("cos", "sin"), rotary, strict=True)]
     graph.insert_before(first, shared.nodes)
@@ -65,19 +42,8 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
         attrs = node_attributes(node)
         (q, k, v, past_key, past_value, _), sinks = attention_inputs(node)
         tape = ir.tape.Tape()
-        do_rotary = 0
-        rotary_inputs: list[ir.Value | None] = [None, None]
-        pre_q, pre_k = (pre_rotary(q), pre_rotary(k)) if caches is not None else (None, None)
-        if pre_q is not None and pre_k is not None:
-            do_rotary = 1
-            flat = constant(tape, np.array([0, 0, -1], np.int64), None)
-            q = tape.op("Reshape", [pre_q[0], flat])
-            k = tape.op("Reshape", [pre_k[0], flat])
-            rotary_inputs = list(caches)
-            parts = [split_output(value) for value in (q, k, v)]
-            if all(parts) and len({id(p[0]) for p in parts}) == 1 and [p[1] for p in parts] == [0, 1, 2] \
-                    and len(parts[0][0].outputs) == 3:
-                q, k, v = parts[0][0].inputs[0], None, None  # packed [B, S, (H + 2 Hkv) * D]
+        q, k, v, rotary_inputs = _operands(tape, q, k, v, caches)
+        do_rotary = int(rotary_inputs[0] is not None)
         quant: dict[str, int | str] = {}
         scales: list[ir.Value] = []
         if kv_scales is not None:
@@ -115,6 +81,50 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
                 value.dtype = ir.DataType.INT8
     graph.opset_imports["com.microsoft"] = 1
 
+
+def _lengths(graph: ir.Graph, first: ir.Node, shared: ir.tape.Tape) -> tuple[ir.Value, ir.Value]:
+    """GroupQueryAttention's seqlens_k and total_sequence_length, built once for every layer's node."""
+    q0, past_lens = first.inputs[0], first.inputs[5]
+    # The query length from the graph's input_ids, not from layer 0's q: that would keep layer 0's
+    # rotary path alive after it is folded into attention.
+    ids = next((value for value in graph.inputs if value.name == INPUT_IDS), q0)
+    # decode.onnx: input_ids [B, 1] and no logits_index (exporter/trace.py: derive_decode_graph).
+    one_token = (ids.shape is not None and len(ids.shape) == 2 and ids.shape[1] == 1) or (
+        ids is not q0 and LOGITS_INDEX not in {value.name for value in graph.inputs})
+    if one_token:
+        # decode.onnx (one new token per row): seqlens_k ("total length - 1") is past_lens itself, and
+        # total_sequence_length, which GQA reads on the host, is the cache's capacity from past_key's
+        # shape. So no device value is copied to the host mid-graph (a Memcpy node, which also rules out
+        # ONNX Runtime's CUDA graphs), and the step is never mistaken for a first prompt (GQA's test is
+        # S == total_sequence_length). The kernels attend each row's own seqlens_k + 1 positions.
+        capacity = shared.op("Shape", [first.inputs[3]], attributes={"start": 2, "end": 3})
+        return past_lens, shared.op("Cast", [capacity], attributes={"to": ir.DataType.INT32})
+    seq = shared.op("Shape", [ids], attributes={"start": 1, "end": 2})
+    seq32 = shared.op("Cast", [seq], attributes={"to": ir.DataType.INT32})
+    total = shared.op("Add", [past_lens, seq32])  # [B] tokens in the cache after this call
+    # GQA's seqlens_k is "total length - 1" per row; with right padding the padded positions are
+    # written too, but real tokens never attend them (causal) and decode overwrites them later.
+    # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
+    seqlens_k = shared.op("Sub", [total, constant(shared, np.array([1], np.int32), "kvforge_one")])
+    return seqlens_k, shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+
+
+def _operands(tape: ir.tape.Tape, q: ir.Value, k: ir.Value, v: ir.Value,
+              caches: list[ir.Value] | None) -> tuple[ir.Value, ir.Value | None, ir.Value | None, list[ir.Value | None]]:
+    """q, k, v as GQA takes them, with its cos/sin inputs: RoPE applied right before attention folds in
+    (q and k from before the rotation, the caches given), and q/k/v that are the three parts of one
+    MatMul pass packed ([B, S, (H + 2 Hkv) * D], k and v None)."""
+    pre_q, pre_k = (pre_rotary(q), pre_rotary(k)) if caches is not None else (None, None)
+    if pre_q is None or pre_k is None:
+        return q, k, v, [None, None]
+    flat = constant(tape, np.array([0, 0, -1], np.int64), None)
+    q = tape.op("Reshape", [pre_q[0], flat])
+    k = tape.op("Reshape", [pre_k[0], flat])
+    parts = [split_output(value) for value in (q, k, v)]
+    if all(parts) and len({id(p[0]) for p in parts}) == 1 and [p[1] for p in parts] == [0, 1, 2] \
+            and len(parts[0][0].outputs) == 3:
+        return parts[0][0].inputs[0], None, None, list(caches)
+    return q, k, v, list(caches)
 
 
 def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:

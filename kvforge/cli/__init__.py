@@ -225,7 +225,7 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
           max_seq_len: int | None, single_engine: bool, plugin_shared_kib: int | None, plugin_arch: str | None,
           force: bool, flavor: str, as_json: bool) -> None:
     """Build TensorRT engines from an export folder (target onnx, or trt with standard TensorRT)."""
-    from kvforge.build.trt_build import build_engines
+    from kvforge.engines.trt_build import build_engines
 
     progress = command_progress(as_json)
     record = build_engines(export_dir, engine_dir, dtype, max_batch, max_input_len, max_seq_len, single_engine,

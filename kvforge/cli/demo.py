@@ -42,7 +42,7 @@ def installed_real_model() -> Path | None:
 def _cached_export(export_dir: Path, target: str, source: Path, gguf_sha256: str | None) -> bool:
     """True if `export_dir` is a complete export of `source` for `target` by this kvforge (version and
     exporter source) and the same tool versions."""
-    from kvforge.exporter.export import exporter_source_digest, tool_versions
+    from kvforge.exporter.export_manifest import exporter_source_digest, tool_versions
 
     if not (export_dir / MANIFEST_NAME).is_file():
         return False
@@ -72,10 +72,7 @@ def run_demo(
     emit: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the demo; `emit` receives the generated text as it streams. Returns what happened."""
-    from kvforge.core.output_folder import check_output
-    from kvforge.exporter.export import export_model
-    from kvforge.models.gguf import GGUF_MARKER
-    from kvforge.models.recipes import RECIPE_MARKER, RECIPES, materialize
+    from kvforge.models.recipes import RECIPES
     from kvforge.runtime import GenerationRequest, Generator
 
     say = say or (lambda _msg: None)
@@ -90,40 +87,10 @@ def run_demo(
     timings: dict[str, float] = {}
     started = time.perf_counter()
     if gguf is not None:
-        name = REAL_NAME
-        model_dir, export_dir = out_dir / f"{name}.hf", out_dir / f"{name}-{target}"
-        check_output(model_dir, [], force=True, marker=GGUF_MARKER, what="kvforge GGUF conversion folder")
-        check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
-        from kvforge.core.manifest import sha256_file
-
-        digest = sha256_file(gguf)
-        if _cached_export(export_dir, target, model_dir, digest):
-            say(f"reusing the cached export {export_dir}")
-        else:
-            from kvforge.models.gguf import convert_gguf
-
-            say(f"preparing SmolLM2-135M-Instruct ({gguf}); the first run takes a few minutes, later runs reuse it")
-            convert_gguf(gguf, model_dir, progress=say)  # timed apart from the export, which then reuses it
-            timings["convert_s"] = round(time.perf_counter() - started, 1)
-            exporting = time.perf_counter()
-            export_model(gguf, export_dir, target=target, force=True, progress=say, hf_dir=model_dir)
-            timings["export_s"] = round(time.perf_counter() - exporting, 1)
+        model_dir, export_dir = _prepare_real(gguf, out_dir, target, say, timings)
     else:
         assert recipe is not None
-        model_dir, export_dir = out_dir / "model", out_dir / f"export-{target}"
-        check_output(model_dir, [], force=True, marker=RECIPE_MARKER, what="kvforge recipe folder")
-        check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
-        marker = model_dir / RECIPE_MARKER
-        same_recipe = marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe
-        if not same_recipe:
-            say(f"building the built-in model {recipe!r} ({RECIPES[recipe].description}) in {model_dir}")
-            materialize(recipe, model_dir, force=True)
-        if same_recipe and _cached_export(export_dir, target, model_dir, None):
-            say(f"reusing the cached export {export_dir}")
-        else:
-            exporting = time.perf_counter()
-            export_model(model_dir, export_dir, target=target, force=True, progress=say)
-            timings["export_s"] = round(time.perf_counter() - exporting, 1)
+        model_dir, export_dir = _prepare_recipe(recipe, out_dir, target, say, timings)
     timings["prepare_s"] = round(time.perf_counter() - started, 1)
     generator = Generator(export_dir)
     real = gguf is not None
@@ -144,3 +111,51 @@ def run_demo(
         "prompt": text_prompt, "chat": real, "text": result.text[0], "tokens": result.tokens[0],
         "finish_reason": result.finish_reason[0], **timings,
     }
+
+
+def _prepare_real(gguf: Path, out_dir: Path, target: str, say: Callable[[str], None],
+                  timings: dict[str, float]) -> tuple[Path, Path]:
+    """Convert and export the installed SmolLM2 GGUF, or reuse the cached export of the same file."""
+    from kvforge.core.manifest import sha256_file
+    from kvforge.core.output_folder import check_output
+    from kvforge.exporter.export import export_model
+    from kvforge.models.gguf import GGUF_MARKER, convert_gguf
+
+    model_dir, export_dir = out_dir / f"{REAL_NAME}.hf", out_dir / f"{REAL_NAME}-{target}"
+    check_output(model_dir, [], force=True, marker=GGUF_MARKER, what="kvforge GGUF conversion folder")
+    check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
+    if _cached_export(export_dir, target, model_dir, sha256_file(gguf)):
+        say(f"reusing the cached export {export_dir}")
+        return model_dir, export_dir
+    say(f"preparing SmolLM2-135M-Instruct ({gguf}); the first run takes a few minutes, later runs reuse it")
+    started = time.perf_counter()
+    convert_gguf(gguf, model_dir, progress=say)  # timed apart from the export, which then reuses it
+    timings["convert_s"] = round(time.perf_counter() - started, 1)
+    exporting = time.perf_counter()
+    export_model(gguf, export_dir, target=target, force=True, progress=say, hf_dir=model_dir)
+    timings["export_s"] = round(time.perf_counter() - exporting, 1)
+    return model_dir, export_dir
+
+
+def _prepare_recipe(recipe: str, out_dir: Path, target: str, say: Callable[[str], None],
+                    timings: dict[str, float]) -> tuple[Path, Path]:
+    """Build the recipe's random-weight model and export it, or reuse both when the recipe is the same."""
+    from kvforge.core.output_folder import check_output
+    from kvforge.exporter.export import export_model
+    from kvforge.models.recipes import RECIPE_MARKER, RECIPES, materialize
+
+    model_dir, export_dir = out_dir / "model", out_dir / f"export-{target}"
+    check_output(model_dir, [], force=True, marker=RECIPE_MARKER, what="kvforge recipe folder")
+    check_output(export_dir, [model_dir], force=True, marker=MANIFEST_NAME)
+    marker = model_dir / RECIPE_MARKER
+    same_recipe = marker.is_file() and json.loads(marker.read_text()).get("recipe") == recipe
+    if not same_recipe:
+        say(f"building the built-in model {recipe!r} ({RECIPES[recipe].description}) in {model_dir}")
+        materialize(recipe, model_dir, force=True)
+    if same_recipe and _cached_export(export_dir, target, model_dir, None):
+        say(f"reusing the cached export {export_dir}")
+        return model_dir, export_dir
+    exporting = time.perf_counter()
+    export_model(model_dir, export_dir, target=target, force=True, progress=say)
+    timings["export_s"] = round(time.perf_counter() - exporting, 1)
+    return model_dir, export_dir

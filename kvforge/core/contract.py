@@ -13,8 +13,9 @@ identity (tests/test_contract.py greps for them).
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, get_type_hints
 
@@ -267,6 +268,25 @@ class AttentionAttrs:
         """Each attribute's Python type (int or float), by name: what schemas and op bridges declare."""
         hints = get_type_hints(cls)
         return {name: hints[name] for name in cls.names()}
+
+
+def attention_parameters(*, sinks: bool = False, spelled: bool = True) -> tuple[str, ...]:
+    """The op's parameters in contract order: ATTENTION_INPUTS, then `sinks` when carried, then the
+    attributes spelled out (AttentionAttrs.names(), for torch.library, onnxscript and tensorrt.plugin)
+    or as one `attrs` (the Python implementations)."""
+    return ATTENTION_INPUTS + (ATTENTION_OPTIONAL_INPUTS if sinks else ()) + (
+        AttentionAttrs.names() if spelled else ("attrs",))
+
+
+def check_attention_parameters(fn: Callable[..., Any], expected: tuple[str, ...]) -> None:
+    """Refuse, at import, an implementation of the attention op whose positional parameters are not
+    `expected` (built from the contract): a parameter list written out by hand cannot drift unseen.
+    Keyword-only parameters (launch options) and **kwargs (node attributes) are not part of the op."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in inspect.signature(fn).parameters.values() if p.kind in positional)
+    if names != expected:
+        raise RuntimeError(f"{fn.__module__}.{fn.__qualname__} takes {names}, but the attention op's "
+                           f"contract is {expected}")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ def _cudart() -> Any:
         from cuda.bindings import runtime
     except ImportError as err:
         raise BackendUnavailableError(
-            "the trt backend needs cuda-python (cuda.bindings): pip install 'kvforge[trt]'"
+            "backend 'tensorrt', and serving on backend 'ort-cuda', need cuda-python (cuda.bindings): "
+            "pip install 'kvforge[trt]' (or 'kvforge[gpu]' for ort-cuda)"
         ) from err
     return runtime
 

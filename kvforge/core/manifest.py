@@ -125,16 +125,6 @@ def compose(
     }
 
 
-def is_export_folder(folder: str | Path) -> bool:
-    """True if `folder` holds a kvforge.json that names a kvforge format (content not checked)."""
-    path = Path(folder) / MANIFEST_NAME
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith("kvforge/")
-
-
 def resolve_in_folder(folder: Path, name: Any, what: str, kind: str = "export folder") -> Path:
     """`folder / name` for a plain relative file name of the manifest, or ManifestError if the name
     would leave the folder (absolute, `..`, or a symlink pointing outside)."""

@@ -4,14 +4,13 @@
 `completion_prompts` reads /v1/completions' prompt forms; `Choice` gathers one choice's text,
 tokens and log-probabilities and writes them in the chat shape
 (`logprobs.content = [{token, logprob, bytes, top_logprobs}]`) or the legacy completions shape
-(`logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`); `TokenPieces` gives each token
-id its text and bytes. With tools (runtime/tool_calls.py), a chat choice's text goes through a
+(`logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`), each token's text and bytes from
+runtime/tokenizer.py's `TokenPieces`. With tools (runtime/tool_calls.py), a chat choice's text goes through a
 `DeltaStream` (content, and each tool call whole once it closes) and its message through `answer_message`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob
 from kvforge.runtime.request import MAX_CHOICES, FinishReason, GenerationRequest, openai_finish_reason
 from kvforge.runtime.scheduler import Delta, Done
-from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.tokenizer import TokenPieces
 from kvforge.runtime.tool_calls import DeltaStream, ToolRequest, answer_message
 from kvforge.serve.guard import ApiError, number_field, valid_text
 
@@ -107,76 +106,6 @@ def completion_prompts(prompt: Any, max_prompts: int) -> list[str | list[int]]:
 
 def _ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-class TokenPieces:
-    """Each token id's text and UTF-8 bytes (what OpenAI's `token` and `bytes` hold). Byte-level BPE
-    vocabularies store bytes as characters (GPT-2's table), which are mapped back; a token that is
-    only part of a character shows as "bytes:\\xe2\\x80" (OpenAI's form). Without a tokenizer a
-    token shows as "token_id:ID" (vLLM's form)."""
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-        if tokenizer is None:
-            return
-        self._tok = tokenizer._tok
-        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
-        self._byte_level = _has_byte_level_decoder(json.loads(self._tok.to_str()).get("decoder"))
-        self._chars = {c: b for b, c in _gpt2_byte_chars().items()}
-
-    def __call__(self, token: int) -> tuple[str, list[int]]:
-        piece = self._cache.get(token)
-        if piece is None:
-            piece = self._cache[token] = self._piece(token)
-        return piece
-
-    def offsets(self, ids: list[int]) -> list[int]:
-        """Character offset of each token of `ids` in their decoded text, special tokens (BOS)
-        taking none, as in the echoed prompt (a token held back, part of a character, starts where
-        the character does)."""
-        if self.tokenizer is None:
-            return [0] * len(ids)
-        detok, offsets, at = self.tokenizer.incremental(), [], 0
-        for token in ids:
-            offsets.append(at)
-            at += len(detok.add(token))
-        return offsets
-
-    def _piece(self, token: int) -> tuple[str, list[int]]:
-        if self.tokenizer is None:
-            return f"token_id:{token}", []
-        raw = self._tok.id_to_token(token) or ""
-        if token in self._added:
-            data = self._added[token].encode("utf-8")
-        elif self._byte_level and all(c in self._chars for c in raw):
-            data = bytes(self._chars[c] for c in raw)
-        elif raw.startswith("<0x") and raw.endswith(">") and len(raw) == 6:  # SentencePiece byte fallback
-            data = bytes([int(raw[3:5], 16)])
-        else:
-            data = self._tok.decode([token], skip_special_tokens=False).encode("utf-8")
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            text = "bytes:" + "".join(f"\\x{b:02x}" for b in data)
-        return text, list(data)
-
-
-def _has_byte_level_decoder(decoder: Any) -> bool:
-    if not isinstance(decoder, dict):
-        return False
-    return decoder.get("type") == "ByteLevel" or any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or [])
-
-
-def _gpt2_byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> character table (byte-level BPE vocabularies spell bytes with it)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 class Choice:

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvforge.core.errors import InputError
 
-LOGGER = logging.getLogger("kvforge.serve.app")
+LOGGER = logging.getLogger("kvforge.serve")
 LOG_FORMATS = ("text", "json", "off")
 
 # Buckets for CPU serving of small models: a first token in 10 ms (cached prompt) to a minute (a

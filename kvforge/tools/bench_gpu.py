@@ -37,7 +37,7 @@ TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def prompt_rows(prompt_len: int, batch: int, vocab: int) -> list[list[int]]:
-    from kvforge.tools.bench import prompt_ids
+    from kvforge.tools.bench_workers import prompt_ids
 
     return [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
 

@@ -35,7 +35,8 @@ from kvforge.models.coverage import (
 )
 
 
-def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model: Any) -> dict[str, Any]:
+def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model: Any,
+                 families: Any = None) -> dict[str, Any]:
     """Export on `target` and check it: parity against HF eager (fp32, greedy, atol 1e-3) and the
     prompts as one batch against each alone."""
     from kvforge.exporter.export import export_model
@@ -43,7 +44,7 @@ def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model
     from kvforge.tools.parity import run_parity
 
     started = time.perf_counter()
-    export_model(hf_dir, out, target=target, force=True)
+    export_model(hf_dir, out, target=target, force=True, families=families)
     options = {"emulation": "reference"} if target == "trt" else {}  # the numpy kernel: the Triton one is slow here
     report = run_parity(hf_dir, out, list(PROMPTS), NEW_TOKENS, ATOL, backend_options=options,
                         perplexity_tokens=0, hf_model=hf_model)
@@ -63,13 +64,13 @@ def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model
 def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS, real: bool = False) -> dict[str, Any]:
     """One model type's row of the coverage table (`real`: at its default config's layer shapes)."""
     from kvforge.core.errors import UnsupportedModelError
-    from kvforge.models.families import FAMILIES, logit_keys, trial_family
+    from kvforge.models.families import HAND_WRITTEN, logit_keys, trial_registry
 
     if model_type in OUT_OF_SCOPE:
         return {"status": "out of scope", "reason": OUT_OF_SCOPE[model_type]}
     if model_type in NOT_SWEPT:
         return {"status": "refused", "reason": NOT_SWEPT[model_type], "targets": {}}
-    hand_written = model_type in FAMILIES and not FAMILIES[model_type].swept
+    hand_written = model_type in HAND_WRITTEN
     row: dict[str, Any] = {"hand_written": hand_written, "targets": {}}
     with tempfile.TemporaryDirectory(prefix=f"kvforge-coverage-{model_type}-") as tmp:
         hf_dir = Path(tmp) / "hf"
@@ -81,19 +82,20 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS, real: b
                     "error": f"building: {_one_line(err)}"}
         row["architecture"] = type(model).__name__
         row["logit_keys"] = logit_keys(model.config)
-        with trial_family(model_type, type(model).__name__, model.config):
-            for target in targets:
-                try:
-                    row["targets"][target] = check_target(model_type, hf_dir, Path(tmp) / target, target, model)
-                except Exception as err:  # any failure of export or parity is this type's result
-                    row["targets"][target] = {"status": "fail", "error": _one_line(err),
-                                              "where": _where(err)}
-                    if KERNEL_SHAPES in str(_root(err)):
-                        # The tiny config's head size, not the type: `--target trt` checks it per model.
-                        row["targets"][target]["status"] = "untested"
-                    elif isinstance(_root(err), UnsupportedModelError):  # kvforge named what is missing
-                        row.setdefault("refusal", str(_root(err)).removeprefix(f"{model_type}: "))
-                shutil.rmtree(Path(tmp) / target, ignore_errors=True)
+        registry = trial_registry(model_type, type(model).__name__, model.config)
+        for target in targets:
+            try:
+                row["targets"][target] = check_target(model_type, hf_dir, Path(tmp) / target, target, model,
+                                                      registry)
+            except Exception as err:  # any failure of export or parity is this type's result
+                row["targets"][target] = {"status": "fail", "error": _one_line(err),
+                                          "where": _where(err)}
+                if KERNEL_SHAPES in str(_root(err)):
+                    # The tiny config's head size, not the type: `--target trt` checks it per model.
+                    row["targets"][target]["status"] = "untested"
+                elif isinstance(_root(err), UnsupportedModelError):  # kvforge named what is missing
+                    row.setdefault("refusal", str(_root(err)).removeprefix(f"{model_type}: "))
+            shutil.rmtree(Path(tmp) / target, ignore_errors=True)
     required = [target for target in REQUIRED_TARGETS if target in targets] or list(REQUIRED_TARGETS)
     passed = all(row["targets"].get(target, {}).get("status") == "pass" for target in required)
     row["status"] = "pass" if passed else "refused"

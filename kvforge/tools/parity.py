@@ -209,11 +209,10 @@ def run_parity(
     default session mode) against Hugging Face eager; `sessions` picks an ONNX Runtime session mode
     ("shared" runs decode.onnx too); `against` also compares with another backend; the perplexity of
     the first `perplexity_tokens` tokens of the shipped text is compared too (0 skips it)."""
-    import torch
     from transformers import GenerationConfig
 
     from kvforge.exporter.load import load_hf_model
-    from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime import Generator
 
     say = progress or (lambda _msg: None)
     if new_tokens < 1:
@@ -250,43 +249,52 @@ def run_parity(
     for text in prompts or list(DEFAULT_PROMPTS):
         ids = generator.tokenizer.encode(text)
         say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
-        try:
-            request = GenerationRequest([ids], new_tokens, ignore_eos=True, keep_logits=True)  # greedy
-            result = generator.generate(request)
-        except NumericalError as err:
-            report.prompts.append(PromptParity(text, len(ids), [], [], [], [], [], [],
-                                               error=f"the export's logits are NaN at step {err.step}"))
-            continue
-        tokens = result.tokens[0]
-        export_logits = np.stack([step[0] for step in result.logits]).astype(np.float32)  # [N, V]
-        with torch.no_grad():
-            full = torch.tensor([ids + tokens[:-1]])
-            ref = model(full).logits[0, len(ids) - 1 :].float().numpy()  # [N, V]
-            generated = model.generate(torch.tensor([ids]), generation_config=no_eos)[0, len(ids):].tolist()
-        err = np.abs(export_logits - ref).max(axis=-1)
-        top2 = np.sort(ref, axis=-1)[:, -2:]
-        margin = top2[:, 1] - top2[:, 0]
-        hf_argmax = ref.argmax(axis=-1)
-        mismatched, ties = [], []
-        for step, token in enumerate(tokens):
-            if token != int(hf_argmax[step]):
-                (ties if margin[step] < 2 * atol else mismatched).append(step)
-        entry = PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(),
-                             mismatched, ties)
-        entry.hf_stopped_at_eos = bool(generated) and len(generated) < len(tokens) and generated[-1] in generator.eos_token_ids
-        if other is not None:
-            theirs = other.generate(request)
-            same = min(_first_difference(theirs.tokens[0], tokens), len(tokens) - 1)
-            their_logits = np.stack([step[0] for step in theirs.logits[: same + 1]]).astype(np.float32)
-            entry.against_tokens = theirs.tokens[0]
-            entry.against_step_max_abs_err = np.abs(their_logits - export_logits[: same + 1]).max(axis=-1).round(8).tolist()
-        report.prompts.append(entry)
+        report.prompts.append(_prompt_parity(generator, other, model, text, ids, new_tokens, atol, no_eos))
     if perplexity_tokens:
         say(f"perplexity on the first {perplexity_tokens} tokens of {PERPLEXITY_TEXT.name}")
         report.perplexity = _perplexity(generator, model, perplexity_tokens, dtype)
         if quantization is not None:
             report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization["bits"])]
     return report
+
+
+def _prompt_parity(generator: Any, other: Any, model: Any, text: str, ids: list[int], new_tokens: int, atol: float,
+                   no_eos: Any) -> PromptParity:
+    """One prompt: the export's greedy tokens and logits against HF eager's teacher-forced logits and its
+    own cached generate; with `other`, that backend's tokens and logits against the export's."""
+    import torch
+
+    from kvforge.runtime import GenerationRequest
+
+    try:
+        request = GenerationRequest([ids], new_tokens, ignore_eos=True, keep_logits=True)  # greedy
+        result = generator.generate(request)
+    except NumericalError as err:
+        return PromptParity(text, len(ids), [], [], [], [], [], [], error=f"the export's logits are NaN at step {err.step}")
+    tokens = result.tokens[0]
+    export_logits = np.stack([step[0] for step in result.logits]).astype(np.float32)  # [N, V]
+    with torch.no_grad():
+        full = torch.tensor([ids + tokens[:-1]])
+        ref = model(full).logits[0, len(ids) - 1 :].float().numpy()  # [N, V]
+        generated = model.generate(torch.tensor([ids]), generation_config=no_eos)[0, len(ids):].tolist()
+    err = np.abs(export_logits - ref).max(axis=-1)
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    hf_argmax = ref.argmax(axis=-1)
+    mismatched, ties = [], []
+    for step, token in enumerate(tokens):
+        if token != int(hf_argmax[step]):
+            (ties if margin[step] < 2 * atol else mismatched).append(step)
+    entry = PromptParity(text, len(ids), tokens, generated, err.round(8).tolist(), margin.round(6).tolist(),
+                         mismatched, ties)
+    entry.hf_stopped_at_eos = bool(generated) and len(generated) < len(tokens) and generated[-1] in generator.eos_token_ids
+    if other is not None:
+        theirs = other.generate(request)
+        same = min(_first_difference(theirs.tokens[0], tokens), len(tokens) - 1)
+        their_logits = np.stack([step[0] for step in theirs.logits[: same + 1]]).astype(np.float32)
+        entry.against_tokens = theirs.tokens[0]
+        entry.against_step_max_abs_err = np.abs(their_logits - export_logits[: same + 1]).max(axis=-1).round(8).tolist()
+    return entry
 
 
 def _perplexity(generator: Any, model: Any, max_tokens: int, dtype: str) -> dict[str, Any]:

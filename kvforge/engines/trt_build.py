@@ -38,11 +38,11 @@ from kvforge.core.engine_plan import (
     static_capacity,
 )
 from kvforge.core.errors import BackendUnavailableError, ExportError, InputError
-from kvforge.build.trt_graph import tensorrt_graph
 from kvforge.core.manifest import file_record, load_manifest, read_graph
 from kvforge.core.output_folder import StagedFolder, check_output
 from kvforge.core.targets import get_target
 from kvforge.core.tensorrt_flavor import RTX_PORTABLE, TensorRT, gpu_refusal, load_tensorrt
+from kvforge.engines.trt_graph import tensorrt_graph
 
 # TensorRT's builder says this when an attention layer has no dedicated kernel for its shape and dtype.
 NEEDS_DECOMPOSABLE = "not supported by a dedicated kernel"
@@ -229,7 +229,7 @@ class _Log:
 def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest: dict[str, Any],
              options: BuildOptions, graph: str) -> tuple[Any, Any, int]:
     """Parse `graph` into a strongly typed network (every tensor keeps the export's dtype, plugin IO
-    included), as kvforge/build/trt_graph.py rewrites it for TensorRT; also how many softcapped attention
+    included), as kvforge/engines/trt_graph.py rewrites it for TensorRT; also how many softcapped attention
     nodes had to be decomposed. The weights stay in the export's file; the parser reads them there."""
     read_graph(export_dir, manifest, graph)  # checks the file's sha256 before TensorRT reads it
     path = export_dir / manifest["graphs"][graph]["file"]
@@ -263,7 +263,7 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
     log = _Log(trt)
     builder = trt.module.Builder(log.logger)
     network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, options, graph)
-    # TensorRT's attention layer cannot softcap: those layers are plain ops (kvforge/build/trt_graph.py).
+    # TensorRT's attention layer cannot softcap: those layers are plain ops (kvforge/engines/trt_graph.py).
     attention = "plugin" if get_target(manifest["target"]).plugin is not None else "decomposed (softcap)" if softcapped else "fused"
     for attempt in ("fused", "decomposed"):
         if attempt == "decomposed":

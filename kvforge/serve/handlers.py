@@ -1,0 +1,344 @@
+"""The OpenAI-compatible endpoints over a GenerationService (runtime/service.py): a request body is parsed
+and checked, turned into GenerationRequests (the OpenAI -> request mapping lives here, once), run on the
+scheduler and answered as JSON or server-sent events. kvforge/serve/app.py wires them into FastAPI;
+the preparation steps take and return plain data, so they are tested without HTTP.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the route functions' annotations at runtime.
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvforge.core.errors import CapacityError, InputError, KvforgeError, QueueFullError
+from kvforge.runtime.chat import check_messages
+from kvforge.runtime.handles import Delta, Done
+from kvforge.runtime.request import FinishReason, GenerationRequest
+from kvforge.runtime.service import GenerationService, TemplateError
+from kvforge.runtime.tool_calls import ToolRequest
+from kvforge.serve.choices import (
+    Job,
+    Reply,
+    Tally,
+    completion_prompts,
+    logprobs_option,
+    sampling_options,
+    speculate_option,
+)
+from kvforge.serve.guard import (
+    ApiError,
+    check_fields,
+    message_content,
+    number_field,
+    response_format_grammar,
+    valid_text,
+)
+from kvforge.serve.metrics import RequestTrace, ServerMetrics
+
+NON_STREAM_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests logged and counted
+
+
+@dataclass
+class Prepared:
+    """A checked request: one Job per prompt (chat: one), the stream flag, the body, its tools."""
+
+    jobs: list[Job]
+    stream: bool
+    body: dict
+    tools: ToolRequest | None = None
+
+
+class OpenAIHandlers:
+    """/v1/completions, /v1/chat/completions, /v1/models and /health for one served export `name`."""
+
+    def __init__(self, service: GenerationService, name: str, metrics: ServerMetrics) -> None:
+        self.service = service
+        self.name = name
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # -- preparation (in a worker thread, off the event loop) --------------------------------------
+    def parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply to parse; send a flatter JSON object") from None
+        except (ValueError, UnicodeDecodeError) as err:
+            raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.name!r}", param="model",
+                           code="model_not_found")
+        return body
+
+    def prepare_completion(self, raw: bytes) -> Prepared:
+        """Parse, check and tokenize a completion request, and score the prompts that `echo` asks
+        log-probabilities for. One Job per prompt."""
+        body = self.parse(raw)
+        check_fields(body, "text")
+        stream, echo = _flag(body, "stream"), _flag(body, "echo")
+        jobs = []
+        for prompt in completion_prompts(body.get("prompt"), self.service.max_queue):
+            if isinstance(prompt, str):
+                ids = self._encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt", "prompt")
+            else:
+                ids = self._fits(list(prompt), "the prompt", "prompt")
+            job = Job(ids, self.generation_request(body, ids, 16, "text"))  # OpenAI's completions default: 16
+            if echo:
+                job.echo = prompt if isinstance(prompt, str) else self.service.decode(ids)
+                top = logprobs_option(body, "text")
+                if top is not None:
+                    try:
+                        job.prompt_logprobs = self.service.prompt_logprobs(ids, top)
+                    except InputError as err:
+                        raise ApiError(400, str(err), param="prompt") from err
+            jobs.append(job)
+        return Prepared(jobs, stream, body)
+
+    def prepare_chat(self, raw: bytes) -> Prepared:
+        """Parse, check, render (in the template's child process) and tokenize a chat request."""
+        body = self.parse(raw)
+        check_fields(body, "chat")
+        stream = _flag(body, "stream")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        if self.service.renderer is None:
+            raise ApiError(400, str(self.service.template_error), param="messages")
+        messages = [dict(m, content=message_content(m.get("content"), i)) if isinstance(m, dict) else m
+                    for i, m in enumerate(messages)]
+        try:
+            checked = check_messages(messages)
+        except InputError as err:
+            raise ApiError(400, str(err), param="messages") from err
+        try:
+            tools = self.service.tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
+                                       checked)
+        except InputError as err:
+            raise ApiError(400, str(err), param="tools") from err
+        for i, message in enumerate(checked):
+            for key in ("role", "content"):
+                valid_text(message[key], f"messages[{i}].{key}", "messages")
+        try:
+            ids = self.service.conversation(checked, tools)
+        except TemplateError as err:
+            raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
+        except CapacityError as err:
+            raise ApiError(413, str(err), param="messages", code="context_length_exceeded") from err
+        except InputError as err:
+            raise ApiError(400, str(err), param="messages") from err
+        constraint = self._tool_grammar(tools)
+        # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
+        generation = self.generation_request(body, ids, max(1, self.service.capacity - len(ids) + 1), "chat", constraint)
+        return Prepared([Job(ids, generation)], stream, body, tools)
+
+    def generation_request(self, body: dict, prompt_ids: list[int], default_max: int, kind: str,
+                           constraint: Any = None) -> GenerationRequest | None:
+        """The one request type from OpenAI's parameters (the Generator resolves the sampling); None for
+        completions' max_tokens 0 (the prompt is only scored, after it is checked the same).
+        `constraint`: the grammar of a forced tool call."""
+        capacity = self.service.capacity
+        low = 0 if kind == "text" else 1
+        max_tokens = number_field(body, "max_tokens", None, int, low, capacity)
+        if max_tokens is None:
+            max_tokens = number_field(body, "max_completion_tokens", default_max, int, low, capacity)
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop
+        if isinstance(stop, list):  # OpenAI's own limit; the request checks the strings themselves
+            if len(stop) > 4:
+                raise ApiError(400, "'stop' takes at most 4 strings", param="stop")
+            for s in stop:
+                if isinstance(s, str):
+                    valid_text(s, "'stop'", "stop")
+        options = sampling_options(body, kind, self.service.default_greedy)
+        options.update(speculate_option(body, options))
+        grammar = response_format_grammar(body.get("response_format"))
+        if grammar is not None:
+            try:
+                self.service.check_grammar(grammar)
+            except InputError as err:
+                raise ApiError(400, str(err), param="response_format") from err
+        if constraint is not None:
+            if grammar is not None:
+                raise ApiError(400, "'response_format' cannot be combined with a forced tool call (tool_choice "
+                                    "'required' or a named function): the answer is the call", param="response_format")
+            grammar = constraint
+        try:
+            request = self.service.request(prompt_ids, max(max_tokens, 1), stop=stop, grammar=grammar,
+                                           ignore_eos=body.get("ignore_eos", False), **options)
+        except InputError as err:
+            raise ApiError(400, str(err), param=_param_of(err)) from err
+        return request if max_tokens else None
+
+    def _encode(self, text: str, special: bool, what: str, param: str) -> list[int]:
+        try:
+            return self.service.encode(text, special, what)
+        except CapacityError as err:
+            raise ApiError(413, str(err), param=param, code="context_length_exceeded") from err
+        except InputError as err:
+            raise ApiError(400, str(err), param=param) from err
+
+    def _fits(self, ids: list[int], what: str, param: str) -> list[int]:
+        try:
+            self.service.check_length(ids, what)
+        except CapacityError as err:
+            raise ApiError(413, str(err), param=param, code="context_length_exceeded") from err
+        return ids
+
+    def _tool_grammar(self, tools: ToolRequest | None) -> Any:
+        """The grammar forcing a call (tool_choice "required" or a named function), compiled now so that
+        parameters no grammar can be made of are a 400 with llguidance's message."""
+        try:
+            constraint = tools.grammar() if tools is not None else None
+            if constraint is not None:
+                self.service.check_grammar(constraint)
+        except InputError as err:
+            raise ApiError(400, f"the tools' parameters cannot be enforced: {err}", param="tools") from err
+        return constraint
+
+    # -- running --------------------------------------------------------------------------------------
+    async def serve(self, request: Any, kind: str) -> Any:
+        """Prepare and run one request, with its log line and metrics (refusals included)."""
+        from fastapi.responses import JSONResponse, Response
+
+        path, prefix = GENERATION_PATHS[kind == "chat"], "chatcmpl" if kind == "chat" else "cmpl"
+        trace = self.metrics.trace(path, f"{prefix}-{uuid.uuid4().hex}")
+        request.state.request_id = trace.id
+        prepare = self.prepare_chat if kind == "chat" else self.prepare_completion
+        try:
+            prepared = await asyncio.to_thread(prepare, await request.body())
+            response = await self.run(request, prepared, kind, trace)
+        except ApiError as err:
+            trace.refuse(err.status, err.message)  # a no-op when the request ran (500: already logged)
+            raise
+        except Exception as err:
+            trace.refuse(500, f"internal error: {type(err).__name__}: {err}")
+            raise
+        if not isinstance(response, Response):
+            response = JSONResponse(response, headers={"x-request-id": trace.id})
+        return response
+
+    async def run(self, request: Any, prepared: Prepared, kind: str, trace: RequestTrace) -> Any:
+        """Submit the prepared jobs and answer: server-sent events, or JSON once every choice is done. A
+        client that goes away cancels its generations."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        trace.stream = prepared.stream
+        n = number_field(prepared.body, "n", 1, int)
+        tally = Tally(prepared.jobs, n)  # the one Done the log line and metrics take
+
+        def on_event(p: int, event: Delta | Done) -> None:  # in the scheduler thread
+            # Timings first: the handler may log as soon as it sees the last Done.
+            if isinstance(event, Delta):
+                trace.on_event(event, stream=(p, event.index))
+            elif tally.add(event) is not None:
+                trace.on_event(tally.done)
+            loop.call_soon_threadsafe(events.put_nowait, (p, event))
+
+        handles = self._submit(prepared, on_event)
+        if not handles:  # nothing to generate (max_tokens 0): the request has ended already
+            trace.on_event(tally.done)
+        reply = Reply(kind, trace.id, self.name, prepared.jobs, self.service.pieces, n,
+                      logprobs_option(prepared.body, kind), prepared.tools)
+
+        def cancel_all() -> None:
+            for handle in handles:
+                handle.cancel()  # the client went away (or we are done: then a no-op)
+
+        if prepared.stream:
+            return _event_stream(reply, events, cancel_all, trace)
+        return await _answer(request, reply, events, cancel_all, trace)
+
+    def _submit(self, prepared: Prepared, on_event: Callable[[int, Any], None]) -> list[Any]:
+        try:
+            return self.service.submit([job.request for job in prepared.jobs], on_event)
+        except QueueFullError as err:
+            raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from err
+        except CapacityError as err:
+            raise ApiError(413, str(err), param="max_tokens", code="context_length_exceeded") from err
+        except InputError as err:
+            raise ApiError(400, str(err)) from err
+        except KvforgeError as err:
+            raise ApiError(503, str(err), kind="server_error") from err
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
+                                            "owned_by": "kvforge"}]}
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.name}
+
+
+def _event_stream(reply: Reply, events: asyncio.Queue, cancel_all: Callable[[], None], trace: RequestTrace) -> Any:
+    from fastapi.responses import StreamingResponse
+
+    async def sse():
+        try:
+            for chunk in reply.opening():
+                yield f"data: {json.dumps(chunk)}\n\n"
+            while not reply.finished:
+                p, event = await events.get()
+                if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+                    yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
+                    break
+                for chunk in reply.add(p, event):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            cancel_all()
+            trace.end(200)  # logged now, or once the cancelled request's last Done comes
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"x-request-id": trace.id})
+
+
+async def _answer(request: Any, reply: Reply, events: asyncio.Queue, cancel_all: Callable[[], None],
+                  trace: RequestTrace) -> Any:
+    """The JSON answer once every choice is done. One pending get() (never cancelled, so no event is lost),
+    and every NON_STREAM_POLL_S a check that the client is still there: a gone client's generation is
+    cancelled."""
+    from fastapi.responses import JSONResponse
+
+    getter = asyncio.ensure_future(events.get())
+    checked = time.monotonic()
+    status = 499  # unless it ends: the client went away
+    try:
+        while not reply.finished:
+            done, _ = await asyncio.wait({getter}, timeout=NON_STREAM_POLL_S)
+            if time.monotonic() - checked >= NON_STREAM_POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return JSONResponse(ApiError(499, "the client closed the connection").body(), status_code=499)
+            if not done:
+                continue
+            p, event = getter.result()
+            if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+                status = 500
+                raise ApiError(500, event.error or "generation failed", kind="server_error")
+            reply.add(p, event)
+            getter = asyncio.ensure_future(events.get())
+        status = 200
+    finally:
+        getter.cancel()
+        cancel_all()
+        trace.end(status)  # logged now, or once a cancelled request's last Done comes
+    return reply.body()
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{key}' must be true or false, got {value!r}", param=key)
+    return value
+
+
+def _param_of(err: InputError) -> str | None:
+    """The OpenAI parameter a request's own check names ("stop must be ...", "ignore_eos ...")."""
+    message = str(err)
+    return next((key for key in ("stop", "ignore_eos", "speculate", "draft_len", "seed", "n", "logprobs")
+                 if message.startswith((key, f"'{key}'"))), None)

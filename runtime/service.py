@@ -1,0 +1,160 @@
+"""One export served over the continuous-batching Scheduler, in the runtime's own terms: what a front end
+(kvforge serve's HTTP handlers, or any other) needs, and nothing of HTTP.
+
+    service = GenerationService(Generator(folder), max_batch=8)
+    ids = service.encode("Once upon a time", special=True)              # within the context, or CapacityError
+    ids, tools = service.conversation(messages, tools, tool_choice, parallel)   # chat template + tool negotiation
+    service.check_grammar(grammar)                                     # compiled now: a bad one is an InputError
+    request = service.request(ids, max_tokens=16, stop=["\\n"], **sampling)
+    handles = service.submit([request], on_event)                      # all queued, or none
+
+Chat templates render in a killable child process with time and size limits (runtime/chat_worker.py);
+grammars are compiled once per export and grammar (runtime/constraint.py); tool-call formats and
+forcing grammars come from runtime/tool_calls.py. Errors are the runtime's (InputError, CapacityError,
+QueueFullError, KvforgeError); a front end maps them to its own answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.errors import CapacityError, InputError, KvforgeError
+from kvforge.runtime.chat import ChatTemplate, chat_template_override, check_messages
+from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
+from kvforge.runtime.constraint import compiler_for
+from kvforge.runtime.generator import Generator
+from kvforge.runtime.handles import Event, RequestHandle
+from kvforge.runtime.logprobs import TokenLogprob
+from kvforge.runtime.request import GenerationRequest
+from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.tokenizer import TokenPieces
+from kvforge.runtime.tool_calls import ToolRequest, check_tool_support, detect_format, tool_request
+
+
+class TemplateError(InputError):
+    """The chat template could not render this conversation (its own error, or its limits)."""
+
+
+class GenerationService:
+    def __init__(self, generator: Generator, *, max_batch: int = 8, max_seq_len: int | None = None,
+                 prefill_chunk: int = 128, max_queue: int = 64, chat_template: str | Path | None = None,
+                 template_seconds: float | None = None) -> None:
+        """`chat_template`: a Jinja file (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used
+        instead of the export's; `template_seconds`: the time one rendering may take."""
+        self.generator = generator
+        # A template given in place of the export's: one that cannot be read fails the start.
+        override = (chat_template_override(chat_template, generator.folder, generator.manifest)
+                    if chat_template is not None else None)
+        self.scheduler = Scheduler(generator, max_batch=max_batch, max_seq_len=max_seq_len,
+                                   prefill_chunk=prefill_chunk, max_queue=max_queue).start()
+        self.capacity = self.scheduler.capacity
+        self.max_queue = self.scheduler.max_queue
+        self.tokenizer = generator.tokenizer
+        # No prompt of more characters than this can fit: a token never covers more characters than its
+        # vocabulary string (x2 for normalizers that drop characters). Longer ones are refused untokenized.
+        longest = self.tokenizer.longest_token_chars if self.tokenizer is not None else 1
+        self.max_prompt_chars = self.capacity * max(longest, 1) * 2 + 1024
+        self.template: ChatTemplate | None = None
+        self.template_error: KvforgeError | None = None
+        try:
+            self.template = generator.chat_template if override is None or self.tokenizer is None else override
+        except KvforgeError as err:  # no template (or a broken one): chat requests get this message
+            self.template_error = err
+        self.pieces = TokenPieces(self.tokenizer)  # token texts and bytes for log-probabilities
+        self.renderer = (IsolatedRenderer(self.template, seconds=template_seconds or RENDER_SECONDS).start()
+                         if self.template is not None else None)
+        # How the template writes tool calls (None: it takes no tools, or kvforge does not parse its format).
+        self.tool_format = detect_format(self.template.text, self.renderer.render) if self.renderer is not None else None
+
+    def close(self) -> None:
+        self.scheduler.close()
+        if self.renderer is not None:
+            self.renderer.close()
+
+    @property
+    def default_greedy(self) -> bool:
+        """Whether the export's generation config decodes greedily when a request says nothing."""
+        return self.generator.default_sampling.greedy
+
+    # -- prompts ----------------------------------------------------------------------------------
+    def encode(self, text: str, special: bool, what: str = "the prompt") -> list[int]:
+        """`text`'s token ids (`special`: the tokenizer's BOS and the like), or CapacityError when it
+        cannot fit the context (checked on its length before tokenizing), InputError when it cannot be
+        tokenized."""
+        if self.tokenizer is None:
+            raise InputError("this export has no tokenizer: send the prompt as token ids")
+        if len(text) > self.max_prompt_chars:
+            raise CapacityError(self.too_long(what, f"{len(text)} characters"))
+        try:
+            ids = self.tokenizer.encode(text, add_special_tokens=special)
+        except KvforgeError:
+            raise
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 (the tokenizer's Rust panics are BaseExceptions)
+            raise InputError(f"the tokenizer could not encode {what}: {type(err).__name__}: {err}"[:300]) from None
+        self.check_length(ids, what)
+        return ids
+
+    def check_length(self, ids: Sequence[int], what: str = "the prompt") -> None:
+        if len(ids) > self.capacity:
+            raise CapacityError(self.too_long(what, f"{len(ids)} tokens"))
+
+    def too_long(self, what: str, size: str) -> str:
+        return f"{what} ({size}) does not fit this server's context of {self.capacity} tokens; shorten it"
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids)) if self.tokenizer is not None else ""
+
+    def tools(self, tools: Any, tool_choice: Any, parallel: Any, messages: list[dict]) -> ToolRequest | None:
+        """The request's tools negotiated with the template (None: no tools); InputError if they cannot be."""
+        if self.template is None:
+            raise InputError(str(self.template_error))
+        request = tool_request(tools, tool_choice, parallel, self.template.text, self.tool_format, self.template.source)
+        if any("tool_calls" in m for m in messages):  # a template that ignores them would drop them
+            check_tool_support(self.template.text, self.tool_format, self.template.source)
+        return request
+
+    def conversation(self, messages: list[dict], tools: ToolRequest | None) -> list[int]:
+        """A checked conversation rendered with the template (its child process) and tokenized."""
+        if self.renderer is None:
+            raise InputError(str(self.template_error))
+        checked = check_messages(messages)
+        chars = sum(len(message["content"]) for message in checked)
+        if chars > self.max_prompt_chars:
+            raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
+        try:
+            text = self.renderer.render(checked, True, tools.template_tools if tools is not None else None)
+        except InputError as err:
+            raise TemplateError(str(err)) from err
+        return self.encode(text, False, "the conversation")
+
+    def prompt_logprobs(self, ids: list[int], top: int) -> list[TokenLogprob | None]:
+        return self.generator.prompt_logprobs(ids, top)
+
+    # -- requests ---------------------------------------------------------------------------------
+    def check_grammar(self, grammar: Any) -> None:
+        """Compile `grammar` now (cached; the scheduler's rows copy the result): a grammar that cannot be
+        compiled is an InputError at admission, not a failure mid-generation."""
+        compiler_for(self.generator.vocabulary).compile(grammar)
+
+    def request(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> GenerationRequest:
+        """The GenerationRequest (Generator.request's keywords, resolved against the export's sampling)."""
+        return self.generator.request(prompt_ids, max_new_tokens, **options)
+
+    def submit(self, requests: Sequence[GenerationRequest | None],
+               on_event: Callable[[int, Event], None]) -> list[RequestHandle]:
+        """Queue every request (all or none; None: nothing to generate): their handles. Events come to
+        `on_event(position, event)` in the scheduler's thread."""
+        handles: list[RequestHandle] = []
+        try:
+            for p, request in enumerate(requests):
+                if request is not None:
+                    handles.append(self.scheduler.submit(request, on_event=lambda e, p=p: on_event(p, e)))
+        except BaseException:
+            for handle in handles:
+                handle.cancel()
+            raise
+        return handles
