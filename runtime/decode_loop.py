@@ -105,7 +105,7 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
 
     counts = _Counts()
     speculation = request.speculation
-    while engine.running():
+    while engine.any_running():
         t_step = time.perf_counter()
         step = engine.verify(speculation.draft_len, request.max_new_tokens) if speculation is not None else None
         if step is not None:
@@ -156,5 +156,5 @@ def _event(step: int, rows: list[Row], accepted: list[Accepted], report_text: bo
             deltas[item.at] = item.delta
         if step_logprobs is not None:
             step_logprobs[item.at] = item.logprob
-    return StepEvent(step=step, token_ids=tokens, text=deltas, finished=[row.finished for row in rows],
+    return StepEvent(step=step, token_ids=tokens, text=deltas, finished=[row.stopper.reason is not None for row in rows],
                      logprobs=step_logprobs)

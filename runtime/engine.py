@@ -40,7 +40,7 @@ class Accepted(NamedTuple):
     logprob: TokenLogprob | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """What one engine step produced: the tokens accepted at each position it emitted (a prefill or decode
     step emits one, a verification up to draft_len + 1), its raw logits (prefill and decode: [B, V], the
@@ -66,6 +66,10 @@ class StepEngine:
         self.rows: list[Row | None] = [None] * batch
         self.pickers: list[Picker | None] = [None] * batch
         self.steps = 0  # graph runs after the prefill (decode steps and verifications)
+        # Placed rows that pick through their Picker (sampling, controls, logprobs); while there are
+        # none, a step is an argmax (the common greedy case, kept cheap: it runs once per token).
+        self._picking = 0
+        self._feed: dict[int, np.ndarray] = {}  # a decode step's token ids, one buffer per batch size
 
     @property
     def cache(self) -> Any:
@@ -73,11 +77,16 @@ class StepEngine:
 
     # -- rows -------------------------------------------------------------------------------------
     def place(self, at: int, row: Row, picker: Picker) -> None:
+        if self.rows[at] is not None:
+            self.release(at)
         self.rows[at], self.pickers[at] = row, picker
+        self._picking += not _bare(row, picker)
 
     def release(self, at: int) -> Row | None:
         """Free batch row `at` (its positions are never read again)."""
-        row = self.rows[at]
+        row, picker = self.rows[at], self.pickers[at]
+        if row is not None:
+            self._picking -= not _bare(row, picker)
         self.rows[at], self.pickers[at] = None, None
         self.cache.past_lens[at] = 0
         return row
@@ -88,7 +97,13 @@ class StepEngine:
     def running(self, upto: int | None = None) -> list[int]:
         """Batch rows (of the first `upto`) whose row has not finished."""
         rows = self.rows if upto is None else self.rows[:upto]
-        return [at for at, row in enumerate(rows) if row is not None and not row.finished]
+        return [at for at, row in enumerate(rows) if row is not None and row.stopper.reason is None]
+
+    def any_running(self) -> bool:
+        for row in self.rows:  # a plain loop: asked once per step, cheaper than any() over a generator
+            if row is not None and row.stopper.reason is None:
+                return True
+        return False
 
     def admit(self, placements: Sequence[tuple[int, Row, Picker]], source: Slot, positions: int,
               logits: np.ndarray) -> list[Accepted]:
@@ -137,22 +152,30 @@ class StepEngine:
         scheduler's batch buckets); the others are fed the pad token at their frozen past_lens."""
         slot = view if view is not None else self.slot
         batch = slot.cache.batch
-        running = self.running(batch)
-        every = len(running) == batch
-        feed = np.full(batch, self.pad, dtype=np.int64)
+        feed = self._feed.get(batch)
+        if feed is None:
+            feed = self._feed[batch] = np.empty(batch, dtype=np.int64)
+        running, occupied = [], []
+        for at, row in enumerate(self.rows[:batch]):
+            if row is not None:
+                occupied.append(at)
+                if row.stopper.reason is None:
+                    running.append(at)
         mask = None
-        if not every:
+        if len(running) < batch:
+            # numpy calls are kept off the all-running path: with caches cold from the graph run, each
+            # costs microseconds, and a small model's whole step is tens of them.
+            feed.fill(self.pad)
             mask = np.zeros(batch, dtype=bool)
             mask[running] = True
         for at in running:
             feed[at] = self.rows[at].tokens[-1]
         logits = self.backend.decode(slot, feed, mask)
-        if every:
+        if mask is None:
             slot.cache.past_lens += 1
         else:
             slot.cache.past_lens[mask] += 1
         self.steps += 1
-        occupied = [at for at in range(batch) if self.rows[at] is not None]
         return Step([self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
                                        self.steps)], logits)
 
@@ -196,12 +219,17 @@ class StepEngine:
         """Pick the next token of the rows at batch rows `ats` (logits[i] is ats[i]'s raw logits) and
         accept it for those still running. Rows pick with their request's Picker, a block per picker."""
         ats = list(ats)
+        if not self._picking:
+            picked = greedy_tokens(logits).tolist()
+            self.check(logits, step, picked)  # argmax picks a row's first NaN: the picked logits tell
+            out = []
+            for at, token in zip(ats, picked, strict=True):
+                row = self.rows[at]
+                if row.stopper.reason is None:
+                    out.append(Accepted(at, row, token, row.accept(token), None))
+            return out
         rows = [self.rows[at] for at in ats]
         pickers = [self.pickers[at] for at in ats]
-        if all(p.bare_greedy for p in pickers) and all(r.controls is None for r in rows):
-            picked = greedy_tokens(logits)
-            self.check(logits, step, picked)  # argmax picks a row's first NaN: the picked logits tell
-            return [self._accept(at, int(picked[i]), None) for i, at in enumerate(ats) if not rows[i].finished]
         self.check(logits, step)
         out = []
         groups: dict[int, list[int]] = {}
@@ -219,3 +247,8 @@ class StepEngine:
     def _accept(self, at: int, token: int, logprob: TokenLogprob | None) -> Accepted:
         row = self.rows[at]
         return Accepted(at, row, token, row.accept(token, logprob), logprob)
+
+
+def _bare(row: Row, picker: Picker) -> bool:
+    """Whether the row's next token is the argmax of its raw logits, with nothing else to compute."""
+    return picker.bare_greedy and row.controls is None

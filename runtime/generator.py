@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -210,14 +211,16 @@ class Generator:
         matcher = self.grammar_matcher(request.grammar) if request.grammar is not None else None
         return RowControls(request.sampling, prompt, matcher)
 
-    def check_logits(self, logits: np.ndarray, step: int, greedy_picks: np.ndarray | None = None) -> np.ndarray:
+    def check_logits(self, logits: np.ndarray, step: int, greedy_picks: Sequence[int] | None = None) -> np.ndarray:
         """`logits` unchanged, or NumericalError if any is NaN (garbage tokens otherwise: say so
         instead of sampling token 0 forever). `greedy_picks`: each row's argmax of these very logits;
         argmax picks a row's first NaN, so only the picked logits need a look (a full pass over a cold
         [B, V] buffer costs ~0.1 ms, a few percent of a small model's decode step)."""
         if greedy_picks is not None:
             # Python scalars: cheaper than numpy's fancy indexing for a decode step's few rows.
-            bad = any(math.isnan(row[pick]) for row, pick in zip(logits, greedy_picks.tolist(), strict=True))
+            bad = False
+            for b, pick in enumerate(greedy_picks):
+                bad = bad or math.isnan(logits[b, pick])
         else:
             bad = np.isnan(logits).any()
         if bad:
