@@ -120,3 +120,22 @@ def test_first_rows_share_the_cache_memory() -> None:
     assert list(view.keys[0].shape()) == [2, 2, 8, 4]
     with pytest.raises(InputError, match="rows must be between 1 and the cache's 4, got 5"):
         cache.first_rows(5)
+
+
+def test_a_backend_without_row_operations_is_refused_in_one_line(exported) -> None:
+    from kvforge.core.errors import BackendUnavailableError
+
+    generator = Generator(exported("llama-tiny", "ort"))
+
+    class NoRows:  # a backend that runs graphs but cannot move cache rows
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name in ("copy_rows", "read_rows", "write_rows", "view_rows"):
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    generator.backend = NoRows(generator.backend)
+    with pytest.raises(BackendUnavailableError, match=r"^serving needs a backend with row operations .* has none$"):
+        Scheduler(generator, max_batch=2, max_seq_len=64)
