@@ -29,7 +29,7 @@ import llguidance.numpy as llnp
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvforge.core.errors import InputError
+from kvforge.core.errors import GrammarError, InputError
 
 if TYPE_CHECKING:
     from kvforge.runtime.vocabulary import Vocabulary
@@ -40,6 +40,12 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 # whitespace lets a weak model pad forever with newlines. A schema's own "x-guidance" options win.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 COMPILED_CACHE_SIZE = 64
+# llguidance's default limits, with errors that do not carry its parser state (a 228 KB dump for a
+# 3,000-branch anyOf): a client's grammar error goes back to the client.
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# Tokens a compiled grammar is walked through before a request is admitted (see GrammarCompiler._trial).
+TRIAL_STEPS = 8
+MAX_ERROR_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ class GrammarMatcher:
     def advance(self, token: int) -> None:
         """Feed the token the row produced (after `apply`, it is always an allowed one)."""
         if not self._matcher.consume_token(int(token)):
-            raise RuntimeError(f"the grammar does not allow token {int(token)} here: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar failed at token {int(token)}: {short_error(self._matcher.get_error())}")
 
     @property
     def accepting(self) -> bool:
@@ -153,7 +159,15 @@ class GrammarMatcher:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise RuntimeError(f"grammar matcher failed: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar failed: {short_error(self._matcher.get_error())}")
+
+
+def short_error(message: str) -> str:
+    """llguidance's error on one line, without parser state, at most MAX_ERROR_CHARS characters."""
+    for marker in ("<state>", "<non-verbose/>"):
+        message = message.split(marker)[0]
+    message = " ".join(message.split())
+    return message if len(message) <= MAX_ERROR_CHARS else message[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def mask_logits(logits_row: np.ndarray, bitmask_row: np.ndarray) -> None:
@@ -207,7 +221,9 @@ class GrammarCompiler:
         n_vocab = max(int(vocab_size), hf.get_vocab_size(with_added_tokens=True))
         # Building the token trie takes ~0.5 s at a 49k vocabulary: done once per compiler.
         self.tokenizer = llguidance.LLTokenizer(hf.to_str(), n_vocab=n_vocab, eos_token=eos)
+        self._eos = tuple(eos or ())
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._refused: OrderedDict[str, str] = OrderedDict()  # grammars refused, with the message
         self._lock = threading.Lock()
 
     def compile(self, grammar: Grammar) -> CompiledGrammar:
@@ -220,15 +236,51 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         # Outside the lock: a large grammar takes a while (llguidance drops the GIL meanwhile).
-        prototype = llguidance.LLMatcher(self.tokenizer, grammar.llguidance_grammar(), log_level=0)
+        with self._lock:
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise InputError(refused)
+        prototype = llguidance.LLMatcher(self.tokenizer, grammar.llguidance_grammar(), log_level=0, limits=LIMITS)
         if prototype.is_error():
-            raise InputError(f"the {grammar.kind} grammar cannot be compiled: {prototype.get_error().strip()}")
+            message = f"the {grammar.kind} grammar cannot be compiled: {short_error(prototype.get_error())}"
+        else:
+            failure = self._trial(prototype)
+            message = None if failure is None else (
+                f"the {grammar.kind} grammar cannot be used: {failure} (met in its first {TRIAL_STEPS} tokens)")
+        if message is not None:
+            with self._lock:  # refused again at once: a hostile grammar costs its compile time only once
+                self._remember(self._refused, key, message)
+            raise InputError(message)
         compiled = CompiledGrammar(grammar, prototype, self.tokenizer.vocab_size)
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > COMPILED_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._remember(self._cache, key, compiled)
         return compiled
+
+    def _trial(self, prototype: llguidance.LLMatcher) -> str | None:
+        """Walk a copy of the grammar through its first TRIAL_STEPS tokens (each time the lowest allowed
+        id that is not EOS): llguidance's limits (lexer fuel, row size) are met there by grammars that
+        compile, and would otherwise fail the request after it was admitted. Its error, or None."""
+        matcher = prototype.deep_copy()
+        bitmask = llnp.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        eos = set(self._eos)
+        for _ in range(TRIAL_STEPS):
+            llnp.fill_next_token_bitmask(matcher, bitmask, 0)
+            if matcher.is_error():
+                return short_error(matcher.get_error())
+            allowed = np.flatnonzero(np.unpackbits(bitmask[0].astype("<i4", copy=False).view(np.uint8),
+                                                   bitorder="little"))
+            token = next((int(t) for t in allowed if int(t) not in eos), None)
+            if token is None:
+                return None  # only EOS may follow: the grammar is complete
+            if not matcher.consume_token(token):
+                return short_error(matcher.get_error())
+        return None
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key: str, value: Any) -> None:
+        cache[key] = value
+        while len(cache) > COMPILED_CACHE_SIZE:
+            cache.popitem(last=False)
 
 
 _compilers: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvforge.core.errors import GrammarError
 from kvforge.runtime.engine import Accepted, StepEngine
 from kvforge.runtime.logprobs import TokenLogprob
 from kvforge.runtime.request import FinishReason, GenerationRequest
@@ -99,6 +100,9 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
     if keep_logits:
         kept_logits.append(step.logits.copy())  # the backend reuses its logits buffer every run
     logprobs = request.logprobs is not None
+    grammar = request.grammar is not None
+    if grammar:
+        _raise_grammar_failure(rows)
     event = _event(0, rows, step.positions[0], report_text, logprobs)
     ttft_ms = (time.perf_counter() - start) * 1e3
     yield event
@@ -115,6 +119,8 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
             step = engine.decode()
             if keep_logits:
                 kept_logits.append(step.logits.copy())
+        if grammar:
+            _raise_grammar_failure(rows)
         counts.decoded_tokens += step.tokens
         events = [_event(engine.steps, rows, accepted, report_text, logprobs) for accepted in step.positions]
         counts.decode_s += time.perf_counter() - t_step
@@ -142,6 +148,14 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
         logits=kept_logits if keep_logits else None,
         logprobs=[row.logprobs for row in rows] if request.logprobs is not None else None,
     )
+
+
+def _raise_grammar_failure(rows: list[Row]) -> None:
+    """A Generator request fails as a whole when a row's grammar fails (the server's Scheduler ends only
+    that row: its other requests are someone else's)."""
+    for row in rows:
+        if row.error is not None:
+            raise GrammarError(row.error)
 
 
 def _event(step: int, rows: list[Row], accepted: list[Accepted], report_text: bool, logprobs: bool) -> StepEvent:

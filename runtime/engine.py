@@ -50,6 +50,9 @@ class Step:
     logits: np.ndarray | None = None
     drafted: int = 0
     accepted_drafts: int = 0
+    # (batch row, Row) of the rows whose controls failed picking this step (Row.fail): finished with
+    # FinishReason.ERROR, without a token; a row that fails taking its token is in `positions`
+    failed: list[tuple[int, Row]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -106,7 +109,7 @@ class StepEngine:
         return False
 
     def admit(self, placements: Sequence[tuple[int, Row, Picker]], source: Slot, positions: int,
-              logits: np.ndarray) -> list[Accepted]:
+              logits: np.ndarray) -> Step:
         """Rows prefilled on row 0 of `source` (another slot of this backend, positions 0..positions-1):
         copy that row into each placement's batch row, place them, and pick their first tokens from the
         prefill's raw logits [V]."""
@@ -115,7 +118,8 @@ class StepEngine:
             self.cache.past_lens[at] = positions
             self.place(at, row, picker)
         ats = [at for at, _, _ in placements]
-        return self._pick_accept(ats, np.broadcast_to(logits, (len(ats), logits.shape[-1])), 0)
+        accepted, failed = self._pick_accept(ats, np.broadcast_to(logits, (len(ats), logits.shape[-1])), 0)
+        return Step([accepted], failed=failed)
 
     def compact(self) -> list[tuple[int, int]]:
         """Move the last occupied row into the first free row below it until the occupied rows are the
@@ -145,7 +149,8 @@ class StepEngine:
         self.cache.reset()
         logits = self.check(self.backend.prefill(self.slot, ids, lens - 1), 0)
         self.cache.past_lens[:] = lens
-        return Step([self._pick_accept(range(len(prompts)), logits, 0)], logits)
+        accepted, failed = self._pick_accept(range(len(prompts)), logits, 0)
+        return Step([accepted], logits, failed=failed)
 
     def decode(self, view: Slot | None = None) -> Step:
         """One token for every running row of `view` (this slot, or one over its first rows: the
@@ -176,8 +181,9 @@ class StepEngine:
         else:
             slot.cache.past_lens[mask] += 1
         self.steps += 1
-        return Step([self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
-                                       self.steps)], logits)
+        accepted, failed = self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
+                                             self.steps)
+        return Step([accepted], logits, failed=failed)
 
     def verify(self, draft_len: int, max_new_tokens: int, view: Slot | None = None) -> Step | None:
         """Each running row's prompt-lookup draft checked in one prefill call at its past_lens: fed its
@@ -215,9 +221,11 @@ class StepEngine:
         return step
 
     # -- the token protocol -----------------------------------------------------------------------
-    def _pick_accept(self, ats: Sequence[int], logits: np.ndarray, step: int) -> list[Accepted]:
+    def _pick_accept(self, ats: Sequence[int], logits: np.ndarray,
+                     step: int) -> tuple[list[Accepted], list[tuple[int, Row]]]:
         """Pick the next token of the rows at batch rows `ats` (logits[i] is ats[i]'s raw logits) and
-        accept it for those still running. Rows pick with their request's Picker, a block per picker."""
+        accept it for those still running. Rows pick with their request's Picker, a block per picker.
+        Also returns the rows whose controls failed while picking (they end without a token)."""
         ats = list(ats)
         if not self._picking:
             picked = greedy_tokens(logits).tolist()
@@ -227,7 +235,7 @@ class StepEngine:
                 row = self.rows[at]
                 if row.stopper.reason is None:
                     out.append(Accepted(at, row, token, row.accept(token), None))
-            return out
+            return out, []
         rows = [self.rows[at] for at in ats]
         pickers = [self.pickers[at] for at in ats]
         self.check(logits, step)
@@ -235,14 +243,18 @@ class StepEngine:
         groups: dict[int, list[int]] = {}
         for i, picker in enumerate(pickers):
             groups.setdefault(id(picker), []).append(i)
+        failed = []
         for members in groups.values():
             block = logits if len(members) == len(ats) else logits[members]
+            running = [i for i in members if not rows[i].finished]
             tokens, logprobs = pickers[members[0]].pick(block, [rows[i] for i in members])
             for k, i in enumerate(members):
                 if not rows[i].finished:
                     out.append(self._accept(ats[i], int(tokens[k]), logprobs[k] if logprobs else None))
+                elif i in running:  # running before this pick: its controls failed
+                    failed.append((ats[i], rows[i]))
         out.sort(key=lambda accepted: accepted.at)
-        return out
+        return out, failed
 
     def _accept(self, at: int, token: int, logprob: TokenLogprob | None) -> Accepted:
         row = self.rows[at]

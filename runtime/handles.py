@@ -34,6 +34,7 @@ class Done:
     ttft_ms: float | None
     error: str | None = None
     index: int = 0  # the choice (n > 1); each choice ends with its own Done
+    client_error: bool = False  # ERROR caused by the request itself (its grammar failed), not the server
 
 
 Event = Delta | Done

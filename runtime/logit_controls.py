@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.core.errors import KvforgeError
+from kvforge.core.errors import GrammarError
 from kvforge.runtime.sampling import SamplingConfig
 
 
@@ -44,7 +44,7 @@ class RowControls:
         if self.matcher is not None:
             self.matcher.apply(row)
             if not np.isfinite(row).any():
-                raise KvforgeError("the grammar allows no token at this step (its matcher masked every token)")
+                raise GrammarError("the grammar allows no token at this step (its matcher masked every token)")
 
     def advance(self, token: int) -> None:
         if self.seen is not None:

@@ -7,7 +7,9 @@ rows of one request pick their next tokens.
     delta = row.accept(int(picked[i]), logprobs[i] if logprobs else None)   # text it lets out; row.finished
 
 A row's logit controls (penalties, a grammar's mask) apply to a copy of the raw logits before the
-sampler; log-probabilities describe the raw logits (runtime/logprobs.py). A picker samples the block of
+sampler; log-probabilities describe the raw logits (runtime/logprobs.py). A row whose controls fail
+(its grammar meets llguidance's limits, or allows no token) ends alone with FinishReason.ERROR and
+`row.error`: the other rows of the batch, other requests' included, go on. A picker samples the block of
 all its rows, finished ones included: with one random stream for a batch, a finished row still takes
 its draw, so a seeded batch draws the same numbers whichever rows end first.
 """
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvforge.core.errors import GrammarError
 from kvforge.runtime.logit_controls import RowControls
 from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
 from kvforge.runtime.request import FinishReason, Stopper
@@ -38,6 +41,12 @@ class Row:
         self.logprobs: list[TokenLogprob] | None = [] if keep_logprobs else None
         self.index = index  # the choice of its request (n > 1)
         self.owner: object = None  # the driver's own record of the row (the Scheduler's request)
+        self.error: str | None = None  # why the row failed (FinishReason.ERROR), a client's grammar
+
+    def fail(self, error: GrammarError) -> None:
+        """End this row alone: its controls failed (the request's own grammar)."""
+        self.error = str(error)
+        self.stopper.reason = FinishReason.ERROR
 
     @property
     def finished(self) -> bool:
@@ -51,7 +60,11 @@ class Row:
         """Append `token` (and its logprob), advance the controls; returns the text it lets out."""
         self.tokens.append(token)
         if self.controls is not None:
-            self.controls.advance(token)
+            try:
+                self.controls.advance(token)
+            except GrammarError as err:
+                self.fail(err)
+                return ""
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
         return self.stopper.add(token)
@@ -87,8 +100,12 @@ class Picker:
             for i in live:
                 controls = rows[i].controls
                 if controls is not None:
-                    controls.apply(processed[i])
+                    try:
+                        controls.apply(processed[i])
+                    except GrammarError as err:
+                        rows[i].fail(err)
+                        processed[i] = 0.0  # a finite row for the sampler; the row takes no token
         picked = self.sampler(processed)
         if self.top is None:
             return picked, None
-        return picked, token_logprobs(logits, picked, self.top, live)
+        return picked, token_logprobs(logits, picked, self.top, [i for i in live if not rows[i].finished])

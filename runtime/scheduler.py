@@ -257,14 +257,15 @@ class Scheduler:
         free = self.engine.free_rows()  # n were free when it started, and only this thread takes rows
         placements = list(zip(free, job.rows, job.pickers, strict=False))
         with self._cond:
-            accepted = self.engine.admit(placements, self.stage, len(prompt), logits[0])
+            step = self.engine.admit(placements, self.stage, len(prompt), logits[0])
         self._prefilling = None
         job.ttft_ms = (time.perf_counter() - job.started) * 1e3
         self.stats["prefilled_tokens"] += len(prompt) - job.cached
         self.stats["cached_tokens"] += job.cached
         self.stats["ttft_ms_sum"] += job.ttft_ms
         self.stats["ttft_count"] += 1
-        self._deliver(accepted)
+        self._deliver(step.positions[0])
+        self._end_failed(step.failed)
 
     def _decode_step(self) -> None:
         for at, row in enumerate(self.engine.rows):
@@ -294,6 +295,7 @@ class Scheduler:
         self.stats["decode_tokens"] += step.tokens
         for accepted in step.positions:
             self._deliver(accepted)
+        self._end_failed(step.failed)
         self.stats["decode_seconds"] += time.perf_counter() - started
 
     # -- one token ----------------------------------------------------------------------------------
@@ -306,6 +308,11 @@ class Scheduler:
                                         row.index))
             if row.finished:
                 self._release(item.at, row.reason)
+
+    def _end_failed(self, failed: list[tuple[int, Row]]) -> None:
+        """Rows whose own grammar failed end alone, with its error; the batch goes on."""
+        for at, _ in failed:
+            self._release(at, FinishReason.ERROR)
 
     def _release(self, at: int, reason: FinishReason, keep: bool = True) -> None:
         row = self.engine.rows[at]
@@ -320,5 +327,9 @@ class Scheduler:
             # Positions written for this request: the prompt and every generated token but the last.
             written = job.prompt_ids + row.tokens[:-1]
             self.prefixes.store(written, self.backend.read_rows(self.slot, at, len(written)))
+        if row.error is not None:  # the row's own grammar failed: the client's request, not the server
+            error, client_error = row.error, True
+        else:
+            client_error = False
         job.handle.emit(Done(reason, len(job.prompt_ids), len(row.tokens), job.prefilled - job.cached, job.cached,
-                             job.ttft_ms, error, row.index))
+                             job.ttft_ms, error, row.index, client_error))

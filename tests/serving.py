@@ -55,3 +55,24 @@ def with_template(source: Path, out: Path, template: str) -> Path:
     manifest["files"]["chat_template.jinja"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     (out / "kvforge.json").write_text(json.dumps(manifest))
     return out
+
+
+BOMB = "/a{1000}{1000}/"  # a regex whose lexer meets llguidance's limits as soon as it is entered
+
+
+def late_failing_grammar(generator: Any, prompt: str) -> str:
+    """A Lark grammar that passes admission and fails while `generator` (greedy) answers `prompt`: two
+    branches, a safe one behind the letter with the lower token id (the admission trial walks the lowest
+    ids) and BOMB behind the letter this model picks, found by asking it to pick between two letters."""
+    from kvforge.runtime.constraint import Grammar
+
+    ids = {c: generator.tokenizer.encode(c, add_special_tokens=False)[0] for c in "bcdefghijklmnopqrstuvwxyz"}
+    for low in ids:
+        for high in ids:
+            if ids[low] >= ids[high]:
+                continue
+            pick = generator.generate(prompt, max_new_tokens=1, greedy=True,
+                                      grammar=Grammar.lark(f'start: "{low}" | "{high}"')).text[0]
+            if pick == high:
+                return f'start: "{low}" "{low}"* | "{high}" {BOMB}'
+    raise AssertionError("the model picks the lower id of every pair of letters")

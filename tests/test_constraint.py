@@ -111,9 +111,12 @@ def test_finished_grammar_allows_only_eos(compiler, tokenizer) -> None:
 
 
 def test_rejected_token_raises(compiler, tokenizer) -> None:
+    from kvforge.core.errors import GrammarError
+
     matcher = compiler.compile(Grammar.regex("[0-9]+")).matcher()
-    with pytest.raises(RuntimeError, match="does not allow token"):
+    with pytest.raises(GrammarError, match=r"^the grammar failed at token \d+: ") as err:
         matcher.advance(tokenizer.token_to_id("a"))
+    assert "<state>" not in str(err.value) and len(str(err.value)) < 400
 
 
 def test_mask_equals_llguidance_reference(compiler, tokenizer) -> None:
@@ -166,6 +169,31 @@ def test_compiled_grammars_are_cached(compiler) -> None:
 def test_uncompilable_grammar_is_input_error(compiler, grammar, message) -> None:
     with pytest.raises(InputError, match=f"(?s)the {grammar.kind} grammar cannot be compiled: .*{re.escape(message)}"):
         compiler.compile(grammar)
+
+
+# Grammars that compile but meet llguidance's limits on their first tokens (found by a hostile probe of
+# the server: they failed every running request, then answered 500 with a 228 KB parser-state dump).
+HOSTILE = [
+    (Grammar.regex("a{1000}{1000}"), "too many expressions"),
+    (Grammar.json_schema({"anyOf": [{"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]}
+                                    for i in range(3000)]}), "max is 2000"),
+]
+
+
+@pytest.mark.parametrize("grammar, message", HOSTILE, ids=["regex-repeat", "anyOf-3000"])
+def test_grammars_that_fail_on_their_first_tokens_are_refused_at_compile(compiler, grammar, message) -> None:
+    with pytest.raises(InputError, match=f"^the {grammar.kind} grammar cannot be used: .*{message}") as err:
+        compiler.compile(grammar)
+    assert len(str(err.value)) < 400 and "<state>" not in str(err.value)
+    with pytest.raises(InputError, match="cannot be used"):  # refused again from the record, not recompiled
+        compiler.compile(grammar)
+    assert grammar.key in compiler._refused
+
+
+def test_a_large_grammar_within_the_limits_is_accepted(compiler, tokenizer) -> None:
+    grammar = Grammar.json_schema({"anyOf": [{"const": i} for i in range(1500)]})
+    text = drive(compiler, tokenizer, grammar, seed=0)
+    assert 0 <= json.loads(text) < 1500
 
 
 @pytest.mark.parametrize("make, message", [

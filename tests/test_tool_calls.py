@@ -200,11 +200,13 @@ def test_tool_request_checks() -> None:
 
 def _matches(compiled, tokenizer, text: str) -> bool:
     """Whether the grammar takes `text` whole (each token allowed, and complete at the end)."""
+    from kvforge.core.errors import GrammarError
+
     matcher = compiled.matcher()
     try:
         for token in tokenizer.encode(text, add_special_tokens=False):
             matcher.advance(token)
-    except RuntimeError:
+    except GrammarError:
         return False
     return matcher.accepting
 

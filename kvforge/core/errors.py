@@ -21,6 +21,11 @@ class ManifestError(KvforgeError):
     """An export folder is missing, incomplete, tampered with or from another kvforge format."""
 
 
+class GrammarError(InputError):
+    """A request's grammar failed while its row generated (llguidance's limits, or no token allowed):
+    that request ends, the others go on (HTTP 400 for its client)."""
+
+
 class CapacityError(InputError):
     """A request does not fit in the KV cache capacity."""
 

@@ -285,7 +285,7 @@ def _event_stream(reply: Reply, events: asyncio.Queue, cancel_all: Callable[[], 
             while not reply.finished:
                 p, event = await events.get()
                 if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
-                    yield f"data: {json.dumps({'error': {'message': event.error, 'type': 'server_error'}})}\n\n"
+                    yield f"data: {json.dumps(_generation_error(event).body())}\n\n"
                     break
                 for chunk in reply.add(p, event):
                     yield f"data: {json.dumps(chunk)}\n\n"
@@ -318,8 +318,9 @@ async def _answer(request: Any, reply: Reply, events: asyncio.Queue, cancel_all:
                 continue
             p, event = getter.result()
             if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
-                status = 500
-                raise ApiError(500, event.error or "generation failed", kind="server_error")
+                error = _generation_error(event)
+                status = error.status
+                raise error
             reply.add(p, event)
             getter = asyncio.ensure_future(events.get())
         status = 200
@@ -342,3 +343,12 @@ def _param_of(err: InputError) -> str | None:
     message = str(err)
     return next((key for key in ("stop", "ignore_eos", "speculate", "draft_len", "seed", "n", "logprobs")
                  if message.startswith((key, f"'{key}'"))), None)
+
+
+def _generation_error(done: Done) -> ApiError:
+    """The error a failed generation answers: 400 when the request's own grammar failed (its other
+    choices and every other request went on), 500 when the server did."""
+    if done.client_error:
+        return ApiError(400, done.error or "the request's grammar failed",
+                        code="grammar_failed")
+    return ApiError(500, done.error or "generation failed", kind="server_error")
