@@ -32,6 +32,9 @@ from kvforge.runtime.scheduler import Scheduler
 from kvforge.runtime.tokenizer import TokenPieces
 from kvforge.runtime.tool_calls import ToolRequest, check_tool_support, detect_format, tool_request
 
+PREFIX_CHARS_PER_TOKEN = 8  # a long text's prefix tokenized first: this many characters per context token
+PREFIX_MARGIN_TOKENS = 64
+
 
 class TemplateError(InputError):
     """The chat template could not render this conversation (its own error, or its limits)."""
@@ -87,6 +90,7 @@ class GenerationService:
             raise InputError("this export has no tokenizer: send the prompt as token ids")
         if len(text) > self.max_prompt_chars:
             raise CapacityError(self.too_long(what, f"{len(text)} characters"))
+        self._refuse_by_prefix(text, what)
         try:
             ids = self.tokenizer.encode(text, add_special_tokens=special)
         except KvforgeError:
@@ -97,6 +101,22 @@ class GenerationService:
             raise InputError(f"the tokenizer could not encode {what}: {type(err).__name__}: {err}"[:300]) from None
         self.check_length(ids, what)
         return ids
+
+    def _refuse_by_prefix(self, text: str, what: str) -> None:
+        """CapacityError when a prefix of `text` (PREFIX_CHARS_PER_TOKEN characters per token of the
+        context, cut at whitespace) already has more tokens than the context holds: a text far too long
+        is refused after tokenizing that much, not all of it (600K characters: 0.4 s of a core each)."""
+        limit = self.capacity * PREFIX_CHARS_PER_TOKEN
+        if len(text) <= limit:
+            return
+        cut = max(text.rfind(" ", 0, limit), text.rfind("\n", 0, limit))
+        if cut <= 0:
+            return  # no word boundary to cut at: the whole text is tokenized
+        # Pre-tokenizers split at whitespace, so the tokens before the cut are the text's own; the margin
+        # covers a normalizer that merges across it.
+        head = len(self.tokenizer.encode(text[:cut], add_special_tokens=False))
+        if head > self.capacity + PREFIX_MARGIN_TOKENS:
+            raise CapacityError(self.too_long(what, f"more than {head} tokens"))
 
     def check_length(self, ids: Sequence[int], what: str = "the prompt") -> None:
         if len(ids) > self.capacity:
@@ -125,6 +145,8 @@ class GenerationService:
         chars = sum(len(message["content"]) for message in checked)
         if chars > self.max_prompt_chars:
             raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
+        # The messages' own text is in the rendered conversation: refused before the render when too long.
+        self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
         try:
             text = self.renderer.render(checked, True, tools.template_tools if tools is not None else None)
         except InputError as err:

@@ -104,6 +104,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
+        handlers.close()
         service.close()
 
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None, lifespan=lifespan)
@@ -240,7 +241,8 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     try:
         sock = sock if sock is not None else bind_socket(host, port)
     except InputError:
-        app.state.scheduler.close()  # uvicorn never ran, so its lifespan will not stop them
+        app.state.handlers.close()  # uvicorn never ran, so its lifespan will not stop them
+        app.state.scheduler.close()
         if app.state.renderer is not None:
             app.state.renderer.close()
         raise

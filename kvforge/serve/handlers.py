@@ -10,6 +10,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,10 @@ from kvforge.serve.guard import (
 )
 from kvforge.serve.metrics import RequestTrace, ServerMetrics
 
+# Requests are prepared (parsed, tokenized, chats rendered) on bounded pools, never on the event loop:
+# large prompts cannot take every core from /health, and completions never queue behind chats waiting
+# for the template's child process (one render at a time; a looping template takes its timeout each).
+PREPARE_WORKERS = {"text": 2, "chat": 2}
 NON_STREAM_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests logged and counted
 
@@ -60,6 +65,12 @@ class OpenAIHandlers:
         self.name = name
         self.metrics = metrics
         self.created = int(time.time())
+        self.pools = {kind: ThreadPoolExecutor(workers, thread_name_prefix=f"kvforge-prepare-{kind}")
+                      for kind, workers in PREPARE_WORKERS.items()}
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # -- preparation (in a worker thread, off the event loop) --------------------------------------
     def parse(self, raw: bytes) -> dict[str, Any]:
@@ -212,7 +223,8 @@ class OpenAIHandlers:
         request.state.request_id = trace.id
         prepare = self.prepare_chat if kind == "chat" else self.prepare_completion
         try:
-            prepared = await asyncio.to_thread(prepare, await request.body())
+            raw = await request.body()
+            prepared = await asyncio.get_running_loop().run_in_executor(self.pools[kind], prepare, raw)
             response = await self.run(request, prepared, kind, trace)
         except ApiError as err:
             trace.refuse(err.status, err.message)  # a no-op when the request ran (500: already logged)
