@@ -10,7 +10,6 @@ and renamed into place at the end, so a failed export leaves nothing that looks 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import shutil
 import time
@@ -22,7 +21,7 @@ from typing import Any
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout
 from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.core.manifest import MANIFEST_NAME, write_manifest
-from kvforge.core.output_folder import StagedFolder, check_output, fault_point
+from kvforge.core.output_folder import StagedFolder, check_output, disk_full, disk_full_error, fault_point
 from kvforge.core.targets import Target, get_target
 from kvforge.exporter.export_manifest import WEIGHTS_NAME, export_manifest
 from kvforge.exporter.load import load_hf_config, load_hf_model, one_line
@@ -265,8 +264,7 @@ def _failure(err: Exception, out_dir: Path, model_dir: Path) -> ExportError:
     if disk_full(err, out_dir.parent):
         # Whatever layer failed (onnx-ir, numpy's tofile, shutil's copy naming the *source*
         # file), the cause is the output's filesystem: name the output, not the model.
-        return ExportError(f"no space left on device while writing {out_dir}; free space on that filesystem or "
-                           "choose another output folder; nothing was changed at the output")
+        return disk_full_error(out_dir)
     if isinstance(err, OSError):
         return ExportError(f"export of {model_dir} failed writing {err.filename or out_dir}: {err.strerror or err}; "
                            "nothing was changed at the output")
@@ -280,33 +278,6 @@ def _failure(err: Exception, out_dir: Path, model_dir: Path) -> ExportError:
             "(a data-dependent branch in longrope_frequency_update); upgrade transformers (5.24 works: "
             "pip install -U transformers); nothing was changed at the output")
     return ExportError(f"export of {model_dir} failed: {type(err).__name__}: {one_line(err)}")
-
-
-# Below this much free space on the output's filesystem, a write error that gives no reason (numpy's
-# "problem writing element N to file", from a short fwrite) is taken to be a full disk.
-NEARLY_FULL_BYTES = 64 << 20
-
-
-def disk_full(err: BaseException, written: Path) -> bool:
-    """Whether `err` (or any exception in its chain) says the disk is full: errno ENOSPC or EDQUOT,
-    the OS's message for them, or a reasonless write error while `written`'s filesystem is nearly full."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(current)
-        if "No space left on device" in text or "ENOSPC" in text or "Disk quota exceeded" in text:
-            return True
-        if isinstance(current, OSError) and current.errno is None and "writ" in text:
-            try:
-                if shutil.disk_usage(written).free < NEARLY_FULL_BYTES:
-                    return True
-            except OSError:
-                pass
-        current = current.__cause__ or current.__context__
-    return False
 
 
 def _build_graphs(model, config, family: Family, layout: KVLayout, target: Target, options: ExportOptions,

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvforge.core.errors import InputError, UnsupportedModelError
 from kvforge.core.manifest import sha256_file
-from kvforge.core.output_folder import StagedFolder, check_output
+from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
 from kvforge.models.families import families
 
 GGUF_MARKER = "kvforge_gguf.json"
@@ -95,7 +95,10 @@ def convert_gguf(
     check_output(hf_dir, [gguf_path], force=True, marker=GGUF_MARKER, what="kvforge GGUF conversion folder")
     say(f"converting {gguf_path.name} ({header['architecture']}, {', '.join(header['tensor_types'])}) "
         f"to a Hugging Face folder in {hf_dir}")
-    with StagedFolder(hf_dir, GGUF_MARKER, what="kvforge GGUF conversion folder", sources=[gguf_path], say=say) as staged:
+    # transformers and safetensors report a full disk without a path (or with the hidden staging file's).
+    with (naming_a_full_disk(hf_dir, "choose another --hf-dir"),
+          StagedFolder(hf_dir, GGUF_MARKER, what="kvforge GGUF conversion folder", sources=[gguf_path],
+                       say=say) as staged):
         staging = staged.path
         assert staging is not None
         _convert(gguf_path, staging)

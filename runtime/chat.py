@@ -105,6 +105,9 @@ def chat_template_override(name: str | Path, folder: Path, manifest: dict[str, A
     except (OSError, UnicodeDecodeError) as err:
         raise InputError(f"cannot read the chat template {name} ({getattr(err, 'strerror', None) or err}); give a "
                          f"UTF-8 Jinja file or one of {', '.join(BUILTIN_TEMPLATES)}") from None
+    if not text.strip():  # would render every conversation as nothing: the model would answer an empty prompt
+        raise InputError(f"the chat template {name} is empty; give a Jinja chat template (the model's own is in "
+                         f"its tokenizer_config.json) or one of {', '.join(BUILTIN_TEMPLATES)}")
     _, specials, _ = _load(Path(folder), manifest)
     return ChatTemplate(text, specials, f"the chat template {name}")
 

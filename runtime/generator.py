@@ -69,7 +69,8 @@ class Generator:
         self.manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
         model = ModelSpec.from_manifest(self.manifest)
         self.vocab_size = model.vocab_size
-        self.pad_token_id = int(model.pad_token_id if model.pad_token_id is not None else 0)
+        # Padding rows only need a real id: -1 (Hugging Face's "none") or none at all pads with 0.
+        self.pad_token_id = model.pad_token_id if model.pad_token_id is not None and model.pad_token_id >= 0 else 0
         generation = self.manifest.get("generation") or {}
         self.eos_token_ids = frozenset(as_id_list(list(model.eos_token_id))
                                        + as_id_list(generation.get("eos_token_id")))
@@ -159,21 +160,26 @@ class Generator:
         """chat() as a GenerationStream of text deltas."""
         return self.stream(self.chat_request(messages, **options))
 
-    def chat_ids(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+    def chat_ids(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                 special_tokens_in_content: bool = False) -> list[int]:
         """Token ids of a conversation rendered with the export's chat template, as transformers'
-        apply_chat_template(..., tokenize=True) gives them. `messages`: [{"role", "content"}, ...] or
-        one user message as a str; `tools`: OpenAI's tool list, for templates that take one
-        (kvforge.runtime.tool_calls parses the calls out of the answer)."""
+        apply_chat_template(..., tokenize=True) gives them, except that special-token text inside a
+        message's content ("<|im_end|>" typed by a user) stays text rather than becoming the control
+        token (runtime/chat_tokens.py; `special_tokens_in_content=True`: parsed, as transformers does).
+        `messages`: [{"role", "content"}, ...] or one user message as a str; `tools`: OpenAI's tool
+        list, for templates that take one (kvforge.runtime.tool_calls parses the calls out of the answer)."""
         from kvforge.runtime.chat import check_messages
+        from kvforge.runtime.chat_tokens import conversation_ids
         from kvforge.runtime.tool_calls import check_tools, template_takes_tools
 
         template = self.chat_template
         if tools is not None and not template_takes_tools(template.text):
             raise InputError(f"{template.source} does not support tools (it never reads a `tools` variable)")
-        text = template.render(check_messages(messages), add_generation_prompt,
-                               check_tools(tools) if tools is not None else None)
+        checked_tools = check_tools(tools) if tools is not None else None
         assert self.tokenizer is not None  # checked by chat_template
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return conversation_ids(lambda ms: template.render(ms, add_generation_prompt, checked_tools),
+                                check_messages(messages), self.tokenizer,
+                                special_tokens_in_content=special_tokens_in_content)
 
     @property
     def chat_template(self) -> ChatTemplate:

@@ -47,6 +47,11 @@ class Row:
         """End this row alone: its controls failed (the request's own grammar)."""
         self.error = str(error)
         self.stopper.reason = FinishReason.ERROR
+        # A grammar fails by outgrowing llguidance's limits: give the memory it grew back to the system
+        # (runtime/constraint.py), or the process keeps it for good.
+        from kvforge.runtime.constraint import release_free_memory
+
+        release_free_memory()
 
     @property
     def finished(self) -> bool:

@@ -89,7 +89,10 @@ class Scheduler:
     `start()` (a daemon thread) and stop it with `close()`."""
 
     def __init__(self, generator: Generator, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
-                 max_queue: int = 64, prefix_cache_bytes: int = 256 << 20) -> None:
+                 max_queue: int = 64, prefix_cache_bytes: int = 256 << 20, keep_cancelled: bool = False) -> None:
+        """`keep_cancelled`: a cancelled request's KV rows are kept for reuse, as a finished one's are
+        (`kvforge chat`, whose interrupted answer stays in the conversation; a server's cancelled
+        request is gone with its client)."""
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
@@ -106,6 +109,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
+        self.keep_cancelled = keep_cancelled
         if not supports_rows(self.backend):
             raise BackendUnavailableError(f"serving needs a backend with row operations (copy_rows, read_rows, "
                                           f"write_rows, view_rows); backend {self.backend.name!r} has none")
@@ -123,6 +127,7 @@ class Scheduler:
         self._prefilling: _Request | None = None
         self._cond = threading.Condition()
         self._closed = False
+        self._cut: str | None = None  # cut(): the message every request now ends with
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
@@ -142,6 +147,14 @@ class Scheduler:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def cut(self, message: str) -> None:
+        """End every request in flight or waiting now, each with a CANCELLED Done carrying `message`,
+        and refuse new ones with it: a server stopping cuts its requests itself, so that each gets an
+        answer and a log line before the process ends."""
+        with self._cond:
+            self._cut = message
+            self._cond.notify_all()
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None] | None = None) -> RequestHandle:
         """Queue a request (one prompt). Raises InputError / CapacityError for a request that can never
@@ -173,8 +186,8 @@ class Scheduler:
                    for index in range(request.n)]
         job = _Request(handle, prompt, choices, pickers)
         with self._cond:
-            if self._closed:
-                raise KvforgeError("the scheduler is closed")
+            if self._closed or self._cut is not None:
+                raise KvforgeError(self._cut or "the scheduler is closed")
             if len(self._waiting) >= self.max_queue:
                 self.stats["rejected"] += 1
                 raise QueueFullError(f"{len(self._waiting)} requests are already waiting (max_queue {self.max_queue})")
@@ -202,13 +215,17 @@ class Scheduler:
                     self._cond.wait()
                 if self._closed:
                     break
+                cut = self._cut
+            if cut is not None:
+                self._fail_all(cut, reason=FinishReason.CANCELLED)
+                continue
             try:
                 self._prefill_chunk()
                 self._decode_step()
             except Exception as err:  # a backend failure ends every request in flight, not the server
                 message = str(err) if isinstance(err, KvforgeError) else f"{type(err).__name__}: {err}"
                 self._fail_all(message)
-        self._fail_all("the server is shutting down", reason=FinishReason.CANCELLED)
+        self._fail_all(self._cut or "the server is shutting down", reason=FinishReason.CANCELLED)
 
     def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         with self._cond:
@@ -220,9 +237,9 @@ class Scheduler:
             self._prefilling = None
         for at, row in rows:
             self.engine.release(at)
-            self._finish(row, -1, reason, error=message if reason == FinishReason.ERROR else None, keep=False)
+            self._finish(row, -1, reason, error=message, keep=False)
         for row in waiting:
-            self._finish(row, -1, reason, error=message if reason == FinishReason.ERROR else None, keep=False)
+            self._finish(row, -1, reason, error=message, keep=False)
 
     def _prefill_chunk(self) -> None:
         if self._prefilling is None:
@@ -270,7 +287,7 @@ class Scheduler:
     def _decode_step(self) -> None:
         for at, row in enumerate(self.engine.rows):
             if row is not None and row.owner.handle.cancelled.is_set():
-                self._release(at, FinishReason.CANCELLED, keep=False)
+                self._release(at, FinishReason.CANCELLED, keep=self.keep_cancelled)
         with self._cond:
             self.engine.compact()
         live = self.engine.running()

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvforge.core.errors import CapacityError, InputError, KvforgeError
 from kvforge.runtime.chat import ChatTemplate, chat_template_override, check_messages
+from kvforge.runtime.chat_tokens import conversation_ids
 from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
 from kvforge.runtime.constraint import compiler_for
 from kvforge.runtime.generator import Generator
@@ -43,10 +44,13 @@ class TemplateError(InputError):
 class GenerationService:
     def __init__(self, generator: Generator, *, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 128, max_queue: int = 64, chat_template: str | Path | None = None,
-                 template_seconds: float | None = None) -> None:
+                 template_seconds: float | None = None, special_tokens_in_content: bool = False) -> None:
         """`chat_template`: a Jinja file (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used
-        instead of the export's; `template_seconds`: the time one rendering may take."""
+        instead of the export's; `template_seconds`: the time one rendering may take;
+        `special_tokens_in_content`: special-token text in messages becomes control tokens (trusted
+        clients only; by default it stays text, runtime/chat_tokens.py)."""
         self.generator = generator
+        self.special_tokens_in_content = special_tokens_in_content
         # A template given in place of the export's: one that cannot be read fails the start.
         override = (chat_template_override(chat_template, generator.folder, generator.manifest)
                     if chat_template is not None else None)
@@ -147,11 +151,32 @@ class GenerationService:
             raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
         # The messages' own text is in the rendered conversation: refused before the render when too long.
         self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
-        try:
-            text = self.renderer.render(checked, True, tools.template_tools if tools is not None else None)
-        except InputError as err:
-            raise TemplateError(str(err)) from err
-        return self.encode(text, False, "the conversation")
+        renderer, template_tools = self.renderer, tools.template_tools if tools is not None else None
+
+        def render(messages: list[dict]) -> str:
+            try:
+                return renderer.render(messages, True, template_tools)
+            except InputError as err:
+                raise TemplateError(str(err)) from err
+
+        self._check_names_are_written(render, checked)
+        ids = conversation_ids(render, checked, self.tokenizer, lambda text: self.encode(text, False, "the conversation"),
+                               self.special_tokens_in_content)
+        self.check_length(ids, "the conversation")
+        return ids
+
+    @staticmethod
+    def _check_names_are_written(render: Callable[[list[dict]], str], messages: list[dict]) -> None:
+        """OpenAI's `name` of a participant is used when the template writes it; a template that never
+        does would drop it without a word, so such a request is refused (one more rendering, only for
+        messages that carry a name). A tool message's name is only a label (tool_call_id pairs it)."""
+        named = [i for i, m in enumerate(messages) if m.get("name") is not None and m["role"] != "tool"]
+        if not named:
+            return
+        bare = [{k: v for k, v in m.items() if k != "name"} if i in named else m for i, m in enumerate(messages)]
+        if render(bare) == render(messages):
+            raise InputError(f"messages[{named[0]}].name is not written by this model's chat template, so it would "
+                             "be ignored; leave 'name' out (or put the name in the content)")
 
     def prompt_logprobs(self, ids: list[int], top: int) -> list[TokenLogprob | None]:
         return self.generator.prompt_logprobs(ids, top)

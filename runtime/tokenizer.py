@@ -29,6 +29,8 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on bad files
             raise ManifestError(f"{path} is not a readable tokenizers file ({err}); re-run the export") from err
+        self._specials: tuple[str, ...] | None = None
+        self._plain: HFTokenizer | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`. Special tokens (BOS) are added by the tokenizer's own post-processor,
@@ -45,6 +47,25 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every special token (`<|im_end|>`, `</s>`, ...), longest first."""
+        if self._specials is None:
+            texts = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special and t.content}
+            self._specials = tuple(sorted(texts, key=len, reverse=True))
+        return self._specials
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids for `text` with special-token text in it taken as plain text ("<|im_end|>" as
+        "<", "|", "im", ...), never as the control token. A second tokenizer holds that setting, so
+        that encode() running in other threads never sees it."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        self.encode(text, add_special_tokens=False)  # the same checks (str, UTF-8)
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
 
     @property
     def longest_token_chars(self) -> int:

@@ -29,7 +29,6 @@ on the CPU, and the logic here is tested against stand-ins (tests/test_trt_backe
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,6 +54,7 @@ from kvforge.core.engine_plan import (
     MAX_POSITIONS,
     binding_plan,
     check_runtime_matches,
+    engine_file_problem,
     load_engines_manifest,
 )
 from kvforge.core.errors import (
@@ -146,11 +146,14 @@ class TrtBackend:
 
     def _load_engine(self, name: str) -> Any:
         # What is hashed is what is loaded: the bytes checked against engines.json go to TensorRT.
-        data = (self.engine_dir / name).read_bytes()
-        record = self.engines_manifest["files"].get(name, {})
-        if hashlib.sha256(data).hexdigest() != record.get("sha256"):
-            raise ManifestError(f"{self.engine_dir / name} does not match its sha256 in engines.json; rebuild with "
-                                "`kvforge build --force`")
+        # First the path (a symbolic link is refused before it is followed), then the bytes read.
+        record = self.engines_manifest["files"][name]  # every engine is listed (load_engines_manifest)
+        problem = engine_file_problem(self.engine_dir, name, record, check_sha256=False)
+        if problem is None:
+            data = (self.engine_dir / name).read_bytes()
+            problem = engine_file_problem(self.engine_dir, name, record, data)
+        if problem is not None:
+            raise ManifestError(f"{problem}; rebuild with `kvforge build {self.folder} --force`")
         engine = self._runtime.deserialize_cuda_engine(data)
         if engine is None:
             raise KvforgeError(f"TensorRT could not load {self.engine_dir / name}; rebuild with `kvforge build --force`")

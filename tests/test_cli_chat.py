@@ -1,6 +1,7 @@
 """`kvforge chat` driven through a pseudo-terminal, as a user types: two turns whose second reuses the
 first's KV rows and answers as Generator.chat does, /reset, Ctrl-C mid-answer, Ctrl-C at the prompt,
-/exit and Ctrl-D; piped lines with --json; a template-less export refused."""
+/exit and Ctrl-D; an interrupted answer's KV rows reused by the next turn; piped lines with --json,
+one that is not UTF-8 skipped; a template-less export refused."""
 
 from __future__ import annotations
 
@@ -165,11 +166,13 @@ def test_ctrl_c_stops_the_answer_and_keeps_what_was_shown(chat_export, reference
         assert 0 < tokens < 2048 - 30
         # The terminal echoed ^C somewhere in the answer; what the program printed is the rest.
         partial = shown.replace(b"^C", b"", 1).decode()
-        answer, _, _, prompt = term.turn("Shorter, please")
+        answer, _, cached, prompt = term.turn("Shorter, please")
         # The next turn's conversation holds the partial answer, exactly as shown.
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a long story"},
                     {"role": "assistant", "content": partial}, {"role": "user", "content": "Shorter, please"}]
         assert prompt == len(reference.chat_ids(messages))
+        # ... and reuses the interrupted turn's KV rows: its prompt at least (issue 34, item 15).
+        assert len(reference.chat_ids(messages[:2])) - 1 <= cached < prompt
         assert answer  # the next turn answered
         os.write(term.master, b"/exit\n")
         term.expect(rb"/exit\n")
@@ -177,6 +180,46 @@ def test_ctrl_c_stops_the_answer_and_keeps_what_was_shown(chat_export, reference
     finally:
         if term.proc.poll() is None:
             term.proc.kill()
+
+
+def test_an_interrupted_answer_keeps_its_kv_rows(chat_export, reference) -> None:
+    """Ctrl-C mid-answer (the flag `ask` polls): the next turn copies the KV rows of the interrupted
+    turn's prompt and answer, as far as the re-rendered conversation shares their tokens, and answers
+    as a fresh conversation with the same history does."""
+    from kvforge.cli.chat import ChatSession, chat_scheduler
+
+    scheduler = chat_scheduler(Generator(chat_export), 2048).start()
+    try:
+        # An answer that runs to the end of the context unless stopped: it is stopped after 6 pieces.
+        session = ChatSession(scheduler.generator, scheduler, "Be brief.", 1900, greedy=True, ignore_eos=True)
+        shown: list[str] = []
+        first = session.ask("Tell me a long story", shown.append, stop=lambda: len(shown) >= 6)
+        assert first.interrupted and first.done.finish_reason == "cancelled" and len(shown) == 6
+        history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a long story"},
+                   {"role": "assistant", "content": "".join(shown)}]
+        assert session.messages == history  # the answer as shown
+        # Kept: the rows of the first prompt and of every token generated but the last (the scheduler
+        # stops a step or more after the flag; lookups match tokens, so the extra rows are never
+        # copied for text that was not shown).
+        first_ids = reference.chat_ids(history[:2])
+        generated = reference.chat(history[:2], max_new_tokens=first.done.completion_tokens, greedy=True,
+                                   ignore_eos=True).tokens[0]
+        kept = [*first_ids, *generated[:-1]]
+        assert scheduler.prefixes.lookup([*kept, -1])[0] == len(kept)
+
+        session.max_new_tokens = 8
+        second = session.ask("Shorter, please", lambda piece: None)
+        messages = [*history, {"role": "user", "content": "Shorter, please"}]
+        want = reference.chat(messages, max_new_tokens=8, greedy=True, ignore_eos=True)
+        assert (second.text, second.done.completion_tokens) == (want.text[0], len(want.tokens[0]))
+        # Reused: as much of them as the next prompt starts with (the first prompt at least; the answer
+        # too where its shown text re-tokenizes to the generated ids).
+        ids = reference.chat_ids(messages)
+        common = next((i for i, (a, b) in enumerate(zip(kept, ids, strict=False)) if a != b), min(len(kept), len(ids)))
+        assert second.done.cached_tokens == min(common, len(ids) - 1)
+        assert second.done.cached_tokens >= len(first_ids) - 1
+    finally:
+        scheduler.close()
 
 
 def test_piped_lines_are_turns_and_json_reports_each(chat_export, reference) -> None:
@@ -197,3 +240,16 @@ def test_an_export_without_a_chat_template_is_refused(exported) -> None:
     assert result.returncode == 2 and result.stdout == ""
     assert "has no chat template" in result.stderr and "kvforge chat renders every turn with" in result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_piped_line_that_is_not_utf8_is_skipped(chat_export, reference) -> None:
+    """Piped input goes on past a line that is not UTF-8 (one error on stderr naming it), as
+    interactive input does (issue 34, item 16)."""
+    lines = b"What is 2+2?\nAnd \xff3+3?\n/reset\nWhat is 2+2?\n"
+    result = subprocess.run([sys.executable, "-m", "kvforge.cli", "chat", str(chat_export), "--max-new-tokens", "6",
+                             "--greedy", "--json"], input=lines, capture_output=True, timeout=120)
+    stderr = result.stderr.decode()
+    assert result.returncode == 0, stderr
+    first = reference.chat("What is 2+2?", max_new_tokens=6, greedy=True)
+    assert [json.loads(line)["answer"] for line in result.stdout.splitlines()] == [first.text[0]] * 2
+    assert stderr == "kvforge: error: line 2 is not valid UTF-8 (byte 0xff at position 4); skipped\n"

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from kvforge.cli import main
 from kvforge.core.engine_plan import (
     ENGINES_MANIFEST,
+    RECORD_DIGEST,
     BuildOptions,
     binding_plan,
     build_key,
@@ -26,6 +27,7 @@ from kvforge.core.engine_plan import (
     graph_key,
     load_engines_manifest,
     profile_shapes,
+    record_problem,
     resolve_build_options,
     static_capacity,
 )
@@ -128,6 +130,20 @@ def test_build_key_changes_with_every_input() -> None:
     assert build_key(manifest, options, TRT, "9.0", "0.1.0", {**plugin, "triton": "3.7.0"}) != base
 
 
+def test_engines_json_records_a_sha256_of_itself(tmp_path) -> None:
+    (tmp_path / "kvforge.json").write_text("{}")
+    gpu = {"name": "GPU", "compute_capability": "9.0"}
+    record = engines_manifest(tmp_path, _manifest(), resolve_build_options(_manifest()), "k", TRT, gpu, {}, 1.25, "0.1")
+    path = tmp_path / ENGINES_MANIFEST
+    # Read back from the file as written (indented, keys in their order): still matches.
+    assert record_problem(json.loads(json.dumps(record, indent=2)), path) is None
+    edited = copy.deepcopy(record)
+    edited["options"]["max_batch"] = 64
+    assert "was modified after `kvforge build` wrote it" in record_problem(edited, path)
+    # An engines.json of an older kvforge has none: let through (its engine files are still checked).
+    assert record_problem({k: v for k, v in record.items() if k != RECORD_DIGEST}, path) is None
+
+
 def _engine_folder(tmp_path, export, **change) -> object:
     engines = tmp_path / "engines"
     engines.mkdir()
@@ -161,7 +177,7 @@ def test_engine_manifest_checks(tmp_path) -> None:
     rtx = {"flavor": "tensorrt-rtx", "version": "1.7.1.116"}
     check_runtime_matches({**record, "tensorrt": rtx, "gpu": {"compute_capability": "8.0, 8.6, 8.9, 12.0+"}}, rtx, "8.9")
     (engines / "prefill.engine").write_bytes(b"x")
-    with pytest.raises(ManifestError, match="missing or truncated"):
+    with pytest.raises(ManifestError, match=r"has 1 bytes, not the 10 engines.json records \(truncated or modified\)"):
         load_engines_manifest(engines, export)
     (export / "kvforge.json").write_text('{"format": "kvforge/1", "changed": true}')
     with pytest.raises(ManifestError, match="built from another export"):
@@ -173,7 +189,7 @@ def test_engine_manifest_paths_stay_inside(tmp_path) -> None:
     export.mkdir()
     (export / "kvforge.json").write_text("{}")
     engines = _engine_folder(tmp_path, export, files={"../outside.engine": {"sha256": "s", "bytes": 1}})
-    with pytest.raises(ManifestError, match="'../outside.engine' outside the engine folder"):
+    with pytest.raises(ManifestError, match="'../outside.engine', which is not a file name inside the engine folder"):
         load_engines_manifest(engines, export)
 
 

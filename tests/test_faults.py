@@ -325,10 +325,10 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
          do_sample=True, temperature="hot"))), "--prompt", "hi"], 2, "generation.temperature must be a number"),
     ("generate-manifest-pad-token-a-string",
      lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["model"].__setitem__("pad_token_id", "x"))),
-                "--prompt", "hi"], 2, "model.pad_token_id must be an integer or null, got 'x'"),
+                "--prompt", "hi"], 2, "model.pad_token_id must be a token id below vocab_size 512 (or -1 or null), got 'x'"),
     ("generate-manifest-eos-a-dict",
      lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["model"].__setitem__("eos_token_id", {}))),
-                "--prompt", "hi"], 2, "model.eos_token_id must be an integer, a list of integers or null"),
+                "--prompt", "hi"], 2, "model.eos_token_id must be a token id below vocab_size 512, a list of them or null"),
     ("generate-manifest-nul-in-file-name",
      lambda c: ["generate", str(c.edit_manifest(c.export_copy(), lambda m: m["files"].__setitem__(
          "model\x00.weights", m["files"]["model.weights"]))), "--prompt", "hi"], 2, "a name with a control character"),

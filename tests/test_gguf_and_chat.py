@@ -3,7 +3,9 @@ token for token as transformers' apply_chat_template."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -69,6 +71,36 @@ def test_a_real_truncated_gguf_is_refused(tmp_path) -> None:
     assert code == 2 and len(lines) == 1 and "cut.gguf" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
 
+
+
+def _no_space_oserror(path) -> BaseException:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def _no_space_safetensors(path) -> BaseException:
+    from safetensors import SafetensorError
+
+    # What safetensors' Rust writer raises on a full disk: no errno, no path.
+    return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("failure", [_no_space_oserror, _no_space_safetensors], ids=["oserror", "safetensors"])
+def test_a_full_disk_while_converting_a_gguf_names_the_folder(failure, tmp_path, monkeypatch) -> None:
+    from kvforge.models import gguf as gguf_module
+
+    def convert(gguf_path, out) -> None:  # transformers' save_pretrained, running out of room half-way
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"half of the weights")
+        raise failure(out / "model.safetensors")
+
+    monkeypatch.setattr(gguf_module, "_convert", convert)
+    source = tmp_path / "model.gguf"
+    _write_gguf(source, "llama")
+    code, lines = _export([str(source), "-o", str(tmp_path / "out")])
+    assert code == 2 and len(lines) == 1, lines
+    assert f"writing {tmp_path / 'out.hf'}" in lines[0] and "the disk is full" in lines[0], lines
+    assert "unexpected" not in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]  # nothing half-written
 
 # -- chat templates -------------------------------------------------------------------------------------
 CONVERSATIONS = [

@@ -31,6 +31,7 @@ from kvforge.core.engine_plan import (
     ENGINES_MANIFEST,
     engines_manifest,
     resolve_build_options,
+    sealed,
 )
 from kvforge.core.errors import InputError
 from kvforge.core.manifest import file_record
@@ -468,7 +469,7 @@ def test_rtx_engines_on_a_gpu_they_cannot_run_are_refused_before_loading(make_ba
     record_path = backend.engine_dir / ENGINES_MANIFEST
     record = json.loads(record_path.read_text())
     record["tensorrt"] = {"flavor": "tensorrt-rtx", "version": "1.7.1.116"}
-    record_path.write_text(json.dumps(record))
+    record_path.write_text(json.dumps(sealed(record)))  # as `kvforge build` with TensorRT-RTX writes it
     rtx = types.ModuleType("tensorrt_rtx")
     rtx.__version__ = "1.7.1.116"
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", rtx)
@@ -480,3 +481,43 @@ def test_rtx_engines_on_a_gpu_they_cannot_run_are_refused_before_loading(make_ba
     message = str(err.value)
     assert "Fake GPU (compute capability 9.0)" in message and "--backend ort-cuda" in message
     assert "rebuild" not in message.replace("no rebuild", "") and loaded == []
+
+
+def _reload(backend):
+    from kvforge.runtime.trt_backend import TrtBackend
+
+    return TrtBackend(backend.folder, backend.manifest, engine_dir=backend.engine_dir)
+
+
+def test_an_engine_that_does_not_match_engines_json_is_refused_before_loading(make_backend) -> None:
+    from kvforge.core.errors import ManifestError
+
+    backend, _fake = make_backend()
+    engine = backend.engine_dir / "decode.engine"
+    engine.write_bytes(b"X" + engine.read_bytes()[1:])  # same size: only the sha256 tells
+    with pytest.raises(ManifestError, match=r"decode.engine does not match its sha256 in engines.json.*kvforge build"):
+        _reload(backend)
+
+
+def test_an_engine_that_is_a_symbolic_link_is_refused(make_backend) -> None:
+    from kvforge.core.errors import ManifestError
+
+    backend, _fake = make_backend()
+    engine = backend.engine_dir / "decode.engine"
+    copy = backend.engine_dir / "copy.engine"
+    engine.rename(copy)
+    engine.symlink_to(copy.name)  # the same bytes, inside the folder, but not what kvforge build wrote
+    with pytest.raises(ManifestError, match=r"decode.engine is a symbolic link.*kvforge build"):
+        _reload(backend)
+
+
+def test_an_edited_engines_json_is_refused(make_backend) -> None:
+    from kvforge.core.errors import ManifestError
+
+    backend, _fake = make_backend()
+    path = backend.engine_dir / ENGINES_MANIFEST
+    record = json.loads(path.read_text())
+    record["options"]["max_batch"] = 64  # more rows than the engines were built for
+    path.write_text(json.dumps(record))
+    with pytest.raises(ManifestError, match=r"engines.json was modified after `kvforge build` wrote it"):
+        _reload(backend)

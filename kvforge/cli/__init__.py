@@ -272,6 +272,23 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
         click.echo(f"  {name}: {human_bytes(record['bytes'])}")
     click.echo("  verified: every file matches its sha256" if verify else
                "  checked: file sizes, and sha256 of the small files (--verify re-hashes the weights too)")
+    engines = info["engines"]
+    if not engines["built"]:
+        click.echo(f"  engines: none built (no {engines['folder']}; `kvforge build` makes them)")
+        return
+    trt = engines["tensorrt"]
+    click.echo(f"  engines in {engines['folder']}, for {engines['gpu'].get('name', '?')} "
+               f"({trt.get('flavor', '?')} {trt.get('version', '?')}):")
+    for name, record in engines["files"].items():
+        click.echo(f"    {name}: {human_bytes(record['bytes'])}")
+    if not verify:
+        click.echo("  engines: checked engines.json and the engine sizes (--verify re-hashes the engines)")
+    elif engines["record_sha256"]:
+        click.echo("  engines: every engine file and engines.json match their sha256")
+    else:
+        click.echo("  engines: every engine file matches its sha256; engines.json records no sha256 of itself "
+                   "(an older kvforge wrote it), so its own content is unverified: `kvforge build --force` "
+                   "records one")
 
 
 @main.command()

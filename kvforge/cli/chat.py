@@ -2,12 +2,14 @@
 
 Each turn re-renders the whole conversation with the export's chat template and submits it to a
 one-row continuous-batching Scheduler (runtime/scheduler.py), the server's engine: its PrefixStore
-keeps the KV rows of the finished turn, so the next turn prefills only what the conversation added.
+keeps the KV rows of the finished (or interrupted) turn, so the next turn prefills only what the
+conversation added.
 
 Keys: `/reset` forgets the conversation (and its cached KV rows), `/exit` or Ctrl-D quits. Ctrl-C
 while an answer streams stops that answer, which stays in the conversation as far as it got (its
 question is dropped too when nothing was generated yet); Ctrl-C at the prompt clears the line.
-Piped stdin is read line by line, one turn per line, and Ctrl-C stops the program (exit 130).
+Piped stdin is read line by line, one turn per line (a line that is not UTF-8 is reported and
+skipped), and Ctrl-C stops the program (exit 130).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ class ChatSession:
     and keeps both in `messages`; `reset` starts over."""
 
     def __init__(self, generator: Generator, scheduler: Scheduler, system: str | None, max_new_tokens: int,
-                 **request_options: Any) -> None:
+                 special_tokens_in_content: bool = False, **request_options: Any) -> None:
         self.generator = generator
+        self.special_tokens_in_content = special_tokens_in_content  # Generator.chat_ids' option
         self.scheduler = scheduler
         self.system = system
         self.max_new_tokens = max_new_tokens
@@ -97,7 +100,8 @@ class ChatSession:
         from kvforge.runtime.scheduler import Done
 
         question = {"role": "user", "content": text}
-        ids = self.generator.chat_ids([*self.messages, question])
+        ids = self.generator.chat_ids([*self.messages, question],
+                                      special_tokens_in_content=self.special_tokens_in_content)
         room = self.scheduler.capacity - len(ids) + 1  # the last generated token is never fed back
         if room < 1:
             raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "
@@ -156,20 +160,21 @@ def _stat_line(turn: Turn) -> str:
 @emulation_option
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--quiet", is_flag=True, help="No banner and no statistics line after each answer.")
+@click.option("--special-tokens-in-content", is_flag=True,
+              help="Let special-token text typed in a message (e.g. '<|im_end|>') become control tokens, as "
+                   "transformers' templates do; by default it stays text.")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per answer on stdout (answer, finish_reason, token counts, ttft_ms, "
                    "decode_tokens_per_s) instead of streamed text.")
 def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_eos: bool,
          max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, verify: bool,
-         quiet: bool, as_json: bool, **sampling: Any) -> None:
+         quiet: bool, special_tokens_in_content: bool, as_json: bool, **sampling: Any) -> None:
     """Chat with an export in the terminal (multi-turn; earlier turns' KV rows are reused).
 
     /reset forgets the conversation, /exit or Ctrl-D quits; Ctrl-C stops the answer being written
     (what was written stays in the conversation) and clears the line at the prompt. With piped
     input each line is a turn."""
-    from kvforge.core.contract import KVLayout
     from kvforge.runtime import Generator
-    from kvforge.runtime.scheduler import Scheduler
 
     check_utf8("--system", system_text)
     generator = Generator(export_dir, backend=backend, verify_hashes=verify,
@@ -179,23 +184,36 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
     except InputError as err:
         raise InputError(f"{err} (kvforge chat renders every turn with the export's chat template; "
                          f"`kvforge generate {export_dir} --prompt TEXT` takes plain prompts)") from None
-    scheduler = Scheduler(generator, max_batch=1, max_seq_len=max_seq_len)
-    # One conversation at a time: room for all of its KV rows is all the prefix store needs.
-    scheduler.prefixes.budget_bytes = KVLayout.from_manifest(generator.manifest).bytes(1, scheduler.capacity)
-    scheduler.start()
+    scheduler = chat_scheduler(generator, max_seq_len).start()
     try:
         _loop(ChatSession(generator, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,
-                          **sampling_keywords(sampling)),
+                          special_tokens_in_content=special_tokens_in_content, **sampling_keywords(sampling)),
               generator, quiet, as_json)
     finally:
         scheduler.close()
 
 
+def chat_scheduler(generator: Generator, max_seq_len: int | None) -> Scheduler:
+    """The one-row Scheduler a chat runs on (not started). Unlike the server's, it keeps the KV rows
+    of a cancelled (Ctrl-C) answer, as of a finished one: that answer stays in the conversation, so
+    the next turn copies them instead of prefilling the whole conversation again."""
+    from kvforge.core.contract import KVLayout
+    from kvforge.runtime.scheduler import Scheduler
+
+    # The rows kept of a cancelled answer hold every token generated but the last, those generated after
+    # Ctrl-C too (the chat drops their text): harmless, as the next turn's lookup copies only the
+    # positions whose tokens its prompt shares, i.e. as far as the answer was shown.
+    scheduler = Scheduler(generator, max_batch=1, max_seq_len=max_seq_len, keep_cancelled=True)
+    # One conversation at a time: room for all of its KV rows is all the prefix store needs.
+    scheduler.prefixes.budget_bytes = KVLayout.from_manifest(generator.manifest).bytes(1, scheduler.capacity)
+    return scheduler
+
+
 def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool) -> None:
     interactive = sys.stdin.isatty()
-    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: an error for that line, not a crash
-        sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
+        if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: an error for that line, not a crash
+            sys.stdin.reconfigure(errors="surrogateescape")
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
@@ -209,9 +227,16 @@ def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool
             click.echo(piece, nl=False)
             sys.stdout.flush()
 
+    number = 0  # piped input: the number of the line read, for its error
     while True:
         try:
-            line = input(PROMPT) if interactive else sys.stdin.readline()
+            if interactive:
+                line = input(PROMPT)
+            else:
+                number += 1
+                line = _piped_line(sys.stdin.buffer.readline(), number)
+                if line is None:
+                    continue
         except EOFError:
             line = ""
         except KeyboardInterrupt:
@@ -248,6 +273,17 @@ def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool
         click.echo()
         if not quiet:
             click.echo(click.style(_stat_line(turn), dim=True), err=True)
+
+
+def _piped_line(raw: bytes, number: int) -> str | None:
+    """Piped line `number` as text, or None when it is not UTF-8: that line is reported and skipped,
+    as an interactive turn with a bad message is, and the lines after it are still answered."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        click.echo(f"kvforge: error: line {number} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at position "
+                   f"{err.start}); skipped", err=True)
+        return None
 
 
 def _ask_until_ctrl_c(session: ChatSession, text: str, emit: Callable[[str], None]) -> Turn:

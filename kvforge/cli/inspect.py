@@ -1,4 +1,5 @@
-"""`kvforge inspect`: what an export folder holds, from its manifest (no onnx import needed)."""
+"""`kvforge inspect`: what an export folder holds, from its manifest (no onnx import needed), and the
+TensorRT engines built into its engines/ folder."""
 
 from __future__ import annotations
 
@@ -6,12 +7,19 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.contract import PHASES
+from kvforge.core.engine_plan import (
+    ENGINE_DIR_NAME,
+    RECORD_DIGEST,
+    engine_file_problem,
+    load_engines_manifest,
+)
+from kvforge.core.errors import ManifestError
 from kvforge.core.manifest import load_manifest, read_graph
 
 
 def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
     """The manifest's view of an export folder, checked as a loader checks it; `verify` re-hashes
-    every file (weights included), so `verified` says whether that was done."""
+    every file (weights and engines included), so `verified` says whether that was done."""
     manifest = load_manifest(export_dir, verify_hashes=verify)
     for phase in PHASES:  # as a backend reads them: the files their external data comes from must be listed
         read_graph(export_dir, manifest, phase)
@@ -26,4 +34,25 @@ def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
             "outputs": graph["outputs"],
         }
     return {"folder": str(Path(export_dir).resolve()), "verified": verify, "graphs": graphs,
-            "files": manifest["files"], "manifest": manifest}
+            "files": manifest["files"], "manifest": manifest, "engines": describe_engines(export_dir, verify)}
+
+
+def describe_engines(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
+    """The engine folder EXPORT_DIR/engines, checked as the TensorRT backend checks it (engines.json's
+    format and own sha256, that it was built from this export, each engine's size); `verify` also
+    hashes every engine. No engines/ folder (or an empty one) is no engines, not an error.
+    `record_sha256`: whether engines.json records a sha256 of itself (an older kvforge's does not:
+    its engine files are still checked against it, but its own content is unverified)."""
+    export_dir = Path(export_dir)
+    engine_dir = export_dir / ENGINE_DIR_NAME
+    if not engine_dir.exists() or (engine_dir.is_dir() and not any(engine_dir.iterdir())):
+        return {"folder": str(engine_dir), "built": False}
+    record = load_engines_manifest(engine_dir, export_dir)
+    if verify:
+        for name, entry in record.get("files", {}).items():
+            problem = engine_file_problem(engine_dir, name, entry)
+            if problem is not None:
+                raise ManifestError(f"{problem}; rebuild with `kvforge build {export_dir} --force`")
+    return {"folder": str(engine_dir), "built": True, "verified": verify, "record_sha256": RECORD_DIGEST in record,
+            "files": record.get("files", {}), "engines": record.get("engines", {}),
+            "tensorrt": record.get("tensorrt", {}), "gpu": record.get("gpu", {}), "options": record.get("options", {})}

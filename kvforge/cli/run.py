@@ -291,13 +291,18 @@ def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
 @click.option("--chat-template", default=None, metavar="FILE|chatml-tools",
               help="A Jinja chat template to use instead of the export's (chatml-tools: kvforge's ChatML "
                    "template with tools, for ChatML models such as SmolLM2).")
+@click.option("--special-tokens-in-content", is_flag=True,
+              help="Let special-token text in chat messages (e.g. '<|im_end|>') become control tokens, as "
+                   "transformers' templates do; by default it stays text, so a client cannot open a system "
+                   "turn. Only for trusted clients.")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
           max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
           backend: str | None, engine_dir: Path | None, threads: int | None, no_spin: bool, log_format: str,
-          chat_template: str | None, use_ray: bool, replicas: int, ray_address: str | None) -> None:
+          chat_template: str | None, special_tokens_in_content: bool, use_ray: bool, replicas: int,
+          ray_address: str | None) -> None:
     """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
 
     Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
@@ -308,7 +313,8 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
     check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
                    api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
-                   chat_template=chat_template, backend=backend, engine_dir=engine_dir)
+                   chat_template=chat_template, backend=backend, engine_dir=engine_dir,
+                   special_tokens_in_content=special_tokens_in_content)
     where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only

@@ -104,6 +104,9 @@ class KVLayout:
             value = kv.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ManifestError(f"kv_cache.{name} must be a positive integer, got {value!r}; re-run the export")
+        if kv["max_capacity"] > MAX_POSITIONS:  # cache buckets are planned up to it
+            raise ManifestError(f"kv_cache.max_capacity {kv['max_capacity']} is beyond any real context (at most "
+                                f"{MAX_POSITIONS}); the manifest was crafted or corrupted: re-run the export")
         if kv.get("dtype") not in ITEMSIZE:
             raise ManifestError(
                 f"kv_cache.dtype must be one of {', '.join(ITEMSIZE)}, got {kv.get('dtype')!r}; re-run the export"
@@ -154,6 +157,7 @@ class GraphIO:
 
 
 MAX_VOCAB_SIZE = 1 << 24  # 16.7M: far beyond real vocabularies (~260k), far below a crafted 1e12
+MAX_POSITIONS = 1 << 24  # 16.7M positions: beyond the longest contexts (10M), far below a crafted 1e15
 
 
 @dataclass(frozen=True)
@@ -193,16 +197,11 @@ class ModelSpec:
             )
         # Each field's type is checked here, so a crafted value fails in one line naming it, not
         # deep in the runtime (int("x") of a pad id, a list where a count goes).
-        for name in ("hidden_size", "max_position_embeddings"):
-            _check_optional_int(model, name, minimum=1)
+        _check_optional_int(model, "hidden_size", minimum=1)
+        _check_optional_int(model, "max_position_embeddings", minimum=1, maximum=MAX_POSITIONS)
         _check_optional_int(model, "sliding_window", minimum=0)
-        for name in ("bos_token_id", "pad_token_id"):  # HF configs hold negative ids (-1) too
-            _check_optional_int(model, name)
+        check_token_ids(model, "model", model["vocab_size"])
         eos = model.get("eos_token_id")
-        if not (eos is None or _is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
-            raise ManifestError(
-                f"model.eos_token_id must be an integer, a list of integers or null, got {eos!r}; re-run the export"
-            )
         for name in ("source", "architecture", "model_type"):
             if model.get(name) is not None and not isinstance(model[name], str):
                 raise ManifestError(f"model.{name} must be a string or null, got {model[name]!r}; re-run the export")
@@ -216,14 +215,35 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_optional_int(section: Mapping[str, Any], name: str, minimum: int | None = None) -> None:
-    """ManifestError unless model.`name` is absent, null or an integer (>= `minimum`)."""
+def _check_optional_int(section: Mapping[str, Any], name: str, minimum: int | None = None,
+                        maximum: int | None = None) -> None:
+    """ManifestError unless model.`name` is absent, null or an integer (>= `minimum`, <= `maximum`)."""
     value = section.get(name)
     if value is None:
         return
-    if not _is_int(value) or (minimum is not None and value < minimum):
+    if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         wanted = "an integer" if minimum is None else f"an integer >= {minimum}"
+        wanted += f" and <= {maximum}" if maximum is not None else ""
         raise ManifestError(f"model.{name} must be {wanted} or null, got {value!r}; re-run the export")
+
+
+def check_token_ids(section: Mapping[str, Any], where: str, vocab_size: int) -> None:
+    """ManifestError unless `section`'s eos_token_id (an id or a list), bos_token_id and pad_token_id
+    are ids of the vocabulary (or null; bos and pad may be -1, Hugging Face's "none"): a crafted id
+    (an eos of 1e12 that can never stop a generation, a pad of -5 that indexes from the end) fails here,
+    naming the field."""
+    def valid(value: Any, none_allowed: bool) -> bool:
+        return _is_int(value) and (0 <= value < vocab_size or (none_allowed and value == -1))
+
+    for name in ("bos_token_id", "pad_token_id"):
+        value = section.get(name)
+        if value is not None and not valid(value, True):
+            raise ManifestError(f"{where}.{name} must be a token id below vocab_size {vocab_size} (or -1 or null), "
+                                f"got {value!r}; re-run the export")
+    eos = section.get("eos_token_id")
+    if not (eos is None or valid(eos, False) or (isinstance(eos, list) and all(valid(e, False) for e in eos))):
+        raise ManifestError(f"{where}.eos_token_id must be a token id below vocab_size {vocab_size}, a list of them or "
+                            f"null, got {eos!r}; re-run the export")
 
 
 # -- the fused attention op ----------------------------------------------------------------------

@@ -7,6 +7,11 @@ Engine folder (default EXPORT_DIR/engines), written atomically by `kvforge build
     prefill.engine, decode.engine     (or prefill.engine alone with --single-engine: two profiles)
     timing.cache                      TensorRT's timing cache, reused by the next build
     engines.json                      what was built from what, on which GPU, with which limits
+
+engines.json records each engine file's sha256 and bytes, and a sha256 of its own content
+(RECORD_DIGEST), so a corrupted, replaced or edited engine folder is told apart from the one
+`kvforge build` wrote: the build reuses engines only when all of it matches, `kvforge inspect --verify`
+checks all of it, and the TensorRT backend hashes the very bytes it loads.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from kvforge.core.contract import (
     capacity_buckets,
 )
 from kvforge.core.errors import InputError, ManifestError
-from kvforge.core.manifest import MANIFEST_NAME, io_names, resolve_in_folder, sha256_file
+from kvforge.core.manifest import MANIFEST_NAME, io_names, sha256_file
 from kvforge.core.targets import get_target
 
 # /2: TensorRT recorded as {flavor, version}, the compute target, per-engine build records.
@@ -38,6 +43,8 @@ ENGINES_FORMAT = "kvforge-engines/2"
 ENGINES_MANIFEST = "engines.json"
 ENGINE_DIR_NAME = "engines"
 TIMING_CACHE = "timing.cache"
+# engines.json's sha256 of its own content (kvforge 0.x engine folders written before it have none).
+RECORD_DIGEST = "record_sha256"
 DEFAULT_MAX_SEQ_LEN = 4096
 # The prefill engines return logits for up to this many positions per row (speculative verification).
 MAX_POSITIONS = 16
@@ -168,7 +175,7 @@ def engines_manifest(
     copies = len({entry["file"] for entry in engines.values()})
     buckets = engine_capacity_buckets(export_manifest, options)
     kv = KVLayout.from_manifest(export_manifest)
-    return {
+    return sealed({
         "format": ENGINES_FORMAT,
         "kvforge_version": kvforge_version,
         "key": key,
@@ -190,12 +197,64 @@ def engines_manifest(
         "files": files,
         "builds": builds or {},
         "build_seconds": round(build_seconds, 2),
-    }
+    })
+
+
+def record_digest(record: dict[str, Any]) -> str:
+    """sha256 of an engines.json record without its own RECORD_DIGEST field, over sorted keys: the same
+    for the dict written and the dict read back, whatever the file's indentation."""
+    body = {key: value for key, value in record.items() if key != RECORD_DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def sealed(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with RECORD_DIGEST set to the sha256 of the rest of it."""
+    body = {key: value for key, value in record.items() if key != RECORD_DIGEST}
+    return {**body, RECORD_DIGEST: record_digest(body)}
+
+
+def record_problem(record: dict[str, Any], path: Path) -> str | None:
+    """Why the engines.json at `path` cannot be trusted, or None. A record without RECORD_DIGEST (written
+    before kvforge recorded one) is let through: its engine files are still checked against it, and
+    `kvforge inspect --verify` says it is unverified."""
+    if RECORD_DIGEST in record and record[RECORD_DIGEST] != record_digest(record):
+        return f"{path} was modified after `kvforge build` wrote it (its content no longer matches its {RECORD_DIGEST})"
+    return None
+
+
+def engine_file_problem(engine_dir: Path, name: Any, entry: Any, data: bytes | None = None,
+                        check_sha256: bool = True) -> str | None:
+    """Why engines.json's engine file `name` is not the one `kvforge build` wrote, or None. The build
+    writes each engine as a regular file directly in the engine folder, so a name with a folder in it, a
+    symbolic link (wherever it points), a missing file, another size or (`check_sha256`) another sha256
+    all mean it was changed. `data`: the file's bytes, already read (what is hashed is what is loaded)."""
+    record = Path(engine_dir) / ENGINES_MANIFEST
+    if (not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\:")
+            or any(ord(c) < 32 or ord(c) == 127 for c in name)):
+        return f"{record} names the engine file {name!r}, which is not a file name inside the engine folder"
+    if not isinstance(entry, dict):
+        return f"{record} records no sha256 and size for {name}"
+    path = Path(engine_dir) / name
+    if path.is_symlink():
+        return f"{path} is a symbolic link, not the file `kvforge build` wrote"
+    if not path.exists():
+        return f"{path} is missing"
+    if not path.is_file():
+        return f"{path} is not a regular file"
+    size = len(data) if data is not None else path.stat().st_size
+    if size != entry.get("bytes"):
+        return f"{path} has {size} bytes, not the {entry.get('bytes')} {ENGINES_MANIFEST} records (truncated or modified)"
+    if check_sha256:
+        digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_file(path)
+        if digest != entry.get("sha256"):
+            return f"{path} does not match its sha256 in {ENGINES_MANIFEST} (modified or corrupted)"
+    return None
 
 
 def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
-    """engines.json, checked: its format, that it was built from this export (not a modified or
-    other one), and that its engine files are inside the folder with the recorded sizes."""
+    """engines.json, checked: its format and own sha256, that it was built from this export (not a
+    modified or other one), and that its engine files are regular files inside the folder with the
+    recorded sizes (their sha256 is checked where they are read: the backend, `inspect --verify`)."""
     path = engine_dir / ENGINES_MANIFEST
     if not path.is_file():
         raise ManifestError(
@@ -208,6 +267,9 @@ def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
         raise ManifestError(f"{path} is not valid JSON ({err}); run `kvforge build {export_dir} --force`") from err
     if not isinstance(data, dict) or data.get("format") != ENGINES_FORMAT:
         raise ManifestError(f"{path} is not a kvforge engine manifest ({ENGINES_FORMAT}); rebuild with `kvforge build`")
+    problem = record_problem(data, path)
+    if problem is not None:
+        raise ManifestError(f"{problem}; rebuild with `kvforge build {export_dir} --force`")
     _check_engines_sections(data, path, export_dir)
     current = sha256_file(Path(export_dir) / MANIFEST_NAME)
     if data["export"].get("manifest_sha256") != current:
@@ -216,9 +278,9 @@ def load_engines_manifest(engine_dir: Path, export_dir: Path) -> dict[str, Any]:
             f"run `kvforge build {export_dir}` again"
         )
     for name, record in data.get("files", {}).items():
-        file = resolve_in_folder(engine_dir, name, "the engine file", kind="engine folder")
-        if not file.is_file() or file.stat().st_size != record.get("bytes"):
-            raise ManifestError(f"{file} is missing or truncated; run `kvforge build {export_dir} --force`")
+        problem = engine_file_problem(engine_dir, name, record, check_sha256=False)
+        if problem is not None:
+            raise ManifestError(f"{problem}; run `kvforge build {export_dir} --force`")
     return data
 
 

@@ -51,7 +51,16 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kvforge.core.contract import LOGITS, PHASES, GraphIO, KVLayout, ModelSpec, parse_cache_name
+from kvforge.core.contract import (
+    DTYPES,
+    LOGITS,
+    PHASES,
+    GraphIO,
+    KVLayout,
+    ModelSpec,
+    check_token_ids,
+    parse_cache_name,
+)
 from kvforge.core.errors import ManifestError
 from kvforge.core.external_data import MalformedGraph, external_data_locations
 
@@ -164,11 +173,17 @@ def _validate(manifest: Any, path: Path) -> None:
     for section in ("model", "kv_cache"):
         if not isinstance(manifest[section], dict):
             raise ManifestError(f"{path}: {section!r} must be an object; re-run the export")
+    if manifest["dtype"] not in DTYPES:
+        raise ManifestError(f"{path}: dtype must be one of {', '.join(DTYPES)}, got {manifest['dtype']!r}; "
+                            "re-run the export")
     try:
         layout = KVLayout.from_manifest(manifest)
-        ModelSpec.from_manifest(manifest)
+        spec = ModelSpec.from_manifest(manifest)
     except ManifestError as err:
         raise ManifestError(f"{path}: {err}") from None
+    if spec.max_position_embeddings is not None and layout.max_capacity > spec.max_position_embeddings:
+        raise ManifestError(f"{path}: kv_cache.max_capacity {layout.max_capacity} is beyond the model's "
+                            f"max_position_embeddings {spec.max_position_embeddings}; re-run the export")
     files = manifest["files"]
     if not isinstance(files, dict):
         raise ManifestError(f"{path}: 'files' must be an object of file records; re-run the export")
@@ -201,7 +216,7 @@ def _validate(manifest: Any, path: Path) -> None:
     weights = manifest.get("weights")
     if weights is not None and (not isinstance(weights, str) or weights not in files):
         raise ManifestError(f"{path}: the weights file {weights!r} is not listed in 'files'; re-run the export")
-    _check_generation(manifest.get("generation"), path)
+    _check_generation(manifest.get("generation"), path, spec.vocab_size)
 
 
 def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayout, path: Path) -> None:
@@ -234,7 +249,7 @@ def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayou
                     )
 
 
-def _check_generation(generation: Any, path: Path) -> None:
+def _check_generation(generation: Any, path: Path, vocab_size: int) -> None:
     """`generation` (generation_config.json's defaults): an object whose sampling keys have the
     types the runtime reads them as."""
     if generation is None:
@@ -253,14 +268,15 @@ def _check_generation(generation: Any, path: Path) -> None:
         "temperature": (number, "a number"),
         "top_p": (number, "a number"),
         "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
-        "eos_token_id": (lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (
-            isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v)),
-            "an integer or a list of integers"),
     }
     for key, (valid, wanted) in checks.items():
         value = generation.get(key)
         if value is not None and not valid(value):
             raise ManifestError(f"{path}: generation.{key} must be {wanted} or null, got {value!r}; re-run the export")
+    try:
+        check_token_ids(generation, "generation", vocab_size)
+    except ManifestError as err:
+        raise ManifestError(f"{path}: {err}") from None
 
 
 def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, Any]:

@@ -9,6 +9,8 @@
   the old folder is renamed aside first and put back by the next run if a kill came in between.
 - Staging and set-aside folders that no live process holds (a killed run) are deleted by the next
   run that writes the same output.
+- A full disk while writing fails in one line naming the output folder (`naming_a_full_disk`),
+  however the writing library reports it; the staging folder goes, so nothing half-written stays.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from kvforge.core.errors import InputError
+from kvforge.core.errors import ExportError, InputError, KvforgeError
 
 try:  # POSIX only; without it staging folders are not locked and stale ones are not cleaned.
     import fcntl
@@ -42,6 +45,55 @@ FAULT_HOOKS: list[Callable[[str], None]] = []
 def fault_point(name: str) -> None:
     for hook in FAULT_HOOKS:
         hook(name)
+
+
+# Below this much free space on the output's filesystem, a write error that gives no reason (numpy's
+# "problem writing element N to file", from a short fwrite) is taken to be a full disk.
+NEARLY_FULL_BYTES = 64 << 20
+
+
+def disk_full(err: BaseException, written: Path) -> bool:
+    """Whether `err` (or any exception in its chain) says the disk is full: errno ENOSPC or EDQUOT,
+    the OS's message for them (safetensors' SafetensorError carries only that text), or a reasonless
+    write error while `written`'s filesystem is nearly full."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(current)
+        if "No space left on device" in text or "ENOSPC" in text or "Disk quota exceeded" in text:
+            return True
+        if isinstance(current, OSError) and current.errno is None and "writ" in text:
+            try:
+                if shutil.disk_usage(written).free < NEARLY_FULL_BYTES:
+                    return True
+            except OSError:
+                pass
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def disk_full_error(out_dir: Path, elsewhere: str = "choose another output folder") -> ExportError:
+    """The one-line error for a full disk while writing `out_dir`. The writing library's own message
+    names a hidden staging file, or no path at all (safetensors), so the output folder is named here."""
+    return ExportError(f"no space left on device while writing {out_dir}; the disk is full: free space on that "
+                       f"filesystem or {elsewhere}; nothing was changed at the output")
+
+
+@contextmanager
+def naming_a_full_disk(out_dir: Path, elsewhere: str = "choose another output folder") -> Iterator[None]:
+    """Around the writes of a StagedFolder's block: a full disk becomes disk_full_error(out_dir), other
+    errors pass unchanged. Put it outside the StagedFolder so the staging folder is gone first."""
+    try:
+        yield
+    except KvforgeError:
+        raise
+    except Exception as err:
+        if disk_full(err, Path(out_dir).absolute().parent):
+            raise disk_full_error(out_dir, elsewhere) from err
+        raise
 
 
 def _hidden(out_dir: Path, tag: str) -> str:

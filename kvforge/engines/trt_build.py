@@ -12,14 +12,22 @@ CPU included), through kvforge/core/tensorrt_flavor.py.
 - `trt` target: kvforge's plugin (registered before parsing, its PTX compiled for the GPU) through
   `tensorrt.plugin`; TensorRT-RTX has no such module, so there it is refused in one line.
 
-Engines are reused when nothing they depend on changed (kvforge/engine_plan.build_key).
+Engines are reused when nothing they depend on changed (kvforge/engine_plan.build_key) and the engine
+folder is still what the last build wrote (engines.json's own sha256, every engine's sha256).
+
+TensorRT prints some of its errors on file descriptor 2 itself, not through the logger: the first,
+fused attempt runs with fd 2 captured, and what it printed is shown only if the build then fails.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +36,21 @@ from kvforge.core.contract import KVLayout, ModelSpec
 from kvforge.core.engine_plan import (
     ENGINE_DIR_NAME,
     ENGINES_MANIFEST,
+    RECORD_DIGEST,
     TIMING_CACHE,
     BuildOptions,
     build_key,
+    engine_file_problem,
     engine_layout,
     engines_manifest,
     profile_shapes,
+    record_problem,
     resolve_build_options,
     static_capacity,
 )
 from kvforge.core.errors import BackendUnavailableError, ExportError, InputError
 from kvforge.core.manifest import file_record, load_manifest, read_graph
-from kvforge.core.output_folder import StagedFolder, check_output
+from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
 from kvforge.core.targets import get_target
 from kvforge.core.tensorrt_flavor import RTX_PORTABLE, TensorRT, gpu_refusal, load_tensorrt
 from kvforge.engines.trt_graph import tensorrt_graph
@@ -155,10 +166,13 @@ def build_engines(
         plugin = {**plugin, "arch": plugin_arch}  # PTX for another architecture: other engines
     gpu = build_target(trt, say)
     key = build_key(manifest, options, trt.record(), gpu["compute_capability"], __version__, plugin)
-    existing = _up_to_date(engine_dir, key)
-    if existing is not None and not force:
-        say(f"engines in {engine_dir} are up to date (same graphs, options, TensorRT and GPU); --force rebuilds")
-        return existing
+    if not force:
+        existing, why_not = _up_to_date(engine_dir, key)
+        if existing is not None:
+            say(f"engines in {engine_dir} are up to date (same graphs, options, TensorRT and GPU); --force rebuilds")
+            return existing
+        if why_not is not None:
+            say(f"{why_not}: rebuilding")
     if plugin is not None:
         from kvforge.plugins import trt_plugin
 
@@ -166,7 +180,9 @@ def build_engines(
     started = time.perf_counter()
     timing = (engine_dir / TIMING_CACHE).read_bytes() if (engine_dir / TIMING_CACHE).is_file() else b""
     builds: dict[str, dict[str, Any]] = {}
-    with StagedFolder(engine_dir, ENGINES_MANIFEST, what="kvforge engine folder", say=say) as staged:
+    # A full disk names the engine folder (the OSError would name a hidden staging file).
+    with (naming_a_full_disk(engine_dir, "choose another --engine-dir"),
+          StagedFolder(engine_dir, ENGINES_MANIFEST, what="kvforge engine folder", say=say) as staged):
         staging = staged.path
         assert staging is not None
         for entry in engine_layout(options).values():
@@ -191,19 +207,32 @@ def build_engines(
     return record
 
 
-def _up_to_date(engine_dir: Path, key: str) -> dict[str, Any] | None:
+def _up_to_date(engine_dir: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """engines.json's record when the engines can be reused, else None and why not (None when there is
+    nothing to explain: no engines yet, or built from other inputs). Reused only when engines.json is
+    unchanged (its own sha256) and every engine is a regular file in the folder with its sha256."""
     path = engine_dir / ENGINES_MANIFEST
+    if not path.is_file():
+        return None, None
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
+        return None, f"{path} is not readable JSON"
     if not isinstance(record, dict) or record.get("key") != key:
-        return None
-    for name, entry in record.get("files", {}).items():
-        file = engine_dir / name
-        if not file.is_file() or file.stat().st_size != entry.get("bytes"):
-            return None
-    return record
+        return None, None
+    if RECORD_DIGEST not in record:
+        return None, f"{path} records no sha256 of itself, so it cannot be checked"
+    problem = record_problem(record, path)
+    if problem is not None:
+        return None, problem
+    files = record.get("files")
+    if not isinstance(files, dict) or not files:
+        return None, f"{path} lists no engine files"
+    for name, entry in files.items():
+        problem = engine_file_problem(engine_dir, name, entry)
+        if problem is not None:
+            return None, problem
+    return record, None
 
 
 class _Log:
@@ -265,6 +294,7 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
     network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, options, graph)
     # TensorRT's attention layer cannot softcap: those layers are plain ops (kvforge/engines/trt_graph.py).
     attention = "plugin" if get_target(manifest["target"]).plugin is not None else "decomposed (softcap)" if softcapped else "fused"
+    fused_output = ""  # what the library printed on fd 2 during the fused attempt
     for attempt in ("fused", "decomposed"):
         if attempt == "decomposed":
             say(f"  {trt.label} has no dedicated attention kernel for {graph} ({options.dtype}, head_dim "
@@ -272,9 +302,21 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
             for layer in _attention_layers(trt, network):
                 layer.attention.decomposable = True
             attention = "decomposed"
-        config = _config(trt, builder, manifest, options, graph, timing, say)
         log.errors.clear()
-        serialized = builder.build_serialized_network(network, config)
+        if attempt == "fused":
+            # TensorRT-RTX prints "Internal Error: MyelinCheckException ..." itself when attention has no
+            # dedicated kernel, though the decomposed attempt then builds: kept unless the build fails.
+            # Progress said meanwhile would land in the capture too: held, and said after it.
+            held: list[str] = []
+            with _fd2_captured() as captured:
+                config = _config(trt, builder, manifest, options, graph, timing, held.append)
+                serialized = builder.build_serialized_network(network, config)
+            fused_output = captured.text
+            for message in held:
+                say(message)
+        else:
+            config = _config(trt, builder, manifest, options, graph, timing, say)
+            serialized = builder.build_serialized_network(network, config)
         if serialized is not None:
             if trt.has_timing_cache:
                 timing = bytes(config.get_timing_cache().serialize())
@@ -282,8 +324,58 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
         needs_decomposable = any(NEEDS_DECOMPOSABLE in message for message in log.errors)
         if attempt == "decomposed" or not needs_decomposable or not _attention_layers(trt, network):
             break
+    if fused_output.strip():
+        _write_stderr(f"{trt.label}'s own output while building the {graph} engine with fused attention:\n"
+                      f"{fused_output.rstrip()}\n")
     detail = log.errors[-1] if log.errors else "see TensorRT's log above"
     raise ExportError(f"{trt.label} failed to build the {graph} engine: {detail}")
+
+
+class _Captured:
+    text = ""
+
+
+def _write_stderr(text: str) -> None:
+    if sys.stderr is not None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+
+def _flush_stderr() -> None:
+    try:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+    except (OSError, ValueError):  # closed or detached: nothing buffered to keep in order
+        pass
+
+
+@contextmanager
+def _fd2_captured() -> Iterator[_Captured]:
+    """File descriptor 2 redirected into a temporary file for the block (a native library writes there
+    directly, past Python's sys.stderr); `.text` holds what was written, once the block ends. Without a
+    temporary file or an open fd 2, nothing is captured (the build goes on all the same)."""
+    captured = _Captured()
+    try:
+        sink = tempfile.TemporaryFile()
+    except OSError:
+        yield captured
+        return
+    with sink:
+        try:
+            saved = os.dup(2)
+        except OSError:
+            yield captured
+            return
+        _flush_stderr()
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            _flush_stderr()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")
 
 
 def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: BuildOptions, graph: str,

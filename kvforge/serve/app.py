@@ -72,14 +72,17 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                max_queue: int = 64, threads: int | None = None, spinning: bool = True,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                template_seconds: float | None = None, chat_template: str | Path | None = None,
-               backend: str | None = None, engine_dir: str | Path | None = None):
+               backend: str | None = None, engine_dir: str | Path | None = None,
+               special_tokens_in_content: bool = False):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps): the export's
     Generator in a GenerationService (runtime/service.py), the OpenAI handlers over it
     (kvforge/serve/handlers.py), the Guard middleware and the metrics.
     `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
     `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
-    (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used instead of the export's."""
+    (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used instead of the export's;
+    `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
+    clients only; by default it stays text)."""
     _require()
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
@@ -97,7 +100,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         options["spinning"] = False
     service = GenerationService(Generator(export_dir, backend=backend, **options), max_batch=max_batch,
                                 max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
-                                chat_template=chat_template, template_seconds=template_seconds)
+                                chat_template=chat_template, template_seconds=template_seconds,
+                                special_tokens_in_content=special_tokens_in_content)
     metrics = ServerMetrics(service.scheduler)
     handlers = OpenAIHandlers(service, model_name or Path(export_dir).resolve().name, metrics)
 
@@ -192,10 +196,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(config: Any) -> Any:
+# A request still running this long after Ctrl-C / SIGTERM is cut: a stop request always stops. The
+# server cuts them itself CUT_MARGIN_S before uvicorn would (uvicorn's cut answers a plain-text 500 and
+# leaves no log line), so that each gets a JSON 503 (or a stream's error event) and its log line.
+GRACEFUL_SHUTDOWN_S = 5.0
+CUT_MARGIN_S = 1.0
+
+
+def _uvicorn_server(config: Any, on_stop: Callable[[], None] = lambda: None) -> Any:
     """uvicorn's Server, with SIGINT and SIGTERM recorded in `stop_signal` (and not re-raised after
     the graceful shutdown, as uvicorn does), so that `kvforge serve` exits 130 on Ctrl-C and 0 on
-    SIGTERM instead of dying by the signal."""
+    SIGTERM instead of dying by the signal; `on_stop()` is called at the first one."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -216,6 +227,7 @@ def _uvicorn_server(config: Any) -> Any:
         def handle_exit(self, sig: int, frame: Any) -> None:
             if self.stop_signal is None:
                 self.stop_signal = sig
+                on_stop()
             super().handle_exit(sig, frame)  # a second Ctrl-C forces the exit
 
     return Server(config)
@@ -255,9 +267,12 @@ def serve(export_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         shown = f"[{host}]" if ":" in host else host
         if ready is not None:
             ready(f"http://{shown}:{bound_port}/v1")
-        # A stream still open 5 s after Ctrl-C / SIGTERM is cut: a stop request always stops.
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        server = _uvicorn_server(config)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        message = (f"the server is shutting down: requests still running {GRACEFUL_SHUTDOWN_S - CUT_MARGIN_S:g} s "
+                   "after it was asked to stop are cut")
+        cut = threading.Timer(GRACEFUL_SHUTDOWN_S - CUT_MARGIN_S, app.state.scheduler.cut, args=(message,))
+        cut.daemon = True
+        server = _uvicorn_server(config, on_stop=cut.start)
         server.run(sockets=[sock])
         return server.stop_signal
     finally:

@@ -5,6 +5,7 @@ and texts."""
 import contextlib
 import hmac
 import ipaddress
+import re
 import socket
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,11 +13,16 @@ from typing import Any
 from kvforge.core.errors import InputError
 
 
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
         # A lone surrogate echoed from the request would make the JSON response itself fail to encode.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        message = _printable(message)
+        param = _printable(param) if param is not None else None
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -129,6 +135,56 @@ def valid_text(text: str, where: str, param: str) -> str:
     return text
 
 
+def check_unicode(body: Any) -> None:
+    """A 400 naming the first key or string of a parsed body that holds a lone surrogate: JSON lets
+    "\\ud800" stand alone, but it is not Unicode text, and a grammar, a key echoed in an error or the
+    tokenizer would fail on it later with a 500. Walked without recursion (a body may nest deeply)."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        param = where.split(".")[0].split("[")[0] or None
+        if isinstance(value, str):
+            valid_text(value, f"'{where}'" if where else "the body", param)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                valid_text(key, f"a key of '{where}'" if where else "a key of the body", param)
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+
+
+# What each role's message may carry (OpenAI's chat API). Used: role, content, tool_calls (assistant),
+# tool_call_id (tool) and name (OpenAI's participant name: used when the chat template writes it,
+# refused when it does not, runtime/service.py; a tool message's name is only a label). Accepted only
+# when null or absent: an assistant's `refusal` and `audio`, and the deprecated `function_call` (a
+# refusal's text goes in the content). Anything else is refused, as unknown top-level parameters are.
+MESSAGE_KEYS = {"system": {"role", "content", "name"}, "user": {"role", "content", "name"},
+                "tool": {"role", "content", "tool_call_id", "name"},
+                "assistant": {"role", "content", "name", "tool_calls"}}
+NULL_ONLY_MESSAGE_KEYS = {"assistant": {"refusal", "audio", "function_call"}}
+
+
+def check_message_keys(messages: list[Any]) -> None:
+    """A 400 for a key of a message that the server would otherwise drop without a word."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in MESSAGE_KEYS:
+            continue  # its shape and role are checked (and refused) with the messages themselves
+        role = message["role"]
+        for key, value in message.items():
+            if key in MESSAGE_KEYS[role]:
+                continue
+            if key in NULL_ONLY_MESSAGE_KEYS.get(role, ()):
+                if value is None:
+                    continue
+                raise ApiError(400, f"messages[{i}].{key} is not supported by this server (it would be ignored); "
+                                    f"leave it out or null" + ("; send a refusal's text as the content"
+                                                             if key == "refusal" else ""), param="messages",
+                               code="unsupported_parameter")
+            raise ApiError(400, f"messages[{i}] has the key {key!r}, which a {role} message does not take here; "
+                                f"it takes {', '.join(sorted(MESSAGE_KEYS[role]))}", param="messages",
+                           code="unsupported_parameter")
+
+
 def message_content(content: Any, i: int) -> Any:
     """OpenAI's content forms: a str, or a list of parts of which only text parts are taken
     (joined by newlines); other parts are refused by name."""
@@ -161,17 +217,9 @@ class Guard:
         self.allowed_hosts = allowed_hosts
         self.max_body_bytes = max_body_bytes
 
-    def _host_ok(self, value: str) -> bool:
+    def _host_ok(self, name: str) -> bool:
         assert self.allowed_hosts is not None
-        if "*" in self.allowed_hosts:
-            return True
-        name = value.strip().lower()
-        if name.startswith("["):
-            name = name[1:name.find("]")] if "]" in name else name
-        elif name.count(":") == 1:
-            name = name.split(":")[0]
-        name = name.rstrip(".")
-        if name in self.allowed_hosts:
+        if "*" in self.allowed_hosts or name in self.allowed_hosts:
             return True
         if "*ip" in self.allowed_hosts:  # bound to a wildcard address: any IP literal (not a rebindable name)
             with contextlib.suppress(ValueError):
@@ -209,7 +257,12 @@ class Guard:
             await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
 
         host = headers.get("host")
-        if self.allowed_hosts is not None and host is not None and not self._host_ok(host.decode("latin-1")):
+        name = host_name(host.decode("latin-1")) if host is not None else None
+        if host is not None and name is None:
+            return await refuse(ApiError(400, f"the Host header {host.decode('latin-1')[:100]!r} is malformed; send "
+                                              "a name or address and an optional port (e.g. 127.0.0.1:8000)",
+                                         code="bad_host"))
+        if self.allowed_hosts is not None and name is not None and not self._host_ok(name):
             shown = host.decode("latin-1")[:100]
             return await refuse(ApiError(
                 421, f"this server does not answer for Host {shown!r} (a page on another site may be trying to "
@@ -260,6 +313,26 @@ class Guard:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+# RFC 9110's Host: a name or IPv4 address, or an IPv6 address in brackets, then an optional port.
+# Anything else ("127.0.0.1:80@evil.example", "a b", "host:port:x") is a malformed request (RFC 9112: 400).
+HOST_HEADER = re.compile(r"(?P<name>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>[0-9]{1,5}))?")
+
+
+def host_name(value: str) -> str | None:
+    """The name a Host header names (lowercase, brackets and a trailing dot dropped), or None when it
+    is malformed."""
+    match = HOST_HEADER.fullmatch(value)
+    if match is None or (match["port"] is not None and int(match["port"]) > 65535):
+        return None
+    name = match["name"].lower()
+    if name.startswith("["):
+        try:
+            return str(ipaddress.IPv6Address(name[1:-1]))
+        except ValueError:
+            return None
+    return name.rstrip(".")
 
 
 def check_api_key(api_key: str | None) -> None:

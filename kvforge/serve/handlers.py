@@ -32,6 +32,8 @@ from kvforge.serve.choices import (
 from kvforge.serve.guard import (
     ApiError,
     check_fields,
+    check_message_keys,
+    check_unicode,
     message_content,
     number_field,
     response_format_grammar,
@@ -82,6 +84,7 @@ class OpenAIHandlers:
             raise ApiError(400, f"the request body is not valid JSON: {err}") from err
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        check_unicode(body)
         model = body.get("model")
         if model is not None and model != self.name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.name!r}", param="model",
@@ -120,6 +123,7 @@ class OpenAIHandlers:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        check_message_keys(messages)
         if self.service.renderer is None:
             raise ApiError(400, str(self.service.template_error), param="messages")
         messages = [dict(m, content=message_content(m.get("content"), i)) if isinstance(m, dict) else m
@@ -296,7 +300,7 @@ def _event_stream(reply: Reply, events: asyncio.Queue, cancel_all: Callable[[], 
                 yield f"data: {json.dumps(chunk)}\n\n"
             while not reply.finished:
                 p, event = await events.get()
-                if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+                if _failed(event):
                     yield f"data: {json.dumps(_generation_error(event).body())}\n\n"
                     break
                 for chunk in reply.add(p, event):
@@ -329,7 +333,7 @@ async def _answer(request: Any, reply: Reply, events: asyncio.Queue, cancel_all:
             if not done:
                 continue
             p, event = getter.result()
-            if isinstance(event, Done) and event.finish_reason == FinishReason.ERROR:
+            if _failed(event):
                 error = _generation_error(event)
                 status = error.status
                 raise error
@@ -357,9 +361,20 @@ def _param_of(err: InputError) -> str | None:
                  if message.startswith((key, f"'{key}'"))), None)
 
 
+def _failed(event: Delta | Done) -> bool:
+    """A Done that ends the request with an error: the backend's or its grammar's, or the server's cut
+    at shutdown (a CANCELLED with a message; a client's own cancel has none)."""
+    return isinstance(event, Done) and (event.finish_reason == FinishReason.ERROR
+                                        or (event.finish_reason == FinishReason.CANCELLED and event.error is not None))
+
+
 def _generation_error(done: Done) -> ApiError:
     """The error a failed generation answers: 400 when the request's own grammar failed (its other
-    choices and every other request went on), 500 when the server did."""
+    choices and every other request went on), 503 when the server cut it on shutdown, 500 when the
+    server failed."""
+    if done.finish_reason == FinishReason.CANCELLED:
+        return ApiError(503, done.error or "the server is shutting down", kind="server_error",
+                        code="server_shutting_down")
     if done.client_error:
         return ApiError(400, done.error or "the request's grammar failed",
                         code="grammar_failed")
