@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,23 +14,50 @@ from kvforge.core.errors import InputError
 from kvforge.models.families import Family, family_for
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# What a Hugging Face Hub id looks like (`owner/name`): said as such when no such local path exists.
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def check_model_path(path: str | Path, gguf: bool = True) -> None:
+    """What is wrong with a model path, said before torch loads (seconds): it does not exist (a Hub id is
+    named as one: kvforge downloads nothing), it is a file but not a .gguf, or a folder without config.json.
+    `gguf`: whether a .gguf file, or a folder holding one, is a model here (export) or not (parity)."""
+    given = str(path)
+    path = Path(path)
+    wanted = "a local Hugging Face model folder or a .gguf file" if gguf else "a local Hugging Face model folder"
+    if not path.exists():
+        if HUB_ID.fullmatch(given):
+            raise InputError(
+                f"{given} does not exist here; it looks like a Hugging Face Hub id, but kvforge downloads nothing: "
+                f"download it first (e.g. `hf download {given} --local-dir {given.split('/')[1]}`) and pass that folder"
+            )
+        raise InputError(f"{path} does not exist; pass {wanted} (kvforge downloads nothing)")
+    if path.is_file():
+        if gguf and path.suffix.lower() == ".gguf":
+            return
+        what = "a file but not a .gguf file" if gguf else "a file, not a folder"
+        raise InputError(f"{path} is {what}; pass {wanted.replace('folder', 'folder (with config.json)', 1)}")
+    if not path.is_dir():
+        raise InputError(f"{path} is neither a file nor a folder; pass {wanted}")
+    if (path / "config.json").is_file():
+        return
+    if gguf and any(p.suffix.lower() == ".gguf" for p in path.iterdir()):
+        return  # a GGUF source (kvforge.models.gguf.find_gguf picks the one file)
+    nor = " (nor a folder with one .gguf file)" if gguf else ""
+    raise InputError(f"{path} has no config.json: not a Hugging Face model folder{nor}; pass the folder that "
+                     "holds config.json")
+
+
 def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None = None):
     """AutoConfig for a local HF folder, with errors that say what is wrong. The family is checked
     on the raw config.json first, so an unknown model_type is named as such."""
-    from transformers import AutoConfig
-
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise InputError(f"{model_dir} is not a folder; pass a local Hugging Face model folder")
+    check_model_path(model_dir, gguf=False)
     config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise InputError(f"{model_dir} has no config.json: not a Hugging Face model folder")
     try:
         raw = json.loads(config_file.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as err:
@@ -37,6 +65,9 @@ def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None 
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: not a model config")
     family_for(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")), families)
+    # Only after the cheap checks: transformers (and torch) take seconds to load.
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except (ValueError, OSError, KeyError, TypeError) as err:

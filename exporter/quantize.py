@@ -124,17 +124,36 @@ def _vocab_nodes(model: ir.Model, vocab_size: int) -> dict[str, str]:
     return names
 
 
-def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, **nodes: Any) -> Any:
+def quantizer_class() -> type:
+    """ONNX Runtime's MatMulNBitsQuantizer, imported without its side effect: the module calls
+    `logging.basicConfig(level=INFO)` when imported, which would print every library's INFO records for the
+    rest of the process (onnx_ir's pass logging, each with a full stack: ~150 stderr lines per int4 export).
+    The root logger is put back as it was; WARNING and above still reach stderr through Python's default."""
+    import logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(
+    for handler in root.handlers[:]:
+        if handler not in handlers:  # only what the import added: an application's own setup stays
+            root.removeHandler(handler)
+    root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
+def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, **nodes: Any) -> Any:
+    quantizer = quantizer_class()(
         proto, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
         # Its Gather quantisation is 4-bit only (at 8 bits it logs an error and leaves the Gather);
         # an 8-bit tied embedding is looked up in the lm_head's table instead (share_tied_embedding).
         op_types_to_quantize=("MatMul", "Gather") if bits == 4 else ("MatMul",),
         quant_axes=(("MatMul", 0), ("Gather", 1)), **nodes,
     )
-    quantizer.process()
+    # A block of zeros has scale 0: the quantiser divides by it inside np.where(scale == 0, 0, ...), which
+    # picks 0 there, yet numpy still warns about the division it discarded.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        quantizer.process()
     return quantizer.model.model
 
 

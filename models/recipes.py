@@ -9,6 +9,7 @@ export, runtime and parity can be exercised (and compared against HF eager) with
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,7 @@ def build_model(name: str, seed: int = 0, dtype: str = "float32"):
     import torch
     import transformers
 
-    recipe = _recipe(name)
+    recipe = get_recipe(name)
     config = transformers.AutoConfig.for_model(recipe.model_type, **recipe.config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -167,7 +168,7 @@ def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = Fals
 
     hf_logging.disable_progress_bar()
 
-    recipe = _recipe(name)
+    recipe = get_recipe(name)
     folder = Path(folder).absolute()
     # Only a folder this function wrote (it has the recipe marker) is ever replaced.
     check_output(folder, [], force=force, marker=RECIPE_MARKER, what="kvforge recipe folder")
@@ -191,7 +192,28 @@ def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = Fals
     return folder
 
 
-def _recipe(name: str) -> Recipe:
+def recipe_folder(name: str, folder: str | Path, say: Callable[[str], None] | None = None) -> bool:
+    """The recipe's Hugging Face folder at `folder`: reused when it already holds this recipe (its marker
+    says so), else built (replacing only a folder this module wrote). True when it was built now."""
+    say = say or (lambda _msg: None)
+    recipe = get_recipe(name)
+    folder = Path(folder)
+    marker = folder / RECIPE_MARKER
+    try:
+        written = json.loads(marker.read_text()) if marker.is_file() else {}
+        same = written.get("recipe") == name and written.get("seed", 0) == 0
+    except (OSError, ValueError, AttributeError):
+        same = False  # an unreadable marker: built again (materialize refuses a folder it did not write)
+    if same:
+        say(f"reusing the built-in recipe {name!r} in {folder}")
+        return False
+    say(f"building the built-in recipe {name!r} (random weights) in {folder}: {recipe.description}")
+    materialize(name, folder, force=True)
+    return True
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called `name`, or a one-line error naming the built-in ones."""
     if name not in RECIPES:
-        raise InputError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+        raise InputError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)} (`kvforge recipes` describes them)")
     return RECIPES[name]

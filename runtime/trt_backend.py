@@ -104,7 +104,8 @@ class TrtBackend:
         trt = self.tensorrt.module
         count = cuda.device_count()
         if count == 0:
-            raise BackendUnavailableError("the trt backend needs an NVIDIA GPU; CUDA reports none")
+            raise BackendUnavailableError("the tensorrt backend needs an NVIDIA GPU; CUDA reports none (`kvforge "
+                                          "doctor` shows what runs here)")
         if not 0 <= int(device_id) < count:
             raise InputError(f"device_id {device_id} but CUDA reports {count} GPUs (0..{count - 1})")
         self.device_id = int(device_id)

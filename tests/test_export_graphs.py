@@ -150,7 +150,7 @@ def test_unsupported_architecture_names_supported_ones(tmp_path) -> None:
 
 
 def test_missing_and_non_hf_folders(tmp_path) -> None:
-    with pytest.raises(InputError, match="is not a folder"):
+    with pytest.raises(InputError, match="nope does not exist; pass a local Hugging Face model folder or a .gguf file"):
         export_model(tmp_path / "nope", tmp_path / "out")
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError, match="no config.json"):

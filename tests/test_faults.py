@@ -219,7 +219,8 @@ def _cuda_missing() -> bool:
 # (id, setup(ctx) -> CLI args, exit code, message)
 CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
     # -- export -----------------------------------------------------------------------------------
-    ("export-missing-model", lambda c: ["export", str(c.tmp / "nope"), "-o", str(c.tmp / "out")], 2, "is not a folder"),
+    ("export-missing-model", lambda c: ["export", str(c.tmp / "nope"), "-o", str(c.tmp / "out")], 2,
+     "nope does not exist; pass a local Hugging Face model folder or a .gguf file (kvforge downloads nothing)"),
     ("export-no-config", lambda c: ["export", str((c.tmp / "empty").mkdir() or c.tmp / "empty"), "-o", str(c.tmp / "out")],
      2, "has no config.json"),
     ("export-config-not-json",
@@ -395,7 +396,8 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
      "Invalid value for '--max-new-tokens'"),
     # -- parity -------------------------------------------------------------------------------------
     ("parity-not-an-export", lambda c: ["parity", str(c.model), str(_user_folder(c))], 2, "not a kvforge export"),
-    ("parity-missing-model", lambda c: ["parity", str(c.tmp / "nope"), str(c.export)], 2, "is not a folder"),
+    ("parity-missing-model", lambda c: ["parity", str(c.tmp / "nope"), str(c.export)], 2,
+     "nope does not exist; pass a local Hugging Face model folder (kvforge downloads nothing)"),
     ("parity-zero-new-tokens", lambda c: ["parity", str(c.model), str(c.export), "--new-tokens", "0"], 2,
      "--new-tokens must be >= 1"),
     ("parity-negative-atol", lambda c: ["parity", str(c.model), str(c.export), "--atol", "-1"], 2, "--atol must be > 0"),

@@ -391,6 +391,14 @@ def test_a_device_id_beyond_the_gpus_is_refused(make_backend) -> None:
         make_backend(devices=2, device_id=2)
 
 
+def test_a_machine_without_a_gpu_is_named_with_the_backends_name(make_backend) -> None:
+    from kvforge.core.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError, match=r"^the tensorrt backend needs an NVIDIA GPU; CUDA reports none "
+                                                      r"\(`kvforge doctor` shows what runs here\)$"):
+        make_backend(devices=0)
+
+
 def test_the_stand_ins_flag_what_they_model() -> None:
     # Each check can fire: the tests above pass only because the backend avoids these.
     fake = FakeCuda(devices=2)

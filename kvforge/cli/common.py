@@ -95,7 +95,8 @@ def dequantised_hint(manifest: dict[str, Any]) -> str | None:
         return None
     weights = sum(r["bytes"] for name, r in manifest["files"].items() if name.endswith(".weights"))
     return (f"note: the GGUF's {'/'.join(quantized)} weights ({human_bytes(gguf['bytes'])}) were dequantised to "
-            f"{manifest['dtype']} ({human_bytes(weights)}); --quantize int4 (target ort) keeps them at 4 bits")
+            f"{manifest['dtype']} ({human_bytes(weights)}); --quantize int4 (target ort) re-quantises them to 4 bits "
+            "(round-to-nearest, blocks of 32: not the GGUF's own blocks)")
 
 
 def human_bytes(count: int) -> str:

@@ -315,7 +315,7 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
                    api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
                    chat_template=chat_template, backend=backend, engine_dir=engine_dir,
                    special_tokens_in_content=special_tokens_in_content)
-    where = f"{replicas} Ray Serve replicas" if use_ray else "one process"
+    where = serving_where(use_ray, replicas)
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only
         click.echo(f"kvforge: serving {export_dir} on {url or f'http://{host}:{port}/v1'} with {where} (Ctrl-C stops)",
@@ -341,6 +341,13 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
         raise KeyboardInterrupt  # kvforge: interrupted, exit 130 (cli._Group)
     if stopped_by == signal.SIGTERM:
         click.echo("kvforge: stopped (SIGTERM)", err=True)
+
+
+def serving_where(use_ray: bool, replicas: int) -> str:
+    """What serves the requests, as the ready line says it: 'one process', '1 Ray Serve replica', '2 ... replicas'."""
+    if not use_ray:
+        return "one process"
+    return f"{replicas} Ray Serve replica{'' if replicas == 1 else 's'}"
 
 
 def _allowed(host: str, allow_hosts: tuple[str, ...]) -> frozenset[str]:

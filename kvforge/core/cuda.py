@@ -19,9 +19,12 @@ def _cudart() -> Any:
     try:
         from cuda.bindings import runtime
     except ImportError as err:
+        # The hint names a GPU machine: there is nothing to install on one without (standard TensorRT and
+        # the engines run only on a GPU).
         raise BackendUnavailableError(
-            "backend 'tensorrt', and serving on backend 'ort-cuda', need cuda-python (cuda.bindings): "
-            "pip install 'kvforge[trt]' (or 'kvforge[gpu]' for ort-cuda)"
+            "the tensorrt backend (and serving on ort-cuda) runs on an NVIDIA GPU through cuda-python (cuda.bindings), "
+            "which is not installed: on a machine with an NVIDIA GPU and its driver, pip install 'kvforge[trt]' "
+            "(TensorRT and cuda-python; 'kvforge[gpu]' for ort-cuda); `kvforge doctor` shows what runs here"
         ) from err
     return runtime
 

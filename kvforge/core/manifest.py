@@ -29,7 +29,7 @@ Layout of the file (format "kvforge/3"; /2 repeated the KV layout under `model`)
       "generation": {...},              # generation_config.json's sampling defaults, if any
       "tools": {"torch": "2.13.0", "transformers": "...", "onnx": "...", "onnxscript": "..."},
       "quantization": {...},            # --quantize only; "accuracy" added by the measurement after publish
-      "export_seconds": {...}
+      "export_seconds": {...}           # load, trace, ..., total; gguf_convert (outside total) if converted now
     }
 
 The graph IO of each phase is `contract.GraphIO.of(phase, kv_layout)`; a manifest whose graphs
@@ -279,17 +279,29 @@ def _check_generation(generation: Any, path: Path, vocab_size: int) -> None:
         raise ManifestError(f"{path}: {err}") from None
 
 
+def _export_beside(model: Path) -> Path:
+    """Where to suggest exporting `model` (a folder, or a file without its suffix): NAME-export beside it."""
+    if model.name in ("", ".", ".."):  # `.`: its real name
+        model = model.resolve()
+    return model.with_name(f"{model.name}-export")
+
+
 def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, Any]:
     """Read and check `kvforge.json` (see the module docstring for what is checked).
     `verify_hashes` also re-hashes the large files (the weights), which reads them once."""
     folder = Path(folder)
     if not folder.is_dir():
+        if folder.is_file() and folder.suffix.lower() == ".gguf":
+            raise ManifestError(f"{folder} is a GGUF model file, not a kvforge export: export it first (`kvforge "
+                                f"export {folder} -o {_export_beside(folder.with_suffix(''))}`) and pass that folder")
         raise ManifestError(f"{folder} is not a folder; pass the output folder of `kvforge export`")
     path = folder / MANIFEST_NAME
     if not path.is_file():
-        raise ManifestError(
-            f"{folder} has no {MANIFEST_NAME}: it is not a kvforge export (run `kvforge export MODEL_DIR -o {folder}`)"
-        )
+        if (folder / "config.json").is_file():  # a model: exported into a folder of its own, never into itself
+            raise ManifestError(f"{folder} is a Hugging Face model folder, not a kvforge export: export it first "
+                                f"(`kvforge export {folder} -o {_export_beside(folder)}`) and pass that folder")
+        raise ManifestError(f"{folder} has no {MANIFEST_NAME}: it is not a kvforge export (`kvforge export MODEL_DIR "
+                            "-o OUT_DIR` makes one; pass OUT_DIR)")
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as err:

@@ -4,14 +4,18 @@ The exporter, builder and benchmark report progress as plain messages through a 
 each message starts a step. On a terminal, rich shows the running step with a spinner and its elapsed
 time, and keeps each finished step on screen with the time it took. Elsewhere (CI logs, pipes) each
 message is one line stamped with the time since the command began, so every printed time says what
-it covers.
+it covers; a step that runs long (tracing: about a minute) adds a "still ..." line every HEARTBEAT_S
+seconds, so a log never looks stuck.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any, TextIO
+
+HEARTBEAT_S = 15.0  # plain output: a "still <step> (N s)" line this often while one step runs
 
 
 class StepProgress:
@@ -30,12 +34,24 @@ class StepProgress:
             self._live = Progress(SpinnerColumn(finished_text="[green]done"), TimeElapsedColumn(),
                                   TextColumn("{task.description}"), console=Console(file=self.stream))
 
+        # Plain output's heartbeat: the running step's short name, when it began and when its next "still"
+        # line is due, guarded by a lock shared with the thread that prints those lines.
+        self._lock = threading.Lock()
+        self._step: tuple[str, float, float] | None = None
+        self._stop: threading.Event | None = None
+
     def __call__(self, message: str) -> None:
         if self.quiet:
             return
         if self._live is None:
-            elapsed = time.perf_counter() - self.began
-            print(f"[kvforge] [{elapsed:6.1f}s] {message}", file=self.stream, flush=True)
+            with self._lock:
+                self._print(message)
+                now = time.perf_counter()
+                self._step = (_short(message), now, now + HEARTBEAT_S)
+                if self._stop is None:
+                    self._stop = threading.Event()
+                    threading.Thread(target=self._heartbeat, args=(self._stop,), name="kvforge-progress",
+                                     daemon=True).start()
             return
         if self._task is None:
             self._live.start()
@@ -43,9 +59,39 @@ class StepProgress:
             self._live.update(self._task, total=1, completed=1)
         self._task = self._live.add_task(message, total=None)
 
+    def _print(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.began
+        print(f"[kvforge] [{elapsed:6.1f}s] {message}", file=self.stream, flush=True)
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(HEARTBEAT_S / 5):
+            with self._lock:
+                if self._step is None or stop.is_set():
+                    continue
+                name, began, due = self._step
+                now = time.perf_counter()
+                if now >= due:
+                    # A step is said as it starts ("tracing ..."); a report of one that ended ("exported ...",
+                    # "fused ...") is not what still runs.
+                    finished = name.split(" ")[0].endswith("ed")
+                    self._print(f"still working ({now - began:.0f} s after: {name})" if finished
+                                else f"still {name} ({now - began:.0f} s)")
+                    self._step = (name, began, due + HEARTBEAT_S)
+
     def close(self) -> None:
-        """Stop the live display (its last step marked done), so results print below it."""
+        """Stop the live display (its last step marked done), so results print below it; plain output's
+        heartbeat stops too."""
+        with self._lock:
+            if self._stop is not None:
+                self._stop.set()
+            self._stop, self._step = None, None
         if self._live is not None and self._task is not None:
             self._live.update(self._task, total=1, completed=1)
             self._live.stop()
             self._task = None
+
+
+def _short(message: str) -> str:
+    """A step's name for its heartbeat: its message up to the first detail ('tracing the model once (torch.onnx,
+    dynamo); ...' -> 'tracing the model once')."""
+    return message.split(";")[0].split(" (")[0].split(":")[0].strip()

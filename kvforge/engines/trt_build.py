@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,10 @@ def build_engines(
             return existing
         if why_not is not None:
             say(f"{why_not}: rebuilding")
+    replaced = _other_options(engine_dir, options)
+    if replaced is not None:  # e.g. --single-engine over the two engines of the line before: never silently
+        changes = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in replaced.items())
+        say(f"replacing the engines in {engine_dir}, built with other options ({changes}); --engine-dir keeps both")
     if plugin is not None:
         from kvforge.plugins import trt_plugin
 
@@ -204,7 +209,22 @@ def build_engines(
         (staging / ENGINES_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
         staged.publish()
     say(f"built {', '.join(sorted(builds))} in {time.perf_counter() - started:.1f}s into {engine_dir}")
+    if replaced is not None:  # reported (`build --json`), not recorded: engines.json describes these engines
+        return {**record, "replaced": {"options": {name: list(pair) for name, pair in replaced.items()}}}
     return record
+
+
+def _other_options(engine_dir: Path, options: BuildOptions) -> dict[str, tuple[Any, Any]] | None:
+    """The options the engines in `engine_dir` were built with, where they differ from `options`: {name: (old,
+    new)}; None when there are no engines there, their engines.json is unreadable, or the options are the same."""
+    try:
+        built = json.loads((engine_dir / ENGINES_MANIFEST).read_text()).get("options")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(built, dict):
+        return None
+    changed = {name: (built.get(name), new) for name, new in asdict(options).items() if built.get(name) != new}
+    return changed or None
 
 
 def _up_to_date(engine_dir: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:

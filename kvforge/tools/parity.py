@@ -160,7 +160,8 @@ class ParityReport:
             )
         if self.perplexity is not None:
             ppl = self.perplexity
-            lines.append(f"  perplexity on {ppl['tokens']} tokens of {ppl['text']} (windows of {ppl['window']}): "
+            lines.append(f"  perplexity on {ppl['tokens']} scored tokens (the first {ppl['text_tokens']} of {ppl['text']}, "
+                         f"windows of {ppl['window']}): "
                          f"export {ppl['export']:.4f}, HF {ppl['hf']:.4f}, relative difference "
                          f"{ppl['relative_difference']:.2e} (tolerance {ppl['tolerance']:g}"
                          + (", a rise over HF" if self.quantization is not None else "") + ")")
@@ -251,8 +252,10 @@ def run_parity(
         say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
         report.prompts.append(_prompt_parity(generator, other, model, text, ids, new_tokens, atol, no_eos))
     if perplexity_tokens:
-        say(f"perplexity on the first {perplexity_tokens} tokens of {PERPLEXITY_TEXT.name}")
-        report.perplexity = _perplexity(generator, model, perplexity_tokens, dtype)
+        ids = generator.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:perplexity_tokens]
+        say(f"perplexity on the first {len(ids)} tokens of {PERPLEXITY_TEXT.name}, in windows of {PERPLEXITY_WINDOW} "
+            f"(each window's first token is context, not scored: {_scored(len(ids))} scored)")
+        report.perplexity = _perplexity(generator, model, ids, dtype)
         if quantization is not None:
             report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization["bits"])]
     return report
@@ -297,11 +300,17 @@ def _prompt_parity(generator: Any, other: Any, model: Any, text: str, ids: list[
     return entry
 
 
-def _perplexity(generator: Any, model: Any, max_tokens: int, dtype: str) -> dict[str, Any]:
-    """Perplexity of the export and of HF eager on the same windows of the shipped text."""
+def _scored(tokens: int) -> int:
+    """How many of `tokens` consecutive tokens perplexity scores: all but each window's first (nothing before it
+    to predict it from); a window of one token scores none and is dropped."""
+    full, rest = divmod(tokens, PERPLEXITY_WINDOW)
+    return full * (PERPLEXITY_WINDOW - 1) + max(rest - 1, 0)
+
+
+def _perplexity(generator: Any, model: Any, ids: list[int], dtype: str) -> dict[str, Any]:
+    """Perplexity of the export and of HF eager on the same windows of `ids` (the shipped text's first tokens)."""
     import torch
 
-    ids = generator.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:max_tokens]
     windows = [ids[i : i + PERPLEXITY_WINDOW] for i in range(0, len(ids), PERPLEXITY_WINDOW)]
     windows = [w for w in windows if len(w) >= 2]
     ours, theirs = [], []
@@ -317,7 +326,8 @@ def _perplexity(generator: Any, model: Any, max_tokens: int, dtype: str) -> dict
     export_ppl = float(np.exp(-np.concatenate(ours).mean()))
     hf_ppl = float(np.exp(-np.concatenate(theirs).mean()))
     return {
-        "text": PERPLEXITY_TEXT.name, "tokens": int(sum(len(w) - 1 for w in windows)), "window": PERPLEXITY_WINDOW,
+        "text": PERPLEXITY_TEXT.name, "text_tokens": len(ids), "tokens": int(sum(len(w) - 1 for w in windows)),
+        "window": PERPLEXITY_WINDOW,
         "export": export_ppl, "hf": hf_ppl, "relative_difference": abs(export_ppl / hf_ppl - 1.0),
         "tolerance": PERPLEXITY_RTOL[dtype],
     }

@@ -1,0 +1,103 @@
+"""The documentation site (mkdocs.yml, docs/) and README stay true without building the site: README links
+every page, every code example is run by tests/test_readme_examples.py or marked as not run with its reason,
+every `kvforge` option an example or inline command uses exists, and the registry's tables are written into
+the pages by docs/hooks.py. (`mkdocs build --strict` itself runs in .ci/run.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+import click
+import pytest
+from test_readme_examples import NOT_RUN, ROOT, RUN, code_blocks
+
+from kvforge.cli import main
+
+DOCS = ROOT / "docs"
+PAGES = sorted(path.relative_to(ROOT).as_posix() for path in DOCS.glob("*.md"))
+README = (ROOT / "README.md").read_text()
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvforge_docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_links_every_docs_page_and_the_site_lists_each() -> None:
+    assert len(PAGES) >= 14
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in PAGES:
+        assert f"]({page}" in README, f"README does not link {page}"
+        assert f" {Path(page).name}\n" in nav, f"mkdocs.yml's nav does not list {page}"
+
+
+@pytest.mark.parametrize("page", ["README.md", *PAGES])
+def test_every_example_is_run_by_a_test_or_marked_with_why_not(page: str) -> None:
+    runs = [containing for where, containing in RUN if where == page]
+    for before, body in code_blocks(page):
+        picked = [containing for containing in runs if containing in body]
+        if before.startswith(NOT_RUN):
+            assert not picked, f"{page}: a block marked as not run is in RUN ({picked})"
+            assert before.rstrip().endswith("-->") and len(before) > len(NOT_RUN) + 8, f"{page}: say why: {before}"
+        else:
+            assert picked, (f"{page}: this block is neither run by tests/test_readme_examples.py (RUN) nor marked "
+                            f"'{NOT_RUN} REASON -->' on the line before it:\n{body}")
+    for containing in runs:  # each RUN entry picks out exactly one block of its page
+        assert sum(containing in body for _, body in code_blocks(page)) == 1, (page, containing)
+
+
+def _commands_in(page: str) -> list[str]:
+    """Every `kvforge COMMAND ...` a page shows: in its code blocks (up to a comment or a pipe) and in inline code."""
+    text = (ROOT / page).read_text()
+    found = []
+    for _, body in code_blocks(page):
+        for line in body.splitlines():
+            for match in re.finditer(r"(?:^|[|;&(]\s*)kvforge (.*)", line):
+                found.append("kvforge " + re.split(r"\s#|\s\|\s", match.group(1))[0])
+    found += re.findall(r"`(kvforge [a-z][^`]*)`", text)
+    return found
+
+
+@pytest.mark.parametrize("page", ["README.md", *PAGES])
+def test_every_kvforge_option_the_docs_use_exists(page: str) -> None:
+    commands: dict[str, click.Command] = main.commands  # type: ignore[attr-defined]
+    global_options = {option for param in main.params for option in param.opts}
+    for command_line in _commands_in(page):
+        words = command_line.split()
+        name = next((word for word in words[1:] if not word.startswith("-")), None)
+        if name in (None, "..."):  # `kvforge --debug ...`
+            assert all(word in global_options for word in words[1:] if word.startswith("--")), command_line
+            continue
+        assert name in commands, f"{page}: `{command_line}`: kvforge has no command {name!r}"
+        known = global_options | {option for param in commands[name].params for option in param.opts}
+        for option in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", command_line):
+            assert option in known, f"{page}: `{command_line}` uses {option}, which `kvforge {name}` does not have"
+
+
+def test_the_hook_writes_the_registrys_tables_into_the_pages() -> None:
+    from kvforge.models.coverage import coverage_table
+    from kvforge.models.families import support_table
+
+    hooks = _hooks()
+    page = (DOCS / "models.md").read_text()
+    assert "<!-- kvforge:support-table -->" in page and "<!-- kvforge:coverage-table -->" in page
+    rendered = hooks.on_page_markdown(page)
+    assert support_table() in rendered and coverage_table() in rendered and "<!-- kvforge:" not in rendered
+    with pytest.raises(ValueError, match="unknown kvforge table marker 'nope'"):
+        hooks.render("<!-- kvforge:nope -->")
+
+
+def test_readmes_coverage_summary_is_the_sweeps() -> None:
+    from kvforge.models.coverage import coverage_table, load_coverage
+    from kvforge.models.families import HAND_WRITTEN
+
+    assert coverage_table().splitlines()[0] in README, "README's coverage summary drifted: paste its first line"
+    passing = {name for name, row in load_coverage()["types"].items() if row["status"] == "pass"}
+    more = f"{len(passing - set(HAND_WRITTEN))} more model types"
+    assert more in README and more in (DOCS / "models.md").read_text()

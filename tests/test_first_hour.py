@@ -1,0 +1,304 @@
+"""A new user's first hour (issue 36): the built-in recipes listed and exported, path errors said before torch
+loads, a quantised export without library tracebacks, hints that point somewhere useful, and messages
+that agree with each other."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from kvforge.cli import dequantised_hint, main
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def kvforge_subprocess(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it: its own process (the logging setup and stderr are its own). Not from the
+    repository root, whose folders would shadow the installed package layout."""
+    return subprocess.run([sys.executable, "-m", "kvforge.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# -- kvforge recipes, kvforge export --recipe ---------------------------------------------------------------
+def test_recipes_lists_every_recipe_with_its_description() -> None:
+    from kvforge.models.recipes import RECIPES
+
+    code, out, _ = run("recipes")
+    assert code == 0
+    for name, recipe in RECIPES.items():
+        assert re.search(rf"^  {re.escape(name)} +{re.escape(recipe.model_type)} +{re.escape(recipe.description)}$",
+                         out, re.MULTILINE), name
+    assert "kvforge export --recipe NAME -o OUT_DIR" in out and "RANDOM" in out
+    code, out, _ = run("recipes", "--json")
+    listed = json.loads(out)["recipes"]
+    assert code == 0 and [r["name"] for r in listed] == list(RECIPES)
+    assert listed[0] == {"name": "llama-tiny", "model_type": "llama", "description": RECIPES["llama-tiny"].description,
+                         "random_weights": True}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-o", "OUT"], "give MODEL_DIR (a Hugging Face model folder or a .gguf file) or --recipe NAME"),
+        (["MODEL", "--recipe", "llama-tiny", "-o", "OUT"], "give MODEL_DIR or --recipe NAME, not both"),
+        (["--recipe", "llama-huge", "-o", "OUT"], "unknown recipe 'llama-huge'; choose one of llama-tiny, "),
+    ],
+    ids=["neither", "both", "unknown"],
+)
+def test_export_takes_a_model_or_a_recipe(args, message, tmp_path) -> None:
+    args = [str(tmp_path / a) if a in ("OUT", "MODEL") else a for a in args]
+    code, out, err = run("export", *args)
+    assert code == 2 and err.startswith("kvforge: error: ") and err.count("\n") == 1, err
+    assert message in err and out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_recipe_builds_its_folder_beside_the_output_and_exports_it(tmp_path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "tiny"
+    code, stdout, err = run("export", "--recipe", "llama-tiny", "-o", str(out))
+    assert code == 0, err
+    hf = tmp_path / "tiny.hf"
+    assert f"building the built-in recipe 'llama-tiny' (random weights) in {hf}" in err
+    assert json.loads((hf / "kvforge_recipe.json").read_text())["recipe"] == "llama-tiny"
+    manifest = json.loads((out / "kvforge.json").read_text())
+    assert manifest["model"]["source"] == str(hf.resolve())
+    assert stdout.startswith(f"exported LlamaForCausalLM (ort, fp32) to {out}")
+    # Exported again: the recipe's folder is reused, not rebuilt.
+    code, _, err = run("export", "--recipe", "llama-tiny", "-o", str(out), "--force")
+    assert code == 0 and f"reusing the built-in recipe 'llama-tiny' in {hf}" in err and "building" not in err
+
+
+# -- quantised export: no library stack traces ------------------------------------------------------------
+def test_a_quantised_export_prints_no_library_logging(hf_folder, tmp_path) -> None:
+    model = hf_folder("llama-tiny")
+    result = kvforge_subprocess("export", str(model), "-o", str(tmp_path / "int4"), "--quantize", "int4",
+                                "--lm-head-bits", "8", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Stack (most recent call last)" not in result.stderr
+    assert "[INFO]" not in result.stderr and "RuntimeWarning" not in result.stderr, result.stderr
+    assert all(line.startswith("[kvforge] ") for line in result.stderr.splitlines()), result.stderr
+    # ... and the report names the quantisation, not only the activations' dtype.
+    assert result.stdout.startswith(f"exported LlamaForCausalLM (ort, fp32, int4 weights, 8-bit lm_head) to "
+                                    f"{tmp_path / 'int4'}")
+
+
+def test_the_quantisers_import_leaves_the_root_logger_as_it_was(tmp_path) -> None:
+    pytest.importorskip("onnx_ir")
+    code = textwrap.dedent("""
+        import logging, warnings
+        from kvforge.exporter.quantize import quantizer_class
+        quantizer_class()
+        root = logging.getLogger()
+        print(root.level, len(root.handlers))
+        logging.getLogger("some.library").warning("a real warning is still shown")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(30), "0"]  # WARNING, no handler: as Python starts
+    assert "a real warning is still shown" in result.stderr
+
+
+# -- generate on a model folder ---------------------------------------------------------------------------
+def test_generate_on_a_model_folder_suggests_exporting_it_elsewhere(hf_folder) -> None:
+    folder = hf_folder("llama-tiny")
+    code, _, err = run("generate", str(folder), "--prompt", "hi")
+    assert code == 2
+    assert (f"{folder} is a Hugging Face model folder, not a kvforge export: export it first "
+            f"(`kvforge export {folder} -o {folder}-export`) and pass that folder") in err
+    assert f"-o {folder}`" not in err
+
+
+# -- export's path errors, before torch loads -------------------------------------------------------------
+PATH_CASES = {
+    "typo": ("modle", None, "{path} does not exist; pass a local Hugging Face model folder or a .gguf file "
+                            "(kvforge downloads nothing)"),
+    "hub-id": ("HuggingFaceTB/SmolLM2-135M", None,
+               "HuggingFaceTB/SmolLM2-135M does not exist here; it looks like a Hugging Face Hub id, but kvforge "
+               "downloads nothing: download it first (e.g. `hf download HuggingFaceTB/SmolLM2-135M --local-dir "
+               "SmolLM2-135M`) and pass that folder"),
+    "a-file": ("weights.bin", "file", "{path} is a file but not a .gguf file; pass a local Hugging Face model "
+                                      "folder (with config.json) or a .gguf file"),
+    "no-config": ("empty", "folder", "{path} has no config.json: not a Hugging Face model folder (nor a folder "
+                                     "with one .gguf file); pass the folder that holds config.json"),
+}
+
+
+def _make_path_case(tmp_path, name: str, kind: str | None):
+    path = tmp_path / name
+    if kind == "file":
+        path.write_bytes(b"\0" * 16)
+    elif kind == "folder":
+        path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("case", list(PATH_CASES))
+def test_export_says_what_is_wrong_with_the_model_path(case, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("torch")  # without the export extra, export says to install it first
+    name, kind, message = PATH_CASES[case]
+    _make_path_case(tmp_path, name, kind)
+    monkeypatch.chdir(tmp_path)  # a hub id is a relative path that does not exist here
+    code, _, err = run("export", name, "-o", str(tmp_path / "out"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert message.format(path=name) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_checks_the_model_path_before_torch_loads(tmp_path) -> None:
+    pytest.importorskip("torch")  # installed, yet not loaded by these errors
+    for name, kind, _message in PATH_CASES.values():
+        _make_path_case(tmp_path, name, kind)
+    code = textwrap.dedent(f"""
+        import json, sys, time
+        from click.testing import CliRunner
+        from kvforge.cli import main
+        started = time.perf_counter()
+        codes = [CliRunner().invoke(main, ["export", name, "-o", "out"]).exit_code for name in {[n for n, _, _ in PATH_CASES.values()]!r}]
+        print(json.dumps({{"codes": codes, "seconds": time.perf_counter() - started,
+                          "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["codes"] == [2] * len(PATH_CASES) and report["loaded"] == []
+    assert report["seconds"] < 3  # was 6-8 s each, torch loading first
+
+
+# -- the tensorrt backend's hints -------------------------------------------------------------------------
+def test_the_cuda_python_hint_names_the_backend_and_a_gpu_machine(monkeypatch) -> None:
+    from kvforge.core import cuda
+    from kvforge.core.errors import BackendUnavailableError
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # as where cuda-python is not installed
+    with pytest.raises(BackendUnavailableError) as caught:
+        cuda.device_count()
+    message = str(caught.value)
+    assert "trt backend" not in message
+    assert message == (
+        "the tensorrt backend (and serving on ort-cuda) runs on an NVIDIA GPU through cuda-python (cuda.bindings), "
+        "which is not installed: on a machine with an NVIDIA GPU and its driver, pip install 'kvforge[trt]' "
+        "(TensorRT and cuda-python; 'kvforge[gpu]' for ort-cuda); `kvforge doctor` shows what runs here")
+
+
+# -- small things ---------------------------------------------------------------------------------------------
+def test_the_dequantised_gguf_hint_says_int4_requantises() -> None:
+    manifest = {"dtype": "fp32", "files": {"model.weights": {"bytes": 538_000_000}},
+                "model": {"source_gguf": {"bytes": 98_362_432, "tensor_types": {"F32": 61, "Q4_1": 210}}}}
+    assert dequantised_hint(manifest) == (
+        "note: the GGUF's Q4_1 weights (98.4 MB) were dequantised to fp32 (538.0 MB); --quantize int4 (target ort) "
+        "re-quantises them to 4 bits (round-to-nearest, blocks of 32: not the GGUF's own blocks)")
+
+
+def test_progress_says_it_is_still_working_when_not_on_a_terminal(monkeypatch) -> None:
+    from kvforge.core import progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.1)
+    out = io.StringIO()
+    say = progress.StepProgress(stream=out)
+    say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
+    time.sleep(0.5)
+    say("lowering prefill attention for target ort")
+    say.close()
+    time.sleep(0.3)  # nothing after close
+    lines = out.getvalue().splitlines()
+    assert lines[-1].endswith("lowering prefill attention for target ort"), lines
+    beats = lines[1:-1]
+    assert len(beats) >= 2, lines
+    assert all(re.fullmatch(r"\[kvforge\] \[\s*[\d.]+s\] still tracing the model once \(\d+ s\)", b) for b in beats)
+    after = io.StringIO()  # a report of a finished step is not said to be still running
+    say = progress.StepProgress(stream=after)
+    say("exported to /tmp/x: load, trace, optimise and write took 7.0 s")
+    time.sleep(0.25)
+    say.close()
+    assert re.search(r"\] still working \(\d+ s after: exported to /tmp/x\)$", after.getvalue(), re.MULTILINE), \
+        after.getvalue()
+    quiet = io.StringIO()
+    say = progress.StepProgress(quiet=True, stream=quiet)
+    say("tracing")
+    time.sleep(0.25)
+    say.close()
+    assert quiet.getvalue() == ""
+
+
+def test_parity_says_how_many_of_the_texts_tokens_it_scores(hf_folder, exported) -> None:
+    code, out, err = run("parity", str(hf_folder("llama-tiny")), str(exported("llama-tiny")), "--new-tokens", "2",
+                         "--prompt", "hello", "--perplexity-tokens", "300")
+    assert code == 0, err
+    assert ("perplexity on the first 300 tokens of perplexity.txt, in windows of 256 (each window's first token "
+            "is context, not scored: 298 scored)") in err
+    assert "perplexity on 298 scored tokens (the first 300 of perplexity.txt, windows of 256): " in out
+
+
+def test_serve_says_replica_in_the_singular() -> None:
+    from kvforge.cli.run import serving_where
+
+    assert serving_where(True, 1) == "1 Ray Serve replica"
+    assert serving_where(True, 3) == "3 Ray Serve replicas"
+    assert serving_where(False, 2) == "one process"
+
+
+def test_the_demo_says_converted_once_and_reports_the_exporters_time(tmp_path, monkeypatch, hf_folder) -> None:
+    """The demo's GGUF path on a stand-in GGUF whose 'conversion' is the tiny Llama with a chat template."""
+    gguf = pytest.importorskip("gguf")
+    import importlib
+
+    import numpy as np
+
+    from kvforge.models import gguf as kv_gguf
+
+    demo = importlib.import_module("kvforge.cli.demo")  # `kvforge.cli.demo` the attribute is the click command
+    from conftest import CHAT_TEMPLATE
+
+    source = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def convert(_gguf_path, out) -> None:
+        shutil.copytree(hf_folder("llama-tiny"), out, dirs_exist_ok=True)
+        (out / "kvforge_recipe.json").unlink()
+        (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+    monkeypatch.setattr(kv_gguf, "_convert", convert)
+    monkeypatch.setattr(demo, "installed_real_model", lambda: source)
+    said: list[str] = []
+    info = demo.run_demo(tmp_path / "demo", max_new_tokens=2, say=said.append)
+    assert [m for m in said if m.startswith("converting ")], said
+    assert not [m for m in said if "reusing" in m], said
+    took = [m for m in said if m.startswith("exported to ")]
+    assert len(took) == 1, said
+    exporter = re.search(r"write took ([\d.]+) s; converting the GGUF before it took ([\d.]+) s", took[0])
+    assert exporter is not None, took
+    assert (f"{info['export_s']:.1f}", f"{info['convert_s']:.1f}") == exporter.groups()
+
+
+def test_build_says_when_it_replaces_engines_built_with_other_options(exported, tmp_path) -> None:
+    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+    folder = shutil.copytree(exported("llama-tiny", "onnx", "fp16"), tmp_path / "export")
+    shutil.rmtree(folder / "engines", ignore_errors=True)
+    code, _, err = run("build", str(folder), "--max-seq-len", "32", "--max-batch", "2")
+    assert code == 0, err
+    code, out, err = run("build", str(folder), "--max-seq-len", "32", "--single-engine", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["replaced"] == {"options": {"max_batch": [2, 1], "single_engine": [False, True]}}
+    code, _, err = run("build", str(folder), "--max-seq-len", "32")
+    assert code == 0, err
+    assert f"replacing the engines in {folder / 'engines'}, built with other options (single_engine True -> False)" \
+        in err
