@@ -49,6 +49,7 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4
     lm_head_bits: int | None = None  # 8: an 8-bit lm_head with int4
+    quant_method: str = "rtn"  # "rtn" | "hqq": how int4 values are chosen (exporter/quantize.py METHODS)
     kv_cache: str | None = None  # "int8": a quantised KV cache (targets with `kv_cache_dtypes`; exporter/kv_quant.py)
     force: bool = False  # replace an existing export at the output
     hf_dir: str | Path | None = None  # where a GGUF input is converted (default OUT_DIR.hf)
@@ -58,7 +59,7 @@ class ExportOptions:
         target = get_target(self.target)
         if self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits)
+        check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits, self.quant_method)
         passes = export_target(target.name)
         if self.quantize is not None and not passes.quantize:
             raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target.name}")
@@ -304,9 +305,10 @@ def _build_graphs(model, config, family: Family, layout: KVLayout, target: Targe
     say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
     quantization = None
     if options.quantize is not None:
-        say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, ONNX Runtime's MatMulNBits)")
+        say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
+            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)")
         prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
-                                               options.accuracy_level, options.lm_head_bits)
+                                               options.accuracy_level, options.lm_head_bits, options.quant_method)
         lap("quantize")
     kv_scales, kv_quant = None, None
     if options.kv_cache is not None:

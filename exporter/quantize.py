@@ -9,10 +9,12 @@ through a Transpose is materialised, so the quantiser sees a constant) and recor
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 
@@ -20,16 +22,29 @@ from kvforge.core.errors import ExportError, InputError
 from kvforge.exporter.trace import quiet_logger
 
 BITS = {"int4": 4, "int8": 8}
+# How the int4/int8 values are chosen, both ONNX Runtime's: "rtn" rounds each block to its nearest
+# symmetric grid (DefaultWeightOnlyQuantConfig); "hqq" is Half-Quadratic Quantization
+# (HQQWeightOnlyQuantConfig: asymmetric blocks, float zero points fitted by a proximal solver, no
+# calibration data; needs torch). HQQ cannot quantise a Gather: the embedding stays fp32.
+METHODS = ("rtn", "hqq")
 BLOCK_SIZES = (16, 32, 64, 128)
 # ONNX Runtime's MatMulNBits accuracy_level 4: int8 activations in the dot products (its fastest CPU path).
 DEFAULT_ACCURACY_LEVEL = 4
 
 
-def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bits: int | None = None) -> None:
+def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bits: int | None = None,
+                  method: str = "rtn") -> None:
+    if method not in METHODS:
+        raise InputError(f"--quant-method takes {', '.join(METHODS)}, not {method!r}")
     if quantize is None:
         if lm_head_bits is not None:
             raise InputError("--lm-head-bits goes with --quantize")
+        if method != "rtn":
+            raise InputError(f"--quant-method {method} goes with --quantize int4")
         return
+    if method == "hqq" and quantize != "int4":
+        raise InputError(f"--quant-method hqq takes --quantize int4 only (kvforge runs ONNX Runtime's HQQ at 4 bits; "
+                         f"8-bit rounding already costs little): use --quantize {quantize} with --quant-method rtn")
     if lm_head_bits not in (None, 8, BITS.get(quantize)):
         raise InputError(f"--lm-head-bits takes 8 (or the --quantize bits), not {lm_head_bits}")
     if quantize not in BITS:
@@ -142,7 +157,28 @@ def quantizer_class() -> type:
     return MatMulNBitsQuantizer
 
 
-def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, **nodes: Any) -> Any:
+def _hqq_config(bits: int, block_size: int) -> Any:
+    quantizer_class()  # the module imported without its logging side effect
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
+
+    return HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits, op_types_to_quantize=("MatMul",),
+                                    quant_axes=(("MatMul", 0),))
+
+
+def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, method: str = "rtn",
+                   **nodes: Any) -> Any:
+    if method == "hqq":
+        quantizer = quantizer_class()(proto, bits=bits, block_size=block_size, algo_config=_hqq_config(bits, block_size),
+                                      **nodes)
+        # (its torch.from_numpy warns that the weight array is read-only; it only reads it)
+        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            quantizer.process()
+        model = quantizer.model.model
+        for node in model.graph.node:  # HQQ's nodes carry no accuracy_level: the same one as RTN's
+            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
+        return model
     quantizer = quantizer_class()(
         proto, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
         # Its Gather quantisation is 4-bit only (at 8 bits it logs an error and leaves the Gather);
@@ -159,11 +195,12 @@ def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, 
 
 def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: int,
                    accuracy_level: int = DEFAULT_ACCURACY_LEVEL, lm_head_bits: int | None = None,
-                   ) -> tuple[ir.Model, dict[str, Any]]:
+                   method: str = "rtn") -> tuple[ir.Model, dict[str, Any]]:
     """The quantised model (weights in memory) and a record of what was quantised. `lm_head_bits=8`
     with int4 keeps the lm_head at 8 bits: on small models it carries much of int4's accuracy cost
     (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
-    (84 -> 98 MB there); see benchmarks/README.md."""
+    (84 -> 98 MB there); see benchmarks/README.md. `method` "hqq" chooses the int4 values with ONNX
+    Runtime's HQQ instead of rounding (an 8-bit lm_head is still rounded); docs/quantisation.md compares them."""
     tied = _materialise_transposed_weights(model)
     # A tied embedding's lookup is left to share_tied_embedding (the lm_head's table), not quantised apart.
     tied_lookups = [node.name for node in model.graph
@@ -179,18 +216,20 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
                 # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
                 others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
                 proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
-                proto = _run_quantizer(proto, 4, block_size, accuracy_level, nodes_to_exclude=head + tied_lookups)
+                proto = _run_quantizer(proto, 4, block_size, accuracy_level, method, nodes_to_exclude=head + tied_lookups)
             else:
-                proto = _run_quantizer(proto, bits, block_size, accuracy_level, nodes_to_exclude=tied_lookups)
+                proto = _run_quantizer(proto, bits, block_size, accuracy_level, method, nodes_to_exclude=tied_lookups)
         except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
-            raise ExportError(f"ONNX Runtime's {quantize} quantiser failed: {type(err).__name__}: {err}") from err
+            raise ExportError(f"ONNX Runtime's {quantize} ({method}) quantiser failed: {type(err).__name__}: {err}") from err
     quantized = ir.from_proto(proto)
     shared = share_tied_embedding(quantized, tied)
     ops = Counter(node.op_type for node in quantized.graph)
     bits_of = Counter(int(node.attributes["bits"].value) for node in quantized.graph
                       if node.op_type in ("MatMulNBits", "GatherBlockQuantized") and "bits" in node.attributes)
     record = {
-        "method": "onnxruntime MatMulNBitsQuantizer (block-wise, symmetric)",
+        "method": ("onnxruntime MatMulNBitsQuantizer (block-wise, symmetric)" if method == "rtn" else
+                   "onnxruntime MatMulNBitsQuantizer, HQQ (block-wise, asymmetric, float zero points)"),
+        "quant_method": method,
         "bits": bits, "block_size": block_size, "accuracy_level": accuracy_level,
         "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left_fp32": ops.get("MatMul", 0),
         "embedding_quantized": ops.get("GatherBlockQuantized", 0) > 0,

@@ -90,6 +90,46 @@ def test_int4_with_an_int8_lm_head(quantized) -> None:
     assert json.loads((folder / "kvforge.json").read_text())["quantization"]["lm_head_bits"] == 8
 
 
+@pytest.mark.parametrize("lm_head_bits", [None, 8])
+def test_hqq_export_records_its_method_and_keeps_int4_parity(lm_head_bits, quantized, hf_folder) -> None:
+    folder = quantized("int4", quant_method="hqq", lm_head_bits=lm_head_bits)
+    ops, model = _ops(folder)
+    assert ops["MatMul"] == 0 and ops["MatMulNBits"] == 4 * LAYERS + 1
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    bits = Counter(a.i for n in nodes for a in n.attribute if a.name == "bits")
+    assert bits == ({4: 4 * LAYERS, 8: 1} if lm_head_bits else {4: 4 * LAYERS + 1})
+    # HQQ's blocks are asymmetric: each 4-bit MatMulNBits reads a zero point; all keep kvforge's accuracy_level.
+    four = [n for n in nodes if any(a.name == "bits" and a.i == 4 for a in n.attribute)]
+    assert all(len(n.input) == 4 and n.input[3] for n in four)
+    assert all(any(a.name == "accuracy_level" and a.i == 4 for a in n.attribute) for n in nodes)
+    quant = json.loads((folder / "kvforge.json").read_text())["quantization"]
+    assert quant["quant_method"] == "hqq" and "HQQ" in quant["method"] and quant["lm_head_bits"] == (lm_head_bits or 4)
+    # HQQ leaves a Gather alone: the tied embedding shares an 8-bit (rounded) lm_head's table, else stays fp32.
+    assert quant["embedding_shares_lm_head"] == (lm_head_bits == 8)
+    load_manifest(folder, verify_hashes=True)
+    report = run_parity(hf_folder(RECIPE), folder, new_tokens=8, perplexity_tokens=200)
+    assert report.perplexity["tolerance"] == 0.30  # the int4 gate, as for rounding
+    assert report.passed, report.failure_reason()
+
+
+def test_rtn_is_the_default_and_recorded(quantized) -> None:
+    quant = json.loads((quantized("int4") / "kvforge.json").read_text())["quantization"]
+    assert quant["quant_method"] == "rtn" and "symmetric" in quant["method"]
+
+
+def test_quant_method_on_the_command_line(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from kvforge.cli import export_kind, main
+
+    result = CliRunner().invoke(main, ["export", "--recipe", RECIPE, "-o", str(tmp_path / "out"), "--quantize", "int8",
+                                       "--quant-method", "hqq"])
+    assert result.exit_code != 0 and "--quant-method hqq takes --quantize int4 only" in result.output
+    assert not (tmp_path / "out").exists()
+    manifest = {"target": "ort", "dtype": "fp32", "quantization": {"bits": 4, "lm_head_bits": 8, "quant_method": "hqq"}}
+    assert export_kind(manifest) == "ort, fp32, int4 weights (hqq), 8-bit lm_head"
+
+
 def test_quantized_export_generates_and_parity_gates_on_perplexity(quantized, hf_folder, monkeypatch) -> None:
     folder = quantized("int8")
     result = Generator(folder).generate([[1, 50, 60, 70]], max_new_tokens=8, ignore_eos=True)
@@ -127,6 +167,9 @@ def test_quantized_logits_are_close_to_fp32(quantized, exported) -> None:
         (dict(quantize="int4", target="onnx"), "use it with --target ort, not onnx"),
         (dict(lm_head_bits=8), "--lm-head-bits goes with --quantize"),
         (dict(quantize="int4", lm_head_bits=2), "--lm-head-bits takes 8"),
+        (dict(quantize="int4", quant_method="gptq"), "--quant-method takes rtn, hqq, not 'gptq'"),
+        (dict(quant_method="hqq"), "--quant-method hqq goes with --quantize int4"),
+        (dict(quantize="int8", quant_method="hqq"), "--quant-method hqq takes --quantize int4 only"),
     ],
 )
 def test_quantize_option_errors(options, message, hf_folder, tmp_path) -> None:

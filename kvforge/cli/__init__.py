@@ -166,13 +166,16 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantisation block size (16/32/64/128).")
 @click.option("--lm-head-bits", type=int, default=None,
               help="With --quantize int4: 8 keeps the lm_head at 8 bits (more accurate, more bytes per token).")
+@click.option("--quant-method", type=click.Choice(["rtn", "hqq"]), default="rtn", show_default=True,
+              help="With --quantize int4: rtn rounds each block; hqq fits each block with ONNX Runtime's HQQ "
+                   "(no calibration data; keeps the embedding fp32). docs/quantisation.md compares them.")
 @click.option("--kv-cache", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
               help="Quantised KV cache (target ort: GroupQueryAttention's int8 cache, per-channel scales calibrated "
                    "at export).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
-           hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, kv_cache: str | None,
-           as_json: bool) -> None:
+           hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str,
+           kv_cache: str | None, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
     --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
@@ -188,7 +191,8 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     from kvforge.exporter.export import ExportOptions, export_model
 
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
-                            block_size=block_size, lm_head_bits=lm_head_bits, kv_cache=kv_cache)
+                            block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
+                            kv_cache=kv_cache)
     options.resolve()  # bad options are said before a recipe is built
     progress = command_progress(False)
     if recipe is not None:
@@ -241,7 +245,7 @@ def export_kind(manifest: dict[str, Any]) -> str:
     parts = [manifest["target"], manifest["dtype"]]
     quant = manifest.get("quantization")
     if quant:
-        parts.append(f"int{quant['bits']} weights")
+        parts.append(f"int{quant['bits']} weights" + (f" ({quant['quant_method']})" if quant.get("quant_method", "rtn") != "rtn" else ""))
         if quant.get("lm_head_bits") not in (None, quant["bits"]):
             parts.append(f"{quant['lm_head_bits']}-bit lm_head")
     kv = manifest.get("kv_cache_quantization")
