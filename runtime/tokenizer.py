@@ -180,20 +180,3 @@ def _gpt2_byte_chars() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
-
-
-def _has_byte_level_decoder(decoder: Any) -> bool:
-    if not isinstance(decoder, dict):
-        return False
-    return decoder.get("type") == "ByteLevel" or any(_has_byte_level_decoder(d) for d in decoder.get("decoders") or [])
-
-
-def _gpt2_byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> character table (byte-level BPE vocabularies spell bytes with it)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table

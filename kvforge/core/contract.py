@@ -104,9 +104,9 @@ class KVLayout:
             value = kv.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ManifestError(f"kv_cache.{name} must be a positive integer, got {value!r}; re-run the export")
-        if kv["max_capacity"] > MAX_POSITIONS:  # cache buckets are planned up to it
+        if kv["max_capacity"] > MAX_CONTEXT:  # cache buckets are planned up to it
             raise ManifestError(f"kv_cache.max_capacity {kv['max_capacity']} is beyond any real context (at most "
-                                f"{MAX_POSITIONS}); the manifest was crafted or corrupted: re-run the export")
+                                f"{MAX_CONTEXT}); the manifest was crafted or corrupted: re-run the export")
         if kv.get("dtype") not in ITEMSIZE:
             raise ManifestError(
                 f"kv_cache.dtype must be one of {', '.join(ITEMSIZE)}, got {kv.get('dtype')!r}; re-run the export"
@@ -157,7 +157,7 @@ class GraphIO:
 
 
 MAX_VOCAB_SIZE = 1 << 24  # 16.7M: far beyond real vocabularies (~260k), far below a crafted 1e12
-MAX_POSITIONS = 1 << 24  # 16.7M positions: beyond the longest contexts (10M), far below a crafted 1e15
+MAX_CONTEXT = 1 << 24  # 16.7M positions: beyond the longest contexts (10M), far below a crafted 1e15
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class ModelSpec:
         # Each field's type is checked here, so a crafted value fails in one line naming it, not
         # deep in the runtime (int("x") of a pad id, a list where a count goes).
         _check_optional_int(model, "hidden_size", minimum=1)
-        _check_optional_int(model, "max_position_embeddings", minimum=1, maximum=MAX_POSITIONS)
+        _check_optional_int(model, "max_position_embeddings", minimum=1, maximum=MAX_CONTEXT)
         _check_optional_int(model, "sliding_window", minimum=0)
         check_token_ids(model, "model", model["vocab_size"])
         eos = model.get("eos_token_id")
