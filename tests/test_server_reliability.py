@@ -236,7 +236,15 @@ def test_sigterm_cuts_requests_in_flight_with_json_and_a_log_line_each(exported,
 
         with ThreadPoolExecutor(40) as pool:
             futures = [pool.submit(post, i) for i in range(40)]
-            time.sleep(1.0)
+            # SIGTERM once the server holds all 40 (one not yet accepted would be refused, rightly, by a
+            # server that stops listening): waiting + running, from /metrics.
+            for _ in range(300):
+                metrics = httpx.get(f"{base}/metrics", timeout=10).text
+                held = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                           if line.startswith(("kvforge_queue_length ", "kvforge_running_requests ")))
+                if held >= 40:
+                    break
+                time.sleep(0.05)
             process.send_signal(signal.SIGTERM)
             responses = [f.result() for f in futures]
         assert process.wait(timeout=30) == 0
