@@ -16,8 +16,9 @@ result appended to OUT/gpu_check.json as it lands, a log in OUT/gpu_check.log, a
   batch       a batch of prompts of different lengths = each prompt alone; prompt-lookup speculation = greedy
   serving     the Scheduler on ort-cuda (chunked prefill, rows moving, a second turn from the prefix store)
               = each request alone; `kvforge serve --backend ort-cuda` over HTTP = the Generator
+  step_profile  benchmarks/gpu_step_profile.py on the SmolLM2-135M-shape fp16 export: replay vs host work, kernels
   bench       SmolLM2-135M shape fp16: `kvforge bench --backend ort-cuda --compare hf,hf-compiled --batch 1,8`,
-              and kvforge without CUDA graphs
+              and kvforge without CUDA graphs and with greedy picks on the host
 
 Sections whose GPU stack is missing record why and skip. `--backend ort-cpu` runs the same checks on the
 CPU (without the CUDA-graph variants and the GPU benchmark): how the script itself is tested before a
@@ -47,6 +48,7 @@ class Run:
         self.out, self.work, self.budget = out, work, budget
         self.started = time.perf_counter()
         self.results: dict[str, Any] = {}
+        self.background: dict[str, subprocess.Popen] = {}  # export folder name -> its export process
         out.mkdir(parents=True, exist_ok=True)
         self.log_file = open(out / "gpu_check.log", "a")  # noqa: SIM115 (open for the whole run)
 
@@ -111,13 +113,30 @@ def hf_folder(run: Run, recipe: str) -> Path:
     return folder
 
 
-def export(run: Run, recipe: str, target: str = "ort", dtype: str = "fp16") -> Path:
+def export(run: Run, recipe: str, target: str = "ort", dtype: str = "fp16", merge_pairs: bool | None = None) -> Path:
     from kvforge.exporter.export import export_model
 
-    folder = run.work / "exports" / f"{recipe}-{target}-{dtype}"
+    folder = run.work / "exports" / f"{recipe}-{target}-{dtype}{'' if merge_pairs is None else '-pairs' if merge_pairs else '-nopairs'}"
+    started = run.background.pop(folder.name, None)
+    if started is not None:  # exported beside the earlier sections (export is CPU work): wait for it
+        started.wait()
     if not (folder / "kvforge.json").is_file():
-        export_model(hf_folder(run, recipe), folder, target=target, dtype=dtype, force=True)
+        export_model(hf_folder(run, recipe), folder, target=target, dtype=dtype, force=True, merge_pairs=merge_pairs)
     return folder
+
+
+def _export_in_background(run: Run, recipe: str, merge_pairs: bool | None) -> None:
+    """Start `export(run, recipe, merge_pairs=...)` in its own process; `export` waits for it."""
+    suffix = "" if merge_pairs is None else "-pairs" if merge_pairs else "-nopairs"
+    name = f"{recipe}-ort-fp16{suffix}"
+    if (run.work / "exports" / name / "kvforge.json").is_file():
+        return
+    hf = hf_folder(run, recipe)
+    code = ("import sys; from kvforge.exporter.export import export_model; "
+            f"export_model({str(hf)!r}, {str(run.work / 'exports' / name)!r}, target='ort', dtype='fp16', force=True, "
+            f"merge_pairs={merge_pairs!r})")
+    log = open(run.out / f"export_{name}.log", "w")  # noqa: SIM115 (the process writes it)
+    run.background[name] = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
 
 
 def prepare(run: Run) -> dict[str, Any]:
@@ -395,12 +414,16 @@ def bench(run: Run) -> dict[str, Any]:
     # What `kvforge bench EXPORT --backend ort-cuda --compare hf,hf-compiled --batch 1,8 --json` runs (the same
     # function), with a time limit per system so that a slow compilation costs only its own figures.
     # kvforge and Hugging Face eager take ~20 s each; torch.compile gets the rest of the budget.
-    for label, options, peers in (("no_graphs", {"cuda_graphs": False}, ()), ("bench", {}, PEERS)):
+    # A/B rows first (kvforge only, ~6 s each), then the figures of record with the peers.
+    nopairs = export(run, "smollm2-135m-shape", merge_pairs=False)
+    rows = (("flash_attention", folder, {"decode_attention": "flash"}, ()), ("host_greedy", folder, {"device_greedy": False}, ()),
+            ("nopairs", nopairs, {}, ()), ("bench", folder, {}, PEERS))
+    for label, where, options, peers in rows:
         left = run.budget - (time.perf_counter() - run.started) - 10
         if left < 40:
             result[label] = {"skipped": "time budget spent"}
             continue
-        report = run_gpu_bench(folder, "ort-cuda", (1, 8), repeat=5, compare=peers, say=run.log,
+        report = run_gpu_bench(where, "ort-cuda", (1, 8), repeat=5, compare=peers, say=run.log,
                                backend_options=options, worker_timeout=max(30.0, left - 45))
         result[label] = report
         table = format_gpu_table(report)
@@ -411,9 +434,28 @@ def bench(run: Run) -> dict[str, Any]:
     return result
 
 
+def step_profile(run: Run) -> dict[str, Any]:
+    """benchmarks/gpu_step_profile.py on the SmolLM2-shape export: the decode step's time, replay against
+    the host work around it, and its kernels (CUPTI)."""
+    if BACKEND != "ort-cuda":
+        raise Skip("the step profile needs --backend ort-cuda")
+    _need_cuda()
+    script = Path(__file__).with_name("gpu_step_profile.py")
+    text, ok = "", True
+    for folder, variants in ((export(run, "smollm2-135m-shape"), "default,flash-attention,host-greedy"),
+                             (export(run, "smollm2-135m-shape", merge_pairs=False), "default")):
+        proc = subprocess.run([sys.executable, str(script), str(folder), "--out", str(run.out / folder.name),
+                               "--variants", variants, "--steps", "200"], capture_output=True, text=True, timeout=300)
+        text += f"== {folder.name}\n{proc.stdout}\n{proc.stderr[-3000:] if proc.returncode else ''}"
+        ok = ok and proc.returncode == 0
+        run.log(f"\n== {folder.name}\n" + proc.stdout)
+    (run.out / "step_profile.txt").write_text(text)
+    return {"passed": ok, "summary": text[-300:]}
+
+
 SECTIONS: dict[str, Callable[[Run], Any]] = {
     "env": env, "decode": decode, "families": families, "bf16": bf16, "onnx": onnx_target, "batch": batch,
-    "serving": serving, "bench": bench,
+    "serving": serving, "bench": bench, "step_profile": step_profile,
 }
 
 
@@ -436,6 +478,9 @@ def main() -> None:
         run.section("prepare", prepare)
         return
     chosen = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    if BACKEND == "ort-cuda" and {"step_profile", "bench"} & set(chosen):
+        _export_in_background(run, "smollm2-135m-shape", None)
+        _export_in_background(run, "smollm2-135m-shape", False)
     for name in chosen:
         run.section(name, SECTIONS[name])
     run.log("summary: " + json.dumps({name: _short(result) for name, result in run.results.items()}, default=str))

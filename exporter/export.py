@@ -53,13 +53,17 @@ class ExportOptions:
     kv_cache: str | None = None  # "int8": a quantised KV cache (targets with `kv_cache_dtypes`; exporter/kv_quant.py)
     force: bool = False  # replace an existing export at the output
     hf_dir: str | Path | None = None  # where a GGUF input is converted (default OUT_DIR.hf)
+    # gate/up MatMuls merged into one: None = where it pays (int4/int8, ort fp16/bf16: optimize.fuse_graph);
+    # the Python API's switch for benchmarks that compare the two graphs
+    merge_pairs: bool | None = None
 
     def resolve(self) -> Target:
         """The target's registry entry, after checking every option against it."""
         target = get_target(self.target)
         if self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits, self.quant_method)
+        check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits, self.quant_method,
+                       self.accuracy_level)
         passes = export_target(target.name)
         if self.quantize is not None and not passes.quantize:
             raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target.name}")
@@ -300,15 +304,24 @@ def _build_graphs(model, config, family: Family, layout: KVLayout, target: Targe
     lap("trace")
     optimize_graph(prefill)
     lap("optimize")
-    fused = fuse_graph(prefill, target, quantized=options.quantize is not None)
+    fused = fuse_graph(prefill, target, quantized=options.quantize is not None, dtype=options.dtype,
+                       merge_pairs=options.merge_pairs)
     lap("fuse")
     say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
     quantization = None
     if options.quantize is not None:
+        from kvforge.exporter.quantize import default_lm_head_bits
+
+        parameters = sum(p.numel() for p in model.parameters())
+        lm_head_bits, why = options.lm_head_bits, None
+        if lm_head_bits is None:
+            lm_head_bits, why = default_lm_head_bits(options.quantize, parameters)
         say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
-            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)")
+            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else ""))
         prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
-                                               options.accuracy_level, options.lm_head_bits, options.quant_method)
+                                               options.accuracy_level, lm_head_bits, options.quant_method)
+        if why:
+            quantization["lm_head_bits_default"] = why
         lap("quantize")
     kv_scales, kv_quant = None, None
     if options.kv_cache is not None:

@@ -81,16 +81,22 @@ def exact_no_op_rules() -> list[Any]:
             pattern.RewriteRule(mul, identity, exactly(1.0)), pattern.RewriteRule(div, identity, exactly(1.0))]
 
 
-def fuse_graph(model: Any, target: Target, quantized: bool = False) -> dict[str, int]:
+def fuse_graph(model: Any, target: Target, quantized: bool = False, dtype: str = "fp32",
+               merge_pairs: bool | None = None) -> dict[str, int]:
     """The fusions of exporter/fusions.py that suit `target`: ONNX Runtime's normalization and rotary
     contrib ops where the target runs on ONNX Runtime's contrib ops; merged parallel MatMuls (q/k/v)
-    for every target, and pairs (gate/up) too when the weights are about to be `quantized`."""
+    for every target, and pairs (gate/up) too when the weights are about to be `quantized` or an `ort`
+    export is fp16/bf16 (ONNX Runtime CUDA's dtypes: at batch 1 each MatMul is one ~3.5 us cuBLAS
+    kernel on an H100, so one merged GEMM and a Split beat two GEMMs; benchmarks/README.md).
+    `merge_pairs`: that choice forced either way (benchmarks compare the two)."""
     from kvforge.exporter.fusions import drop_reshape_round_trips, fuse_for_ort, fuse_parallel_matmuls
     from kvforge.exporter.targets import export_target
 
     counts = fuse_for_ort(model) if export_target(target.name).ort_fusions else {}
     counts["parallel_matmuls"] = fuse_parallel_matmuls(model)
-    if quantized:
+    if merge_pairs is None:
+        merge_pairs = quantized or (target.name == "ort" and dtype in ("fp16", "bf16"))
+    if merge_pairs:
         counts["paired_matmuls"] = fuse_parallel_matmuls(model, group_size=2)
     counts["reshape_round_trips"] = drop_reshape_round_trips(model)
     return counts

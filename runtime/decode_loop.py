@@ -116,7 +116,7 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
             counts.drafted += step.drafted
             counts.accepted += step.accepted_drafts
         else:
-            step = engine.decode()
+            step = engine.decode(keep_logits=keep_logits)
             if keep_logits:
                 kept_logits.append(step.logits.copy())
         if grammar:

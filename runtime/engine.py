@@ -73,6 +73,9 @@ class StepEngine:
         # none, a step is an argmax (the common greedy case, kept cheap: it runs once per token).
         self._picking = 0
         self._feed: dict[int, np.ndarray] = {}  # a decode step's token ids, one buffer per batch size
+        # ort-cuda's greedy picks on the device (runtime/device_pick.py): used while no row needs its
+        # Picker and the caller keeps no logits; B token ids come back instead of [B, V] logits.
+        self._device_greedy = bool(getattr(backend, "device_greedy", False))
 
     @property
     def cache(self) -> Any:
@@ -152,9 +155,11 @@ class StepEngine:
         accepted, failed = self._pick_accept(range(len(prompts)), logits, 0)
         return Step([accepted], logits, failed=failed)
 
-    def decode(self, view: Slot | None = None) -> Step:
+    def decode(self, view: Slot | None = None, keep_logits: bool = False) -> Step:
         """One token for every running row of `view` (this slot, or one over its first rows: the
-        scheduler's batch buckets); the others are fed the pad token at their frozen past_lens."""
+        scheduler's batch buckets); the others are fed the pad token at their frozen past_lens.
+        `keep_logits`: the step's logits are wanted (Step.logits); otherwise a backend that picks greedy
+        tokens on its device may leave them there (Step.logits is then None)."""
         slot = view if view is not None else self.slot
         batch = slot.cache.batch
         feed = self._feed.get(batch)
@@ -175,15 +180,29 @@ class StepEngine:
             mask[running] = True
         for at in running:
             feed[at] = self.rows[at].tokens[-1]
+        if self._device_greedy and not self._picking and not keep_logits:
+            tokens, totals = self.backend.decode_greedy(slot, feed, mask)
+            self._advance(slot, mask)
+            self.check(totals if len(occupied) == batch else totals[occupied], self.steps)
+            out = []
+            for at in occupied:
+                row = self.rows[at]
+                if row.stopper.reason is None:
+                    token = int(tokens[at])
+                    out.append(Accepted(at, row, token, row.accept(token), None))
+            return Step([out])
         logits = self.backend.decode(slot, feed, mask)
+        self._advance(slot, mask)
+        accepted, failed = self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
+                                             self.steps)
+        return Step([accepted], logits, failed=failed)
+
+    def _advance(self, slot: Slot, mask: np.ndarray | None) -> None:
         if mask is None:
             slot.cache.past_lens += 1
         else:
             slot.cache.past_lens[mask] += 1
         self.steps += 1
-        accepted, failed = self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
-                                             self.steps)
-        return Step([accepted], logits, failed=failed)
 
     def verify(self, draft_len: int, max_new_tokens: int, view: Slot | None = None) -> Step | None:
         """Each running row's prompt-lookup draft checked in one prefill call at its past_lens: fed its

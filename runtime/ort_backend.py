@@ -43,6 +43,7 @@ from kvforge.core.contract import (
 )
 from kvforge.core.errors import InputError, KvforgeError, ManifestError
 from kvforge.runtime.backend import Limits
+from kvforge.runtime.device_pick import PICK_DTYPES, DevicePicker, PickBinding
 from kvforge.runtime.kv_cache import KVCache
 from kvforge.runtime.ort_sessions import (
     _QUIET_RUN,
@@ -53,6 +54,15 @@ from kvforge.runtime.ort_sessions import (
     open_session,
     providers_for,
 )
+
+# ort-cuda's decode attention (`decode_attention`): "auto", ONNX Runtime's own choice (cuDNN's SDPA on
+# compute capability >= 9.0, after a kernel that rotates and appends the new rows), the default; or
+# "flash", ONNX Runtime's flash attention first (rotation and append inside its decode kernel), with
+# memory-efficient and unfused attention as its fallbacks. On an H100 "flash" was the slower: SmolLM2-135M
+# shape, fp16, batch 1, a replayed decode step 1.42 ms against 1.11 ms (benchmarks/README.md, "The decode
+# step on an H100"). The CUDA provider's `sdpa_kernel` bits: flash 1, efficient 2, math 16.
+DECODE_ATTENTION = ("auto", "flash")
+SDPA_FLASH_FIRST = 1 | 2 | 16
 
 
 @dataclass
@@ -71,6 +81,9 @@ class OrtSlot:
     # the device (fixed addresses: what a CUDA graph replays); and the decode runs' options (graph id).
     device_values: dict[str, ort.OrtValue] = field(default_factory=dict)
     decode_options: ort.RunOptions | None = None
+    # ort-cuda with device greedy: the pick graph's binding over the decode logits and the host arrays
+    # it fills (each row's argmax, and its logits' sum: the NaN check), runtime/device_pick.py
+    pick: PickBinding | None = None
 
 
 class OrtBackend:
@@ -104,6 +117,8 @@ class OrtBackend:
         max_capacity: int | None = None,
         spinning: bool = True,
         cuda_graphs: bool | None = None,
+        device_greedy: bool | None = None,
+        decode_attention: str = "auto",
     ) -> None:
         self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
         self.kv = KVLayout.from_manifest(manifest)
@@ -120,6 +135,9 @@ class OrtBackend:
         self._device_lock = threading.Lock()
         self._graph_ids = itertools.count(1)
         self.session_mode = sessions
+        if decode_attention not in DECODE_ATTENTION:
+            raise InputError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, got {decode_attention!r}")
+        self.decode_attention = decode_attention
         self.sessions: dict[str, ort.InferenceSession] = {}
         opening = dict(device=device, threads=threads, spinning=spinning, sessions=sessions,
                        custom_ops_library=self.custom_ops_library)
@@ -137,6 +155,18 @@ class OrtBackend:
         self.allocations = 0
         self._runs_lock = threading.Lock()
         self.limits = Limits.from_manifest(manifest, max_capacity=max_capacity)
+        if device_greedy is not None and not isinstance(device_greedy, bool):
+            raise InputError(f"device_greedy must be True or False, got {device_greedy!r}")
+        if device_greedy and not self.on_device:
+            raise InputError("device_greedy is an option of backend 'ort-cuda' (greedy picks on the GPU)")
+        # The pick reads the decode graph's [B, V] logits buffer: decode.onnx's own session, a dtype numpy has.
+        self.picker: DevicePicker | None = None
+        if (self.on_device and device_greedy is not False and sessions != "single"
+                and np.dtype(self.logits_dtype) in PICK_DTYPES):
+            self.picker = DevicePicker(np.dtype(self.logits_dtype), device, device_id,
+                                       cuda_graphs=self.cuda_graphs)
+        self.device_greedy = self.picker is not None
+        self.device_greedy_refused: str | None = None  # why the pick graph stopped running, where it did
 
     def _check_device(self, cuda_graphs: bool | None, sessions: str) -> None:
         """What the device itself rules out: bf16 on the CPU, an fp32 `ort` export on CUDA, CUDA graphs
@@ -167,9 +197,8 @@ class OrtBackend:
               opening: dict[str, Any]) -> ort.InferenceSession:
         file = self.folder / self.manifest["graphs"][phase]["file"]
         graphs = self.cuda_graphs and phase == "decode"
-        if graphs:
-            providers = [("CUDAExecutionProvider", {"device_id": self.device_id, "enable_cuda_graph": "1"}),
-                         "CPUExecutionProvider"]
+        if self.device == "cuda" and phase == "decode" and self.session_mode != "single":
+            providers = self._decode_providers(graphs)
         try:
             return open_session(self.folder, self.manifest, phase, providers, **opening)
         except Exception as err:  # onnxruntime raises its own Fail/InvalidGraph types
@@ -178,7 +207,17 @@ class OrtBackend:
             # CUDA graphs were the default, not asked for: a graph ONNX Runtime will not capture (a node it
             # keeps on the CPU) still runs, step by step; its reason is kept.
             self.cuda_graphs, self.cuda_graphs_refused = False, one_line(err)
-        return open_session(self.folder, self.manifest, phase, providers_for(self.device, self.device_id), **opening)
+        return open_session(self.folder, self.manifest, phase, self._decode_providers(False), **opening)
+
+    def _decode_providers(self, graphs: bool) -> list[Any]:
+        """The decode session's CUDA provider: its CUDA graph, and the attention kernels its
+        GroupQueryAttention may pick (`decode_attention`)."""
+        options: dict[str, str] = {"device_id": str(self.device_id)}
+        if graphs:
+            options["enable_cuda_graph"] = "1"
+        if self.decode_attention == "flash":
+            options["sdpa_kernel"] = str(SDPA_FLASH_FIRST)
+        return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
     # -- the backend protocol (runtime/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> OrtSlot:
@@ -236,6 +275,8 @@ class OrtBackend:
             }
             inputs = slot.device_values
             slot.decode_options = self._decode_run_options()
+            if self.picker is not None:
+                slot.pick = self.picker.bind(slot.device_values[LOGITS], batch)
         for phase, session in self.sessions.items():
             binding = session.io_binding()
             order: list[str] = []
@@ -341,6 +382,24 @@ class OrtBackend:
         slot.decode_ids[:, 0] = token_ids
         return self._run(slot, "decode")
 
+    def decode_greedy(self, slot: OrtSlot, token_ids: np.ndarray,
+                      running: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step whose tokens are picked on the device (device_greedy): token_ids [B] -> (each
+        row's argmax [B] int64, each row's logits summed [B, 1], NaN where the row holds a NaN). The
+        logits stay in the device buffer."""
+        slot.cache.check_fits(1, running)
+        slot.decode_ids[:, 0] = token_ids
+        with self._device_lock:
+            self._run_on_device(slot, "decode", logits_back=False)
+            if self.picker is not None:
+                try:
+                    token, total = self.picker.run(slot.pick)
+                    return token, total.reshape(-1, 1)
+                except Exception as err:  # ONNX Runtime's own types: pick on the host from now on, say why
+                    self.picker, self.device_greedy_refused = None, one_line(err)
+            logits = slot.device_values[LOGITS].numpy().reshape(slot.cache.batch, self.vocab_size).astype(np.float32)
+        return logits.argmax(-1), logits.sum(-1, keepdims=True)
+
     def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
         if self.on_device:
             with self._device_lock:
@@ -349,7 +408,7 @@ class OrtBackend:
         # float32 logits are returned as a view of the slot's buffer: valid until its next run.
         return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)
 
-    def _run_on_device(self, slot: OrtSlot, phase: str) -> np.ndarray:
+    def _run_on_device(self, slot: OrtSlot, phase: str, logits_back: bool = True) -> np.ndarray | None:
         """Upload the step's inputs into the slot's device buffers (bound once, at fixed addresses),
         run, and copy the logits back: the decode step's from its device buffer, prefill's ONNX Runtime
         copies into the host buffer bound as its output."""
@@ -367,6 +426,8 @@ class OrtBackend:
         binding.synchronize_inputs()
         self._session_run(slot, phase, slot.decode_options if phase == "decode" else _QUIET_RUN)
         binding.synchronize_outputs()
+        if not logits_back:
+            return None
         if phase == "decode":
             return values[LOGITS].numpy().reshape(slot.cache.batch, self.vocab_size).astype(np.float32, copy=False)
         return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)

@@ -60,7 +60,7 @@ def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
     assert bad.exit_code == 2 and "--compare takes hf, ort-genai; got vllm" in bad.output
     bad = CliRunner().invoke(main, ["bench", folder, "--repeat", "0"])
     assert bad.exit_code == 2 and "--repeat must be >= 1, got 0" in bad.output
-    with pytest.raises(KvforgeError, match="missing is not a folder; pass the output folder of `kvforge export`"):
+    with pytest.raises(KvforgeError, match="missing does not exist; pass the output folder of `kvforge export`"):
         bench.run_bench(tmp_path / "missing")
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvforge.core import cuda
+from kvforge.core.errors import InputError
 from kvforge.core.manifest import load_manifest
 from kvforge.runtime import GenerationRequest, Generator
 from kvforge.runtime.ort_backend import OrtBackend
@@ -140,3 +141,128 @@ def test_row_views_bind_the_same_memory(pair, cudart) -> None:
     assert [(k.tolist(), v.tolist()) for k, v in back] == [(k.tolist(), v.tolist()) for k, v in rows]
     key, _ = view.cache.read(1)
     assert key.shape[0] == 2 and (key[1, :, :3] == 1).all()
+
+
+# -- greedy picks on the device (runtime/device_pick.py) ---------------------------------------------
+def _count_picks(backend: OrtBackend, monkeypatch) -> list[int]:
+    picks = [0]
+    run = backend.picker.run
+
+    def counted(*args):
+        picks[0] += 1
+        return run(*args)
+
+    monkeypatch.setattr(backend.picker, "run", counted)
+    return picks
+
+
+def test_bare_greedy_steps_pick_on_the_device_with_the_host_paths_tokens(pair, monkeypatch) -> None:
+    cpu, device = pair
+    assert device.backend.device_greedy
+    picks = _count_picks(device.backend, monkeypatch)
+    assert _greedy(device, PROMPTS) == _greedy(cpu, PROMPTS)
+    assert picks[0] == 11  # 12 tokens: the first from the prefill's logits, 11 decode steps picked there
+    # A row that needs its logits (logprobs) or a caller keeping them reads them back instead.
+    picks[0] = 0
+    sampled = device.generate(PROMPTS[:1], max_new_tokens=6, greedy=True, ignore_eos=True, logprobs=2)
+    assert sampled.tokens == _greedy(cpu, PROMPTS[:1], 6) and picks[0] == 0
+    kept = device.generate(PROMPTS[:1], max_new_tokens=6, greedy=True, ignore_eos=True, keep_logits=True)
+    assert picks[0] == 0 and len(kept.logits) == 6
+
+
+def test_serving_picks_on_the_device_with_solo_tokens(pair, cudart, monkeypatch) -> None:
+    cpu, device = pair
+    picks = _count_picks(device.backend, monkeypatch)
+    scheduler = Scheduler(device, max_batch=4, max_seq_len=96, prefill_chunk=8).start()
+    try:
+        handles = [scheduler.submit(GenerationRequest(p, 9, SamplingConfig(greedy=True), ignore_eos=True))
+                   for p in PROMPTS]
+        assert [h.result()[0] for h in handles] == [_greedy(cpu, [p], 9)[0] for p in PROMPTS]
+    finally:
+        scheduler.close()
+    assert picks[0] > 0
+
+
+def test_device_greedy_off_reads_the_logits_back(exported) -> None:
+    folder = exported("llama-tiny", "ort")
+    backend = SimulatedDevice(folder, load_manifest(folder), device_greedy=False)
+    assert not backend.device_greedy and backend.picker is None
+    with pytest.raises(InputError, match="device_greedy is an option of backend 'ort-cuda'"):
+        OrtBackend(folder, load_manifest(folder), device_greedy=True)
+    with pytest.raises(InputError, match="device_greedy must be True or False"):
+        SimulatedDevice(folder, load_manifest(folder), device_greedy="yes")
+
+
+def pick_model(dtype) -> bytes:
+    """What kvforge/data/device_pick_*.onnx must hold: ArgMax and ReduceSum over the last axis."""
+    from onnx import TensorProto, helper
+
+    element = {np.dtype(np.float16): TensorProto.FLOAT16, np.dtype(np.float32): TensorProto.FLOAT}[np.dtype(dtype)]
+    graph = helper.make_graph(
+        [helper.make_node("ArgMax", ["scores"], ["token"], axis=-1, keepdims=0),
+         helper.make_node("ReduceSum", ["scores", "axes"], ["total"], keepdims=0)],
+        "kvforge_device_pick",
+        [helper.make_tensor_value_info("scores", element, ["batch", "vocab"])],
+        [helper.make_tensor_value_info("token", TensorProto.INT64, ["batch"]),
+         helper.make_tensor_value_info("total", element, ["batch"])],
+        initializer=[helper.make_tensor("axes", TensorProto.INT64, [1], [-1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="kvforge")
+    model.ir_version = 9  # what onnxruntime 1.17+ reads
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_stored_pick_graphs_are_the_argmax_and_sum_graph(dtype) -> None:
+    from kvforge.runtime.device_pick import pick_model_bytes
+
+    # To change them: write pick_model(dtype) to kvforge/data/device_pick_{float16,float32}.onnx.
+    assert pick_model_bytes(np.dtype(dtype)) == pick_model(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_pick_graph_is_numpys_argmax_and_flags_nan_rows(dtype) -> None:
+    import onnxruntime as ort
+
+    from kvforge.runtime.device_pick import DevicePicker
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 300)).astype(dtype)
+    logits[1, [17, 200]] = 9.0  # a tie: the first index, as numpy's argmax (and ONNX's ArgMax) pick
+    logits[2, 5] = np.nan
+    picker = DevicePicker(np.dtype(dtype), "cpu")
+    pick = picker.bind(ort.OrtValue.ortvalue_from_numpy(logits), 4)
+    token, total = picker.run(pick)
+    expected = logits.argmax(-1)
+    assert token[[0, 1, 3]].tolist() == expected[[0, 1, 3]].tolist() and token[1] == 17
+    assert np.isnan(total).tolist() == [False, False, True, False]
+    logits[2, 5] = 0.0  # the same binding reads the buffer's new contents
+    token, total = picker.run(pick)
+    assert token.tolist() == logits.argmax(-1).tolist() and not np.isnan(total).any()
+
+
+def test_a_nan_picked_on_the_device_is_a_numerical_error(pair, monkeypatch) -> None:
+    from kvforge.core.errors import NumericalError
+
+    _, device = pair
+    run = device.backend.picker.run
+
+    def poisoned(pick):
+        token, total = run(pick)
+        return token, np.full_like(total, np.nan)
+
+    monkeypatch.setattr(device.backend.picker, "run", poisoned)
+    with pytest.raises(NumericalError, match="the model produced NaN logits at step 1"):
+        _greedy(device, PROMPTS[:1], 4)
+
+
+def test_decode_attention_goes_to_the_cuda_providers_decode_session(exported) -> None:
+    folder = exported("llama-tiny", "ort")
+    auto = SimulatedDevice(folder, load_manifest(folder))
+    cuda, options = auto._decode_providers(True)[0]
+    assert cuda == "CUDAExecutionProvider" and options["enable_cuda_graph"] == "1" and "sdpa_kernel" not in options
+    flash = SimulatedDevice(folder, load_manifest(folder), decode_attention="flash")
+    # flash attention first (1), memory-efficient (2) and unfused (16) as fallbacks; cuDNN (8) left out
+    assert flash._decode_providers(False)[0][1]["sdpa_kernel"] == "19"
+    with pytest.raises(InputError, match="decode_attention must be one of auto, flash, got 'cudnn'"):
+        SimulatedDevice(folder, load_manifest(folder), decode_attention="cudnn")

@@ -92,9 +92,14 @@ def test_engine_layout_and_weight_copies(tmp_path) -> None:
     assert engine_layout(one)["decode"] == {"file": "prefill.engine", "graph": "prefill", "profile": 1}
     (tmp_path / "kvforge.json").write_text("{}")
     gpu = {"name": "GPU", "compute_capability": "9.0"}
-    rec_two = engines_manifest(tmp_path, _manifest(), two, "k", TRT, gpu, {}, 1.0, "0.1.0")
-    rec_one = engines_manifest(tmp_path, _manifest(), one, "k", TRT, gpu, {}, 1.0, "0.1.0")
-    assert rec_two["weights_on_gpu_bytes"] == 2000 and rec_one["weights_on_gpu_bytes"] == 1000
+    builds = {"prefill.engine": {"bytes": 1300}, "decode.engine": {"bytes": 1200}}
+    rec_two = engines_manifest(tmp_path, _manifest(), two, "k", TRT, gpu, {}, 1.0, "0.1.0", builds)
+    rec_one = engines_manifest(tmp_path, _manifest(), one, "k", TRT, gpu, {}, 1.0, "0.1.0",
+                               {"prefill.engine": {"bytes": 1900}})
+    # what the files hold, not a claim about copies: a TensorRT-RTX engine with two profiles stores most
+    # weights per profile (docs/tensorrt-and-gpus.md)
+    assert rec_two["engine_bytes"] == 2500 and rec_one["engine_bytes"] == 1900
+    assert rec_two["weights_bytes"] == rec_one["weights_bytes"] == 1000 and "weights_on_gpu_bytes" not in rec_one
     assert rec_two["capacity_buckets"][0] == 64 and rec_two["capacity_buckets"][-1] == 4096
     assert rec_two["static_capacity"] is False
     assert rec_two["profiles"]["decode"]["input_ids"] == [[1, 1], [1, 1], [1, 1]]

@@ -271,13 +271,15 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
      "Invalid value for '--dtype'"),
     # -- generate: broken or crafted folders ------------------------------------------------------------
     # -- serve (fails before it binds anything) ---------------------------------------------------
-    ("serve-missing-folder", lambda c: ["serve", str(c.tmp / "nope")], 2, "is not a folder"),
+    ("serve-missing-folder", lambda c: ["serve", str(c.tmp / "nope")], 2, "nope does not exist; pass the output folder"),
     ("serve-not-an-export", lambda c: ["serve", str(_user_folder(c))], 2, "not a kvforge export"),
     ("serve-max-seq-len-over-capacity", lambda c: ["serve", str(c.export), "--max-seq-len", "999999"], 2,
      "max_seq_len must be between 2 and the export's"),
     ("serve-ray-not-an-export", lambda c: ["serve", str(_user_folder(c)), "--ray"], 2, "is not a kvforge export folder"),
     ("generate-not-an-export", lambda c: ["generate", str(_user_folder(c)), "--prompt", "hi"], 2, "not a kvforge export"),
-    ("generate-missing-folder", lambda c: ["generate", str(c.tmp / "nope"), "--prompt", "hi"], 2, "is not a folder"),
+    ("generate-missing-folder", lambda c: ["generate", str(c.tmp / "nope"), "--prompt", "hi"], 2, "nope does not exist; pass the output folder"),
+    ("generate-on-a-file", lambda c: ["generate", str(_w(c.tmp / "notes.txt", "x")), "--prompt", "hi"], 2,
+     "notes.txt is a file, not a folder; pass the output folder"),
     ("generate-manifest-not-json", lambda c: ["generate", str(_w(c.export_copy() / "kvforge.json", "{").parent),
                                               "--prompt", "hi"], 2, "is not valid JSON"),
     ("generate-manifest-a-list", lambda c: ["generate", str(_w(c.export_copy() / "kvforge.json", "[]").parent),

@@ -100,7 +100,7 @@ def test_tensorrt_engines_match_hf(target, dtype, single, hf_folder, exported, t
     started = time.perf_counter()
     record = build_engines(folder, engine_dir, max_batch=4, max_seq_len=512, single_engine=single)
     print(f"build {target} {dtype} single={single}: {time.perf_counter() - started:.1f}s, "
-          f"weights on GPU {record['weights_on_gpu_bytes']} bytes")
+          f"engines {record['engine_bytes']} bytes")
     assert build_engines(folder, engine_dir, max_batch=4, max_seq_len=512, single_engine=single) == record  # reused
     report = run_parity(hf_folder("mistral-tiny"), folder, new_tokens=32, backend="tensorrt",
                         backend_options={"engine_dir": engine_dir})

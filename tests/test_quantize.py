@@ -46,9 +46,13 @@ def _ops(folder, phase="decode"):
     return Counter(node.op_type for node in model.graph.node), model
 
 
+ALL = {"int4": {"lm_head_bits": 4}, "int8": {}}  # every weight at the --quantize bits (a small model's int4 default
+# keeps the lm_head at 8 bits: test_a_small_models_int4_keeps_an_8_bit_lm_head_by_default)
+
+
 @pytest.mark.parametrize("bits", ["int4", "int8"])
 def test_quantized_export_has_no_fp32_matmul_and_records_its_cost(bits: str, quantized) -> None:
-    folder = quantized(bits)
+    folder = quantized(bits, **ALL[bits])
     ops, model = _ops(folder)
     assert ops["MatMul"] == 0 and ops["MatMulNBits"] > 0  # the lm_head too
     assert {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {int(bits[3:])}
@@ -79,7 +83,18 @@ def test_quantized_export_has_no_fp32_matmul_and_records_its_cost(bits: str, qua
 def test_quantized_weights_are_smaller(quantized, exported) -> None:
     fp32 = json.loads((exported(RECIPE, "ort") / "kvforge.json").read_text())["weights_sharing"]["weights_bytes"]
     for bits, most in (("int4", 0.35), ("int8", 0.6)):
-        assert json.loads((quantized(bits) / "kvforge.json").read_text())["quantization"]["weights_bytes"] < most * fp32
+        assert json.loads((quantized(bits, **ALL[bits]) / "kvforge.json").read_text())["quantization"]["weights_bytes"] < most * fp32
+
+
+def test_a_small_models_int4_keeps_an_8_bit_lm_head_by_default(quantized) -> None:
+    from kvforge.exporter.quantize import default_lm_head_bits
+
+    quant = json.loads((quantized("int4") / "kvforge.json").read_text())["quantization"]
+    assert quant["lm_head_bits"] == 8 and "the default for models under 1B parameters" in quant["lm_head_bits_default"]
+    assert default_lm_head_bits("int4", 7_000_000_000) == (None, None)  # a large model: every weight at 4 bits
+    assert default_lm_head_bits("int8", 135_000_000) == (None, None)
+    assert "lm_head_bits_default" not in json.loads((quantized("int4", lm_head_bits=4) / "kvforge.json")
+                                                    .read_text())["quantization"]
 
 
 def test_int4_with_an_int8_lm_head(quantized) -> None:
@@ -90,20 +105,20 @@ def test_int4_with_an_int8_lm_head(quantized) -> None:
     assert json.loads((folder / "kvforge.json").read_text())["quantization"]["lm_head_bits"] == 8
 
 
-@pytest.mark.parametrize("lm_head_bits", [None, 8])
+@pytest.mark.parametrize("lm_head_bits", [4, 8])
 def test_hqq_export_records_its_method_and_keeps_int4_parity(lm_head_bits, quantized, hf_folder) -> None:
     folder = quantized("int4", quant_method="hqq", lm_head_bits=lm_head_bits)
     ops, model = _ops(folder)
     assert ops["MatMul"] == 0 and ops["MatMulNBits"] == 4 * LAYERS + 1
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     bits = Counter(a.i for n in nodes for a in n.attribute if a.name == "bits")
-    assert bits == ({4: 4 * LAYERS, 8: 1} if lm_head_bits else {4: 4 * LAYERS + 1})
+    assert bits == ({4: 4 * LAYERS, 8: 1} if lm_head_bits == 8 else {4: 4 * LAYERS + 1})
     # HQQ's blocks are asymmetric: each 4-bit MatMulNBits reads a zero point; all keep kvforge's accuracy_level.
     four = [n for n in nodes if any(a.name == "bits" and a.i == 4 for a in n.attribute)]
     assert all(len(n.input) == 4 and n.input[3] for n in four)
     assert all(any(a.name == "accuracy_level" and a.i == 4 for a in n.attribute) for n in nodes)
     quant = json.loads((folder / "kvforge.json").read_text())["quantization"]
-    assert quant["quant_method"] == "hqq" and "HQQ" in quant["method"] and quant["lm_head_bits"] == (lm_head_bits or 4)
+    assert quant["quant_method"] == "hqq" and "HQQ" in quant["method"] and quant["lm_head_bits"] == lm_head_bits
     # HQQ leaves a Gather alone: the tied embedding shares an 8-bit (rounded) lm_head's table, else stays fp32.
     assert quant["embedding_shares_lm_head"] == (lm_head_bits == 8)
     load_manifest(folder, verify_hashes=True)
@@ -128,6 +143,23 @@ def test_quant_method_on_the_command_line(tmp_path) -> None:
     assert not (tmp_path / "out").exists()
     manifest = {"target": "ort", "dtype": "fp32", "quantization": {"bits": 4, "lm_head_bits": 8, "quant_method": "hqq"}}
     assert export_kind(manifest) == "ort, fp32, int4 weights (hqq), 8-bit lm_head"
+
+
+def test_accuracy_level_on_the_command_line_reaches_every_matmulnbits(tmp_path) -> None:
+    import onnx
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "--recipe", RECIPE, "-o", str(out), "--quantize", "int4",
+                                       "--accuracy-level", "1"])
+    assert result.exit_code == 0, result.output
+    nodes = [n for n in onnx.load(out / "prefill.onnx", load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    assert nodes and all(any(a.name == "accuracy_level" and a.i == 1 for a in n.attribute) for n in nodes)
+    assert json.loads((out / "kvforge.json").read_text())["quantization"]["accuracy_level"] == 1
+    bad = CliRunner().invoke(main, ["export", "--recipe", RECIPE, "-o", str(tmp_path / "x"), "--accuracy-level", "7"])
+    assert bad.exit_code == 2 and "'--accuracy-level': 7 is not in the range 1<=x<=4" in bad.output
 
 
 def test_quantized_export_generates_and_parity_gates_on_perplexity(quantized, hf_folder, monkeypatch) -> None:
@@ -170,6 +202,8 @@ def test_quantized_logits_are_close_to_fp32(quantized, exported) -> None:
         (dict(quantize="int4", quant_method="gptq"), "--quant-method takes rtn, hqq, not 'gptq'"),
         (dict(quant_method="hqq"), "--quant-method hqq goes with --quantize int4"),
         (dict(quantize="int8", quant_method="hqq"), "--quant-method hqq takes --quantize int4 only"),
+        (dict(quantize="int4", accuracy_level=0), "--accuracy-level takes 1 (fp32), 2 (fp16), 3 (bf16), 4 (int8), not 0"),
+        (dict(accuracy_level=1), "--accuracy-level goes with --quantize"),
     ],
 )
 def test_quantize_option_errors(options, message, hf_folder, tmp_path) -> None:

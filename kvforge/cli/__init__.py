@@ -165,17 +165,21 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Weight-only quantisation (ONNX Runtime MatMulNBits; target ort); its accuracy cost is measured.")
 @click.option("--block-size", default=32, show_default=True, type=int, help="Quantisation block size (16/32/64/128).")
 @click.option("--lm-head-bits", type=int, default=None,
-              help="With --quantize int4: 8 keeps the lm_head at 8 bits (more accurate, more bytes per token).")
+              help="With --quantize int4: 8 keeps the lm_head at 8 bits (more accurate, more bytes per token; the "
+                   "default for models under 1B parameters), 4 quantises it with the rest.")
 @click.option("--quant-method", type=click.Choice(["rtn", "hqq"]), default="rtn", show_default=True,
               help="With --quantize int4: rtn rounds each block; hqq fits each block with ONNX Runtime's HQQ "
                    "(no calibration data; keeps the embedding fp32). docs/quantisation.md compares them.")
+@click.option("--accuracy-level", type=click.IntRange(1, 4), default=4, show_default=True,
+              help="With --quantize: the precision ONNX Runtime's CPU MatMulNBits multiplies in: 4 int8 "
+                   "activations (fastest), 1 fp32 (most accurate, much slower decode: docs/quantisation.md).")
 @click.option("--kv-cache", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
               help="Quantised KV cache (target ort: GroupQueryAttention's int8 cache, per-channel scales calibrated "
                    "at export).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str,
-           kv_cache: str | None, as_json: bool) -> None:
+           accuracy_level: int, kv_cache: str | None, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
     --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
@@ -192,7 +196,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
 
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
-                            kv_cache=kv_cache)
+                            accuracy_level=accuracy_level, kv_cache=kv_cache)
     options.resolve()  # bad options are said before a recipe is built
     progress = command_progress(False)
     if recipe is not None:
@@ -283,7 +287,8 @@ def recipes(as_json: bool) -> None:
 @click.option("--max-input-len", type=int, help="Longest prefill chunk (default: --max-seq-len).")
 @click.option("--max-seq-len", type=int, help="Largest KV cache capacity (default: min(model limit, 4096)).")
 @click.option("--single-engine", is_flag=True,
-              help="One engine from prefill.onnx with a prefill and a decode profile: the weights once on the GPU.")
+              help="One engine from prefill.onnx with a prefill and a decode profile (one file; TensorRT-RTX still "
+                   "stores most weights once per profile: docs/tensorrt-and-gpus.md).")
 @click.option("--plugin-shared-mem", "plugin_shared_kib", type=int, metavar="KIB",
               help="trt target: compile the attention plugin within this much shared memory (48: no opt-in "
                    "above 48 KiB needed to launch it; smaller tiles). Default: up to the GPU's limit.")
@@ -315,7 +320,8 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
         trt = record["tensorrt"]
         capacity = "fixed at" if record["static_capacity"] else "up to"
         click.echo(f"for {record['gpu']['name']} ({trt['flavor']} {trt['version']}); KV capacity {capacity} "
-                   f"{record['options']['max_seq_len']}; weights on GPU {record['weights_on_gpu_bytes'] / 1e6:.1f} MB")
+                   f"{record['options']['max_seq_len']}; engines {record['engine_bytes'] / 1e6:.1f} MB for "
+                   f"{record['weights_bytes'] / 1e6:.1f} MB of weights")
 
 
 @main.command()

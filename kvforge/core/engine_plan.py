@@ -172,7 +172,6 @@ def engines_manifest(
     how its attention was built."""
     weights = int(export_manifest.get("weights_sharing", {}).get("weights_bytes", 0))
     engines = engine_layout(options)
-    copies = len({entry["file"] for entry in engines.values()})
     buckets = engine_capacity_buckets(export_manifest, options)
     kv = KVLayout.from_manifest(export_manifest)
     return sealed({
@@ -191,9 +190,11 @@ def engines_manifest(
         "engines": engines,
         "profiles": {phase: {name: [list(s) for s in shapes] for name, shapes in
                              profile_shapes(export_manifest, options, phase).items()} for phase in engines},
-        # Each engine holds its own copy of the weights on the GPU.
+        # The export's weights, and what the engine files hold (about what they take on the GPU): two engines
+        # hold a copy each; one engine with two profiles, built by TensorRT-RTX 1.7, holds most weights once
+        # per profile too (docs/tensorrt-and-gpus.md, "One engine or two").
         "weights_bytes": weights,
-        "weights_on_gpu_bytes": weights * copies,
+        "engine_bytes": sum(int(entry.get("bytes", 0)) for entry in (builds or {}).values()),
         "files": files,
         "builds": builds or {},
         "build_seconds": round(build_seconds, 2),

@@ -294,7 +294,9 @@ def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, 
         if folder.is_file() and folder.suffix.lower() == ".gguf":
             raise ManifestError(f"{folder} is a GGUF model file, not a kvforge export: export it first (`kvforge "
                                 f"export {folder} -o {_export_beside(folder.with_suffix(''))}`) and pass that folder")
-        raise ManifestError(f"{folder} is not a folder; pass the output folder of `kvforge export`")
+        if not folder.exists():
+            raise ManifestError(f"{folder} does not exist; pass the output folder of `kvforge export`")
+        raise ManifestError(f"{folder} is a file, not a folder; pass the output folder of `kvforge export`")
     path = folder / MANIFEST_NAME
     if not path.is_file():
         if (folder / "config.json").is_file():  # a model: exported into a folder of its own, never into itself

@@ -87,6 +87,10 @@ def _work_kvforge(path: str, prompt_len: int, new: int, batches: list[int], repe
         out["tokens"][str(batch)] = first.tokens
     out["cuda_graphs"] = bool(getattr(gen.backend, "cuda_graphs", False))
     out["cuda_graphs_refused"] = getattr(gen.backend, "cuda_graphs_refused", None)
+    out["device_greedy"] = bool(getattr(gen.backend, "device_greedy", False))
+    out["device_greedy_refused"] = getattr(gen.backend, "device_greedy_refused", None)
+    out["pick_graph"] = getattr(getattr(gen.backend, "picker", None), "cuda_graphs", None)
+    out["decode_attention"] = getattr(gen.backend, "decode_attention", None)
     return out
 
 
@@ -250,7 +254,8 @@ def format_gpu_table(report: dict[str, Any]) -> str:
             lines.append(f"{name:<14}{batch:>6}{row['ttft_ms']:>10.2f}{row['decode_tokens_per_s']:>14.0f}"
                          f"{memory if memory is not None else float('nan'):>9.0f}{ratios}")
     graphs = report["systems"]["kvforge"].get("cuda_graphs")
-    lines.append(f"kvforge decode steps {'replayed from CUDA graphs' if graphs else 'run without CUDA graphs'}; "
+    picks = "greedy picks on the device" if report["systems"]["kvforge"].get("device_greedy") else "picks on the host"
+    lines.append(f"kvforge decode steps {'replayed from CUDA graphs' if graphs else 'run without CUDA graphs'}, {picks}; "
                  "GPU MB: the device's memory in use after the runs (CUDA context included)")
     return "\n".join(lines)
 
