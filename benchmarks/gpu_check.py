@@ -116,7 +116,7 @@ def hf_folder(run: Run, recipe: str) -> Path:
 def export(run: Run, recipe: str, target: str = "ort", dtype: str = "fp16", merge_pairs: bool | None = None) -> Path:
     from kvforge.exporter.export import export_model
 
-    folder = run.work / "exports" / f"{recipe}-{target}-{dtype}{'' if merge_pairs is None else '-pairs' if merge_pairs else '-nopairs'}"
+    folder = run.work / "exports" / _export_name(recipe, target, dtype, merge_pairs)
     started = run.background.pop(folder.name, None)
     if started is not None:  # exported beside the earlier sections (export is CPU work): wait for it
         started.wait()
@@ -125,10 +125,13 @@ def export(run: Run, recipe: str, target: str = "ort", dtype: str = "fp16", merg
     return folder
 
 
+def _export_name(recipe: str, target: str, dtype: str, merge_pairs: bool | None) -> str:
+    return f"{recipe}-{target}-{dtype}{'' if merge_pairs is None else '-pairs' if merge_pairs else '-nopairs'}"
+
+
 def _export_in_background(run: Run, recipe: str, merge_pairs: bool | None) -> None:
     """Start `export(run, recipe, merge_pairs=...)` in its own process; `export` waits for it."""
-    suffix = "" if merge_pairs is None else "-pairs" if merge_pairs else "-nopairs"
-    name = f"{recipe}-ort-fp16{suffix}"
+    name = _export_name(recipe, "ort", "fp16", merge_pairs)
     if (run.work / "exports" / name / "kvforge.json").is_file():
         return
     hf = hf_folder(run, recipe)

@@ -184,13 +184,7 @@ class StepEngine:
             tokens, totals = self.backend.decode_greedy(slot, feed, mask)
             self._advance(slot, mask)
             self.check(totals if len(occupied) == batch else totals[occupied], self.steps)
-            out = []
-            for at in occupied:
-                row = self.rows[at]
-                if row.stopper.reason is None:
-                    token = int(tokens[at])
-                    out.append(Accepted(at, row, token, row.accept(token), None))
-            return Step([out])
+            return Step([self._accept_picked(occupied, tokens[occupied].tolist())])
         logits = self.backend.decode(slot, feed, mask)
         self._advance(slot, mask)
         accepted, failed = self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
@@ -249,12 +243,7 @@ class StepEngine:
         if not self._picking:
             picked = greedy_tokens(logits).tolist()
             self.check(logits, step, picked)  # argmax picks a row's first NaN: the picked logits tell
-            out = []
-            for at, token in zip(ats, picked, strict=True):
-                row = self.rows[at]
-                if row.stopper.reason is None:
-                    out.append(Accepted(at, row, token, row.accept(token), None))
-            return out, []
+            return self._accept_picked(ats, picked), []
         rows = [self.rows[at] for at in ats]
         pickers = [self.pickers[at] for at in ats]
         self.check(logits, step)
@@ -274,6 +263,15 @@ class StepEngine:
                     failed.append((ats[i], rows[i]))
         out.sort(key=lambda accepted: accepted.at)
         return out, failed
+
+    def _accept_picked(self, ats: Sequence[int], picked: list[int]) -> list[Accepted]:
+        """Bare-greedy rows at batch rows `ats` take their picked tokens (picked[i] is ats[i]'s), if still running."""
+        out = []
+        for at, token in zip(ats, picked, strict=True):
+            row = self.rows[at]
+            if row.stopper.reason is None:
+                out.append(Accepted(at, row, token, row.accept(token), None))
+        return out
 
     def _accept(self, at: int, token: int, logprob: TokenLogprob | None) -> Accepted:
         row = self.rows[at]

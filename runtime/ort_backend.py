@@ -81,7 +81,7 @@ class OrtSlot:
     # the device (fixed addresses: what a CUDA graph replays); and the decode runs' options (graph id).
     device_values: dict[str, ort.OrtValue] = field(default_factory=dict)
     decode_options: ort.RunOptions | None = None
-    # ort-cuda with device greedy: the pick graph's binding over the decode logits and the host arrays
+    # ort-cuda with device greedy: the pick graph's binding over the decode logits and the device buffer
     # it fills (each row's argmax, and its logits' sum: the NaN check), runtime/device_pick.py
     pick: PickBinding | None = None
 
@@ -397,7 +397,7 @@ class OrtBackend:
                     return token, total.reshape(-1, 1)
                 except Exception as err:  # ONNX Runtime's own types: pick on the host from now on, say why
                     self.picker, self.device_greedy_refused = None, one_line(err)
-            logits = slot.device_values[LOGITS].numpy().reshape(slot.cache.batch, self.vocab_size).astype(np.float32)
+            logits = self._decode_logits(slot)
         return logits.argmax(-1), logits.sum(-1, keepdims=True)
 
     def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:
@@ -429,8 +429,13 @@ class OrtBackend:
         if not logits_back:
             return None
         if phase == "decode":
-            return values[LOGITS].numpy().reshape(slot.cache.batch, self.vocab_size).astype(np.float32, copy=False)
+            return self._decode_logits(slot)
         return slot.logits if slot.logits.dtype == np.float32 else slot.logits.astype(np.float32)
+
+    def _decode_logits(self, slot: OrtSlot) -> np.ndarray:
+        """The last decode step's logits, copied back from the slot's device buffer, [B, V] float32."""
+        logits = slot.device_values[LOGITS].numpy().reshape(slot.cache.batch, self.vocab_size)
+        return logits.astype(np.float32, copy=False)
 
     def _session_run(self, slot: OrtSlot, phase: str, options: ort.RunOptions) -> None:
         try:
