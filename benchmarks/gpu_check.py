@@ -16,6 +16,9 @@ result appended to OUT/gpu_check.json as it lands, a log in OUT/gpu_check.log, a
   batch       a batch of prompts of different lengths = each prompt alone; prompt-lookup speculation = greedy
   serving     the Scheduler on ort-cuda (chunked prefill, rows moving, a second turn from the prefix store)
               = each request alone; `kvforge serve --backend ort-cuda` over HTTP = the Generator
+  new_kinds   issue 35's cache kinds on the GPU, tiny sweep configs in fp16: per-layer KV shapes (gemma4_text),
+              latent attention (deepseek_v3), recurrent state (bamba: Mamba 2 + attention; mamba): parity, a
+              batch of different lengths = each alone, and the Scheduler (device row copies of states) = solo
   step_profile  benchmarks/gpu_step_profile.py on the SmolLM2-135M-shape fp16 export: replay vs host work, kernels
   bench       SmolLM2-135M shape fp16: `kvforge bench --backend ort-cuda --compare hf,hf-compiled --batch 1,8`,
               and kvforge without CUDA graphs and with greedy picks on the host
@@ -142,6 +145,24 @@ def _export_in_background(run: Run, recipe: str, merge_pairs: bool | None) -> No
     run.background[name] = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
 
 
+# Issue 35's kinds: model types of the coverage sweep, built from their tiny sweep configs.
+NEW_KINDS = ("gemma4_text", "deepseek_v3", "bamba", "mamba")
+
+
+def tiny_export(run: Run, model_type: str, dtype: str = "fp16") -> tuple[Path, Path]:
+    """(HF folder, `ort` export) of a coverage-sweep type's tiny config, made when missing."""
+    from kvforge.exporter.export import export_model
+    from kvforge.models.coverage import build_tiny
+
+    hf = run.work / "hf" / model_type
+    if not (hf / "config.json").is_file():
+        build_tiny(model_type, hf)
+    folder = run.work / "exports" / f"{model_type}-ort-{dtype}"
+    if not (folder / "kvforge.json").is_file():
+        export_model(hf, folder, target="ort", dtype=dtype, force=True)
+    return hf, folder
+
+
 def prepare(run: Run) -> dict[str, Any]:
     from kvforge.models.recipes import FAMILY_RECIPES
 
@@ -151,7 +172,9 @@ def prepare(run: Run) -> dict[str, Any]:
         made.append(f"{recipe}-ort-fp16")
     export(run, "llama-tiny", "ort", "bf16")
     export(run, "llama-tiny", "onnx", "fp16")
-    return {"exports": made + ["llama-tiny-ort-bf16", "llama-tiny-onnx-fp16"]}
+    for model_type in NEW_KINDS:
+        tiny_export(run, model_type)
+    return {"exports": made + ["llama-tiny-ort-bf16", "llama-tiny-onnx-fp16"] + [f"{t}-ort-fp16" for t in NEW_KINDS]}
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -352,6 +375,38 @@ def serving(run: Run) -> dict[str, Any]:
     return result
 
 
+def new_kinds(run: Run) -> dict[str, Any]:
+    _need_cuda()
+    from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime.sampling import SamplingConfig
+    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.tools.parity import run_parity
+
+    out: dict[str, Any] = {}
+    for model_type in NEW_KINDS:
+        try:
+            hf, folder = tiny_export(run, model_type)
+            report = run_parity(hf, folder, new_tokens=24, backend=BACKEND, perplexity_tokens=0)
+            gen = Generator(folder, backend=BACKEND)
+            prompts = [PROMPTS[i % 3] + [40 + i] * i for i in range(4)]
+            solo = [_greedy(gen, [p], 12)[0] for p in prompts]
+            scheduler = Scheduler(gen, max_batch=2, max_seq_len=128, prefill_chunk=4).start()
+            try:
+                handles = [scheduler.submit(GenerationRequest(p, 12, SamplingConfig(greedy=True), ignore_eos=True))
+                           for p in prompts]
+                served = [h.result()[0] for h in handles]
+            finally:
+                scheduler.close()
+            out[model_type] = {"parity": report.passed, "max_abs_err": round(float(report.max_abs_err), 4),
+                               "batch_equal_solo": _greedy(gen, prompts, 12) == solo, "served_equal_solo": served == solo,
+                               "summary": report.summary().splitlines()[0]}
+            out[model_type]["passed"] = all(out[model_type][k] for k in ("parity", "batch_equal_solo", "served_equal_solo"))
+        except Exception as err:
+            out[model_type] = {"passed": False, "error": f"{type(err).__name__}: {' '.join(str(err).split())[:500]}"}
+        run.log(f"  {model_type}: {_short(out[model_type])}")
+    return {"kinds": out, "passed": all(v.get("passed") for v in out.values())}
+
+
 def _serve_http(run: Run, folder: Path, gen: Any) -> dict[str, Any]:
     """`kvforge serve --backend ort-cuda` in its own process: greedy completions equal the Generator's."""
     import importlib.util
@@ -458,7 +513,7 @@ def step_profile(run: Run) -> dict[str, Any]:
 
 SECTIONS: dict[str, Callable[[Run], Any]] = {
     "env": env, "decode": decode, "families": families, "bf16": bf16, "onnx": onnx_target, "batch": batch,
-    "serving": serving, "bench": bench, "step_profile": step_profile,
+    "serving": serving, "new_kinds": new_kinds, "bench": bench, "step_profile": step_profile,
 }
 
 

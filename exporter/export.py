@@ -18,18 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout
+from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, StateSpec
 from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.core.manifest import MANIFEST_NAME, write_manifest
 from kvforge.core.output_folder import StagedFolder, check_output, disk_full, disk_full_error, fault_point
 from kvforge.core.targets import Target, get_target
 from kvforge.exporter.export_manifest import WEIGHTS_NAME, export_manifest
 from kvforge.exporter.load import check_model_path, load_hf_config, load_hf_model, one_line
-from kvforge.exporter.probe import uniform_shape
+from kvforge.exporter.probe import layer_shapes, probe_states
 from kvforge.exporter.quantize import check_options as check_quantize
 from kvforge.exporter.targets import EXPORT_TARGETS, export_target
+from kvforge.exporter.text_model import text_family
 from kvforge.exporter.weights import save_with_shared_weights
-from kvforge.models.families import Family, family_for
+from kvforge.models.adapters import adapt_for_export
+from kvforge.models.config_values import config_value
+from kvforge.models.families import Family
 from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
 
 TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
@@ -88,8 +91,11 @@ def _check_kernel_shapes(config, family: Family, head_dim: int, target: Target, 
 
     others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items() if not t.kernel_shapes)
     kv_heads = kv_heads or family.kv_heads(config)
+    heads = config_value(config, "num_attention_heads")
+    if heads is None:  # no attention (a state-space model): nothing for the kernel; its states are refused later
+        return
     try:
-        attention_launch.check_shapes(config.num_attention_heads, kv_heads, head_dim)
+        attention_launch.check_shapes(heads, kv_heads, head_dim)
     except ValueError as err:
         raise UnsupportedModelError(
             f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
@@ -133,7 +139,7 @@ def export_model(
     # Before any work: never replace something that is not an export, or that holds the model.
     check_output(out_dir, [model_dir], force=options.force, marker=MANIFEST_NAME)
     config = load_hf_config(model_dir, families)
-    family = family_for(config, families)
+    family = text_family(config, families)  # a multimodal checkpoint's text model: its text type's family
     family.check(config)
     passes = export_target(target.name)
     if passes.kernel_shapes and family.trt_refusal:
@@ -147,12 +153,13 @@ def export_model(
     started = time.perf_counter()
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
-                      max_capacity=config.max_position_embeddings)
+                      max_capacity=max_context(config))
     # The staging folder comes first, so an unwritable output fails before the slow work.
     with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say) as staged:
         assert staged.path is not None
         say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
         model = load_hf_model(model_dir, dtype, families)
+        layout = adapt_for_export(model, layout, say)  # families kvforge reaches through an adapter
         layout = _probe_model(model, config, family, layout, target, dtype, say)
         fault_point("export:model-loaded")
         # Where the export's time goes (manifest "export_seconds"): the profile `kvforge bench` reports.
@@ -220,25 +227,59 @@ def _probe_model(model: Any, config: Any, family: Family, layout: KVLayout, targ
         routed = prepare_experts(model)
         say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
             + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
+    # Recurrent / linear-attention layers whose state lives in transformers' cache keep it as state buffers.
+    found = probe_states(model)
+    states = tuple(StateSpec(layer, kind, shape, _dtype_name(torch_dtype))
+                   for layer, kinds in sorted(found.items()) for kind, (shape, torch_dtype) in sorted(kinds.items()))
+    if states and passes.kernel_shapes:
+        stateful = sorted({spec.layer for spec in states})
+        raise UnsupportedModelError(f"{config.model_type}: its layers {stateful[:8]} keep a recurrent state, which "
+                                    f"--target {target.name}'s TensorRT engines do not carry yet; use --target ort or "
+                                    "--target onnx")
+    if states:
+        say(f"recurrent state: {len({spec.layer for spec in states})} layers keep {len(states)} state buffers "
+            f"({', '.join(sorted({spec.kind for spec in states}))})")
     # The head counts HF's attention really receives (a config's own convention can differ:
-    # multi_query, num_kv_heads, ...): the KV cache follows them.
-    shape = uniform_shape(model, layout.num_layers)
-    if shape.head_dim % passes.head_dim_multiple:
-        others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
-                             if shape.head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
-        raise UnsupportedModelError(f"{config.model_type}: its head size {shape.head_dim} is not a multiple of "
-                                    f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
-                                    f"({target.summary.split(' (')[0]}) needs; use {others}")
-    if passes.kernel_shapes and shape.sinks:
+    # multi_query, num_kv_heads, ...), per layer: the KV cache follows them.
+    shapes = layer_shapes(model, layout.num_layers, frozenset(found))
+    for head_dim in sorted({shape.cache_dim for shape in shapes if shape is not None}):
+        if head_dim % passes.head_dim_multiple:
+            others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
+                                 if head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
+            raise UnsupportedModelError(f"{config.model_type}: its head size {head_dim} is not a multiple of "
+                                        f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
+                                        f"({target.summary.split(' (')[0]}) needs; use {others}")
+    if passes.kernel_shapes and any(shape.sinks for shape in shapes if shape is not None):
         # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check before
         # loading raises; this one catches a model outside the registry's rows).
         raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
                                     f"kernel (--target {target.name}) does not implement")
-    if (shape.kv_heads, shape.head_dim) != (layout.num_kv_heads, layout.head_dim):
-        layout = dataclasses.replace(layout, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim)
+    probed = KVLayout.per_layer([None if shape is None else (shape.kv_heads, shape.cache_dim) for shape in shapes],
+                                layout.dtype, layout.max_capacity, states)
+    if probed != layout:
+        layout = probed
         if passes.kernel_shapes:
-            _check_kernel_shapes(config, family, shape.head_dim, target, dtype, kv_heads=shape.kv_heads)
+            for heads, head_dim in sorted(set(layout.layer_shapes())):
+                _check_kernel_shapes(config, family, head_dim, target, dtype, kv_heads=heads)
     return layout
+
+
+# A model without a position limit (state-space models, ALiBi) is exported for this many positions.
+DEFAULT_CONTEXT = 4096
+
+
+def max_context(config: Any) -> int:
+    """The positions an export allows: the config's limit under one of its names, or DEFAULT_CONTEXT."""
+    for name in ("max_position_embeddings", "n_positions", "seq_length", "max_seq_len"):
+        value = config_value(config, name)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_CONTEXT
+
+
+def _dtype_name(torch_dtype: Any) -> str:
+    """float32 / float16 / bfloat16: a torch dtype's name, as the contract spells cache dtypes."""
+    return str(torch_dtype).removeprefix("torch.")
 
 
 def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, target: Target, dtype: str,
@@ -350,11 +391,11 @@ def _build_graphs(model, config, family: Family, layout: KVLayout, target: Targe
         elif experts:
             quantization["moe_experts"] = INT8_EXPERTS
             say(f"note: {INT8_EXPERTS}")
-    rotary = rotary_caches(model, config.max_position_embeddings, layout.dtype) \
+    rotary = rotary_caches(model, layout.max_capacity, layout.dtype) \
         if export_target(target.name).ort_fusions else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target.name, rotary, kv_scales, moe_quantize)
+        lower(graph, target.name, rotary, kv_scales, moe_quantize, attends=bool(layout.layer_shapes()))
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, quantization, kv_quant

@@ -16,6 +16,8 @@ from kvforge import __version__
 from kvforge.core.contract import KVLayout, ModelSpec
 from kvforge.core.manifest import MANIFEST_NAME, compose, file_record, io_spec
 from kvforge.core.targets import Target
+from kvforge.exporter.text_model import text_of
+from kvforge.models.config_values import config_value
 
 WEIGHTS_NAME = "model.weights"  # the one external-data file both graphs read
 
@@ -85,13 +87,16 @@ def export_manifest(config, model_dir, target: Target, dtype: str, layout: KVLay
         eos = generation.get("eos_token_id", eos)
     eos_list = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     spec = ModelSpec(
-        vocab_size=config.vocab_size, num_heads=config.num_attention_heads, hidden_size=config.hidden_size,
-        max_position_embeddings=config.max_position_embeddings, bos_token_id=getattr(config, "bos_token_id", None),
+        # A state-space model has no attention heads: its query heads are named 1 (it has no KV to size).
+        vocab_size=config.vocab_size, num_heads=config_value(config, "num_attention_heads") or 1,
+        hidden_size=config.hidden_size, max_position_embeddings=layout.max_capacity, bos_token_id=getattr(config, "bos_token_id", None),
         eos_token_id=eos_list, pad_token_id=getattr(config, "pad_token_id", None),
         sliding_window=getattr(config, "sliding_window", None), source=str(model_dir),
         architecture=(config.architectures or [None])[0], model_type=config.model_type,
     )
     model = spec.to_manifest()
+    if text_of(config) is not None:  # a multimodal checkpoint: its text model was exported (exporter/text_model.py)
+        model["text_of"] = text_of(config)
     if gguf_record is not None:
         model["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256", "architecture", "tensor_types")}
     files = {path.name: file_record(path) for path in sorted(folder.iterdir())

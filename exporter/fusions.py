@@ -122,7 +122,10 @@ def rotary_caches(model, max_positions: int, dtype) -> tuple[np.ndarray, np.ndar
     if rope is None or not isinstance(getattr(rope, "rope_type", None), str) or rope.rope_type in ("longrope", "dynamic"):
         return None
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    try:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    except Exception:  # noqa: BLE001 - set per layer (Gemma 4): no one table to fuse
+        return None
     inv_freq = rope.inv_freq.detach().float().cpu().numpy()  # HF's forward casts it to fp32 too
     if 2 * inv_freq.shape[-1] != head_dim:
         return None  # partial rotary (Phi-4-mini): RoPE stays in the graph

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.contract import KVLayout
-from kvforge.core.errors import InputError
+from kvforge.core.errors import InputError, UnsupportedModelError
 
 QMAX = {"int8": 127}  # symmetric range used for the scale (ONNX Runtime clamps to [-128, 127])
 CALIBRATION_TOKENS = 2048
@@ -82,6 +82,9 @@ def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dty
 
     from kvforge.exporter.wrapper import GraphWrapper
 
+    if layout.layers:  # the record's one scale shape, and the rotary pairs, assume one head size
+        raise UnsupportedModelError(f"{config.model_type}: --kv-cache {kv_dtype} needs one KV head count and head "
+                                    "size for every layer, and this model's layers differ; export without --kv-cache")
     first, windows = calibration_ids(model_dir, int(config.max_position_embeddings))
     wrapper = GraphWrapper(model, "prefill").eval()
     rows: list[list[list[np.ndarray]]] = [[[], []] for _ in range(layout.num_layers)]  # layer -> kind -> [S, H, D]

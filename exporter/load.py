@@ -10,7 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvforge.core.contract import DTYPES
-from kvforge.core.errors import InputError
+from kvforge.core.errors import InputError, KvforgeError
+from kvforge.exporter.text_model import OWN_TEXT_CONFIG, load_text_model, text_config_of, text_family, text_of
 from kvforge.models.families import Family, family_for
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -54,7 +55,8 @@ def check_model_path(path: str | Path, gguf: bool = True) -> None:
 
 def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None = None):
     """AutoConfig for a local HF folder, with errors that say what is wrong. The family is checked
-    on the raw config.json first, so an unknown model_type is named as such."""
+    on the raw config.json first, so an unknown model_type is named as such. A multimodal checkpoint gives
+    its text model's config (exporter/text_model.py), checked against the registry as that text model."""
     model_dir = Path(model_dir)
     check_model_path(model_dir, gguf=False)
     config_file = model_dir / "config.json"
@@ -64,14 +66,27 @@ def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None 
         raise InputError(f"{config_file} is not valid JSON ({one_line(err)}); fix or re-save the model folder") from err
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: not a model config")
-    family_for(SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures")), families)
+    raw_family = SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"))
+    # A multimodal checkpoint is checked as its text model (once transformers has read its config).
+    multimodal = isinstance(raw.get("text_config"), dict) or raw.get("model_type") in OWN_TEXT_CONFIG
+    if not multimodal:
+        family_for(raw_family, families)
     # Only after the cheap checks: transformers (and torch) take seconds to load.
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    except (ValueError, OSError, KeyError, TypeError) as err:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as err:  # AttributeError: a derived field set
+        if multimodal:
+            family_for(raw_family, families)  # a type transformers does not know: named as unsupported
         raise InputError(f"{config_file} could not be read by transformers: {one_line(err)}") from err
+    text = text_config_of(config) if multimodal else None
+    if text is None:
+        if multimodal:  # a text_config, but not a multimodal checkpoint kvforge exports the text model of
+            family_for(raw_family, families)
+        return config
+    text_family(text, families)
+    return text
 
 
 def _check_weight_files(model_dir: Path) -> None:
@@ -97,7 +112,7 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[
 
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir, families)
-    family_for(config, families)
+    text_family(config, families)
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     _check_weight_files(model_dir)
@@ -106,10 +121,15 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True,
-            use_safetensors=True, trust_remote_code=False,
-        )
+        if text_of(config) is not None:  # a multimodal checkpoint: its text model, from its language-model tensors
+            model = load_text_model(model_dir, dtype, config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True,
+                use_safetensors=True, trust_remote_code=False,
+            )
+    except KvforgeError:
+        raise
     except Exception as err:  # safetensors, transformers and torch each raise their own types
         raise InputError(
             f"could not load the weights of {model_dir}: {type(err).__name__}: {one_line(err)}; "

@@ -5,7 +5,6 @@ multi_query, ...); the shapes HF hands to attention are the truth the KV cache m
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +32,11 @@ class LayerShape:
     value_dim: int
     sinks: bool = False  # the layer's attention has a learned sink logit per head (the op's `sinks` input)
 
+    @property
+    def cache_dim(self) -> int:
+        """The head size of both cache buffers: the key's (values of fewer dims are zero-padded to it)."""
+        return max(self.head_dim, self.value_dim)
+
 
 def probe_attention(model: Any) -> dict[int, LayerShape]:
     """layer index -> the query/key/value shapes its attention call receives (a 2-token forward)."""
@@ -58,6 +62,12 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
 
     from kvforge.exporter.wrapper import backbone
 
+    # An attention module with an `indexer` (DeepSeek-V3.2, GLM-MoE-DSA, MiniMax-M3's sparse layers) attends only
+    # to the cached positions the indexer picks: dense attention over the cache would be another model.
+    if any(getattr(module, "indexer", None) is not None for module in model.modules()):
+        from kvforge.models.coverage import DSA
+
+        raise UnsupportedModelError(f"{model.config.model_type}: {DSA}")
     AttentionInterface.register(PROBE_IMPLEMENTATION, record)
     config = model.config
     saved, config._attn_implementation = config._attn_implementation, PROBE_IMPLEMENTATION
@@ -78,29 +88,58 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
     return seen
 
 
-def uniform_shape(model: Any, num_layers: int) -> LayerShape:
-    """The one attention shape every layer has (`sinks`: whether any layer has attention sinks), or
-    UnsupportedModelError naming what differs."""
+def layer_shapes(model: Any, num_layers: int, stateful: frozenset[int] = frozenset()) -> list[LayerShape | None]:
+    """Every layer's attention shape, in layer order (None: a layer of `stateful`, which keeps a recurrent
+    state instead and calls no attention), or UnsupportedModelError naming what kvforge cannot cache. Layers
+    may differ in head count and head size (Gemma 4's full-attention layers): the KV layout is per layer.
+    Keys and values may differ in head size (multi-head latent attention): the cache holds both at the
+    key's size (`cache_dim`), the values zero-padded (exporter/wrapper.py)."""
     seen = probe_attention(model)
     model_type = model.config.model_type
-    if not seen:
+    if not seen and not stateful:
         raise UnsupportedModelError(f"{model_type}: {OWN_ATTENTION}")
-    if len(seen) < num_layers:
-        missing = sorted(set(range(num_layers)) - set(seen))
+    missing = sorted(set(range(num_layers)) - set(seen) - stateful)
+    if missing:
         raise UnsupportedModelError(
-            f"{model_type}: layers {missing[:8]} call no attention (recurrent, state-space or linear-attention "
-            "layers); kvforge exports models whose every layer attends through a KV cache")
-    shapes = {dataclasses.replace(shape, sinks=False) for shape in seen.values()}
-    if len(shapes) > 1:
+            f"{model_type}: layers {missing[:8]} call no attention and keep no recurrent state that kvforge can "
+            "read through transformers' cache (their own recurrent or linear-attention code)")
+    shapes = [seen.get(layer) for layer in range(num_layers)]
+    wider = sorted({f"{s.value_dim} > {s.head_dim}" for s in shapes if s is not None and s.value_dim > s.head_dim})
+    if wider:
         raise UnsupportedModelError(
-            f"{model_type}: the layers' attention shapes differ ({', '.join(sorted(map(_describe, shapes)))}); "
-            "kvforge's KV cache has one head count and head size for every layer")
-    shape = dataclasses.replace(shapes.pop(), sinks=any(layer.sinks for layer in seen.values()))
-    if shape.value_dim != shape.head_dim:
-        raise UnsupportedModelError(
-            f"{model_type}: keys have {shape.head_dim} dims per head but values {shape.value_dim} (as in multi-head "
-            "latent attention); kvforge's KV cache holds keys and values of one head size")
-    return shape
+            f"{model_type}: its values have more dims per head than its keys ({', '.join(wider)}); kvforge's KV "
+            "cache holds values at most the keys' head size")
+    return shapes
+
+
+def probe_states(model: Any) -> dict[int, dict[str, tuple[tuple[int, ...], Any]]]:
+    """layer -> {state kind: (shape of one row, torch dtype)} for the layers whose recurrent state lives in
+    transformers' cache (conv and recurrent states of its linear-attention cache layers: Mamba, Mamba 2,
+    gated DeltaNet, short convolutions; {} for a layer with nothing to cache, a hybrid's MLP block), from
+    one 3-token forward with a cache. Empty for a model with no such layer, or whose cache is its own
+    (then its layers are refused as attending nowhere)."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
+
+    from kvforge.exporter.wrapper import backbone, cache_keyword
+
+    try:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            backbone(model)(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{cache_keyword(model): cache})
+    except Exception:  # noqa: BLE001 - a model with a cache of its own: no states kvforge can bind
+        return {}
+    states: dict[int, dict[str, tuple[tuple[int, ...], Any]]] = {}
+    for layer, entry in enumerate(cache.layers):
+        if isinstance(entry, DummyLayer):  # a layer with nothing to cache (an MLP or MoE block of a hybrid)
+            states[layer] = {}
+        if not isinstance(entry, LinearAttentionCacheLayerMixin):
+            continue
+        kinds = {f"conv{i}": t for i, t in entry.conv_states.items() if t is not None}
+        kinds |= {f"recurrent{i}": t for i, t in entry.recurrent_states.items() if t is not None}
+        states[layer] = {kind: (tuple(t.shape[1:]), t.dtype) for kind, t in kinds.items()}
+    return states
 
 
 def _describe(shape: LayerShape) -> str:

@@ -14,7 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.core.contract import INPUT_IDS, LOGITS, LOGITS_INDEX, LOGITS_POSITIONS, GraphIO, KVLayout
+from kvforge.core.contract import (
+    INPUT_IDS,
+    KV_KINDS,
+    LOGITS,
+    LOGITS_INDEX,
+    LOGITS_POSITIONS,
+    GraphIO,
+    KVLayout,
+)
 
 OPSET = 24
 # Example sizes for tracing; every one of these dimensions is dynamic in the graphs.
@@ -41,22 +49,27 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
     from torch.export import Dim
 
     from kvforge.exporter.moe import CUSTOM_TRANSLATION_TABLE as MOE_TRANSLATION
+    from kvforge.exporter.recurrent import traceable_recurrences
     from kvforge.exporter.wrapper import GraphWrapper
     from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
 
     batch_dim, seq_dim, capacity_dim, k_dim = Dim("batch"), Dim("seq"), Dim("capacity"), Dim("positions")
     seq, b = _EXAMPLE_SEQ, _EXAMPLE_BATCH
-    cache = [torch.zeros(layout.shape(b, _EXAMPLE_CAPACITY), dtype=torch_dtype) for _ in layout.buffers()]
+    cache = [torch.zeros(layout.buffer_shape(b, _EXAMPLE_CAPACITY, layer, kind),
+                         dtype=_torch_dtype(layout.buffer_dtype(layer, kind), torch_dtype)) for layer, kind in layout.buffers()]
     args: list[torch.Tensor] = [torch.ones(b, seq, dtype=torch.int64), torch.zeros(b, dtype=torch.int32)]
     # Two positions per row in the example, so the positions dimension stays dynamic.
     args.append(torch.tensor([[seq - 2, seq - 1]] * b, dtype=torch.int64))
-    rest_shapes: list[dict] = [{0: batch_dim, 1: k_dim}] + [{0: batch_dim, 2: capacity_dim} for _ in cache]
+    # KV buffers: batch and capacity dynamic; a recurrent state's size per row is fixed.
+    rest_shapes: list[dict] = [{0: batch_dim, 1: k_dim}] + [
+        {0: batch_dim, 2: capacity_dim} if kind in KV_KINDS else {0: batch_dim} for _, kind in layout.buffers()]
     io = GraphIO.of("prefill", layout)
     # torch.onnx prints its steps to stdout and warns about torchvision; keep stdout for --json.
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io_module.StringIO()), quiet_logger("torch.onnx"):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io_module.StringIO()), quiet_logger("torch.onnx"), \
+            traceable_recurrences(model):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            GraphWrapper(model, "prefill", family),
+            GraphWrapper(model, "prefill", family, layout),
             tuple(args + cache),
             dynamo=True,
             input_names=list(io.inputs),
@@ -68,6 +81,13 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
             verbose=False,
         )
     return program.model
+
+
+def _torch_dtype(name: str, default: Any) -> Any:
+    """The torch dtype of a cache buffer's dtype name (the KV cache's is the export's)."""
+    import torch
+
+    return getattr(torch, name) if name in ("float32", "float16", "bfloat16") else default
 
 
 def derive_decode_graph(prefill: Any) -> Any:

@@ -7,12 +7,14 @@ this layer's cache. Positions come from `past_lens` inside the graph, per the KV
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 
-from kvforge.core.contract import AttentionAttrs
+from kvforge.core.contract import KV_KINDS, STATE_KIND, AttentionAttrs, KVLayout
+from kvforge.exporter.recurrent import note_recurrent_state
 from kvforge.models.families import Family, family_for
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
 
@@ -58,6 +60,11 @@ def kvforge_attention(
         raise RuntimeError("kvforge attention called outside an export wrapper")
     batch, num_heads, seq, head_dim = query.shape
     kv_heads = key.shape[1]
+    value_dim = value.shape[-1]
+    if value_dim < head_dim:
+        # Multi-head latent attention: values narrower than keys. The cache and the op have one head size, the
+        # key's: zero-padded value dims add nothing to any output dim, whose first value_dim are kept below.
+        value = torch.nn.functional.pad(value, (0, head_dim - value_dim))
     layer = module.layer_idx
     past_key, past_value = state.past[layer]
     attrs = AttentionAttrs(num_heads, kv_heads, float(scaling if scaling is not None else head_dim**-0.5),
@@ -74,10 +81,85 @@ def kvforge_attention(
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
     state.present[layer] = (present_key, present_value)
-    return out.view(batch, seq, num_heads, head_dim), None
+    out = out.view(batch, seq, num_heads, head_dim)
+    return (out[..., :value_dim] if value_dim < head_dim else out), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvforge_attention)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the backbone takes its cache by: `cache` (transformers >= 5.24's name) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(backbone(model).forward).parameters else "past_key_values"
+
+
+def _state_cache(layout: KVLayout, past: dict[tuple[int, str], torch.Tensor], past_lens: torch.Tensor) -> Any:
+    """A transformers Cache over the graph's state inputs, for a model with recurrent layers: each such layer's
+    conv / recurrent states are the inputs (`has_previous_state`, so the layer continues from them), read as
+    zeros (a fresh row) where a row starts at position 0, so no caller ever resets a state buffer; what the
+    layer writes is kept as the present state, never written into the input (a traced graph must not mutate
+    its inputs). Attention layers pass their new keys and values through unchanged: kvforge's op keeps their
+    cache."""
+    from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+
+    class PassThrough(CacheLayerMixin):
+        is_sliding = False
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return key_states, value_states
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return query_length, 0
+
+        def get_seq_length(self) -> int:
+            return 0
+
+        def get_max_length(self) -> int:
+            return -1
+
+    class States(LinearAttentionLayer):
+        def __init__(self, layer: int) -> None:
+            kinds = {kind: int(match[2]) for kind in layout.layer_buffers(layer) if (match := STATE_KIND.match(kind))}
+            super().__init__(number_of_states=1 + max(kinds.values()))
+            self.present: dict[str, torch.Tensor] = {}
+            for kind, index in kinds.items():
+                tensor = past[(layer, kind)]
+                started = (past_lens > 0).view(-1, *([1] * (tensor.dim() - 1)))
+                tensor = torch.where(started, tensor, torch.zeros_like(tensor))
+                if kind.startswith("conv"):
+                    self.conv_states[index], self.is_conv_states_initialized[index] = tensor, True
+                    self.conv_kernel_size[index] = tensor.shape[-1]
+                else:
+                    self.recurrent_states[index], self.is_recurrent_states_initialized[index] = tensor, True
+                self.has_previous_state[index] = True
+                self.dtype, self.device = tensor.dtype, tensor.device
+
+        def update_conv_state(self, conv_states, state_idx=0, **kwargs):
+            full = torch.cat([self.conv_states[state_idx], conv_states.to(self.conv_states[state_idx].dtype)], dim=-1)
+            self.present[f"conv{state_idx}"] = full[..., -self.conv_kernel_size[state_idx]:]
+            return full
+
+        def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+            self.present[f"recurrent{state_idx}"] = recurrent_states
+            return recurrent_states
+
+    class Both(States, PassThrough):
+        pass
+
+    class TraceCache(Cache):
+        def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+            state = super().get_recurrent_state(layer_idx, state_idx)
+            note_recurrent_state(state)  # Mamba's scan starts from it (exporter/recurrent.py)
+            return state
+
+    layers = []
+    for layer in range(layout.num_layers):
+        stateful = any(STATE_KIND.match(kind) for kind in layout.layer_buffers(layer))
+        layers.append(Both(layer) if stateful else PassThrough())
+    return TraceCache(layers=layers)
 
 
 class GraphWrapper(torch.nn.Module):
@@ -89,21 +171,31 @@ class GraphWrapper(torch.nn.Module):
     Only the selected positions go through lm_head.
     """
 
-    def __init__(self, model: torch.nn.Module, phase: str, family: Family | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, phase: str, family: Family | None = None,
+                 layout: KVLayout | None = None) -> None:
+        """`layout`: the cache's buffers, in graph order (default: a key and a value per layer)."""
         super().__init__()
         if phase not in ("prefill", "decode"):
             raise ValueError(phase)
         self.model = model
         self.phase = phase
         self.family = family if family is not None else family_for(model.config)
+        self.layout = layout
 
     def forward(self, input_ids: torch.Tensor, past_lens: torch.Tensor, *rest: torch.Tensor):
         if self.phase == "prefill":
             logits_index, past_flat = rest[0], rest[1:]
         else:
             logits_index, past_flat = None, rest
-        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
+        layers = self.layout.num_layers if self.layout is not None else len(past_flat) // 2
+        buffers = self.layout.buffers() if self.layout is not None else [
+            (layer, kind) for layer in range(layers) for kind in KV_KINDS]
+        named = dict(zip(buffers, past_flat, strict=True))
+        past = [(named[(layer, "key")], named[(layer, "value")]) if (layer, "key") in named else None
+                for layer in range(layers)]
         state = _CacheState(past, past_lens)
+        states = self.layout is not None and bool(self.layout.states)
+        cache = {cache_keyword(self.model): _state_cache(self.layout, named, past_lens)} if states else {}
         seq = input_ids.shape[1]
         position_ids = past_lens.to(torch.int64)[:, None] + torch.arange(seq, dtype=torch.int64)
         # Route attention through the fused op only for this call, so the same model object can
@@ -113,7 +205,7 @@ class GraphWrapper(torch.nn.Module):
         _TRACING["state"] = state
         try:
             hidden = backbone(self.model)(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
+                input_ids=input_ids, position_ids=position_ids, use_cache=bool(cache), **cache
             ).last_hidden_state
         finally:
             config._attn_implementation = saved
@@ -123,6 +215,14 @@ class GraphWrapper(torch.nn.Module):
         else:
             gather = logits_index[:, :, None].expand(-1, -1, hidden.shape[-1])
             selected = torch.gather(hidden, 1, gather)  # [B, K, H]
-        logits = self.family.finish_logits(config, self.model.get_output_embeddings()(selected)).float()
-        present = [tensor for pair in state.present for tensor in pair]
+        head = self.model.get_output_embeddings()
+        # Mamba keeps its residual stream in fp32 (residual_in_fp32): the head takes its own dtype, as HF's forward casts.
+        logits = self.family.finish_logits(config, head(selected.to(head.weight.dtype))).float()
+        present = []
+        for layer, kind in buffers:
+            if kind in KV_KINDS:
+                present.append(state.present[layer][KV_KINDS.index(kind)])
+            else:  # a state the layer did not write this call is passed on as it was
+                layer_cache = cache[cache_keyword(self.model)].layers[layer]
+                present.append(layer_cache.present.get(kind, named[(layer, kind)]))
         return (logits, *present)

@@ -16,6 +16,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvforge.models.config_values import config_value  # layer 0's where the config sets it per layer
+
 # kvforge.data in every layout (the repository's folders, an installed wheel, an editable install).
 COVERAGE_FILE = Path(str(resources.files("kvforge") / "data" / "coverage.json"))
 SWEEP_TARGETS = ("ort", "onnx", "trt")
@@ -31,8 +33,6 @@ PROMPTS = ("Once upon a time", "The quick brown fox jumps over the lazy dog. Att
 
 ENCODER_ONLY = "encoder-only (bidirectional) model with a decoder head; kvforge exports causal decoders"
 ENCODER_DECODER = "decoder of an encoder-decoder model (cross-attention); kvforge exports decoder-only models"
-RECURRENT = "recurrent / state-space layers (no attention KV cache to export)"
-HYBRID = "hybrid of attention and recurrent / linear-attention layers (a state cache besides the KV cache)"
 NON_TEXT = "needs non-text inputs (images, audio) next to the tokens"
 
 # Types that are not attention decoders, by why. Everything else is in scope: it passes, or it is
@@ -47,47 +47,56 @@ OUT_OF_SCOPE: dict[str, str] = {
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
         "prophetnet", "trocr", "whisper", "moshi", "speech_to_text_2",
     ), ENCODER_DECODER),
-    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"), RECURRENT),
-    **dict.fromkeys((
-        "jamba", "bamba", "falcon_h1", "lfm2", "lfm2_moe", "qwen3_next", "zamba", "zamba2", "granitemoehybrid",
-        "nemotron_h", "recurrent_gemma", "minimax", "kimi_linear", "olmo3_2_hybrid",
-    ), HYBRID),
     **dict.fromkeys(("fuyu", "got_ocr2", "musicgen", "musicgen_melody"), NON_TEXT),
 }
 
-MULTIMODAL = ("a multimodal checkpoint (vision / audio towers around a text decoder); kvforge exports the text "
-              "decoder: convert its text model type's checkpoint")
-# In-scope types refused without building them (their wrappers allocate real-size towers).
-NOT_SWEPT: dict[str, str] = dict.fromkeys((
-    "dots3_note", "emu3", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "llama4", "mllama",
-    "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
-), MULTIMODAL) | {
+# In-scope types refused without building them.
+NOT_SWEPT: dict[str, str] = {
     "blt": "byte latent transformer (a patcher and local byte encoder/decoder around the global model)",
 }
 
 # In-scope types that fail, by the feature kvforge lacks for them (the sweep's raw error is kept
 # next to it in coverage.json).
 ALIBI = "ALiBi position biases (no rotary or learned positions), which kvforge's attention op does not model yet"
+# Exact as dense attention only while a row's context fits in index_topk (2048 in DeepSeek-V3.2).
+DSA = ("DeepSeek sparse attention: an indexer with its own key cache picks the top-k (index_topk) cached positions "
+       "per query, which kvforge's dense attention op and KV cache do not model")
 MISSING_FEATURES: dict[str, str] = {
     **dict.fromkeys(("bloom", "mpt", "cpmant"), ALIBI),
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text"), DSA),
     "diffllama": "differential attention (two softmax maps subtracted), which kvforge's one-softmax op does not model",
     "jetmoe": "mixture-of-attention-heads routing (per-token expert query/output projections): parity fails",
     "zaya": "its experts need num_experts_per_tok=1 and a routing kvforge's tiny sweep config cannot build",
     "reformer": "LSH / chunked local attention with reversible layers",
     "xlnet": "permutation language model with two-stream attention (not a causal decoder's KV cache)",
-    "gemma3n_text": "a KV cache shared across layers (later layers reuse earlier layers' keys and values)",
     "gemma4_unified_assistant": "a KV cache shared across layers (a drafter reading its target model's cache)",
     "gemma4_assistant": "a KV cache shared across layers (a drafter reading its target model's cache)",
-    "deepseek_v2": "rotary embedding computed in complex numbers (torch.polar / view_as_complex), which has no ONNX "
-                   "form, and multi-head latent attention",
+    "longcat_flash": "its experts (routed ones and zero-computation identity ones in one module) loop over the experts "
+                     "a batch hits, a data-dependent loop torch.export cannot trace; kvforge's MoE node takes over "
+                     "transformers' standard experts modules only",
     "deepseek_v4": "compressed sparse attention (a compressed long-range KV cache besides the sliding window)",
-    "llama4_text": "rotary embedding computed in complex numbers (torch.polar / view_as_complex), which has no ONNX "
-                   "form",
     "dbrx": "its tiny config does not survive a save and load (nested attention / FFN configs): not swept yet",
     "qwen4_exp_text": "sparse attention (an indexer picks compressed key blocks per query)",
-    "helium": "the export's logits are NaN at the first step while HF eager's are finite: not yet diagnosed",
-    "dots3_note_text": "per-layer head counts (the config's attention shapes vary by layer)",
+    # Recurrent layers whose state lives outside transformers' cache (through which kvforge binds states).
+    **dict.fromkeys(("rwkv", "xlstm", "minimax", "recurrent_gemma"),
+                    "recurrent layers (RWKV time mixing, xLSTM cells, lightning attention, RG-LRU) that keep their state in "
+                    "their own cache object, not in transformers' cache, through which kvforge binds recurrent states"),
+    "zamba2": "its shared attention blocks index transformers' cache by their own block number (KeyError at the "
+              "second block): not yet mapped onto kvforge's per-layer cache",
+    "zamba": "its Mamba layers split their state by head in a Python loop, which kvforge's traced scan does not follow",
+    "hrm_text": "a hierarchical reasoning model: it runs its layers in loops (the same attention modules several times "
+                "per token), which a per-layer KV cache does not describe",
 }
+
+# Multimodal types (MULTIMODAL_TYPES) whose tiny checkpoint is not built here (their text config does not build at
+# test sizes; Gemma 3n's vision tower needs timm): refused by their text model's reason, as the export refuses them.
+NOT_SWEPT.update({
+    model_type: f"a multimodal checkpoint; kvforge exports its text model, {text_type}, which it refuses: "
+                f"{MISSING_FEATURES[text_type]}"
+    for model_type, text_type in (("dots3_note", "dots3_note_text"), ("qwen4_exp", "qwen4_exp_text"))
+})
+NOT_SWEPT["gemma3n"] = ("a multimodal checkpoint whose tiny form is not built here (its vision tower needs timm, which "
+                        "kvforge does not install): not swept, though its text model, gemma3n_text, passes")
 
 # Config fields the sweep shrinks, when the type's config has them. The family's other options stay.
 _SMALL = {
@@ -108,7 +117,35 @@ _TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0},
              "ffn_config": {"moe_num_experts": 8, "moe_top_k": 2, "ffn_hidden_size": 128}},
     "dots1": {"n_shared_experts": 1},
+    # Multi-head latent attention types. AXK1 groups its experts (8 groups of 8 experts leave 1 per group, fewer
+    # than the 2 its router scores per group); LongCat-Flash's layer count is 2 x num_layers (two attention
+    # blocks a layer, num_hidden_layers a read-only view) and its zero (identity) experts default to 256.
+    "axk1": {"n_group": 2, "topk_group": 1},
+    "longcat_flash": {"num_layers": 1, "zero_expert_num": 2},
 }
+
+
+# Mamba 2 mixers at test size: heads x head size = the inner size (2 x hidden), small states and chunks.
+_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 16}
+# Where the layer kinds follow from other fields, or must be placed together: by default two layers, a
+# recurrent one then an attention one (and, for Jamba, the second one's MLP a mixture of experts).
+_HYBRID_LAYERS: dict[str, dict[str, Any]] = {
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "falcon_h1": {},  # every layer is both (attention and Mamba 2 side by side)
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},  # its default config has attention layers only
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    # KV shared across layers: the last two layers reuse the first two's keys and values.
+    "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2},
+}
+# Mamba 2 mixers at test size (not at real shapes): heads x head size must be the inner size (2 x hidden = 128).
+_TYPE_OVERRIDES.update({
+    **dict.fromkeys(("bamba", "granitemoehybrid"), _MAMBA2),
+    "falcon_h1": {**_MAMBA2, "mamba_d_ssm": 128},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1, "state_size": 16, "chunk_size": 16},
+})
 
 
 def causal_lm_types() -> list[str]:
@@ -139,7 +176,7 @@ def tiny_config(model_type: str, real: bool = False) -> Any:
     if getattr(default, "sliding_window", None) is None:
         overrides.pop("sliding_window", None)  # a window only where the family has one
     # Keep the family's kind of attention: multi-head stays multi-head, multi-query multi-query.
-    heads, kv_heads = getattr(default, "num_attention_heads", None), getattr(default, "num_key_value_heads", None)
+    heads, kv_heads = config_value(default, "num_attention_heads"), config_value(default, "num_key_value_heads")
     if "num_key_value_heads" in overrides and kv_heads in (None, heads):
         overrides["num_key_value_heads"] = overrides.get("num_attention_heads", 4)
     elif "num_key_value_heads" in overrides and kv_heads == 1:
@@ -147,27 +184,101 @@ def tiny_config(model_type: str, real: bool = False) -> Any:
     if model_type == "gpt_neo":  # its per-layer pattern is a run-length list that must cover the layers
         overrides["attention_types"] = [[["global", "local"], 1]]
     layer_types = getattr(default, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types:
+    # Where layer_types is derived from other fields (a property without a setter: Mamba, Jamba, Bamba),
+    # _HYBRID_LAYERS places one layer of each kind instead.
+    field = getattr(default, "attribute_map", {}).get("layer_types", "layer_types")
+    settable = getattr(getattr(type(default), field, None), "fset", True) is not None
+    if isinstance(layer_types, list) and layer_types and settable:
         kinds = list(dict.fromkeys(layer_types))
         overrides["layer_types"] = kinds if len(kinds) > 1 or real else kinds * 2
         overrides["num_hidden_layers"] = len(overrides["layer_types"])
+    if model_type in _HYBRID_LAYERS:
+        placed = _HYBRID_LAYERS[model_type]
+        overrides.update(placed, num_hidden_layers=len(placed.get("layer_types", "rr")))
     if not real:
         overrides.update(_TYPE_OVERRIDES.get(model_type, {}))
     overrides.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False)
-    return AutoConfig.for_model(model_type, **overrides)
+    config = AutoConfig.for_model(model_type, **overrides)
+    rope = overrides.get("qk_rope_head_dim") if "qk_nope_head_dim" in overrides else None
+    if rope is not None and "head_dim" in overrides and (config.head_dim, config.qk_rope_head_dim) != (rope, rope):
+        # Multi-head latent attention: `head_dim` is the rotary slice's size, which the rotary embedding reads
+        # (the key's head size is qk_nope_head_dim + qk_rope_head_dim). Where the head_dim passed in is kept as it
+        # is (DeepSeek-V3, LongCat) or is an alias that overrides qk_rope_head_dim (GLM-4-MoE-Lite), pass the
+        # rotary size; configs that derive it themselves keep their own build.
+        config = AutoConfig.for_model(model_type, **{**overrides, "head_dim": rope})
+    return config
+
+
+# Multimodal checkpoints (a text decoder inside vision / audio towers, saved as the type's
+# ...ForConditionalGeneration): the sweep builds the whole checkpoint, its towers shrunk to these sizes and its
+# text config by tiny_config's rules, and kvforge exports its text model (kvforge/exporter/text_model.py).
+MULTIMODAL_TYPES = (
+    "dots3_note", "emu3", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "llama4", "mllama",
+    "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+)
+_TOWER_SMALL = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "attention_heads": 2, "num_heads": 2, "depth": 1, "num_global_layers": 1,
+    "num_blocks": 1, "conf_num_hidden_layers": 1, "conf_num_attention_heads": 2,
+}
+# What a type's sub-configs need besides _TOWER_SMALL (sizes tied to other fields), and its text config
+# besides tiny_config's rules ("": the top level).
+_MULTIMODAL_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    # Emu3's image tokens map to text-vocabulary ids (its VQ-VAE's codes are BPE tokens too).
+    "emu3": {"": {"vocabulary_map": {"<|extra_200|>": 500, "<image>": 501,
+                                     **{f"<|visual token {code:06d}|>": 502 + code for code in range(8)}},
+                  "image_token_id": 501},
+             "vq_config": {"codebook_size": 8, "base_channels": 32, "channel_multiplier": [1, 1],
+                           "num_res_blocks": 1, "attn_resolutions": []}},
+    # A cross-attention layer (to the image) between two self-attention layers: a tokens-only forward skips it.
+    "mllama": {"text_config": {"num_hidden_layers": 3, "cross_attention_layers": [1]}},
+}
+
+
+def tiny_multimodal_config(model_type: str, real: bool = False) -> Any:
+    """A multimodal type's default config at test sizes: its text config as tiny_config(text type, real)
+    makes it (or, for a type that is its own text config, Phi-4-multimodal, the top level), its vision /
+    audio sub-configs shrunk (_TOWER_SMALL: the towers build in seconds; `real` keeps them small too)."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    overrides = _MULTIMODAL_OVERRIDES.get(model_type, {})
+    fields: dict[str, Any] = {}
+    for name in getattr(default, "sub_configs", {}):
+        sub = getattr(default, name, None)
+        if sub is None:
+            continue
+        if name == "text_config":
+            values = tiny_config(sub.model_type, real).to_dict()
+        else:
+            values = sub.to_dict()
+            values.update({key: min(value, values[key]) for key, value in _TOWER_SMALL.items()
+                           if isinstance(values.get(key), int) and not isinstance(values.get(key), bool)})
+        fields[name] = {**values, **overrides.get(name, {})}
+    top = {} if "text_config" in fields else tiny_config(model_type, real).to_dict()
+    top.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **{**top, **fields, **overrides.get("", {})})
 
 
 def build_tiny(model_type: str, folder: Path, seed: int = 0, real: bool = False) -> Any:
     """Write the tiny seeded model as a Hugging Face folder (with kvforge's built-in tokenizer);
-    `real=True`: at the default config's layer shapes (tiny_config)."""
+    `real=True`: at the default config's layer shapes (tiny_config). A multimodal type (MULTIMODAL_TYPES) is
+    written as its whole checkpoint, small towers included (tiny_multimodal_config)."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
 
     from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
-    config = tiny_config(model_type, real)
+    multimodal = model_type in MULTIMODAL_TYPES
+    config = tiny_multimodal_config(model_type, real) if multimodal else tiny_config(model_type, real)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if multimodal:  # the class its checkpoints are saved from (Gemma3ForConditionalGeneration, ...)
+        model = getattr(transformers, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[model_type])._from_config(
+            config, dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # make every layer matter for the logits (see recipes.Recipe.residual_scale)
         for name, param in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight", "dense_4h_to_h.weight")):
@@ -186,15 +297,19 @@ MEMORY_ERRORS = ("MemoryError", "bad_alloc", "out of memory", "Cannot allocate m
 def real_shape(config: Any) -> str:
     """A real-shape config's layer shape, for the table: hidden size, heads / KV heads x head size, MLP
     or experts."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    experts = next((getattr(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if isinstance(getattr(config, key, None), int)), None)
-    ffn = getattr(config, "moe_intermediate_size", None) if experts else None
-    ffn = ffn or getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+    heads = config_value(config, "num_attention_heads")
+    kv = config_value(config, "num_key_value_heads") or heads
+    head_dim = config_value(config, "head_dim") or (config.hidden_size // heads if heads else None)
+    if config_value(config, "qk_head_dim") and config_value(config, "v_head_dim"):  # latent attention
+        head_dim = f"{config_value(config, 'qk_head_dim')} (values {config_value(config, 'v_head_dim')})"
+    experts = next((config_value(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(config_value(config, key), int)), None)
+    ffn = config_value(config, "moe_intermediate_size") if experts else None
+    ffn = ffn or config_value(config, "intermediate_size") or config_value(config, "ffn_dim")
     mlp = f"{experts} experts of {ffn}" if experts else f"MLP {ffn or 4 * config.hidden_size}"
-    return f"{config.hidden_size}, {heads}/{kv} heads of {head_dim}, {mlp}"
+    attention = f"{heads}/{kv} heads of {head_dim}" if heads else "no attention heads"
+    per_layer = " (layer 0's; set per layer)" if config.to_dict().get("per_layer_config") else ""
+    return f"{config.hidden_size}, {attention}{per_layer}, {mlp}"
 
 
 def real_summary(model_type: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -216,8 +331,12 @@ def real_summary(model_type: str, row: dict[str, Any]) -> dict[str, Any]:
     errors += [row["error"]] if kinds.get("all") == "fail" else []
     status = "fail" if errors else ("pass" if kinds and set(kinds.values()) == {"pass"}
                                     else "unbuilt" if "unbuilt" in kinds.values() else "memory")
-    summary: dict[str, Any] = {"status": status, "targets": kinds,
-                               "shape": real_shape(tiny_config(model_type, real=True))}
+    if model_type in MULTIMODAL_TYPES:  # the shape of its text model (a type that is its own text config: itself)
+        config = tiny_multimodal_config(model_type, real=True)
+        config = getattr(config, "text_config", None) or config
+    else:
+        config = tiny_config(model_type, real=True)
+    summary: dict[str, Any] = {"status": status, "targets": kinds, "shape": real_shape(config)}
     passed = [result["max_abs_err"] for result in targets.values() if result["status"] == "pass"]
     if passed:
         summary["max_abs_err"] = max(passed)

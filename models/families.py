@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvforge.core.errors import UnsupportedModelError
+from kvforge.models.config_values import config_value
 
 # Rotary variants whose tables HF computes from the positions alone, so they trace into the graph.
 # ("longrope" picks its short or long table from the largest position of the call, with torch.where.)
@@ -38,11 +39,15 @@ class Family:
     swept: bool = False
     trt_refusal: str | None = None
 
-    def head_dim(self, config: Any) -> int:
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # First guesses from the config (the export probes the shapes each layer really has); 1 for a model
+    # without attention heads (a state-space model), which keeps no KV.
+    def head_dim(self, config: Any) -> int:  # latent attention's keys: qk_head_dim (nope + rope dims)
+        heads = config_value(config, "num_attention_heads")
+        return config_value(config, "qk_head_dim") or config_value(config, "head_dim") or (
+            config.hidden_size // heads if heads else 1)
 
-    def kv_heads(self, config: Any) -> int:
-        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads  # GPT-2: plain MHA
+    def kv_heads(self, config: Any) -> int:  # GPT-2: plain MHA
+        return config_value(config, "num_key_value_heads") or config_value(config, "num_attention_heads") or 1
 
     def final_softcap(self, config: Any) -> float:
         return float(getattr(config, self.final_softcap_key, None) or 0.0) if self.final_softcap_key else 0.0
@@ -75,14 +80,6 @@ class Family:
                     f"{self.model_type}: rope type {rope_type!r}{where} is not supported; kvforge exports "
                     f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}"
                 )
-        # The raw per-layer overrides (the config's attribute is a view that resolves them one layer at a time).
-        per_layer = config.to_dict().get("per_layer_config") or {} if hasattr(config, "per_layer_config") else {}
-        varying = sorted({name for layer in per_layer.values() if isinstance(layer, dict) for name in layer
-                          if name in ("head_dim", "num_key_value_heads", "num_attention_heads")})
-        if varying:  # Gemma 4: its full-attention layers have twice the sliding layers' head size
-            raise UnsupportedModelError(
-                f"{self.model_type}: the layers' attention shapes differ ({', '.join(varying)} set per layer in "
-                "per_layer_config); kvforge's KV cache has one head count and head size for every layer")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(f"{self.model_type}: use_bidirectional_attention=True is not supported "
                                         "(kvforge exports causal decoders)")

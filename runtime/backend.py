@@ -49,14 +49,26 @@ class Limits:
     # verification, chunked prefill); None: as many as max_batch. ONNX Runtime's
     # GroupQueryAttention (the `ort` target) takes several new tokens after a past only at batch 1.
     continue_batch: int | None = None
+    # Whether a run's extra positions can be taken back (speculation drops rejected drafts by not counting
+    # them): not where a layer keeps a recurrent state, which every token fed advances for good.
+    rollback: bool = True
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any], max_batch: int | None = None,
                       max_capacity: int | None = None) -> Limits:
-        cap = KVLayout.from_manifest(manifest).max_capacity
+        layout = KVLayout.from_manifest(manifest)
+        cap = layout.max_capacity
         if max_capacity is not None:
             cap = min(cap, int(max_capacity))
-        return cls(max_batch, cap, capacity_buckets(cap), get_target(manifest["target"]).continue_batch)
+        return cls(max_batch, cap, capacity_buckets(cap), get_target(manifest["target"]).continue_batch,
+                   rollback=not layout.states)
+
+    def check_speculation(self, speculation: Any) -> None:
+        """InputError for a speculative request on a cache that cannot roll back rejected drafts."""
+        if speculation is not None and not self.rollback:
+            raise InputError("speculative decoding needs a cache that can drop rejected drafts, and this model's "
+                             "recurrent layers keep a state that every token advances for good; generate without "
+                             "speculation")
 
 
 class Slot(Protocol):
@@ -78,9 +90,9 @@ class Backend(Protocol):
     # Row operations (serving: runtime/scheduler.py). A row's positions 0..positions-1, every layer.
     def copy_rows(self, src: Slot, row: int, dst: Slot, dst_row: int, positions: int) -> None: ...
 
-    def read_rows(self, slot: Slot, row: int, positions: int) -> list[tuple[np.ndarray, np.ndarray]]: ...
+    def read_rows(self, slot: Slot, row: int, positions: int) -> list[tuple[np.ndarray, ...]]: ...
 
-    def write_rows(self, slot: Slot, row: int, layers: list[tuple[np.ndarray, np.ndarray]], positions: int) -> None: ...
+    def write_rows(self, slot: Slot, row: int, layers: list[tuple[np.ndarray, ...]], positions: int) -> None: ...
 
     def view_rows(self, slot: Slot, rows: int) -> Slot | None: ...  # the first `rows` rows, in place
 

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvforge.runtime.backend import Backend, Slot
+from kvforge.core.errors import BackendUnavailableError
+from kvforge.runtime.backend import Backend, Slot, supports_rows
 from kvforge.runtime.logprobs import TokenLogprob
 from kvforge.runtime.rows import Picker, Row
 from kvforge.runtime.sampling import greedy as greedy_tokens
@@ -76,6 +77,7 @@ class StepEngine:
         # ort-cuda's greedy picks on the device (runtime/device_pick.py): used while no row needs its
         # Picker and the caller keeps no logits; B token ids come back instead of [B, V] logits.
         self._device_greedy = bool(getattr(backend, "device_greedy", False))
+        self._staging: Slot | None = None  # a one-row slot, for prompts prefilled alone (_prefill_alone)
 
     @property
     def cache(self) -> Any:
@@ -146,14 +148,36 @@ class StepEngine:
         """Every placed row's prompt (row b: prompts[b]) from position 0 in one call, right-padded; the
         logits at each prompt's last position give the rows their first tokens."""
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        ids = np.full((len(prompts), int(lens.max())), self.pad, dtype=np.int64)
-        for b, prompt in enumerate(prompts):
-            ids[b, : len(prompt)] = prompt
         self.cache.reset()
-        logits = self.check(self.backend.prefill(self.slot, ids, lens - 1), 0)
+        if getattr(self.cache, "has_state", False) and len(set(lens.tolist())) > 1:
+            logits = self.check(self._prefill_alone(prompts), 0)
+        else:
+            ids = np.full((len(prompts), int(lens.max())), self.pad, dtype=np.int64)
+            for b, prompt in enumerate(prompts):
+                ids[b, : len(prompt)] = prompt
+            logits = self.check(self.backend.prefill(self.slot, ids, lens - 1), 0)
         self.cache.past_lens[:] = lens
         accepted, failed = self._pick_accept(range(len(prompts)), logits, 0)
         return Step([accepted], logits, failed=failed)
+
+    def _prefill_alone(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        """Prompts of different lengths for a model with recurrent layers: right padding would run pad tokens
+        through the shorter rows' states, so each row is prefilled alone on a one-row staging slot and its
+        cache row (keys, values, states) copied into the batch. The rows' last-position logits [B, V]."""
+        if not supports_rows(self.backend):
+            raise BackendUnavailableError(f"backend {getattr(self.backend, 'name', '?')!r} cannot move cache rows, "
+                                          "which prompts of different lengths need on a model with recurrent "
+                                          "layers; send prompts of one length per call")
+        if self._staging is None or self._staging.cache.capacity != self.cache.capacity:
+            self._staging = self.backend.allocate(1, self.cache.capacity)
+        staging, out = self._staging, []
+        for b, prompt in enumerate(prompts):
+            staging.cache.reset()  # position 0: the graph reads the row's states as zeros
+            logits = self.backend.prefill(staging, np.asarray([prompt], dtype=np.int64),
+                                          np.array([len(prompt) - 1], dtype=np.int64))
+            out.append(logits.copy())  # the slot's logits buffer, which the next row's run overwrites
+            self.backend.copy_rows(staging, 0, self.slot, b, len(prompt))
+        return np.concatenate(out, axis=0)
 
     def decode(self, view: Slot | None = None, keep_logits: bool = False) -> Step:
         """One token for every running row of `view` (this slot, or one over its first rows: the

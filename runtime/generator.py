@@ -310,6 +310,7 @@ class Generator:
                 f"{len(ids)} prompts, but backend {self.backend_name!r} runs at most {limits.max_batch} rows "
                 "at once (rebuild the engines with a larger --max-batch, or send fewer prompts per call)"
             )
+        limits.check_speculation(request.speculation)
         if request.speculation is not None:
             # Verification writes draft_len + 1 positions; rows that finished still take part, frozen.
             needed += request.speculation.draft_len + 1

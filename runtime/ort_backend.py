@@ -38,6 +38,7 @@ from kvforge.core.contract import (
     PAST_LENS,
     KVLayout,
     ModelSpec,
+    buffer_name,
     cache_input,
     cache_output,
 )
@@ -301,15 +302,17 @@ class OrtBackend:
     def _bind_cache(self, binding: ort.IOBinding, cache: KVCache, layer: int, kind: str) -> None:
         """Bind one cache buffer as both past_* and present_*: its OrtValue, or (a device view, which has
         none) its address with the view's shape."""
-        if cache.keys:
-            buffer = (cache.keys if kind == "key" else cache.values)[layer]
+        name = buffer_name(kind, layer)
+        if cache.buffer_values:
+            buffer = cache.buffer_values[name]
             binding.bind_ortvalue_input(cache_input(kind, layer), buffer)
             binding.bind_ortvalue_output(cache_output(kind, layer), buffer)
             return
-        pointer = cache.buffer_pointers()[2 * layer + (kind == "value")]
-        dtype = cache.host_dtype
-        binding.bind_input(cache_input(kind, layer), self.device, self.device_id, dtype, list(cache.shape), pointer)
-        binding.bind_output(cache_output(kind, layer), self.device, self.device_id, dtype, list(cache.shape), pointer)
+        index = cache.buffers().index((layer, kind))
+        pointer, dtype = cache.buffer_pointers()[index], cache.host_dtypes[index]
+        shape = list(cache.buffer_shape(layer, kind))
+        binding.bind_input(cache_input(kind, layer), self.device, self.device_id, dtype, shape, pointer)
+        binding.bind_output(cache_output(kind, layer), self.device, self.device_id, dtype, shape, pointer)
 
     def _device_array(self, array: np.ndarray) -> ort.OrtValue:
         """A device OrtValue holding a copy of `array` (so it starts initialised)."""

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.core.contract import LOGITS, GraphIO, KVLayout, ModelSpec, parse_cache_name
+from kvforge.core.contract import KV_KINDS, LOGITS, GraphIO, KVLayout, ModelSpec, parse_cache_name
 from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError
 from kvforge.core.manifest import io_entry, io_names, read_graph
 
@@ -118,11 +118,17 @@ def check_session_io(manifest: dict[str, Any], kv: KVLayout, phase: str, session
                 f"{file}: its logits have {node.shape[-1]} entries per position but the manifest's "
                 f"model.vocab_size is {vocab}; the manifest was modified: re-run the export"
             )
-        if parse_cache_name(node.name) is not None:
-            wanted = [None, kv.num_kv_heads, None, kv.head_dim]
-            if dtype != kv.dtype:
+        cache = parse_cache_name(node.name)
+        if cache is not None:
+            _, kind, layer = cache
+            if (layer, kind) not in kv.buffers():
+                raise ManifestError(f"{file}: {node.name} is not a buffer of the manifest's kv_cache; re-run the export")
+            wanted = [None, *kv.buffer_shape(1, 1, layer, kind)[1:]]
+            if kind in KV_KINDS:
+                wanted[2] = None  # the capacity is the runtime's
+            if dtype != kv.buffer_dtype(layer, kind):
                 raise ManifestError(
-                    f"{file}: {node.name} is {dtype} but the manifest's KV cache dtype is {kv.dtype}; "
+                    f"{file}: {node.name} is {dtype} but the manifest's KV cache says {kv.buffer_dtype(layer, kind)}; "
                     "re-run the export"
                 )
         if wanted is None:

@@ -2,7 +2,11 @@
 bounded in bytes (least recently used first out). A later prompt that starts with the same tokens (the
 next turn of a chat) copies those rows and prefills only what follows: the KV of position t depends only
 on tokens 0..t, so the result is the same as prefilling everything. The rows are host copies
-(Backend.read_rows), whatever device the cache lives on."""
+(Backend.read_rows), whatever device the cache lives on.
+
+A recurrent layer's state (Mamba, gated DeltaNet, ...) is that of exactly the stored tokens: it cannot
+be cut back to a shorter prefix. With `exact_only` (a model with such layers) an entry is used only
+where the prompt continues all of it."""
 
 from __future__ import annotations
 
@@ -15,15 +19,16 @@ import numpy as np
 class PrefixStore:
     """KV rows of finished requests by their token sequence, least recently used evicted first."""
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, exact_only: bool = False) -> None:
         self.budget_bytes = budget_bytes
+        self.exact_only = exact_only
         self.bytes = 0
-        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]] = (
+        self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[np.ndarray, ...]]]] = (
             collections.OrderedDict())
         self._ids = itertools.count()
         self.hits = 0
 
-    def lookup(self, prompt: list[int]) -> tuple[int, list[tuple[np.ndarray, np.ndarray]] | None]:
+    def lookup(self, prompt: list[int]) -> tuple[int, list[tuple[np.ndarray, ...]] | None]:
         """The longest stored prefix of `prompt` (at most len(prompt) - 1 positions: the last prompt
         token is always run, for its logits) and that entry's KV (rows beyond it are not used)."""
         best, best_key = 0, None
@@ -34,6 +39,8 @@ class PrefixStore:
                 continue
             differ = np.flatnonzero(stored[:n] != tokens[:n])
             common = int(differ[0]) if differ.size else n
+            if self.exact_only and common < len(stored):  # a state cannot be cut back to `common` tokens
+                continue
             if common > best:
                 best, best_key = common, key
         if best_key is None:
@@ -42,8 +49,8 @@ class PrefixStore:
         self.hits += 1
         return best, self._entries[best_key][1]
 
-    def store(self, tokens: list[int], kv: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        size = sum(k.nbytes + v.nbytes for k, v in kv)
+    def store(self, tokens: list[int], kv: list[tuple[np.ndarray, ...]]) -> None:
+        size = _nbytes(kv)
         if size > self.budget_bytes or not tokens:
             return
         new = np.asarray(tokens, dtype=np.int64)
@@ -58,7 +65,11 @@ class PrefixStore:
 
     def _drop(self, key: int) -> None:
         _, kv = self._entries.pop(key)
-        self.bytes -= sum(k.nbytes + v.nbytes for k, v in kv)
+        self.bytes -= _nbytes(kv)
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _nbytes(kv: list[tuple[np.ndarray, ...]]) -> int:
+    return sum(array.nbytes for layer in kv for array in layer)

@@ -121,7 +121,7 @@ class Scheduler:
         buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self._decode_slots = {k: self.slot if k == max_batch else (self.backend.view_rows(self.slot, k) or self.slot)
                               for k in buckets}
-        self.prefixes = PrefixStore(prefix_cache_bytes)
+        self.prefixes = PrefixStore(prefix_cache_bytes, exact_only=not limits.rollback)
         self.eos = generator.eos_token_ids
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prefilling: _Request | None = None
@@ -164,6 +164,7 @@ class Scheduler:
         if unsupported:
             raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
                              "max_seq_len positions per request)")
+        self.backend.limits.check_speculation(request.speculation)
         rows, _ = self.generator.prompt_ids(request)
         if len(rows) != 1:
             raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")

@@ -188,9 +188,8 @@ class TrtBackend:
         if self.static_capacity:
             capacity = self.limits.max_capacity
         cache = CacheState(self.num_layers, batch, self.kv_heads, capacity, self.head_dim, self.kv_dtype,
-                           self.limits.max_capacity)
-        kv_bytes = self.kv.bytes(batch, capacity) // (2 * self.num_layers)  # one key or value buffer
-        sizes = {buffer_name(kind, layer): kv_bytes for layer, kind in self.kv.buffers()}
+                           self.limits.max_capacity, self.kv.layers)
+        sizes = {buffer_name(kind, layer): self.kv.buffer_bytes(batch, capacity, layer) for layer, kind in self.kv.buffers()}
         with self._on_device():  # the buffers' zeroing memsets go on the stream
             buffers = {name: cuda.DeviceBuffer(size, self.stream) for name, size in sizes.items()}
             slot = self._slot(cache, buffers)
@@ -302,7 +301,7 @@ class TrtBackend:
         return dict(slot.bound.get(phase, {}))
 
     def read_kv(self, slot: TrtSlot, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        shape = slot.cache.shape
+        shape = slot.cache.buffer_shape(layer)
         out = []
         for kind in ("key", "value"):
             raw = np.empty(shape, dtype=self._kv_host_dtype)

@@ -76,3 +76,28 @@ def late_failing_grammar(generator: Any, prompt: str) -> str:
             if pick == high:
                 return f'start: "{low}" "{low}"* | "{high}" {BOMB}'
     raise AssertionError("the model picks the lower id of every pair of letters")
+
+
+def greedy_alone(generator: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """`prompt`'s greedy answer from `generator`, alone."""
+    return generator.generate([prompt], max_new_tokens=new_tokens, greedy=True, ignore_eos=True).tokens[0]
+
+
+def check_two_turns(scheduler: Any, solo: Any, prompts: list[list[int]], lengths: tuple[int, ...] = (4, 9, 6)
+                    ) -> list[list[int]]:
+    """Serve `prompts` (max_new_tokens `lengths`) on a running Scheduler, then a second turn that continues
+    prompts[1]'s whole answer: each answer must be `solo`'s greedy answer alone, and the second turn must
+    take the first turn's rows from the prefix store. Returns the first turn's answers."""
+    from kvforge.runtime import GenerationRequest
+    from kvforge.runtime.sampling import SamplingConfig
+
+    handles = [scheduler.submit(GenerationRequest(p, n, SamplingConfig(greedy=True), ignore_eos=True))
+               for p, n in zip(prompts, lengths, strict=True)]
+    served = [handle.result()[0] for handle in handles]
+    assert served == [greedy_alone(solo, p, n) for p, n in zip(prompts, lengths, strict=True)]
+    first = prompts[1] + served[1][:-1]
+    follow = first + [served[1][-1], 9, 10]
+    tokens, _, done = scheduler.submit(GenerationRequest(list(follow), 5, SamplingConfig(greedy=True),
+                                                         ignore_eos=True)).result()
+    assert done.cached_tokens == len(first) and tokens == greedy_alone(solo, follow, 5)
+    return served

@@ -339,8 +339,17 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
     manifest = info["manifest"]
     model, kv = ModelSpec.from_manifest(manifest), KVLayout.from_manifest(manifest)
     click.echo(f"{export_dir}: {model.architecture} target={manifest['target']} dtype={manifest['dtype']}")
-    click.echo(f"  layers {kv.num_layers}, heads {model.num_heads}/{kv.num_kv_heads} (q/kv), "
-               f"head_dim {kv.head_dim}, vocab {model.vocab_size}, max capacity {kv.max_capacity}")
+    shapes = sorted(set(kv.layer_shapes()))
+    kv_heads = "/".join(str(heads) for heads in sorted({h for h, _ in shapes})) or "-"
+    head_dims = "/".join(str(dim) for dim in sorted({d for _, d in shapes})) or "-"
+    per_layer = " (per layer)" if kv.layers else ""
+    click.echo(f"  layers {kv.num_layers}, heads {model.num_heads}/{kv_heads} (q/kv), head_dim {head_dims}{per_layer}, "
+               f"vocab {model.vocab_size}, max capacity {kv.max_capacity}")
+    if kv.states:
+        stateful = sorted({spec.layer for spec in kv.states})
+        kinds = ", ".join(sorted({spec.kind for spec in kv.states}))
+        click.echo(f"  recurrent state: layers {stateful} keep {len(kv.states)} buffers ({kinds}), "
+                   f"{kv.bytes(1, 0)} bytes per row")
     for phase, graph in info["graphs"].items():
         click.echo(f"  {phase}: {graph['file']} ({graph['nodes']} nodes; attention: {graph['attention_nodes']})")
         for kind in ("inputs", "outputs"):

@@ -14,10 +14,11 @@ identity (tests/test_contract.py greps for them).
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
 from kvforge.core.errors import ManifestError
 
@@ -38,21 +39,26 @@ LOGITS = "logits"  # prefill [B, K, V], decode [B, V]
 # Bindable on ONNX Runtime, so a session of the prefill graph can serve decode steps.
 LOGITS_POSITIONS = "logits_positions"
 KV_KINDS = ("key", "value")
-_CACHE_NAME = re.compile(r"^(past|present)_(key|value)\.(\d+)$")
+# A recurrent or linear-attention layer's fixed-size state per row, by kind and index (`conv0`: a
+# short convolution's last inputs, `recurrent0`: an SSM / linear-attention state matrix). Bound in
+# place like the KV buffers: the graph reads `past_conv0.{layer}` and writes `present_conv0.{layer}`.
+STATE_KIND = re.compile(r"^(conv|recurrent)(\d+)$")
+_CACHE_NAME = re.compile(r"^(past|present)_(key|value|(?:conv|recurrent)\d+)\.(\d+)$")
 
 
 def cache_input(kind: str, layer: int) -> str:
-    """`past_key.{layer}` / `past_value.{layer}`: the cache a graph reads."""
+    """`past_key.{layer}` / `past_value.{layer}` (/ `past_conv0.{layer}` ...): the cache a graph reads."""
     return f"past_{kind}.{layer}"
 
 
 def cache_output(kind: str, layer: int) -> str:
-    """`present_key.{layer}` / `present_value.{layer}`: the same buffer, bound as the graph's output."""
+    """`present_key.{layer}` / `present_value.{layer}` (...): the same buffer, bound as the graph's output."""
     return f"present_{kind}.{layer}"
 
 
 def parse_cache_name(name: str) -> tuple[str, str, int] | None:
-    """("past" | "present", "key" | "value", layer) for a cache IO name, None for any other name."""
+    """("past" | "present", kind, layer) for a cache IO name (kind "key", "value" or a state kind), None for
+    any other name."""
     match = _CACHE_NAME.match(name)
     return (match[1], match[2], int(match[3])) if match else None
 
@@ -62,10 +68,24 @@ def buffer_name(kind: str, layer: int) -> str:
     return f"{kind}.{layer}"
 
 
+class StateSpec(NamedTuple):
+    """One recurrent state buffer of a layer: `[B, *shape]` of `dtype`, whatever the capacity."""
+
+    layer: int
+    kind: str  # STATE_KIND: "conv0", "recurrent0", ...
+    shape: tuple[int, ...]
+    dtype: str
+
+
 @dataclass(frozen=True)
 class KVLayout:
-    """Per layer one key and one value buffer `[B, num_kv_heads, C, head_dim]` (BNSH) of `dtype`;
-    the capacity C is chosen by the runtime, up to `max_capacity`."""
+    """The cache of every layer (DESIGN.md, "The KV cache contract"). An attention layer keeps one key and
+    one value buffer `[B, H_kv, C, D]` (BNSH) of `dtype`; the capacity C is chosen by the runtime, up to
+    `max_capacity`. Every layer has `num_kv_heads` heads of `head_dim`, unless `layers` gives each layer's
+    own (H_kv, D) (Gemma 4: its full-attention layers have twice the sliding layers' head size), or None
+    for a layer that keeps no KV (a recurrent layer of a hybrid); `num_kv_heads` / `head_dim` are then the
+    first attention layer's (1 where there is none). Recurrent and linear-attention layers keep `states`:
+    fixed-size buffers per row, read and written in place by both graphs."""
 
     num_layers: int
     num_kv_heads: int
@@ -73,17 +93,70 @@ class KVLayout:
     dtype: str  # a value of DTYPES, or of KV_CACHE_DTYPES for a quantised cache
     max_capacity: int
     layout: str = "BNSH"
+    # per layer (H_kv, D), None: no KV; () = every layer (num_kv_heads, head_dim)
+    layers: tuple[tuple[int, int] | None, ...] = ()
+    states: tuple[StateSpec, ...] = ()
 
-    def shape(self, batch: int, capacity: int) -> tuple[int, int, int, int]:
-        return (batch, self.num_kv_heads, capacity, self.head_dim)
+    @classmethod
+    def per_layer(cls, shapes: list[tuple[int, int] | None], dtype: str, max_capacity: int,
+                  states: tuple[StateSpec, ...] = ()) -> KVLayout:
+        """The layout of layers of these (H_kv, D) (None: no KV): uniform when they are all alike."""
+        alike = len(set(shapes)) == 1 and shapes[0] is not None
+        first = next((shape for shape in shapes if shape is not None), (1, 1))
+        return cls(len(shapes), int(first[0]), int(first[1]), dtype, max_capacity,
+                   layers=() if alike else tuple(None if s is None else (int(s[0]), int(s[1])) for s in shapes),
+                   states=tuple(states))
+
+    def has_kv(self, layer: int) -> bool:
+        return not self.layers or self.layers[layer] is not None
+
+    def layer_shape(self, layer: int) -> tuple[int, int]:
+        """(H_kv, D) of `layer`'s key and value buffers."""
+        shape = self.layers[layer] if self.layers else (self.num_kv_heads, self.head_dim)
+        if shape is None:
+            raise ValueError(f"layer {layer} keeps no KV cache")
+        return shape
+
+    def layer_shapes(self) -> list[tuple[int, int]]:
+        """(H_kv, D) of every layer that keeps a KV cache."""
+        return [self.layer_shape(layer) for layer in range(self.num_layers) if self.has_kv(layer)]
+
+    def shape(self, batch: int, capacity: int, layer: int = 0) -> tuple[int, int, int, int]:
+        heads, head_dim = self.layer_shape(layer)
+        return (batch, heads, capacity, head_dim)
+
+    def state(self, layer: int, kind: str) -> StateSpec:
+        return next(spec for spec in self.states if (spec.layer, spec.kind) == (layer, kind))
+
+    def buffer_shape(self, batch: int, capacity: int, layer: int, kind: str) -> tuple[int, ...]:
+        """The shape of any cache buffer: a key or value's [B, H_kv, C, D], a state's [B, *shape]."""
+        if kind in KV_KINDS:
+            return self.shape(batch, capacity, layer)
+        return (batch, *self.state(layer, kind).shape)
+
+    def buffer_dtype(self, layer: int, kind: str) -> str:
+        return self.dtype if kind in KV_KINDS else self.state(layer, kind).dtype
+
+    def buffer_bytes(self, batch: int, capacity: int, layer: int, kind: str = "key") -> int:
+        """Bytes of one buffer (`layer`'s key, value or state `kind`)."""
+        return math.prod(self.buffer_shape(batch, capacity, layer, kind)) * ITEMSIZE[self.buffer_dtype(layer, kind)]
 
     def bytes(self, batch: int, capacity: int) -> int:
-        """Bytes of every key and value buffer of a cache of this batch and capacity."""
-        return 2 * self.num_layers * batch * self.num_kv_heads * capacity * self.head_dim * ITEMSIZE[self.dtype]
+        """Bytes of every buffer of a cache of this batch and capacity."""
+        return sum(self.buffer_bytes(batch, capacity, layer, kind) for layer, kind in self.buffers())
 
     def buffers(self) -> list[tuple[int, str]]:
-        """(layer, kind) in graph order: key.0, value.0, key.1, ..."""
-        return [(layer, kind) for layer in range(self.num_layers) for kind in KV_KINDS]
+        """(layer, kind) in graph order: key.0, value.0, key.1, ... with each layer's states after its KV."""
+        out = []
+        for layer in range(self.num_layers):
+            if self.has_kv(layer):
+                out += [(layer, kind) for kind in KV_KINDS]
+            out += [(layer, spec.kind) for spec in self.states if spec.layer == layer]
+        return out
+
+    def layer_buffers(self, layer: int) -> list[str]:
+        """The kinds of `layer`'s buffers, in buffer order (what a row copy of the layer holds)."""
+        return [kind for at, kind in self.buffers() if at == layer]
 
     def cache_inputs(self) -> list[str]:
         return [cache_input(kind, layer) for layer, kind in self.buffers()]
@@ -92,7 +165,14 @@ class KVLayout:
         return [cache_output(kind, layer) for layer, kind in self.buffers()]
 
     def to_manifest(self) -> dict[str, Any]:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("layers", "states")}
+        if self.layers:  # only where layers differ, so a uniform export's manifest is as before
+            out["layers"] = [None if shape is None else {"num_kv_heads": shape[0], "head_dim": shape[1]}
+                             for shape in self.layers]
+        if self.states:
+            out["states"] = [{"layer": s.layer, "kind": s.kind, "shape": list(s.shape), "dtype": s.dtype}
+                             for s in self.states]
+        return out
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> KVLayout:
@@ -113,7 +193,56 @@ class KVLayout:
             )
         if kv.get("layout", "BNSH") != "BNSH":
             raise ManifestError(f"kv_cache.layout {kv.get('layout')!r} is not BNSH; re-run the export")
-        return cls(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["max_capacity"])
+        layers = _manifest_layers(kv.get("layers"), kv["num_layers"])
+        states = _manifest_states(kv.get("states"), kv["num_layers"])
+        return cls(kv["num_layers"], kv["num_kv_heads"], kv["head_dim"], kv["dtype"], kv["max_capacity"],
+                   layers=layers, states=states)
+
+
+MAX_HEAD_SIZE = 1 << 16  # far beyond any head (MLA's 576), far below a crafted 1e9 that sizes a buffer
+
+
+def _manifest_layers(layers: Any, num_layers: int) -> tuple[tuple[int, int] | None, ...]:
+    """kv_cache.layers: absent, or one {"num_kv_heads", "head_dim"} (or null: no KV) per layer."""
+    if layers is None:
+        return ()
+    if not isinstance(layers, list) or len(layers) != num_layers:
+        raise ManifestError(f"kv_cache.layers must be a list of {num_layers} entries (one per layer), got "
+                            f"{layers!r:.80}; re-run the export")
+    out: list[tuple[int, int] | None] = []
+    for i, entry in enumerate(layers):
+        if entry is None:
+            out.append(None)
+            continue
+        values = [entry.get(name) if isinstance(entry, Mapping) else None for name in ("num_kv_heads", "head_dim")]
+        if not all(_is_int(value) and 1 <= value <= MAX_HEAD_SIZE for value in values):
+            raise ManifestError(f"kv_cache.layers[{i}] must be {{\"num_kv_heads\": N, \"head_dim\": D}} with positive "
+                                f"integers, got {entry!r:.80}; re-run the export")
+        out.append((values[0], values[1]))
+    return tuple(out)
+
+
+MAX_STATE_ELEMENTS = 1 << 28  # elements of one row's state: far beyond a real one (Mamba 2: ~1M)
+
+
+def _manifest_states(states: Any, num_layers: int) -> tuple[StateSpec, ...]:
+    """kv_cache.states: absent, or [{"layer", "kind", "shape", "dtype"}, ...], checked."""
+    if states is None:
+        return ()
+    if not isinstance(states, list):
+        raise ManifestError(f"kv_cache.states must be a list, got {states!r:.80}; re-run the export")
+    out = []
+    for i, entry in enumerate(states):
+        ok = isinstance(entry, Mapping) and _is_int(entry.get("layer")) and 0 <= entry["layer"] < num_layers \
+            and isinstance(entry.get("kind"), str) and STATE_KIND.match(entry["kind"]) is not None \
+            and isinstance(entry.get("shape"), list) and all(_is_int(d) and d >= 1 for d in entry["shape"]) \
+            and math.prod(entry["shape"]) <= MAX_STATE_ELEMENTS and entry.get("dtype") in ITEMSIZE
+        if not ok:
+            raise ManifestError(f"kv_cache.states[{i}] must be {{\"layer\", \"kind\", \"shape\", \"dtype\"}} (a layer "
+                                f"index, conv<N> or recurrent<N>, positive sizes, a cache dtype), got {entry!r:.120}; "
+                                "re-run the export")
+        out.append(StateSpec(entry["layer"], entry["kind"], tuple(entry["shape"]), entry["dtype"]))
+    return tuple(out)
 
 
 MIN_BUCKET = 64  # the smallest cache capacity the runtime allocates

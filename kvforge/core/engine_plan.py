@@ -131,7 +131,7 @@ def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) 
         positions = MAX_POSITIONS if phase == "prefill" else 1
         shapes[LOGITS_INDEX] = ((1, 1), (b, 1), (b, positions))
     for layer, kind in kv.buffers():
-        shapes[cache_input(kind, layer)] = (kv.shape(1, low_c), kv.shape(b, opt_c), kv.shape(b, c))
+        shapes[cache_input(kind, layer)] = (kv.shape(1, low_c, layer), kv.shape(b, opt_c, layer), kv.shape(b, c, layer))
     return shapes
 
 
@@ -369,7 +369,7 @@ def binding_plan(manifest: dict[str, Any], phase: str, batch: int, capacity: int
     else:
         plan.append(Binding(LOGITS, (batch, vocab), LOGITS, False))
     for layer, kind in kv.buffers():
-        shape = kv.shape(batch, capacity)
+        shape = kv.shape(batch, capacity, layer)
         plan.append(Binding(cache_input(kind, layer), shape, buffer_name(kind, layer), True))
         plan.append(Binding(cache_output(kind, layer), shape, buffer_name(kind, layer), False))
     return plan

@@ -14,7 +14,7 @@ Layout of the file (format "kvforge/3"; /2 repeated the KV layout under `model`)
       "model": ModelSpec,               # {"vocab_size", "num_heads", "eos_token_id": [...], "pad_token_id", ...}
       "target": "ort",                  # a name of kvforge/core/targets.py: "ort" | "onnx" | "trt"
       "dtype": "fp32",                  # weights/activations/KV dtype: "fp32" | "fp16" | "bf16"
-      "kv_cache": KVLayout,             # {"num_layers", "num_kv_heads", "head_dim", "dtype", "max_capacity", "layout"}
+      "kv_cache": KVLayout,             # {"num_layers", "num_kv_heads", "head_dim", "dtype", "max_capacity", "layout", ["layers"]}: layers only where they differ
       "kv_cache_quantization": {...},   # --kv-cache int8 only: scales' form and calibration (kv_cache.dtype "int8")
       "graphs": {
         "prefill": {"file": "prefill.onnx", "nodes": 123, "attention": {...}, "op_counts": {...},
@@ -53,6 +53,7 @@ from typing import Any
 
 from kvforge.core.contract import (
     DTYPES,
+    KV_KINDS,
     LOGITS,
     PHASES,
     GraphIO,
@@ -240,11 +241,16 @@ def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayou
                 f"{path}: model.vocab_size is {vocab}, but the {phase} graph's logits have {shape[-1]} per position; "
                 "the manifest was modified: re-run the export"
             )
-        if parse_cache_name(entry["name"]) is not None and len(shape) == 4:
-            for axis, (what, want) in ((1, ("num_kv_heads", layout.num_kv_heads)), (3, ("head_dim", layout.head_dim))):
+        cache = parse_cache_name(entry["name"])
+        kv_buffer = cache is not None and cache[1] in KV_KINDS and cache[2] < layout.num_layers \
+            and layout.has_kv(cache[2])
+        if kv_buffer and len(shape) == 4:
+            heads, head_dim = layout.layer_shape(cache[2])
+            where = f"layers[{cache[2]}]." if layout.layers else ""
+            for axis, (what, want) in ((1, ("num_kv_heads", heads)), (3, ("head_dim", head_dim))):
                 if isinstance(shape[axis], int) and shape[axis] != want:
                     raise ManifestError(
-                        f"{path}: kv_cache.{what} is {want}, but the {phase} graph's {entry['name']} has shape "
+                        f"{path}: kv_cache.{where}{what} is {want}, but the {phase} graph's {entry['name']} has shape "
                         f"{shape}; the manifest was modified: re-run the export"
                     )
 

@@ -49,7 +49,7 @@ from kvforge.core.engine_plan import (
     resolve_build_options,
     static_capacity,
 )
-from kvforge.core.errors import BackendUnavailableError, ExportError, InputError
+from kvforge.core.errors import BackendUnavailableError, ExportError, InputError, UnsupportedModelError
 from kvforge.core.manifest import file_record, load_manifest, read_graph
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
 from kvforge.core.targets import get_target
@@ -150,6 +150,10 @@ def build_engines(
     say = progress or (lambda _msg: None)
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
+    if KVLayout.from_manifest(manifest).states:
+        raise UnsupportedModelError(f"{export_dir}: this model's recurrent layers keep a state, which kvforge's "
+                                    "TensorRT engines do not carry yet; run the export on ONNX Runtime "
+                                    "(kvforge generate without --backend trt)")
     options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine,
                                     plugin_shared_kib)
     if plugin_arch is not None:
@@ -285,7 +289,8 @@ def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest:
     kv = KVLayout.from_manifest(manifest)
     caches = set(kv.cache_inputs()) | set(kv.cache_outputs())
     proto, decomposed = tensorrt_graph(path, caches, options.max_seq_len if static_capacity(manifest) else None,
-                                       ModelSpec.from_manifest(manifest).num_heads, kv.num_kv_heads, kv.head_dim)
+                                       ModelSpec.from_manifest(manifest).num_heads, kv.num_kv_heads,
+                                       None if kv.layers else kv.head_dim)
     network = builder.create_network(1 << int(trt.module.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.module.OnnxParser(network, log.logger)
     if not parser.parse(proto.SerializeToString(), str(path)):

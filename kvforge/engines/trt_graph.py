@@ -19,10 +19,11 @@ import onnx_ir as ir
 
 
 def tensorrt_graph(path: Path, cache_names: set[str], capacity: int | None, heads: int,
-                   kv_heads: int, head_dim: int) -> tuple[onnx.ModelProto, int]:
+                   kv_heads: int, head_dim: int | None) -> tuple[onnx.ModelProto, int]:
     """The graph at `path` (external data left where it is) with `cache_names`' capacity dimension set
     to `capacity` (None: left dynamic) and softcapped Attention decomposed; also how many nodes were
-    decomposed. The head counts come from the manifest: the exported graph does not carry q's shape."""
+    decomposed. The head counts come from the manifest: the exported graph does not carry q's shape (None: the
+    layers differ)."""
     proto = onnx.load(str(path), load_external_data=False)
     if capacity is not None:
         for value in [*proto.graph.input, *proto.graph.output]:
@@ -34,6 +35,9 @@ def tensorrt_graph(path: Path, cache_names: set[str], capacity: int | None, head
     decomposed = 0
     for node in list(model.graph):
         if node.op_type == "Attention" and node.domain == "" and _float_attr(node, "softcap") > 0:
+            if head_dim is None:  # the decomposition reshapes by one head layout for every layer
+                raise ValueError("softcapped attention in a model whose layers differ in head size cannot be "
+                                 "decomposed for TensorRT")
             _decompose(model.graph, node, heads, kv_heads, head_dim)
             decomposed += 1
     return (ir.serde.serialize_model(model) if decomposed else proto), decomposed

@@ -23,6 +23,7 @@ from kvforge.models.coverage import (
     COVERAGE_FILE,
     KERNEL_SHAPES,
     MISSING_FEATURES,
+    MULTIMODAL_TYPES,
     NEW_TOKENS,
     NOT_SWEPT,
     OUT_OF_SCOPE,
@@ -81,11 +82,17 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS, real: b
             return {**row, "status": "refused", "reason": MISSING_FEATURES.get(model_type, reason),
                     "error": f"building: {_one_line(err)}"}
         row["architecture"] = type(model).__name__
-        row["logit_keys"] = logit_keys(model.config)
-        registry = trial_registry(model_type, type(model).__name__, model.config)
+        reference = model  # the parity reference: a multimodal checkpoint's is its text model, as the export's
+        if model_type in MULTIMODAL_TYPES:
+            try:
+                reference = _text_reference(model, hf_dir, row)
+            except Exception as err:  # the checkpoint's text model could not be loaded, or computes otherwise
+                return {**row, "status": "refused", "reason": f"its text model: {_one_line(err)}"[:400]}
+        row["logit_keys"] = logit_keys(reference.config)
+        registry = trial_registry(model_type, type(model).__name__, reference.config)
         for target in targets:
             try:
-                row["targets"][target] = check_target(model_type, hf_dir, Path(tmp) / target, target, model,
+                row["targets"][target] = check_target(model_type, hf_dir, Path(tmp) / target, target, reference,
                                                       registry)
             except Exception as err:  # any failure of export or parity is this type's result
                 row["targets"][target] = {"status": "fail", "error": _one_line(err),
@@ -105,6 +112,29 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS, real: b
         row["trt_reason"] = row.pop("refusal", None) or row["targets"]["trt"].get("error", "")[:200]
     row.pop("refusal", None)
     return row
+
+
+def _text_reference(model: Any, hf_dir: Path, row: dict[str, Any]) -> Any:
+    """A multimodal checkpoint's text model, loaded as the export loads it (row["text_model"] names it), after
+    checking it against the whole checkpoint's tokens-only forward (where transformers runs one)."""
+    import torch
+
+    from kvforge.exporter.text_model import load_text_model
+
+    text = load_text_model(hf_dir, "fp32")
+    row["text_model"] = {"model_type": text.config.model_type, "architecture": type(text).__name__}
+    ids = torch.tensor([[1, 5, 9, 42, 7, 3, 200, 17]])
+    with torch.no_grad():
+        try:
+            whole = model(input_ids=ids).logits
+        except Exception as err:  # noqa: BLE001 - transformers' own tokens-only path fails (Llama 4's)
+            row["text_model"]["checkpoint_forward"] = _one_line(err)[:200]
+            return text
+        error = float((text(ids).logits - whole).abs().max())
+    row["text_model"]["checkpoint_max_abs_err"] = error
+    if not error <= ATOL:
+        raise ValueError(f"the text model's logits differ from the checkpoint's tokens-only forward by {error:.3g}")
+    return text
 
 
 def _undiagnosed(row: dict[str, Any]) -> str:

@@ -1,0 +1,251 @@
+"""Export adapters (kvforge/models/adapters.py): the causal-LM families whose attention is written into their own
+modeling code (Falcon, GPT-Neo, XGLM, ...) are routed through transformers' attention interface, and the
+families whose rotary embedding is complex-valued (Llama 4, DeepSeek-V2) get its real-valued form, so that
+kvforge's fused attention op is what the export traces. Each adapted model must equal HF eager."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvforge.models import coverage  # noqa: E402
+from kvforge.models.coverage import ATOL, PROMPTS, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("adapters")
+
+# The families the adapters make exportable, each at its sweep size with the options its adapter maps:
+# Falcon in its three head layouts, GPT-Neo with a window short enough to matter, Llama 4 with a RoPE
+# (chunked) layer and a NoPE layer whose temperature tuning changes every 4 positions.
+LLAMA4 = {"no_rope_layers": [1, 0], "layer_types": ["chunked_attention", "full_attention"], "floor_scale": 4,
+          "attention_chunk_size": 64}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "falcon": ("falcon", {}),
+    "falcon-mha": ("falcon", {"multi_query": False}),
+    "falcon-gqa": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "gpt_neo": ("gpt_neo", {"window_size": 8}),
+    "gptj": ("gptj", {}),
+    "codegen": ("codegen", {}),
+    "xglm": ("xglm", {}),
+    "openai-gpt": ("openai-gpt", {}),
+    "gpt_neox_japanese": ("gpt_neox_japanese", {}),
+    "git": ("git", {}),
+    "llama4_text": ("llama4_text", LLAMA4),
+    "deepseek_v2": ("deepseek_v2", {}),
+}
+
+
+def _config(name: str):
+    model_type, overrides = VARIANTS[name]
+    config = tiny_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _tiny(name: str, folder: Path):
+    """coverage.build_tiny's seeded model and folder, with the variant's config."""
+    config = _config(name)
+    with mock.patch.object(coverage, "tiny_config", lambda *_args, **_kw: config):
+        return coverage.build_tiny(VARIANTS[name][0], folder)
+
+
+# -- the real-valued rotary -----------------------------------------------------------------------------------
+
+
+def test_the_real_valued_rotary_equals_the_complex_one_on_random_inputs() -> None:
+    from kvforge.models.adapters import rotate_pairs
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 4, 16, generator=generator)  # [B, S, H, D]: pairs (x[2i], x[2i+1])
+    freqs = torch.rand(3, 5, 8, generator=generator) * 50.0  # large angles too
+    scale = 1.3
+    complex_ = torch.polar(torch.ones_like(freqs), freqs) * scale
+    expected = torch.view_as_real(torch.view_as_complex(x.reshape(3, 5, 4, 8, 2)) * complex_[:, :, None, :]).flatten(3)
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    got = rotate_pairs(x, cos[:, :, None, :], sin[:, :, None, :])
+    assert got.dtype == x.dtype and got.shape == x.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # and HF's own complex helpers (Llama 4 broadcasts over heads itself, DeepSeek-V2 over BNSH's heads)
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb as deepseek_rotary
+    from transformers.models.llama4.modeling_llama4 import apply_rotary_emb as llama4_rotary
+
+    q, k = x, torch.randn(3, 5, 2, 16, generator=generator)
+    for ours, theirs in zip((rotate_pairs(q, cos[:, :, None], sin[:, :, None]), rotate_pairs(k, cos[:, :, None], sin[:, :, None])),
+                            llama4_rotary(q, k, complex_), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)  # BNSH
+    for ours, theirs in zip((rotate_pairs(q, cos[:, None], sin[:, None]), rotate_pairs(k, cos[:, None], sin[:, None])),
+                            deepseek_rotary(q, k, complex_), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+# -- each adapter against HF eager, without exporting ------------------------------------------------------
+
+
+def _causal_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                      **_kwargs):
+    """What kvforge's op computes for one uncached call: causal (and windowed) attention over the call's own
+    keys, GQA by repeating key heads, values of their own head size."""
+    heads, seq, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    groups = heads // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(-1, -2) * (head_dim**-0.5 if scaling is None else scaling)
+    rows, cols = torch.arange(seq)[:, None], torch.arange(key.shape[2])[None]
+    allowed = cols <= rows
+    if sliding_window:
+        allowed &= cols > rows - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ value).transpose(1, 2), None
+
+
+ADAPTED = ["falcon", "falcon-mha", "falcon-gqa", "gpt_neo", "xglm", "openai-gpt", "gpt_neox_japanese", "git",
+           "llama4_text", "deepseek_v2"]
+
+
+@pytest.fixture(scope="module")
+def causal_implementation():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kvforge_test_causal", _causal_attention)
+    return "kvforge_test_causal"
+
+
+@pytest.mark.parametrize("name", ADAPTED)
+def test_an_adapted_model_equals_hf_eager_through_the_attention_interface(name, causal_implementation) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.exporter.probe import probe_attention
+    from kvforge.models.adapters import ADAPTERS, adapt_for_export
+
+    config = _config(name)
+    if name == "gpt_neo":
+        config.window_size = 4  # shorter than the input: the local layer's window decides
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    adapted = copy.deepcopy(hf)
+    assert config.model_type in ADAPTERS
+    adapt_for_export(adapted)
+    ids = torch.randint(4, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        # Under HF's own implementation the adapted model is still HF's model (the parity reference may be either).
+        torch.testing.assert_close(adapted(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+        adapted.config._attn_implementation = causal_implementation
+        routed = adapted(input_ids=ids).logits
+    torch.testing.assert_close(routed, expected, atol=1e-4, rtol=1e-4)
+    # ... and every layer now calls attention through the interface, under its own index.
+    adapted.config._attn_implementation = "eager"
+    assert sorted(probe_attention(adapted)) == list(range(config.num_hidden_layers))
+
+
+def test_a_family_without_an_adapter_is_left_as_it_is() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.models.adapters import adapt_for_export
+
+    model = AutoModelForCausalLM.from_config(tiny_config("gptj")).eval()
+    forwards = [module.forward for module in model.modules()]
+    adapt_for_export(model)
+    assert [module.forward for module in model.modules()] == forwards
+
+
+def test_falcon_with_alibi_is_refused_naming_alibi() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.core.errors import UnsupportedModelError
+    from kvforge.models.adapters import adapt_for_export
+
+    config = tiny_config("falcon")
+    config.alibi = True
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="ALiBi"):
+        adapt_for_export(model)
+
+
+def test_llama4_caps_the_capacity_at_its_attention_chunk() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.core.contract import KVLayout
+    from kvforge.models.adapters import adapt_for_export
+
+    model = AutoModelForCausalLM.from_config(_config("llama4_text")).eval()
+    layout = KVLayout(2, 2, 16, "float32", 2048)
+    notes: list[str] = []
+    assert adapt_for_export(model, layout, notes.append).max_capacity == 64
+    assert any("attention_chunk_size" in note for note in notes)
+    model.config.attention_chunk_size = None  # no chunked layers: nothing to cap
+    assert adapt_for_export(AutoModelForCausalLM.from_config(model.config).eval(), layout) == layout
+
+
+# -- exported on ort, against HF eager ------------------------------------------------------------------------
+
+EXPORTED = ["falcon", "gptj", "gpt_neo", "codegen", "llama4_text"]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """exported(name) -> (folder with hf/ and ort/, the HF eager model): each made once per module."""
+    from kvforge.exporter.export import export_model
+    from kvforge.models.families import trial_registry
+
+    made: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str) -> tuple[Path, object]:
+        if name not in made:
+            root = tmp_path_factory.mktemp(name)
+            model = _tiny(name, root / "hf")
+            registry = trial_registry(model.config.model_type, type(model).__name__, model.config)
+            export_model(root / "hf", root / "ort", target="ort", families=registry)
+            made[name] = (root, model)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_the_export_equals_hf_eager_and_a_batch_equals_each_prompt_alone(exported, name) -> None:
+    from kvforge.runtime import Generator
+    from kvforge.tools.parity import run_parity
+
+    root, model = exported(name)
+    report = run_parity(root / "hf", root / "ort", list(PROMPTS), 24, ATOL, perplexity_tokens=0, hf_model=model)
+    assert report.passed, report.failure_reason()
+    generator = Generator(root / "ort")
+    ids = [generator.tokenizer.encode(text) for text in PROMPTS]
+    batch = generator.generate(ids, max_new_tokens=12, greedy=True, ignore_eos=True).tokens
+    assert batch == [generator.generate([row], max_new_tokens=12, greedy=True, ignore_eos=True).tokens[0]
+                     for row in ids]
+
+
+def test_llama4_exports_at_most_its_attention_chunk_and_says_so_past_it(exported) -> None:
+    from kvforge.core.errors import CapacityError
+    from kvforge.core.manifest import load_manifest
+    from kvforge.runtime import Generator
+
+    root, _ = exported("llama4_text")
+    assert load_manifest(root / "ort")["kv_cache"]["max_capacity"] == LLAMA4["attention_chunk_size"]
+    generator = Generator(root / "ort")
+    ids = generator.tokenizer.encode(PROMPTS[1])
+    with pytest.raises(CapacityError):
+        generator.generate([ids], max_new_tokens=64, greedy=True, ignore_eos=True)
+
+
+def test_falcon_served_with_chunked_prefill_and_a_second_turn_equals_each_alone(exported) -> None:
+    from serving import check_two_turns
+
+    from kvforge.runtime import Generator
+    from kvforge.runtime.scheduler import Scheduler
+
+    root, _ = exported("falcon")
+    solo = Generator(root / "ort")
+    prompts = [solo.tokenizer.encode(text) for text in PROMPTS]
+    scheduler = Scheduler(Generator(root / "ort"), max_batch=2, max_seq_len=128, prefill_chunk=5).start()
+    try:
+        check_two_turns(scheduler, solo, prompts)
+    finally:
+        scheduler.close()
