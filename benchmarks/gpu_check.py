@@ -17,7 +17,9 @@ result appended to OUT/gpu_check.json as it lands, a log in OUT/gpu_check.log, a
   serving     the Scheduler on ort-cuda (chunked prefill, rows moving, a second turn from the prefix store)
               = each request alone; `kvforge serve --backend ort-cuda` over HTTP = the Generator
   new_kinds   issue 35's cache kinds on the GPU, tiny sweep configs in fp16: per-layer KV shapes (gemma4_text),
-              latent attention (deepseek_v3), recurrent state (bamba: Mamba 2 + attention; mamba): parity, a
+              latent attention (deepseek_v3; deepseek_v32 with its sparse-attention indexer adapted, capped at
+              index_topk), recurrent state (bamba: Mamba 2 + attention; mamba; rwkv: a state outside transformers'
+              cache), ALiBi (bloom: GroupQueryAttention's attention_bias on CUDA): parity, a
               batch of different lengths = each alone, and the Scheduler (device row copies of states) = solo
   step_profile  benchmarks/gpu_step_profile.py on the SmolLM2-135M-shape fp16 export: replay vs host work, kernels
   bench       SmolLM2-135M shape fp16: `kvforge bench --backend ort-cuda --compare hf,hf-compiled --batch 1,8`,
@@ -146,7 +148,7 @@ def _export_in_background(run: Run, recipe: str, merge_pairs: bool | None) -> No
 
 
 # Issue 35's kinds: model types of the coverage sweep, built from their tiny sweep configs.
-NEW_KINDS = ("gemma4_text", "deepseek_v3", "bamba", "mamba")
+NEW_KINDS = ("gemma4_text", "deepseek_v3", "deepseek_v32", "bamba", "mamba", "rwkv", "bloom")
 
 
 def tiny_export(run: Run, model_type: str, dtype: str = "fp16") -> tuple[Path, Path]:

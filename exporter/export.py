@@ -220,6 +220,11 @@ def _probe_model(model: Any, config: Any, family: Family, layout: KVLayout, targ
     # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
     # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
     # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
+    from kvforge.exporter.moe import prepare_looped_experts
+
+    looped = prepare_looped_experts(model)  # experts written as a loop over the picked ones (DBRX, LongCat)
+    if looped:
+        say(f"experts: {looped} looped MoE layers as the canonical MoE node")
     if getattr(model, "_can_set_experts_implementation", lambda: False)():
         from kvforge.exporter.moe import prepare_experts
 

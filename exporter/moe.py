@@ -180,6 +180,84 @@ def prepare_experts(model: torch.nn.Module) -> dict[str, int]:
     return counts
 
 
+# -- experts modules that loop over the experts a batch hits -----------------------------------------
+# Some families write their experts as a Python loop over the experts the batch picked (a data-dependent
+# loop torch.export cannot trace) and keep their weights in their own layout. Each entry reads a module's
+# weights as (gate [E, I, H], up [E, I, H], down [E, H, I], identity experts, activation) and says what
+# shape it returns; the module then runs the node over its routed experts, and identity experts (LongCat-
+# Flash's zero-computation experts: ids from E on, output = input) add their weight times the input.
+def _dbrx_experts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any]:
+    mlp = module.mlp
+    shape = (module.num_experts, module.ffn_hidden_size, module.hidden_size)
+    # w2 is [E*I, H], applied as x @ w2: down[e] = w2[e].T.
+    return (mlp.w1.detach().view(shape), mlp.v1.detach().view(shape), mlp.w2.detach().view(shape).transpose(1, 2),
+            0, mlp.activation_fn)
+
+
+def _longcat_experts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any]:
+    routed = module.num_routed_experts
+    # gate_up_proj holds total_experts rows, the identity experts' unused: [gate; up] per routed expert.
+    gate, up = module.gate_up_proj.detach()[:routed].chunk(2, dim=1)
+    return gate, up, module.down_proj.detach(), module.zero_expert_num, module.act_fn
+
+
+_LOOPED_EXPERTS = {"DbrxExperts": _dbrx_experts, "LongcatFlashExperts": _longcat_experts}
+
+
+def _looped_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    hidden = hidden_states.reshape(-1, module.kvforge_gate_up.shape[-1])
+    index = top_k_index.to(torch.int64)
+    routed = module.kvforge_gate_up.shape[0]
+    out = None
+    if module.kvforge_identity_experts:
+        is_routed = index < routed
+        # An identity expert's pick runs expert 0 at weight 0 in the node and adds weight x input here.
+        identity_weight = torch.where(is_routed, torch.zeros_like(top_k_weights), top_k_weights).sum(-1, keepdim=True)
+        out = hidden * identity_weight.to(hidden.dtype)
+        index = torch.where(is_routed, index, torch.zeros_like(index))
+        top_k_weights = torch.where(is_routed, top_k_weights, torch.zeros_like(top_k_weights))
+    y = torch.ops.kvforge.moe_experts(hidden, index, top_k_weights, module.kvforge_gate_up, module.kvforge_down,
+                                      None, None, 1.0, 0.0, 0.0)
+    y = y if out is None else y + out
+    # DBRX returns [batch, -1, H] from [batch, ..., H]; LongCat the shape it was given.
+    return y.view(hidden_states.shape[0], -1, y.shape[-1]) if module.kvforge_batch_first else y.view_as(hidden_states)
+
+
+def _is_silu(act: Any) -> bool:
+    probe = torch.linspace(-8.0, 8.0, 101)
+    with torch.no_grad():
+        return bool(torch.allclose(act(probe), torch.nn.functional.silu(probe), atol=1e-6))
+
+
+def prepare_looped_experts(model: torch.nn.Module) -> int:
+    """Route experts modules written as a loop over the experts a batch hits (_LOOPED_EXPERTS) through the
+    canonical node, where their gate is SiLU: their forward becomes the node over the routed experts (plus
+    the identity experts' weighted input). Returns how many modules were routed."""
+    count = 0
+    for module in model.modules():
+        read = _LOOPED_EXPERTS.get(type(module).__name__)
+        if read is None or getattr(module, _CANONICAL, None) is not None:
+            continue
+        gate, up, down, identity, act = read(module)
+        if not _is_silu(act):
+            continue  # the node models SiLU gating only; the module stays as written (and fails to trace)
+        module.register_buffer("kvforge_gate_up", torch.stack((gate, up), dim=2).flatten(1, 2).contiguous(),
+                               persistent=False)  # interleaved: gate_0, up_0, gate_1, ...
+        module.register_buffer("kvforge_down", down.contiguous(), persistent=False)
+        module.kvforge_identity_experts = identity
+        module.kvforge_batch_first = type(module).__name__ == "DbrxExperts"
+        setattr(module, _CANONICAL, (1.0, 0.0, 0.0))
+        module.forward = _looped_forward.__get__(module)
+        # Drop the module's own copies, so an export holds its experts once.
+        for owner in (module, getattr(module, "mlp", None)):
+            for name in ("gate_up_proj", "down_proj", "w1", "v1", "w2"):
+                if owner is not None and name in owner._parameters:
+                    del owner._parameters[name]
+        count += 1
+    return count
+
+
 # -- lowerings ---------------------------------------------------------------------------------------
 def moe_nodes(graph: ir.Graph) -> list[ir.Node]:
     return [node for node in graph if node.domain == MOE_OP.domain and node.op_type == MOE_OP.op_type]
@@ -258,8 +336,18 @@ def lower_moe_to_ort(graph: ir.Graph, quantize: tuple[int, int] | None = None) -
         rows = tape.op("Shape", [index], attributes={"start": 0, "end": 1})
         shape = tape.op("Concat", [rows, _const(tape, np.array([experts], np.int64))], attributes={"axis": 0})
         blocked = tape.op("ConstantOfShape", [shape], attributes={"value": ir.tensor(np.array([-np.inf], dtype))})
-        logits = tape.op("ScatterElements", [blocked, index, tape.op("Log", [weights])], attributes={"axis": 1})
+        # A pick of weight 0 (an identity expert's pick, see _looped_forward, run as a routed expert at weight 0)
+        # is floored to the dtype's tiny, so that a token whose picks are all weight 0 does not softmax -inf alone
+        # (NaN); where it repeats another pick of that token's, "max" keeps the real one.
+        floored = tape.op("Max", [weights, _const(tape, np.array(np.finfo(dtype).tiny, dtype))])
+        logits = tape.op("ScatterElements", [blocked, index, tape.op("Log", [floored])],
+                         attributes={"axis": 1, "reduction": "max"})
         total = tape.op("ReduceSum", [weights, _const(tape, np.array([1], np.int64))], attributes={"keepdims": 1})
+        if hidden.dtype is not None and weights.dtype not in (None, hidden.dtype):
+            # Mixtral's router hands on its weights in fp32 beside fp16 / bf16 hidden states; ONNX Runtime's MoE
+            # takes one type for both (the routing above stays in the weights' precision).
+            logits = tape.op("Cast", [logits], attributes={"to": hidden.dtype.value})
+            total = tape.op("Cast", [total], attributes={"to": hidden.dtype.value})
         attributes: dict[str, Any] = {"k": k, "activation_type": "swiglu", "swiglu_fusion": 1,
                                       "activation_alpha": alpha, "activation_beta": beta,
                                       "normalize_routing_weights": 0}

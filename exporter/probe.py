@@ -12,9 +12,10 @@ from kvforge.core.errors import UnsupportedModelError
 
 PROBE_IMPLEMENTATION = "kvforge_probe"
 # What transformers' attention functions receive that kvforge's op models (or that does not change the
-# result): the scale, window and softcap are the op's attributes, the rest is bookkeeping.
-KNOWN_ARGUMENTS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "position_ids", "cache_position",
-                             "is_causal", "output_attentions", "use_cache", "position_embeddings", "past_key_values",
+# result): the scale, window and softcap are the op's attributes, the rest is bookkeeping (`indices`: a DSA
+# indexer's picks, which reach attention only from an indexer adapted to pick every position; others are refused).
+KNOWN_ARGUMENTS = frozenset({"indices", "dropout", "scaling", "sliding_window", "softcap", "position_ids",
+                             "cache_position", "is_causal", "output_attentions", "use_cache", "position_embeddings", "past_key_values",
                              "layer_idx", "head_mask", "query_length", "return_dict"})
 # What the attention arguments kvforge refuses are, for its message. `s_aux` of one logit per query head
 # is the op's `sinks` input; any other form is refused.
@@ -60,11 +61,13 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
         batch, heads, seq = query.shape[:3]
         return value.new_zeros(batch, seq, heads, value.shape[-1]), None
 
-    from kvforge.exporter.wrapper import backbone
+    from kvforge.exporter.backbone import backbone
 
     # An attention module with an `indexer` (DeepSeek-V3.2, GLM-MoE-DSA, MiniMax-M3's sparse layers) attends only
-    # to the cached positions the indexer picks: dense attention over the cache would be another model.
-    if any(getattr(module, "indexer", None) is not None for module in model.modules()):
+    # to the cached positions the indexer picks: dense attention over the cache would be another model, unless
+    # the indexer's adapter picks every position (models/adapters.py, with the capacity capped where that is exact).
+    if any(getattr(module, "indexer", None) is not None and not getattr(module.indexer, "picks_all", False)
+           for module in model.modules()):
         from kvforge.models.coverage import DSA
 
         raise UnsupportedModelError(f"{model.config.model_type}: {DSA}")
@@ -116,14 +119,19 @@ def probe_states(model: Any) -> dict[int, dict[str, tuple[tuple[int, ...], Any]]
     """layer -> {state kind: (shape of one row, torch dtype)} for the layers whose recurrent state lives in
     transformers' cache (conv and recurrent states of its linear-attention cache layers: Mamba, Mamba 2,
     gated DeltaNet, short convolutions; {} for a layer with nothing to cache, a hybrid's MLP block), from
-    one 3-token forward with a cache. Empty for a model with no such layer, or whose cache is its own
-    (then its layers are refused as attending nowhere)."""
+    one 3-token forward with a cache; a family whose state lives elsewhere (RWKV, MiniMax, RecurrentGemma, xLSTM)
+    says its own (exporter/own_state.py). Empty for a model with no such layer, or whose cache is its own
+    otherwise (then its layers are refused as attending nowhere)."""
     import torch
     from transformers import DynamicCache
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
-    from kvforge.exporter.wrapper import backbone, cache_keyword
+    from kvforge.exporter.backbone import backbone, cache_keyword
+    from kvforge.exporter.own_state import probe_own_states
 
+    own = probe_own_states(model)  # RWKV, MiniMax, RecurrentGemma: a state outside transformers' cache
+    if own is not None:
+        return own
     try:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():

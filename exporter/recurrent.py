@@ -60,12 +60,29 @@ def scan_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 # The recurrent state the layer being traced read from the cache (exporter/wrapper.py's trace cache notes
 # it): Mamba's sequence form takes no initial state (HF starts it at zero), but a prefill that continues
-# a row (chunked prefill, a second turn) must start from the row's state.
-_READ: dict[str, torch.Tensor | None] = {}
+# a row (chunked prefill, a second turn) must start from the row's state. "heads": how many of its heads
+# the layer has scanned so far (Zamba's mixer scans its heads one call each, in head order).
+_READ: dict[str, Any] = {}
 
 
 def note_recurrent_state(state: torch.Tensor | None) -> None:
-    _READ["state"] = state
+    _READ["state"], _READ["heads"] = state, 0
+
+
+def _state_read(inner: int, size: int) -> torch.Tensor | None:
+    """The state (one row: [inner, size]) this scan starts from: the one the layer read, or, for a state kept
+    by head ([B, heads, inner, size]: Zamba), the next head's slice, as HF's per-head loop hands them out."""
+    read = _READ.get("state")
+    if read is not None and read.dim() == 4 and tuple(read.shape[2:]) == (inner, size):
+        head = _READ.get("heads", 0)
+        if head >= read.shape[1]:
+            raise UnsupportedModelError(f"its Mamba layer scans more heads than the {read.shape[1]} its state keeps")
+        _READ["heads"] = head + 1
+        return read[:, head].contiguous()  # scan wants its carry laid out as its own output
+    if read is not None and tuple(read.shape[1:]) != (inner, size):
+        raise UnsupportedModelError(f"its Mamba layer keeps a state of {tuple(read.shape[1:])} per row but scans "
+                                    f"{(inner, size)} at a time, which kvforge's traced scan does not follow")
+    return read
 
 
 def scan_selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -73,8 +90,9 @@ def scan_selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.
                         delta_bias: torch.Tensor | None = None, delta_softplus: bool = False,
                         return_last_state: bool = False, **_: Any) -> Any:
     """Mamba's selective scan (HF's mamba_selective_scan's arguments and results: hidden_states and dt
-    [B, I, S], A [I, N], B and C [B, N, S]), from the state the layer read (zeros where it read none):
-    per position, state = exp(A dt) * state + dt B x, and the output is state C (+ D x, gated by silu(z))."""
+    [B, I, S], A [I, N], B and C [B, N, S]), from the state the layer read (zeros where it read none; its
+    head's slice where the layer keeps it by head and scans one head per call, as Zamba's): per position,
+    state = exp(A dt) * state + dt B x, and the output is state C (+ D x, gated by silu(z))."""
     from torch._higher_order_ops.scan import scan
 
     dtype = hidden_states.dtype
@@ -84,11 +102,7 @@ def scan_selective_scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.
         dt = torch.nn.functional.softplus(dt)
     decay = torch.exp(A[None, :, None, :] * dt[:, :, :, None])  # [B, I, S, N]
     inflow = dt[:, :, :, None] * B.transpose(1, 2)[:, None, :, :].float() * hidden_states[:, :, :, None].float()
-    read = _READ.get("state")
-    if read is not None and tuple(read.shape[1:]) != (inflow.shape[1], inflow.shape[3]):
-        raise UnsupportedModelError(f"its Mamba layer keeps a state of {tuple(read.shape[1:])} per row but scans "
-                                    f"{(inflow.shape[1], inflow.shape[3])} at a time (a state split by head in a "
-                                    "Python loop, as Zamba's), which kvforge's traced scan does not follow")
+    read = _state_read(inflow.shape[1], inflow.shape[3])
     state = read.float() if read is not None else inflow.new_zeros(inflow.shape[0], inflow.shape[1], inflow.shape[3])
 
     def step(state: torch.Tensor, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,13 +7,15 @@ this layer's cache. Positions come from `past_lens` inside the graph, per the KV
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 
 from kvforge.core.contract import KV_KINDS, STATE_KIND, AttentionAttrs, KVLayout
+from kvforge.exporter.backbone import backbone, cache_keyword, pass_through_layer
+from kvforge.exporter.own_state import bind_own_states, present_state
 from kvforge.exporter.recurrent import note_recurrent_state
 from kvforge.models.families import Family, family_for
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
@@ -22,13 +24,6 @@ ATTN_IMPLEMENTATION = "kvforge"
 
 
 _TRACING: dict[str, Any] = {}  # "state": the _CacheState of the GraphWrapper call being traced
-
-
-def backbone(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack under the LM head: `base_model` (`model` for most families, `transformer` for
-    GPT-2), or its `model` where the class's base_model_prefix names no attribute (Llama 4's text LM)."""
-    base = model.base_model
-    return getattr(model, "model", base) if base is model else base
 
 
 class _CacheState:
@@ -78,6 +73,8 @@ def kvforge_attention(
         state.past_lens,
         # Attention sinks, one logit per query head (gpt-oss, Flint, Granite SWA; the probe refuses other forms).
         None if s_aux is None else s_aux.to(query.dtype),
+        # ALiBi slopes [H] fp32, set on the module by its family's adapter (models/adapters.py: BLOOM, MPT).
+        getattr(module, "alibi_slopes", None),
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
     state.present[layer] = (present_key, present_value)
@@ -88,11 +85,6 @@ def kvforge_attention(
 AttentionInterface.register(ATTN_IMPLEMENTATION, kvforge_attention)
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword the backbone takes its cache by: `cache` (transformers >= 5.24's name) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(backbone(model).forward).parameters else "past_key_values"
-
-
 def _state_cache(layout: KVLayout, past: dict[tuple[int, str], torch.Tensor], past_lens: torch.Tensor) -> Any:
     """A transformers Cache over the graph's state inputs, for a model with recurrent layers: each such layer's
     conv / recurrent states are the inputs (`has_previous_state`, so the layer continues from them), read as
@@ -100,25 +92,9 @@ def _state_cache(layout: KVLayout, past: dict[tuple[int, str], torch.Tensor], pa
     layer writes is kept as the present state, never written into the input (a traced graph must not mutate
     its inputs). Attention layers pass their new keys and values through unchanged: kvforge's op keeps their
     cache."""
-    from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+    from transformers.cache_utils import Cache, LinearAttentionLayer
 
-    class PassThrough(CacheLayerMixin):
-        is_sliding = False
-
-        def lazy_initialization(self, key_states, value_states) -> None:
-            pass
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            return key_states, value_states
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return query_length, 0
-
-        def get_seq_length(self) -> int:
-            return 0
-
-        def get_max_length(self) -> int:
-            return -1
+    PassThrough = pass_through_layer()
 
     class States(LinearAttentionLayer):
         def __init__(self, layer: int) -> None:
@@ -195,7 +171,10 @@ class GraphWrapper(torch.nn.Module):
                 for layer in range(layers)]
         state = _CacheState(past, past_lens)
         states = self.layout is not None and bool(self.layout.states)
-        cache = {cache_keyword(self.model): _state_cache(self.layout, named, past_lens)} if states else {}
+        # A family whose recurrent state lives outside transformers' cache binds it its own way (exporter/own_state.py).
+        own = bind_own_states(self.model, named, past_lens) if states else None
+        cache = own.kwargs if own is not None else (
+            {cache_keyword(self.model): _state_cache(self.layout, named, past_lens)} if states else {})
         seq = input_ids.shape[1]
         position_ids = past_lens.to(torch.int64)[:, None] + torch.arange(seq, dtype=torch.int64)
         # Route attention through the fused op only for this call, so the same model object can
@@ -204,9 +183,10 @@ class GraphWrapper(torch.nn.Module):
         saved, config._attn_implementation = config._attn_implementation, ATTN_IMPLEMENTATION
         _TRACING["state"] = state
         try:
-            hidden = backbone(self.model)(
-                input_ids=input_ids, position_ids=position_ids, use_cache=bool(cache), **cache
-            ).last_hidden_state
+            with own if own is not None else contextlib.nullcontext():
+                hidden = backbone(self.model)(
+                    input_ids=input_ids, position_ids=position_ids, use_cache=own.use_cache if own is not None else bool(cache), **cache
+                ).last_hidden_state
         finally:
             config._attn_implementation = saved
             _TRACING.pop("state", None)
@@ -222,6 +202,9 @@ class GraphWrapper(torch.nn.Module):
         for layer, kind in buffers:
             if kind in KV_KINDS:
                 present.append(state.present[layer][KV_KINDS.index(kind)])
+            elif own is not None:
+                written = present_state(own, layer, kind)
+                present.append(named[(layer, kind)] if written is None else written)
             else:  # a state the layer did not write this call is passed on as it was
                 layer_cache = cache[cache_keyword(self.model)].layers[layer]
                 present.append(layer_cache.present.get(kind, named[(layer, kind)]))

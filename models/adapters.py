@@ -3,8 +3,9 @@
 kvforge's export routes attention through transformers' attention interface (`config._attn_implementation`
 set to kvforge's op while tracing; exporter/wrapper.py). Some families never call that interface: their
 attention is written into their own modeling code (Falcon, GPT-Neo, XGLM, OpenAI GPT, GPT-NeoX-Japanese, GIT),
-or their rotary embedding is computed in complex numbers, which has no ONNX form (Llama 4, DeepSeek-V2). For
-each, an adapter replaces the attention module's `forward` on the loaded model with one that computes q/k/v
+or their rotary embedding is computed in complex numbers, which has no ONNX form (Llama 4, DeepSeek-V2), or an
+indexer picks which cached positions attention reads (DeepSeek sparse attention: below, its own note). For
+each of the first two, an adapter replaces the attention module's `forward` on the loaded model with one that computes q/k/v
 with the module's own projections and HF's own rotary helper, then makes the canonical call
 
     ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, attention_mask,
@@ -344,6 +345,176 @@ def adapt_deepseek_v2(model: Any) -> str:
     return REAL_ROTARY
 
 
+# -- DeepSeek sparse attention ------------------------------------------------------------------------------------
+
+
+def _all_positions(indexer: Any, config: Any) -> Any:
+    """A sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, HY-V4, AXK2, dots3; Qwen4-Exp's block indexer) that,
+    when attention is routed, picks every cached position: the indexer picks the `index_topk` best per query, which
+    is all of them while a row holds at most index_topk, so attention over the whole cache is the same attention
+    there (the export's capacity is capped at index_topk: _dsa_capacity). Its picks reach kvforge's op only as the `indices` keyword, which the op
+    ignores; an empty tensor keeps HF's "shared" DSA layers (which reuse the previous layer's picks) running.
+    Under HF's own implementations it is HF's indexer."""
+    import torch
+
+    class AllPositions(torch.nn.Module):
+        picks_all = True  # what the probe's refusal of sparse attention looks for
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.hf = indexer
+
+        def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            if not _routed(config):
+                return self.hf(hidden_states, *args, **kwargs)
+            if config.model_type == "qwen4_exp_text":  # its indexer returns the kept positions as a boolean mask
+                mask = args[1] if len(args) > 1 else kwargs["attention_mask"]
+                return torch.ones_like(mask, dtype=torch.bool)
+            return hidden_states.new_zeros((*hidden_states.shape[:2], 0), dtype=torch.int32)
+
+    return AllPositions()
+
+
+def _dsa_attention(self: Any, hidden_states: Any, position_embeddings: Any = None, attention_mask: Any = None,
+                   *args: Any, **kwargs: Any) -> Any:
+    """The DSA attention's own forward, given a mask when routed: HF slices the mask for its indexer before
+    calling it, and kvforge's op (which masks by past_lens) may be handed none."""
+    if attention_mask is None and _routed(self.config):
+        batch, seq = hidden_states.shape[:2]
+        attention_mask = hidden_states.new_zeros((batch, 1, seq, seq))
+    return type(self).forward(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+
+
+def adapt_sparse_attention(model: Any) -> str:
+    for module in list(model.modules()):
+        if getattr(module, "indexer", None) is not None:
+            module.indexer = _all_positions(module.indexer, module.config)
+            module.forward = types.MethodType(_dsa_attention, module)
+    return "DSA indexers pick every cached position (exact up to index_topk positions)"
+
+
+def _dsa_capacity(config: Any) -> tuple[int, str] | None:
+    # Qwen4-Exp's indexer keeps the best indexer_budget / compress_ratio blocks of compress_ratio positions (and the
+    # incomplete block at the end): every position while a row holds at most indexer_budget of them.
+    name = "indexer_budget" if config.model_type == "qwen4_exp_text" else "index_topk"
+    topk = getattr(config, name, None)
+    if not topk:
+        return None
+    return int(topk), (f"{config.model_type}: capacity capped at {name}={topk}: its sparse attention attends to the "
+                       f"positions its indexer picks, which are all of them up to {name}; beyond, kvforge's dense "
+                       "attention would be another model")
+
+
+DSA_TYPES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text", "qwen4_exp_text")
+
+
+# -- BLOOM and MPT: ALiBi -----------------------------------------------------------------------------------------
+# Their position information is ALiBi alone: each head adds slope_h * key position to its scores. The adapters
+# route attention through the interface with the module's per-head slopes (fp32) in `module.alibi_slopes`, which
+# kvforge's op takes as its `alibi_slopes` input (exporter/wrapper.py). The slopes are read back from HF's own
+# alibi builders, so whatever they do for head counts that are not a power of two (BLOOM interleaves a second
+# geometric series, MPT reorders a longer one) is what the export does.
+
+
+def _bloom_attention(self: Any, hidden_states: Any, residual: Any, alibi: Any = None, attention_mask: Any = None,
+                     layer_past: Any = None, use_cache: bool = False, output_attentions: bool = False,
+                     **_: Any) -> tuple[Any, None]:
+    batch, seq, _ = hidden_states.shape
+    query, key, value = self._reshape(self.query_key_value(hidden_states))
+    out, _ = _interface(self.config)(self, query, key, value, attention_mask, dropout=0.0,
+                                     scaling=self.inv_norm_factor)
+    out = self.dense(out.reshape(batch, seq, -1))
+    return _helpers(self).dropout_add(out, residual, self.hidden_dropout, self.training), None
+
+
+def adapt_bloom(model: Any) -> str:
+    import torch
+
+    base = model.transformer
+    heads = model.config.n_head
+    # build_alibi_tensor(mask, H, dtype)[h, 0, j] = slope_h * j over the unpadded positions j: j = 1 is the slope.
+    slopes = base.build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)[:, 0, 1]
+    for block in base.h:
+        attention = block.self_attention
+        attention.config = model.config
+        attention.alibi_slopes = slopes.clone()  # a plain attribute: a dtype cast of the model leaves it fp32
+        _route(attention, _bloom_attention, model.config)
+    return ROUTED + ", with ALiBi slopes"
+
+
+def _mpt_attention(self: Any, hidden_states: Any, position_bias: Any = None, cache: Any = None,
+                   attention_mask: Any = None, **_: Any) -> tuple[Any, None]:
+    batch, seq = hidden_states.shape[:2]
+    fused = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        fused = fused.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    query, key, value = (part.reshape(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+                         for part in fused.chunk(3, dim=2))
+    out, _ = _interface(self.config)(self, query, key, value, attention_mask, dropout=0.0, scaling=self.softmax_scale)
+    return self.out_proj(out.reshape(batch, seq, -1)), None
+
+
+def _mpt_mask_for_routed_attention() -> None:
+    """HF's MptModel casts create_causal_mask's result to bool, but under an attention implementation transformers
+    has no mask function for (kvforge's op, its probe) that result is None and the cast fails. Where attention is
+    routed, give it a placeholder instead: the routed attention is causal by itself and reads no mask. Under HF's
+    own implementations the function is HF's."""
+    import torch
+    from transformers.models.mpt import modeling_mpt
+
+    original = modeling_mpt.create_causal_mask
+    if getattr(original, "_kvforge_placeholder", False):
+        return
+
+    @functools.wraps(original)
+    def create_causal_mask(*args: Any, **kwargs: Any) -> Any:
+        mask = original(*args, **kwargs)
+        config = kwargs.get("config", args[0] if args else None)
+        if mask is None and config is not None and _routed(config):
+            return torch.zeros((), dtype=torch.bool)
+        return mask
+
+    create_causal_mask._kvforge_placeholder = True
+    modeling_mpt.create_causal_mask = create_causal_mask
+
+
+def adapt_mpt(model: Any) -> str:
+    _mpt_mask_for_routed_attention()
+    base = model.transformer
+    heads = model.config.n_heads
+    # HF's MptModel builds its bias as build_mpt_alibi_tensor(H, max_seq_len) with the default alibi_bias_max (8),
+    # whatever attn_config says; [h, 0, j] = slope_h * (j - L + 1), so with L = 2, column 0 is -slope_h.
+    slopes = -base.build_mpt_alibi_tensor(heads, 2)[:, 0, 0].float()
+    for block in base.blocks:
+        attention = block.attn
+        attention.config = model.config
+        attention.alibi_slopes = slopes.clone()
+        _route(attention, _mpt_attention, model.config)
+    return ROUTED + ", with ALiBi slopes"
+
+
+def _mpt_capacity(config: Any) -> tuple[int, str] | None:
+    # HF's bias has max_seq_len columns: a longer context fails there, so nothing beyond it is checked.
+    return int(config.max_seq_len), (f"mpt: capacity capped at max_seq_len={config.max_seq_len}: HF's ALiBi bias "
+                                     "covers that many positions and no more")
+
+
+# -- Zamba / Zamba 2: shared attention blocks ----------------------------------------------------------------------
+
+
+def adapt_shared_attention(model: Any) -> str:
+    """Zamba's and Zamba 2's hybrid layers each call a shared attention block (one module per hybrid layer, its
+    weights tied across them), which indexes transformers' cache by the calling layer's number, handed to its
+    forward, not by the module's own `layer_idx` (None in Zamba, -1 in Zamba 2). kvforge's op takes the layer from
+    `module.layer_idx`: set it to the calling layer's, so each hybrid layer keeps its own keys and values, as in
+    HF's cache. HF's forward does not read it."""
+    for index, layer in enumerate(model.model.layers):  # ZambaForCausalLM / Zamba2ForCausalLM: `model` is the stack
+        block = getattr(layer, "shared_transf", None) or getattr(layer, "shared_transformer", None)
+        if block is not None:
+            block.self_attn.layer_idx = index
+    return "each hybrid layer's shared attention block keeps its own keys and values"
+
+
 # -- the registry ------------------------------------------------------------------------------------------------
 
 # model_type -> adapter(model) -> what it did, most asked-for first.
@@ -356,9 +527,14 @@ ADAPTERS: dict[str, Callable[[Any], str]] = {
     "git": adapt_git,
     "llama4_text": adapt_llama4_text,
     "deepseek_v2": adapt_deepseek_v2,
+    **dict.fromkeys(DSA_TYPES, adapt_sparse_attention),
+    **dict.fromkeys(("zamba", "zamba2"), adapt_shared_attention),
+    "bloom": adapt_bloom,
+    "mpt": adapt_mpt,
 }
 # model_type -> (the most positions an export of it can hold exactly, why), where its attention limits them.
-CAPACITY_LIMITS: dict[str, Callable[[Any], tuple[int, str] | None]] = {"llama4_text": _llama4_capacity}
+CAPACITY_LIMITS: dict[str, Callable[[Any], tuple[int, str] | None]] = {
+    "llama4_text": _llama4_capacity, **dict.fromkeys(DSA_TYPES, _dsa_capacity), "mpt": _mpt_capacity}
 
 
 def adapt_for_export(model: Any, layout: Any = None, say: Callable[[str], None] | None = None) -> Any:

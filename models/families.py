@@ -80,9 +80,11 @@ class Family:
                     f"{self.model_type}: rope type {rope_type!r}{where} is not supported; kvforge exports "
                     f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}"
                 )
-        if getattr(config, "use_bidirectional_attention", False):
-            raise UnsupportedModelError(f"{self.model_type}: use_bidirectional_attention=True is not supported "
-                                        "(kvforge exports causal decoders)")
+        # "vision" (Gemma 4 unified) is bidirectional over image tokens only, which a tokens-only export never has.
+        bidirectional = getattr(config, "use_bidirectional_attention", False)
+        if bidirectional and bidirectional != "vision":
+            raise UnsupportedModelError(f"{self.model_type}: use_bidirectional_attention={bidirectional!r} is not "
+                                        "supported (kvforge exports causal decoders)")
         if self.model_type == "gpt2" and (getattr(config, "scale_attn_by_inverse_layer_idx", False)
                                           or getattr(config, "reorder_and_upcast_attn", False)):
             raise UnsupportedModelError("gpt2: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
@@ -153,14 +155,16 @@ def trial_registry(model_type: str, architecture: str, config: Any = None) -> di
     return registry
 
 
-# The config fields *ForCausalLM.forward reads to transform lm_head's output, by Family key.
-LOGIT_KEYS = {"final_softcap_key": "final_logit_softcapping", "logits_divisor_key": "logits_scaling",
-              "logits_multiplier_key": "logit_scale"}
+# The config fields *ForCausalLM.forward reads to transform lm_head's output, by Family key (RecurrentGemma
+# names its final softcap `logits_soft_cap`, xLSTM `output_logit_soft_cap`).
+LOGIT_KEYS = {"final_softcap_key": ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap"),
+              "logits_divisor_key": ("logits_scaling",), "logits_multiplier_key": ("logit_scale",)}
 
 
 def logit_keys(config: Any) -> dict[str, str]:
-    """The Family logit keys a config has fields for."""
-    return {key: field for key, field in LOGIT_KEYS.items() if config is not None and hasattr(config, field)}
+    """The Family logit keys a config has fields for (the first of a key's field names it has)."""
+    found = {key: next((field for field in fields if hasattr(config, field)), None) for key, fields in LOGIT_KEYS.items()}
+    return {key: field for key, field in found.items() if config is not None and field is not None}
 
 
 def supported_architectures(registry: Mapping[str, Family] | None = None) -> list[str]:

@@ -5,6 +5,7 @@ Inputs (kvforge.core.contract.ATTENTION_INPUTS of the canonical node, kvforge.co
   past_key, past_value [B, Hkv, C, D]                (the cache, capacity C)
   past_lens [B] int32                                (cached tokens per row before this call)
   sinks [H], optional (ATTENTION_OPTIONAL_INPUTS)    (a per-head logit that joins each softmax)
+  alibi_slopes [H] fp32, optional                    (ALiBi: score += slope_h * (key_pos - query_pos))
 Attributes: kvforge.core.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
 Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
 New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
@@ -32,6 +33,7 @@ def kv_cache_attention(
     past_lens: torch.Tensor,
     attrs: AttentionAttrs,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
     softcap, sliding_window = attrs.softcap, attrs.sliding_window
@@ -54,6 +56,11 @@ def kv_cache_attention(
     if softcap > 0.0:
         scores = softcap * torch.tanh(scores / softcap)
     cache_pos = torch.arange(capacity, device=q.device)
+    if alibi_slopes is not None:
+        # Relative to the query (HF adds slope * key_pos; the softmax of a row ignores the shift), so the
+        # bias stays small at long positions and matches what the lowerings add.
+        distance = (cache_pos[None, None, :] - positions[:, :, None]).float()  # [B, S, C]
+        scores = scores + alibi_slopes.float().reshape(1, num_heads, 1, 1) * distance[:, None]
     allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
     if sliding_window > 0:
         allowed &= cache_pos[None, None, :] > positions[:, :, None] - sliding_window

@@ -34,6 +34,7 @@ def _kv_cache_attention(
     past_value: torch.Tensor,
     past_lens: torch.Tensor,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
     num_heads: int,
     kv_num_heads: int,
     scale: float,
@@ -41,7 +42,7 @@ def _kv_cache_attention(
     sliding_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
-    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks)
+    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks, alibi_slopes)
 
 
 check_attention_parameters(_kv_cache_attention, attention_parameters(sinks=True))
@@ -57,6 +58,10 @@ def _(q, k, v, past_key, past_value, *_):
 _ONNX_ATTR_TYPES = {int: onnx.defs.OpSchema.AttrType.INT, float: onnx.defs.OpSchema.AttrType.FLOAT}
 
 
+# Optional inputs whose type is not the activations' (T).
+_OPTIONAL_TYPES = {"alibi_slopes": "F"}
+
+
 def _register_schema() -> None:
     # The translation needs to know the op has three outputs; onnx learns that from a schema.
     if onnx.defs.has(CANONICAL_OP.op_type, CANONICAL_OP.domain):
@@ -67,11 +72,13 @@ def _register_schema() -> None:
         CANONICAL_OP.domain,
         CANONICAL_OP.version,
         inputs=[param(name, "I" if name == PAST_LENS else "T") for name in ATTENTION_INPUTS]
-        + [param(name, "T", param_option=onnx.defs.OpSchema.FormalParameterOption.Optional) for name in ATTENTION_OPTIONAL_INPUTS],
+        + [param(name, _OPTIONAL_TYPES.get(name, "T"), param_option=onnx.defs.OpSchema.FormalParameterOption.Optional)
+           for name in ATTENTION_OPTIONAL_INPUTS],
         outputs=[param(name, "T") for name in ATTENTION_OUTPUTS],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
             ("I", ["tensor(int32)"], "cached tokens per row"),
+            ("F", ["tensor(float)"], "per-head ALiBi slopes, fp32 whatever the activations' dtype"),
         ],
         attributes=[
             onnx.defs.OpSchema.Attribute(name, _ONNX_ATTR_TYPES[kind], f"kvforge.core.contract.AttentionAttrs.{name}")
@@ -85,11 +92,14 @@ _register_schema()
 _opset = osv.Opset(CANONICAL_OP.domain, CANONICAL_OP.version)
 
 
-def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, num_heads, kv_num_heads, scale, softcap,
-                     sliding_window):
+def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, alibi_slopes, num_heads, kv_num_heads, scale,
+                     softcap, sliding_window):
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
     node = getattr(_opset, CANONICAL_OP.op_type)
-    inputs = [q, k, v, past_key, past_value, past_lens] + ([sinks] if sinks is not None else [])
+    optional = [sinks, alibi_slopes]
+    while optional and optional[-1] is None:  # trailing absent inputs are left off; a middle one stays empty
+        optional.pop()
+    inputs = [q, k, v, past_key, past_value, past_lens, *optional]
     return node(*inputs, **attrs.as_dict(), _outputs=len(ATTENTION_OUTPUTS))
 
 

@@ -36,6 +36,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "git": ("git", {}),
     "llama4_text": ("llama4_text", LLAMA4),
     "deepseek_v2": ("deepseek_v2", {}),
+    # ALiBi, at the sweep's 4 heads and at 6 (not a power of two: BLOOM and MPT make their slopes differently),
+    # MPT also with clip_qkv.
+    "bloom": ("bloom", {}),
+    "bloom-6": ("bloom", {"hidden_size": 96, "n_head": 6}),
+    "mpt": ("mpt", {}),
+    "mpt-6": ("mpt", {"d_model": 96, "n_heads": 6}),
+    "mpt-clip": ("mpt", {"attn_config": {"clip_qkv": 0.5}}),
 }
 
 
@@ -43,7 +50,12 @@ def _config(name: str):
     model_type, overrides = VARIANTS[name]
     config = tiny_config(model_type)
     for key, value in overrides.items():
-        setattr(config, key, value)
+        nested = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(nested, "to_dict"):  # a nested config (MPT's attn_config)
+            for name, item in value.items():
+                setattr(nested, name, item)
+        else:
+            setattr(config, key, value)
     return config
 
 
@@ -96,6 +108,9 @@ def _causal_attention(module, query, key, value, attention_mask, scaling=None, d
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     scores = query @ key.transpose(-1, -2) * (head_dim**-0.5 if scaling is None else scaling)
     rows, cols = torch.arange(seq)[:, None], torch.arange(key.shape[2])[None]
+    slopes = getattr(module, "alibi_slopes", None)
+    if slopes is not None:  # ALiBi as HF adds it: slope * key position (the op adds slope * (key - query))
+        scores = scores + slopes[:, None, None] * cols
     allowed = cols <= rows
     if sliding_window:
         allowed &= cols > rows - sliding_window
@@ -104,7 +119,7 @@ def _causal_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 ADAPTED = ["falcon", "falcon-mha", "falcon-gqa", "gpt_neo", "xglm", "openai-gpt", "gpt_neox_japanese", "git",
-           "llama4_text", "deepseek_v2"]
+           "llama4_text", "deepseek_v2", "bloom", "bloom-6", "mpt", "mpt-6", "mpt-clip"]
 
 
 @pytest.fixture(scope="module")
@@ -182,40 +197,44 @@ def test_llama4_caps_the_capacity_at_its_attention_chunk() -> None:
     assert adapt_for_export(AutoModelForCausalLM.from_config(model.config).eval(), layout) == layout
 
 
-# -- exported on ort, against HF eager ------------------------------------------------------------------------
+# -- exported on ort (and onnx), against HF eager ----------------------------------------------------------------
 
-EXPORTED = ["falcon", "gptj", "gpt_neo", "codegen", "llama4_text"]
+# (variant, target). ALiBi (BLOOM, MPT) on both targets that lower it, BLOOM also with 6 heads.
+EXPORTED = [(name, "ort") for name in ("falcon", "gptj", "gpt_neo", "codegen", "llama4_text")] + [
+    ("bloom", "ort"), ("bloom", "onnx"), ("mpt", "ort"), ("mpt", "onnx"), ("bloom-6", "ort")]
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """exported(name) -> (folder with hf/ and ort/, the HF eager model): each made once per module."""
+    """exported(name, target) -> (folder with hf/ and the export in <target>/, the HF eager model): each made once
+    per module."""
     from kvforge.exporter.export import export_model
     from kvforge.models.families import trial_registry
 
     made: dict[str, tuple[Path, object]] = {}
 
-    def get(name: str) -> tuple[Path, object]:
+    def get(name: str, target: str = "ort") -> tuple[Path, object]:
         if name not in made:
             root = tmp_path_factory.mktemp(name)
-            model = _tiny(name, root / "hf")
+            made[name] = (root, _tiny(name, root / "hf"))
+        root, model = made[name]
+        if not (root / target).exists():
             registry = trial_registry(model.config.model_type, type(model).__name__, model.config)
-            export_model(root / "hf", root / "ort", target="ort", families=registry)
-            made[name] = (root, model)
-        return made[name]
+            export_model(root / "hf", root / target, target=target, families=registry)
+        return root, model
 
     return get
 
 
-@pytest.mark.parametrize("name", EXPORTED)
-def test_the_export_equals_hf_eager_and_a_batch_equals_each_prompt_alone(exported, name) -> None:
+@pytest.mark.parametrize(("name", "target"), EXPORTED)
+def test_the_export_equals_hf_eager_and_a_batch_equals_each_prompt_alone(exported, name, target) -> None:
     from kvforge.runtime import Generator
     from kvforge.tools.parity import run_parity
 
-    root, model = exported(name)
-    report = run_parity(root / "hf", root / "ort", list(PROMPTS), 24, ATOL, perplexity_tokens=0, hf_model=model)
+    root, model = exported(name, target)
+    report = run_parity(root / "hf", root / target, list(PROMPTS), 24, ATOL, perplexity_tokens=0, hf_model=model)
     assert report.passed, report.failure_reason()
-    generator = Generator(root / "ort")
+    generator = Generator(root / target)
     ids = [generator.tokenizer.encode(text) for text in PROMPTS]
     batch = generator.generate(ids, max_new_tokens=12, greedy=True, ignore_eos=True).tokens
     assert batch == [generator.generate([row], max_new_tokens=12, greedy=True, ignore_eos=True).tokens[0]
@@ -235,16 +254,18 @@ def test_llama4_exports_at_most_its_attention_chunk_and_says_so_past_it(exported
         generator.generate([ids], max_new_tokens=64, greedy=True, ignore_eos=True)
 
 
-def test_falcon_served_with_chunked_prefill_and_a_second_turn_equals_each_alone(exported) -> None:
+@pytest.mark.parametrize(("name", "target"), [("falcon", "ort"), ("bloom", "ort"), ("bloom", "onnx"), ("mpt", "ort"),
+                                             ("mpt", "onnx")])
+def test_served_with_chunked_prefill_and_a_second_turn_equals_each_alone(exported, name, target) -> None:
     from serving import check_two_turns
 
     from kvforge.runtime import Generator
     from kvforge.runtime.scheduler import Scheduler
 
-    root, _ = exported("falcon")
-    solo = Generator(root / "ort")
+    root, _ = exported(name, target)
+    solo = Generator(root / target)
     prompts = [solo.tokenizer.encode(text) for text in PROMPTS]
-    scheduler = Scheduler(Generator(root / "ort"), max_batch=2, max_seq_len=128, prefill_chunk=5).start()
+    scheduler = Scheduler(Generator(root / target), max_batch=2, max_seq_len=128, prefill_chunk=5).start()
     try:
         check_two_turns(scheduler, solo, prompts)
     finally:

@@ -138,13 +138,14 @@ def test_chunked_prefill_equals_one_prefill(target: str, exported) -> None:
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path) -> None:
-    from transformers import BloomConfig
+    from transformers import DiffLlamaConfig
 
-    BloomConfig(n_layer=1, hidden_size=32, n_head=2, architectures=["BloomForCausalLM"]).save_pretrained(tmp_path / "bloom")
-    with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'bloom' \(BloomForCausalLM\): ALiBi position "
-                       r"biases.*; kvforge supports .*"
+    DiffLlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                    num_key_value_heads=2, architectures=["DiffLlamaForCausalLM"]).save_pretrained(tmp_path / "diff")
+    with pytest.raises(UnsupportedModelError, match=r"unsupported model_type 'diffllama' \(DiffLlamaForCausalLM\): "
+                       r"differential attention.*; kvforge supports .*"
                        r"GPT2LMHeadModel.*Gemma2ForCausalLM.*LlamaForCausalLM.*Phi3ForCausalLM.*SmolLM3ForCausalLM"):
-        export_model(tmp_path / "bloom", tmp_path / "out")
+        export_model(tmp_path / "diff", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

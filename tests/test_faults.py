@@ -229,8 +229,10 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
     ("export-config-a-list",
      lambda c: ["export", str(_w(c.model_copy() / "config.json", "[1, 2]").parent), "-o", str(c.tmp / "out")],
      2, "holds a JSON list, not an object"),
-    ("export-bloom", lambda c: ["export", str(_write_config(c.model_copy(), model_type="bloom", architectures=["BloomForCausalLM"])),
-                                "-o", str(c.tmp / "out")], 2, "unsupported model_type 'bloom' (BloomForCausalLM): ALiBi position biases"),
+    ("export-diffllama", lambda c: ["export", str(_write_config(c.model_copy(), model_type="diffllama",
+                                                                architectures=["DiffLlamaForCausalLM"])),
+                                    "-o", str(c.tmp / "out")], 2,
+     "unsupported model_type 'diffllama' (DiffLlamaForCausalLM): differential attention"),
     # A supported type whose config.json sets a field its config class derives (Falcon's head_dim).
     ("export-config-transformers-cannot-read",
      lambda c: ["export", str(_write_config(c.model_copy(), model_type="falcon", architectures=["FalconForCausalLM"])),

@@ -40,7 +40,7 @@ def _export(args: list[str]):
         (lambda p: p.write_bytes(b"PK\x03\x04 not a gguf at all"), "is not a GGUF file (it does not start with 'GGUF')"),
         (lambda p: p.write_bytes(b"GGUF\x03\x00\x00\x00\x01"), "is not a readable GGUF file"),
         (lambda p: _write_gguf(p, "bert"), "a GGUF of architecture 'bert', which transformers cannot read"),
-        (lambda p: _write_gguf(p, "bloom"), "a GGUF of architecture 'bloom'; kvforge exports"),
+        (lambda p: _write_gguf(p, "t5"), "a GGUF of architecture 't5'; kvforge exports"),
     ],
     ids=["not-gguf", "truncated", "arch-transformers-cannot-read", "arch-kvforge-does-not-export"],
 )

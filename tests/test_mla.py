@@ -1,7 +1,11 @@
 """Multi-head latent attention (DeepSeek-V3): values have fewer dims per head than keys (v_head_dim 8 against
 qk_nope 8 + qk_rope 8 in the tiny config). The cache holds both at the key's head size, the values zero-padded
 (exporter/wrapper.py), and the export must still match Hugging Face eager: parity, a batch of prompts of
-different lengths, a prefill in chunks over the cache, and serving with chunked prefill and a second turn."""
+different lengths, a prefill in chunks over the cache, and serving with chunked prefill and a second turn.
+
+DeepSeek sparse attention (DeepSeek-V3.2: MLA plus an indexer that keeps the index_topk best cached positions per
+query) runs the same checks against HF's own sparse attention, with index_topk cut to 96 so that the export's
+capacity is capped there (models/adapters.py): up to index_topk positions the indexer keeps them all."""
 
 from __future__ import annotations
 
@@ -23,18 +27,33 @@ PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. Att
            "def main(): return 42"]
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
-    """deepseek_v3's tiny config (keys of 16 dims per head, values of 8), exported once on each target."""
-    from kvforge.exporter.export import export_model
+TOPK = 96  # DeepSeek-V3.2's index_topk in these tests (2048 in its real config)
+
+
+def _build(model_type: str, folder):
+    """The type's tiny model (build_tiny), DeepSeek-V3.2's with index_topk = TOPK, saved to `folder`."""
     from kvforge.models.coverage import build_tiny
+
+    model = build_tiny(model_type, folder)
+    if model_type == "deepseek_v32":
+        model.config.index_topk = TOPK
+        for layer in model.model.layers:
+            layer.self_attn.indexer.index_topk = TOPK
+        model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v32"])
+def deepseek(request, tmp_path_factory):
+    """The type's tiny config (keys of 16 dims per head, values of 8), exported once on each target."""
+    from kvforge.exporter.export import export_model
     from kvforge.models.families import trial_registry
 
-    root = tmp_path_factory.mktemp("deepseek_v3")
-    model = build_tiny("deepseek_v3", root / "hf")
+    root = tmp_path_factory.mktemp(request.param)
+    model = _build(request.param, root / "hf")
     attention = model.model.layers[0].self_attn
     assert (attention.qk_head_dim, attention.v_head_dim) == (16, 8)  # the case under test: narrower values
-    registry = trial_registry("deepseek_v3", type(model).__name__, model.config)  # as the coverage sweep tries it
+    registry = trial_registry(request.param, type(model).__name__, model.config)  # as the coverage sweep tries it
     for target in TARGETS:
         export_model(root / "hf", root / target, target=target, families=registry)
     return root, model
@@ -109,7 +128,7 @@ def test_serving_with_chunked_prefill_and_a_second_turn_equals_each_alone_and_hf
     root, model = deepseek
     solo = Generator(root / "ort")
     prompts = [solo.tokenizer.encode(text) for text in PROMPTS]
-    scheduler = Scheduler(Generator(root / "ort"), max_batch=2, max_seq_len=128, prefill_chunk=5).start()
+    scheduler = Scheduler(Generator(root / "ort"), max_batch=2, max_seq_len=TOPK, prefill_chunk=5).start()
     try:
         served = check_two_turns(scheduler, solo, prompts)
         assert served == [_hf_greedy(model, p, n) for p, n in zip(prompts, (4, 9, 6), strict=True)]
@@ -117,17 +136,42 @@ def test_serving_with_chunked_prefill_and_a_second_turn_equals_each_alone_and_hf
         scheduler.close()
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"])
-def test_deepseek_sparse_attention_is_refused_not_exported_dense(model_type, tmp_path) -> None:
-    # Its indexer keeps the top-k cached positions per query: kvforge's dense op would attend to all of them.
+def test_sparse_attention_exports_capped_at_index_topk_and_refuses_longer_rows(tmp_path) -> None:
+    # Beyond index_topk positions HF's indexer drops some (its attention is then not the dense op's): the export
+    # holds at most index_topk, says so, and a longer row is refused, not answered by another model.
+    import torch
+
+    from kvforge.core.errors import CapacityError
     from kvforge.exporter.export import export_model
-    from kvforge.models.coverage import MISSING_FEATURES, build_tiny
     from kvforge.models.families import trial_registry
 
-    model = build_tiny(model_type, tmp_path / "hf")
-    registry = trial_registry(model_type, type(model).__name__, model.config)
-    with pytest.raises(UnsupportedModelError) as refused:
-        export_model(tmp_path / "hf", tmp_path / "out", target="ort", families=registry)
-    assert "\n" not in str(refused.value)
-    assert not (tmp_path / "out").exists()
-    assert "sparse attention" in MISSING_FEATURES[model_type] and "top-k" in MISSING_FEATURES[model_type]
+    model = _build("deepseek_v32", tmp_path / "hf")
+    said: list[str] = []
+    registry = trial_registry("deepseek_v32", type(model).__name__, model.config)
+    export_model(tmp_path / "hf", tmp_path / "ort", target="ort", families=registry, progress=said.append)
+    assert KVLayout.from_manifest(load_manifest(tmp_path / "ort")).max_capacity == TOPK
+    assert any(f"capacity capped at index_topk={TOPK}" in line for line in said), said
+    with pytest.raises(CapacityError):
+        Generator(tmp_path / "ort").generate([list(range(1, TOPK + 2))], max_new_tokens=1, greedy=True)
+    # the cap is needed: past index_topk positions HF's sparse attention is not dense attention
+    ids = torch.tensor([list(range(1, TOPK + 20))])
+    with torch.no_grad():
+        sparse = model(ids).logits[0, -1]
+        for layer in model.model.layers:
+            layer.self_attn.indexer.index_topk = 10 * TOPK
+        dense = model(ids).logits[0, -1]
+    assert (sparse - dense).abs().max() > 1e-3
+
+
+def test_an_indexer_without_the_adapter_is_refused_in_one_line() -> None:
+    # A sparse-attention model reached without its adapter (a type not listed in models/adapters.py's DSA_TYPES)
+    # must not be probed as dense attention.
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.exporter.probe import probe_attention
+    from kvforge.models.coverage import DSA, tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("glm_moe_dsa"))
+    with pytest.raises(UnsupportedModelError, match="DeepSeek sparse attention") as refused:
+        probe_attention(model)
+    assert str(refused.value) == f"glm_moe_dsa: {DSA}"

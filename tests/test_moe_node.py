@@ -45,6 +45,33 @@ def test_hf_experts_through_the_node_give_their_own_output(model_type: str, tmp_
         torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["dbrx", "longcat_flash"])
+def test_looped_experts_through_the_node_give_their_own_output(model_type: str, tmp_path) -> None:
+    # Experts modules written as a loop over the picked experts, in their own layouts: DBRX's flat w1 / v1 / w2
+    # (w2 applied transposed), LongCat-Flash's [gate; up] with zero-computation identity experts past the routed
+    # ones (ids >= n_routed_experts: output = input). Every token below picks one identity expert or more.
+    model = build_tiny(model_type, tmp_path / "hf")
+    modules = [m for m in model.modules() if type(m).__name__ in moe._LOOPED_EXPERTS]
+    generator = torch.Generator().manual_seed(1)
+    tokens, k = 7, 2
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=generator) * 3.0
+    if model_type == "dbrx":
+        index = torch.stack([torch.randperm(modules[0].num_experts, generator=generator)[:k] for _ in range(tokens)])
+    else:
+        routed, total = modules[0].num_routed_experts, modules[0].total_experts
+        identity = torch.randint(routed, total, (tokens, 1), generator=generator)
+        index = torch.cat([identity, torch.randint(0, routed, (tokens, 1), generator=generator)], dim=1)
+        index[0] = torch.tensor([routed, routed + 1])  # identity experts only
+    weights = torch.rand(tokens, k, generator=generator)
+    with torch.no_grad():
+        theirs = [module(hidden, index, weights) for module in modules]
+        assert moe.prepare_looped_experts(model) == len(modules) > 0
+        ours = [module(hidden, index, weights) for module in modules]
+    assert not any(True for module in modules for _ in module.parameters())  # the node's copies only
+    for mine, reference in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, reference, atol=1e-4, rtol=1e-4)
+
+
 def test_a_gate_the_node_does_not_model_keeps_the_gather_form(tmp_path) -> None:
     model = build_tiny("qwen3_moe", tmp_path / "hf")
     for module in _experts_modules(model):
@@ -56,7 +83,7 @@ def test_a_gate_the_node_does_not_model_keeps_the_gather_form(tmp_path) -> None:
 @pytest.mark.parametrize("form", [(1.0, 0.0, 0.0, False), (1.702, 1.0, 7.0, True)], ids=["silu", "gpt-oss"])
 def test_each_lowering_computes_the_node(lowering: str, form, tmp_path) -> None:
     # Routing weights that do not sum to 1 (ONNX Runtime's MoE routes by itself: the lowering hands it
-    # log-weights and scales back), a token that picks an expert with weight 0, biases and the clamp.
+    # log-weights and scales back), picks with weight 0, biases and the clamp.
     import numpy as np
     import onnx_ir as ir
     import onnxruntime as ort
@@ -80,6 +107,10 @@ def test_each_lowering_computes_the_node(lowering: str, form, tmp_path) -> None:
     index = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=generator) * 1.5
     weights[3, 1] = 0.0
+    # What an identity expert's pick becomes (moe._looped_forward): a routed expert at weight 0, every pick of
+    # a token (row 2), or the same expert as the token's other pick (row 4).
+    weights[2] = 0.0
+    index[4, 1], weights[4, 1] = index[4, 0], 0.0
     with torch.no_grad():
         want = Experts()(hidden, index, weights).numpy()
         program = torch.onnx.export(Experts(), (hidden, index, weights), dynamo=True, opset_version=24,
@@ -198,3 +229,22 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
     monkeypatch.setattr(moe, "lower_moe_to_ort", lambda graph, quantize=None: lower(graph))
     export_model(tmp_path / "hf", tmp_path / "float-experts", target="ort", quantize="int4")
     assert quantised < 1.25 * error(tmp_path / "float-experts")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_an_fp16_ort_export_of_moe_loads_and_agrees_with_fp32(model_type: str, tmp_path) -> None:
+    # Mixtral's router hands its top-k weights on in fp32 beside fp16 hidden states: ONNX Runtime's MoE takes one
+    # type for both, so an export that passed them on as they were could not be loaded at all.
+    import numpy as np
+
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import Generator
+
+    build_tiny(model_type, tmp_path / "hf")
+    for dtype in ("fp32", "fp16"):
+        export_model(tmp_path / "hf", tmp_path / dtype, target="ort", dtype=dtype)
+    prompt = [5, 6, 7, 8, 9]
+    first = {dtype: Generator(tmp_path / dtype).generate([prompt], max_new_tokens=1, greedy=True, ignore_eos=True,
+                                                         keep_logits=True).logits[0][0]  # the prefill's, row 0
+             for dtype in ("fp32", "fp16")}
+    np.testing.assert_allclose(np.asarray(first["fp16"], np.float32), np.asarray(first["fp32"]), atol=0.05)

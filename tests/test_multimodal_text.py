@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 from kvforge.core.errors import UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.exporter.load import load_hf_config, load_hf_model  # noqa: E402
-from kvforge.models.coverage import build_tiny, load_coverage, tiny_multimodal_config  # noqa: E402
+from kvforge.models.coverage import build_tiny, load_coverage  # noqa: E402
 
 IDS = [[1, 5, 9, 42, 7, 3, 200, 17]]
 
@@ -120,14 +120,17 @@ def test_the_text_model_exports_at_parity_and_the_manifest_says_where_it_came_fr
 
 
 def test_a_checkpoint_whose_text_model_kvforge_refuses_is_refused_naming_it(tmp_path) -> None:
-    # Gemma 4 unified's text model (gemma4_unified_text) attends bidirectionally: refused before any weight is read.
-    folder = tmp_path / "gemma4_unified"
-    tiny_multimodal_config("gemma4_unified").save_pretrained(folder)
-    reason = load_coverage()["types"]["gemma4_unified_text"]["reason"]
+    # Inkling 2's text model (inkling2_text) adds a position bias to its attention scores: refused before any
+    # weight is read (its default config, saved without weights).
+    from transformers import AutoConfig
+
+    folder = tmp_path / "inkling2"
+    AutoConfig.for_model("inkling2").save_pretrained(folder)
+    reason = load_coverage()["types"]["inkling2_text"]["reason"]
     with pytest.raises(UnsupportedModelError) as caught:
         export_model(folder, tmp_path / "out", target="ort")
     message = str(caught.value)
-    assert "gemma4_unified_text" in message and "Gemma4UnifiedForConditionalGeneration" in message, message
+    assert "inkling2_text" in message and "Inkling2ForConditionalGeneration" in message, message
     assert reason in message and "\n" not in message, message
     assert not (tmp_path / "out").exists()
 

@@ -74,7 +74,7 @@ def test_requests_are_prepared_on_a_bounded_pool_off_the_event_loop(server, monk
             inside[0] += 1
             most[0] = max(most[0], inside[0])
             names.add(threading.current_thread().name.rsplit("_", 1)[0])
-        release.wait(5)  # hold every caller: as many run at once as the pool lets in
+        release.wait(30)  # hold every caller: as many run at once as the pool lets in
         with lock:
             inside[0] -= 1
         return encode(text, special, what)
@@ -84,6 +84,12 @@ def test_requests_are_prepared_on_a_bounded_pool_off_the_event_loop(server, monk
                                 timeout=30)
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(post, i) for i in range(6)]
+        # wait until the pool is full (a loaded machine may take a while to deliver the posts), then
+        # give stragglers a moment: a pool that let in a third would show it here
+        deadline = time.monotonic() + 20
+        while most[0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200  # answered while they wait
         release.set()
         assert all(f.result().status_code == 200 for f in futures)

@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from kvforge.core.errors import ExportError
 from kvforge.exporter.graph_edit import attention_inputs, constant, node_attributes, replace_node
-from kvforge.exporter.targets.base import ExportTarget
+from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
 
 
 def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = None, kv_scales: object = None) -> None:
@@ -37,6 +37,7 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
 
     masks: dict[int, ir.Value] = {0: causal}
     sink_masks: dict[int, ir.Value] = {}
+    alibi_masks: dict[tuple[int, object], ir.Value] = {}
     for node in canonical:
         attrs = node_attributes(node)
         (q, k, v, past_key, past_value, _), sinks = attention_inputs(node)
@@ -58,6 +59,20 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
         if attrs["softcap"] > 0:
             attention["softcap"] = attrs["softcap"]
         keys, values, mask = present_key, present_value, masks[window]
+        slopes = alibi_input(node)
+        if slopes is not None:
+            if sinks is not None:
+                raise ExportError(f"attention node {node.name} has both sinks and ALiBi slopes, which the `onnx` "
+                                  "target does not combine")
+            # ALiBi rides on Attention's additive mask: the bias where the causal mask allows, the lowest finite
+            # value elsewhere, [B, H, S, C]; one per window and distinct slopes, shared by the layers.
+            key = (window, shared_key(slopes))
+            if key not in alibi_masks:
+                np_dtype = q.dtype.numpy() if q.dtype is not None else np.float32
+                bias = alibi_bias(tape, slopes, query_pos, cache_pos, heads, q.dtype)
+                alibi_masks[key] = tape.op("Where", [mask, bias, constant(tape, np.array(np.finfo(np_dtype).min,
+                                                                                         np_dtype), None)])
+            mask = alibi_masks[key]
         if sinks is not None:
             if attrs["softcap"] > 0:
                 raise ExportError(f"attention node {node.name} has both sinks and a softcap; the `onnx` target's "

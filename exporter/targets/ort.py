@@ -17,7 +17,7 @@ from kvforge.exporter.graph_edit import (
     replace_node,
     split_output,
 )
-from kvforge.exporter.targets.base import ExportTarget
+from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
 
 
 def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.ndarray, np.ndarray] | None = None,
@@ -36,6 +36,11 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
         q0 = first.inputs[0]
         dtype = q0.dtype.numpy() if q0.dtype is not None else np.float32
         caches = [constant(shared, table.astype(dtype), f"kvforge_rotary_{kind}") for kind, table in zip(("cos", "sin"), rotary, strict=True)]
+    # ALiBi: query positions [B, 1, S, 1] and key positions [T] for GQA's attention_bias, whose last dim is
+    # total_sequence_length (the capacity in decode.onnx), built once; one bias per distinct set of slopes.
+    alibi_positions = _alibi_positions(graph, first, shared, total_len) \
+        if any(alibi_input(node) is not None for node in canonical) else None
+    biases: dict[object, ir.Value] = {}
     graph.insert_before(first, shared.nodes)
 
     for node in canonical:
@@ -52,8 +57,13 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
                 raise ExportError(f"attention node {node.name} does not read a graph cache input; cannot quantise its cache")
             scales = [constant(tape, scale, None) for scale in kv_scales[cache_name[2]]]
             quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+        slopes, bias = alibi_input(node), None
+        if slopes is not None and alibi_positions is not None:
+            if shared_key(slopes) not in biases:
+                biases[shared_key(slopes)] = alibi_bias(tape, slopes, *alibi_positions, attrs["num_heads"], q.dtype)
+            bias = biases[shared_key(slopes)]
         # GQA's optional inputs: cos_cache, sin_cache, position_ids, attention_bias, head_sink, k_scale, v_scale.
-        extra = [*rotary_inputs, None, None, sinks, *scales]
+        extra = [*rotary_inputs, None, bias, sinks, *scales]
         while extra and extra[-1] is None:
             extra.pop()
         out, present_key, present_value = tape.op_multi_out(
@@ -107,6 +117,23 @@ def _lengths(graph: ir.Graph, first: ir.Node, shared: ir.tape.Tape) -> tuple[ir.
     # With do_rotary, GQA rotates token t of row b at position seqlens_k[b] + 1 - S + t = past_lens[b] + t.
     seqlens_k = shared.op("Sub", [total, constant(shared, np.array([1], np.int32), "kvforge_one")])
     return seqlens_k, shared.op("ReduceMax", [total], attributes={"keepdims": 0})
+
+
+def _alibi_positions(graph: ir.Graph, first: ir.Node, shared: ir.tape.Tape,
+                     total_len: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Query positions past_lens[b] + t as [B, 1, S, 1] and key positions 0 .. total_sequence_length - 1 (int64)."""
+    q0, past_lens = first.inputs[0], first.inputs[5]
+    ids = next((value for value in graph.inputs if value.name == INPUT_IDS), q0)
+    zero = constant(shared, np.array(0, np.int64), "kvforge_alibi_zero")
+    one = constant(shared, np.array(1, np.int64), "kvforge_alibi_one")
+    scalar = constant(shared, np.array([], np.int64), "kvforge_alibi_scalar")
+    seq = shared.op("Reshape", [shared.op("Shape", [ids], attributes={"start": 1, "end": 2}), scalar])
+    starts = shared.op("Unsqueeze", [shared.op("Cast", [past_lens], attributes={"to": ir.DataType.INT64}),
+                                     constant(shared, np.array([1], np.int64), "kvforge_alibi_axis1")])
+    positions = shared.op("Add", [starts, shared.op("Range", [zero, seq, one])])  # [B, S]
+    query_pos = shared.op("Unsqueeze", [positions, constant(shared, np.array([1, 3], np.int64), "kvforge_alibi_axes13")])
+    total = shared.op("Reshape", [shared.op("Cast", [total_len], attributes={"to": ir.DataType.INT64}), scalar])
+    return query_pos, shared.op("Range", [zero, total, one])
 
 
 def _operands(tape: ir.tape.Tape, q: ir.Value, k: ir.Value, v: ir.Value,

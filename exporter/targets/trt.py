@@ -9,7 +9,7 @@ import onnx_ir as ir
 from kvforge.core.contract import ATTENTION_OUTPUTS, PLUGIN, AttentionAttrs
 from kvforge.core.errors import UnsupportedModelError
 from kvforge.exporter.graph_edit import attention_inputs, node_attributes, replace_node
-from kvforge.exporter.targets.base import ExportTarget
+from kvforge.exporter.targets.base import ExportTarget, alibi_input
 
 
 def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = None, kv_scales: object = None) -> None:
@@ -21,6 +21,9 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = Non
         if attention_inputs(node)[1] is not None:
             raise UnsupportedModelError("the model's attention has sinks, which kvforge's TensorRT kernel does not "
                                         "implement; use --target ort or --target onnx")
+        if alibi_input(node) is not None:
+            raise UnsupportedModelError("the model's attention uses ALiBi position biases, which kvforge's TensorRT "
+                                        "kernel does not implement; use --target ort or --target onnx")
         attrs = AttentionAttrs.from_mapping(node_attributes(node))
         tape = ir.tape.Tape()
         outputs = tape.op_multi_out(

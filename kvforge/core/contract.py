@@ -383,8 +383,10 @@ ATTENTION_OUTPUTS = ("out", "present_key", "present_value")
 # The canonical node's optional inputs, after ATTENTION_INPUTS. `sinks` [H]: one learned logit per query
 # head that joins every row's softmax and takes probability mass without adding a value (gpt-oss, Flint,
 # Granite SWA). The `ort` and `onnx` lowerings carry it; the TensorRT kernel has no sinks, so the `trt`
-# target refuses a model that uses them (the plugin's inputs stay ATTENTION_INPUTS).
-ATTENTION_OPTIONAL_INPUTS = ("sinks",)
+# target refuses a model that uses them (the plugin's inputs stay ATTENTION_INPUTS). `alibi_slopes` [H] fp32:
+# ALiBi (BLOOM, MPT), the score of query position i for key position j gains slope_h * (j - i); the `trt`
+# target refuses it the same way.
+ATTENTION_OPTIONAL_INPUTS = ("sinks", "alibi_slopes")
 
 
 @dataclass(frozen=True)
@@ -420,7 +422,7 @@ class AttentionAttrs:
 
 
 def attention_parameters(*, sinks: bool = False, spelled: bool = True) -> tuple[str, ...]:
-    """The op's parameters in contract order: ATTENTION_INPUTS, then `sinks` when carried, then the
+    """The op's parameters in contract order: ATTENTION_INPUTS, then ATTENTION_OPTIONAL_INPUTS when carried, then the
     attributes spelled out (AttentionAttrs.names(), for torch.library, onnxscript and tensorrt.plugin)
     or as one `attrs` (the Python implementations)."""
     return ATTENTION_INPUTS + (ATTENTION_OPTIONAL_INPUTS if sinks else ()) + (

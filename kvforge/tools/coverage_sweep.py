@@ -114,6 +114,38 @@ def sweep_one(model_type: str, targets: tuple[str, ...] = SWEEP_TARGETS, real: b
     return row
 
 
+RTX_SEQ_LEN = 64  # the engines' capacity in --rtx builds: the tiny export's, small and quick
+
+
+def rtx_one(model_type: str) -> dict[str, Any]:
+    """TensorRT for RTX's engines of the type's tiny `onnx` export, built (on this CPU: its builder needs no GPU):
+    {"status": "built", "seconds", "attention": per engine} or "refused" (kvforge's one-line reason) or "fail"
+    (the builder's error). Built engines are not run here: running them needs an RTX GPU."""
+    from kvforge.core.errors import KvforgeError
+    from kvforge.engines.trt_build import build_engines
+    from kvforge.exporter.export import export_model
+    from kvforge.models.families import trial_registry
+
+    with tempfile.TemporaryDirectory(prefix=f"kvforge-rtx-{model_type}-") as tmp:
+        hf_dir, out = Path(tmp) / "hf", Path(tmp) / "onnx"
+        try:
+            model = build_tiny(model_type, hf_dir)
+            reference = _text_reference(model, hf_dir, {}) if model_type in MULTIMODAL_TYPES else model
+            export_model(hf_dir, out, target="onnx", families=trial_registry(model_type, type(model).__name__,
+                                                                             reference.config))
+        except Exception as err:  # noqa: BLE001 - no export to build from: the sweep's row says why
+            return {"status": "unexported", "error": _one_line(err)[:200]}
+        started = time.perf_counter()
+        try:
+            record = build_engines(out, max_batch=2, max_seq_len=RTX_SEQ_LEN, tensorrt="tensorrt-rtx")
+        except KvforgeError as err:
+            return {"status": "refused", "error": " ".join(str(err).replace(str(out), "the export").split())[:200]}
+        except Exception as err:  # noqa: BLE001 - the builder's own failure is this type's result
+            return {"status": "fail", "error": _one_line(err)[:200]}
+        return {"status": "built", "seconds": round(time.perf_counter() - started, 1),
+                "attention": sorted({built["attention"] for built in record["builds"].values()})}
+
+
 def _text_reference(model: Any, hf_dir: Path, row: dict[str, Any]) -> Any:
     """A multimodal checkpoint's text model, loaded as the export loads it (row["text_model"] names it), after
     checking it against the whole checkpoint's tokens-only forward (where transformers runs one)."""
@@ -175,8 +207,8 @@ TYPE_MEMORY_BYTES = 16 * 2**30
 REAL_MEMORY_BYTES = 21 * 2**30  # --real: one process at a time, real MoE layers are GBs
 
 
-def sweep_isolated(model_type: str, targets: tuple[str, ...], real: bool = False) -> dict[str, Any]:
-    """sweep_one() in a child process with a time and address-space limit."""
+def sweep_isolated(model_type: str, targets: tuple[str, ...], real: bool = False, rtx: bool = False) -> dict[str, Any]:
+    """sweep_one() (rtx: rtx_one()) in a child process with a time and address-space limit."""
     import resource
     import subprocess
     import sys
@@ -186,10 +218,12 @@ def sweep_isolated(model_type: str, targets: tuple[str, ...], real: bool = False
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     command = [sys.executable, "-m", "kvforge.tools.coverage_sweep", model_type, "--targets", ",".join(targets), "--row",
-               *(["--real"] if real else [])]
+               *(["--real"] if real else []), *(["--rtx"] if rtx else [])]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=TYPE_SECONDS, preexec_fn=limit)
     except subprocess.TimeoutExpired:
+        if rtx:
+            return {"status": "fail", "error": f"gave up after {TYPE_SECONDS} s"}
         return {"status": "refused", "reason": MISSING_FEATURES.get(model_type, "not yet diagnosed"),
                 "error": f"the sweep gave up after {TYPE_SECONDS} s (export or parity hangs)", "targets": {}}
     lines = done.stdout.strip().splitlines()
@@ -197,6 +231,8 @@ def sweep_isolated(model_type: str, targets: tuple[str, ...], real: bool = False
         return json.loads(lines[-1])
     tail = " ".join(done.stderr.split()[-40:])
     why = "killed (out of memory?)" if done.returncode < 0 else f"exit {done.returncode}"
+    if rtx:
+        return {"status": "fail", "error": f"the build's process died: {why}: {tail}"[:200]}
     return {"status": "refused", "reason": MISSING_FEATURES.get(model_type, "not yet diagnosed"),
             "error": f"the sweep's process died: {why}: {tail}"[:400], "targets": {}}
 
@@ -215,14 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", action="store_true", help="run one type here and print its row as JSON (internal)")
     parser.add_argument("--real", action="store_true", help="at each type's default layer shapes (one layer of each "
                         "kind, a small vocabulary); --write records the result as the row's `real` entry")
+    parser.add_argument("--rtx", action="store_true", help="build TensorRT for RTX engines from each type's tiny "
+                        "`onnx` export (default types: those that pass); --write records the row's `rtx` entry")
     args = parser.parse_args(argv)
     targets = tuple(args.targets.split(","))
     if args.write and not set(REQUIRED_TARGETS) <= set(targets):
         parser.error(f"--write records the registry's rows: --targets must include {' and '.join(REQUIRED_TARGETS)}")
     if args.row:
-        print(json.dumps(sweep_one(args.types[0], targets, args.real)))
+        print(json.dumps(rtx_one(args.types[0]) if args.rtx else sweep_one(args.types[0], targets, args.real)))
         return 0
     coverage = json.loads(args.out.read_text()) if args.out.is_file() else {"types": {}}
+    if args.rtx:
+        return _rtx_sweep(args, coverage)
     coverage["transformers"] = transformers.__version__
     part, parts = (int(x) for x in args.part.split("/"))
     for model_type in (args.types or causal_lm_types())[part - 1::parts]:
@@ -235,9 +275,26 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if args.real:  # the registry's row stays the tiny sweep's; the real-shape check is an entry of it
             coverage["types"].setdefault(model_type, {})["real"] = real_summary(model_type, row)
-        else:  # a tiny re-run keeps the row's real-shape entry
+        else:  # a tiny re-run keeps the row's real-shape and TensorRT-RTX entries
             previous = coverage["types"].get(model_type, {})
-            coverage["types"][model_type] = {**row, **({"real": previous["real"]} if "real" in previous else {})}
+            coverage["types"][model_type] = {**row, **{key: previous[key] for key in ("real", "rtx") if key in previous}}
+        if args.write:
+            args.out.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+def _rtx_sweep(args: Any, coverage: dict[str, Any]) -> int:
+    """--rtx: each type's `rtx` entry (rtx_one), into `coverage` (a type's other entries are kept)."""
+    from kvforge.models.coverage import load_coverage
+
+    passing = sorted(t for t, row in load_coverage()["types"].items() if row["status"] == "pass")
+    part, parts = (int(x) for x in args.part.split("/"))
+    for model_type in (args.types or passing)[part - 1::parts]:
+        started = time.perf_counter()
+        entry = sweep_isolated(model_type, (), rtx=True)
+        print(f"{model_type:28s} rtx {entry['status']:10s} {time.perf_counter() - started:6.1f}s "
+              f"{entry.get('attention') or entry.get('error', '')}", flush=True)
+        coverage["types"].setdefault(model_type, {})["rtx"] = entry
         if args.write:
             args.out.write_text(json.dumps(coverage, indent=1, sort_keys=True) + "\n")
     return 0
