@@ -18,24 +18,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, StateSpec
+from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout
 from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.core.manifest import MANIFEST_NAME, write_manifest
-from kvforge.core.output_folder import StagedFolder, check_output, disk_full, disk_full_error, fault_point
+from kvforge.core.output_folder import (
+    StagedFolder,
+    check_output,
+    disk_full,
+    disk_full_error,
+    fault_point,
+    require_free_space,
+)
 from kvforge.core.targets import Target, get_target
+from kvforge.exporter.checkpoint import open_checkpoint
 from kvforge.exporter.export_manifest import WEIGHTS_NAME, export_manifest
-from kvforge.exporter.load import check_model_path, load_hf_config, load_hf_model, one_line
-from kvforge.exporter.probe import layer_shapes, probe_states
+from kvforge.exporter.graphs import ExportWork, check_kernel_shapes, make_graphs
+from kvforge.exporter.load import check_model_path, check_weight_files, load_hf_config, one_line
 from kvforge.exporter.quantize import check_options as check_quantize
 from kvforge.exporter.targets import EXPORT_TARGETS, export_target
 from kvforge.exporter.text_model import text_family
 from kvforge.exporter.weights import save_with_shared_weights
-from kvforge.models.adapters import adapt_for_export
 from kvforge.models.config_values import config_value
 from kvforge.models.families import Family
 from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
 
-TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json",
     "chat_template.jinja",
@@ -59,6 +65,9 @@ class ExportOptions:
     # gate/up MatMuls merged into one: None = where it pays (int4/int8, ort fp16/bf16: optimize.fuse_graph);
     # the Python API's switch for benchmarks that compare the two graphs
     merge_pairs: bool | None = None
+    # Stream the weights from the checkpoint's shards into the weights file (exporter/lazy_weights.py) where
+    # the model allows it; False: load the whole model first, as exports did before streaming
+    stream: bool = True
 
     def resolve(self) -> Target:
         """The target's registry entry, after checking every option against it."""
@@ -82,28 +91,6 @@ class ExportOptions:
             if self.dtype != "fp32":
                 raise InputError(f"--kv-cache {self.kv_cache} is measured with fp32 activations only; drop --dtype {self.dtype}")
         return target
-
-
-def _check_kernel_shapes(config, family: Family, head_dim: int, target: Target, dtype: str,
-                         kv_heads: int | None = None) -> None:
-    """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
-    from kvforge.plugins import attention_launch
-
-    others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items() if not t.kernel_shapes)
-    kv_heads = kv_heads or family.kv_heads(config)
-    heads = config_value(config, "num_attention_heads")
-    if heads is None:  # no attention (a state-space model): nothing for the kernel; its states are refused later
-        return
-    try:
-        attention_launch.check_shapes(heads, kv_heads, head_dim)
-    except ValueError as err:
-        raise UnsupportedModelError(
-            f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
-            f"head_dim {', '.join(map(str, TRT_HEAD_DIMS))}, query heads a multiple of the KV heads, and "
-            f"dtype {', '.join(target.dtypes)}; use {others} for this model"
-        ) from err
-    if dtype not in target.dtypes:
-        raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.dtypes)}, not {dtype!r}")
 
 
 def export_model(
@@ -146,40 +133,29 @@ def export_model(
         raise UnsupportedModelError(f"--target {target.name} cannot export {config.model_type} (the coverage sweep: "
                                     f"{family.trt_refusal}); use --target ort or --target onnx")
     if passes.kernel_shapes:
-        _check_kernel_shapes(config, family, family.head_dim(config), target, dtype)
+        check_kernel_shapes(config, family, family.head_dim(config), target, dtype)
 
     import torch
 
     started = time.perf_counter()
+    check_weight_files(model_dir)  # pickle-only folders said as such
+    checkpoint = open_checkpoint(model_dir)  # shards checked before anything is written
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))
     # The staging folder comes first, so an unwritable output fails before the slow work.
     with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say) as staged:
         assert staged.path is not None
-        say(f"loading {model_dir.name} ({', '.join(config.architectures or [config.model_type])}, {dtype})")
-        model = load_hf_model(model_dir, dtype, families)
-        layout = adapt_for_export(model, layout, say)  # families kvforge reaches through an adapter
-        layout = _probe_model(model, config, family, layout, target, dtype, say)
-        fault_point("export:model-loaded")
-        # Where the export's time goes (manifest "export_seconds"): the profile `kvforge bench` reports.
-        clock = {"load": time.perf_counter() - started}
-        mark = time.perf_counter()
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            now = time.perf_counter()
-            clock[name] = clock.get(name, 0.0) + now - mark
-            mark = now
-
+        require_free_space(out_dir.parent, _expected_bytes(checkpoint, options), "the export")
+        work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say)
+        clock: dict[str, float] = {}
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
-            graphs, quantization, kv_quant = _build_graphs(model, config, family, layout, target, options,
-                                                           getattr(torch, DTYPES[dtype]), say, lap, lower, model_dir)
+            graphs, quantization, kv_quant, layout = make_graphs(work, layout, clock, lower, families)
             fault_point("export:graphs-built")
             manifest = _write(staged.path, graphs, config, model_dir, target, dtype, layout, gguf_record,
-                              quantization, kv_quant, clock, started, lap, say)
+                              quantization, kv_quant, clock, started, say)
             staged.publish()
         except KvforgeError:
             raise
@@ -212,63 +188,6 @@ def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
     return Path(folder).resolve(), json.loads((Path(folder) / GGUF_MARKER).read_text()), converted_s
 
 
-def _probe_model(model: Any, config: Any, family: Family, layout: KVLayout, target: Target, dtype: str,
-                 say: Callable[[str], None]) -> KVLayout:
-    """Prepare the loaded model's experts for export and check the attention shapes HF really passes
-    against the target; the KV layout those shapes give."""
-    passes = export_target(target.name)
-    # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
-    # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
-    # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
-    from kvforge.exporter.moe import prepare_looped_experts
-
-    looped = prepare_looped_experts(model)  # experts written as a loop over the picked ones (DBRX, LongCat)
-    if looped:
-        say(f"experts: {looped} looped MoE layers as the canonical MoE node")
-    if getattr(model, "_can_set_experts_implementation", lambda: False)():
-        from kvforge.exporter.moe import prepare_experts
-
-        model.set_experts_implementation("batched_mm")
-        routed = prepare_experts(model)
-        say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
-            + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
-    # Recurrent / linear-attention layers whose state lives in transformers' cache keep it as state buffers.
-    found = probe_states(model)
-    states = tuple(StateSpec(layer, kind, shape, _dtype_name(torch_dtype))
-                   for layer, kinds in sorted(found.items()) for kind, (shape, torch_dtype) in sorted(kinds.items()))
-    if states and passes.kernel_shapes:
-        stateful = sorted({spec.layer for spec in states})
-        raise UnsupportedModelError(f"{config.model_type}: its layers {stateful[:8]} keep a recurrent state, which "
-                                    f"--target {target.name}'s TensorRT engines do not carry yet; use --target ort or "
-                                    "--target onnx")
-    if states:
-        say(f"recurrent state: {len({spec.layer for spec in states})} layers keep {len(states)} state buffers "
-            f"({', '.join(sorted({spec.kind for spec in states}))})")
-    # The head counts HF's attention really receives (a config's own convention can differ:
-    # multi_query, num_kv_heads, ...), per layer: the KV cache follows them.
-    shapes = layer_shapes(model, layout.num_layers, frozenset(found))
-    for head_dim in sorted({shape.cache_dim for shape in shapes if shape is not None}):
-        if head_dim % passes.head_dim_multiple:
-            others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
-                                 if head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
-            raise UnsupportedModelError(f"{config.model_type}: its head size {head_dim} is not a multiple of "
-                                        f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
-                                        f"({target.summary.split(' (')[0]}) needs; use {others}")
-    if passes.kernel_shapes and any(shape.sinks for shape in shapes if shape is not None):
-        # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check before
-        # loading raises; this one catches a model outside the registry's rows).
-        raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
-                                    f"kernel (--target {target.name}) does not implement")
-    probed = KVLayout.per_layer([None if shape is None else (shape.kv_heads, shape.cache_dim) for shape in shapes],
-                                layout.dtype, layout.max_capacity, states)
-    if probed != layout:
-        layout = probed
-        if passes.kernel_shapes:
-            for heads, head_dim in sorted(set(layout.layer_shapes())):
-                _check_kernel_shapes(config, family, head_dim, target, dtype, kv_heads=heads)
-    return layout
-
-
 # A model without a position limit (state-space models, ALiBi) is exported for this many positions.
 DEFAULT_CONTEXT = 4096
 
@@ -282,19 +201,15 @@ def max_context(config: Any) -> int:
     return DEFAULT_CONTEXT
 
 
-def _dtype_name(torch_dtype: Any) -> str:
-    """float32 / float16 / bfloat16: a torch dtype's name, as the contract spells cache dtypes."""
-    return str(torch_dtype).removeprefix("torch.")
-
-
 def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, target: Target, dtype: str,
            layout: KVLayout, gguf_record: dict[str, Any] | None, quantization: dict[str, Any] | None,
-           kv_quant: dict[str, Any] | None, clock: dict[str, float], started: float, lap: Callable[[str], None],
+           kv_quant: dict[str, Any] | None, clock: dict[str, float], started: float,
            say: Callable[[str], None]) -> dict[str, Any]:
     """The graphs with their one weights file, the model's tokenizer and config files, and the manifest."""
     say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
-    sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME)
-    lap("write")
+    writing = time.perf_counter()
+    sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME, _write_progress(say))
+    clock["write"] = time.perf_counter() - writing
     fault_point("export:weights-written")
     for name in COPIED_FILES:
         if (model_dir / name).is_file():
@@ -313,6 +228,27 @@ def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, 
     write_manifest(staging, manifest)
     fault_point("export:manifest-written")
     return manifest
+
+
+def _write_progress(say: Callable[[str], None]) -> Callable[[int, int], None]:
+    """A line per tenth of the weights file, so a long write shows it is moving."""
+    shown = [0]
+
+    def progress(written: int, in_all: int) -> None:
+        tenth = written * 10 // max(in_all, 1)
+        if tenth > shown[0] and in_all > 1 << 30:
+            shown[0] = tenth
+            say(f"weights: {written / 1e9:.2f} of {in_all / 1e9:.2f} GB written")
+    return progress
+
+
+def _expected_bytes(checkpoint: Any, options: ExportOptions) -> int:
+    """About what the weights file takes: the checkpoint's bytes at the export's bits per weight."""
+    source_bytes = {"float32": 4, "float64": 8}.get(checkpoint.dtype or "", 2)
+    if options.quantize is not None:
+        bits = 4.5 if options.quantize == "int4" else 8.5  # with the blocks' scales
+        return int(checkpoint.nbytes / source_bytes * bits / 8)
+    return int(checkpoint.nbytes / source_bytes * {"fp32": 4}.get(options.dtype, 2))
 
 
 def _failure(err: Exception, out_dir: Path, model_dir: Path) -> ExportError:
@@ -336,71 +272,3 @@ def _failure(err: Exception, out_dir: Path, model_dir: Path) -> ExportError:
     return ExportError(f"export of {model_dir} failed: {type(err).__name__}: {one_line(err)}")
 
 
-def _build_graphs(model, config, family: Family, layout: KVLayout, target: Target, options: ExportOptions,
-                  torch_dtype, say, lap, lower, model_dir: Path) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
-    """Trace, clean up, fuse, (quantise,) derive decode and lower: the two graphs in memory, the weight
-    quantisation's record and the quantised KV cache's (None when not asked for)."""
-    from kvforge.exporter.fusions import rotary_caches
-    from kvforge.exporter.optimize import fuse_graph, optimize_graph
-    from kvforge.exporter.quantize import quantize_model
-    from kvforge.exporter.trace import derive_decode_graph, trace_prefill
-
-    say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
-    prefill = trace_prefill(model, layout, torch_dtype, family)
-    lap("trace")
-    optimize_graph(prefill)
-    lap("optimize")
-    fused = fuse_graph(prefill, target, quantized=options.quantize is not None, dtype=options.dtype,
-                       merge_pairs=options.merge_pairs)
-    lap("fuse")
-    say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
-    quantization = None
-    if options.quantize is not None:
-        from kvforge.exporter.quantize import default_lm_head_bits
-
-        parameters = sum(p.numel() for p in model.parameters())
-        lm_head_bits, why = options.lm_head_bits, None
-        if lm_head_bits is None:
-            lm_head_bits, why = default_lm_head_bits(options.quantize, parameters)
-        say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
-            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else ""))
-        prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
-                                               options.accuracy_level, lm_head_bits, options.quant_method)
-        if why:
-            quantization["lm_head_bits_default"] = why
-        lap("quantize")
-    kv_scales, kv_quant = None, None
-    if options.kv_cache is not None:
-        from kvforge.exporter.kv_quant import calibrate
-
-        say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
-        kv_scales, kv_quant = calibrate(model, config, layout, model_dir, options.kv_cache)
-        lap("kv_calibrate")
-    # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
-    if export_target(target.name).ort_fusions and options.quantize is None:
-        from kvforge.exporter.fusions import pretranspose_tied_lm_head
-
-        pretranspose_tied_lm_head(prefill)
-    graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
-    # The experts' weights are quantised by the MoE lowering (ONNX Runtime's QMoE takes its own layout).
-    moe_quantize = None
-    if options.quantize is not None:
-        from kvforge.exporter.moe import INT8_EXPERTS, moe_nodes
-        from kvforge.exporter.quantize import BITS
-
-        experts = len(moe_nodes(prefill.graph))
-        if experts and BITS[options.quantize] == 4:
-            moe_quantize = (4, options.block_size)
-            quantization["moe_experts"] = f"int4, blocks of {options.block_size} (ONNX Runtime's QMoE), {experts} layers"
-            say(f"quantising {experts} MoE layers' experts to int4 (ONNX Runtime's QMoE)")
-        elif experts:
-            quantization["moe_experts"] = INT8_EXPERTS
-            say(f"note: {INT8_EXPERTS}")
-    rotary = rotary_caches(model, layout.max_capacity, layout.dtype) \
-        if export_target(target.name).ort_fusions else None
-    for phase, graph in graphs.items():
-        say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target.name, rotary, kv_scales, moe_quantize, attends=bool(layout.layer_shapes()))
-        graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
-    lap("derive_and_lower")
-    return graphs, quantization, kv_quant

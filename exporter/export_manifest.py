@@ -100,7 +100,10 @@ def export_manifest(config, model_dir, target: Target, dtype: str, layout: KVLay
     if gguf_record is not None:
         model["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256", "architecture", "tensor_types")}
     files = {path.name: file_record(path) for path in sorted(folder.iterdir())
-             if path.is_file() and path.name != MANIFEST_NAME}
+             if path.is_file() and path.name not in (MANIFEST_NAME, WEIGHTS_NAME)}
+    if (folder / WEIGHTS_NAME).is_file():  # hashed as it was written (exporter/weights.py)
+        files[WEIGHTS_NAME] = {"sha256": sizes["weights_sha256"], "bytes": (folder / WEIGHTS_NAME).stat().st_size}
+        files = dict(sorted(files.items()))
     manifest = compose(
         model=spec, kv_cache=layout, target=target.name, dtype=dtype, weights=WEIGHTS_NAME, files=files,
         graphs={phase: {"file": f"{phase}.onnx", **_graph_summary(graph),
@@ -108,7 +111,7 @@ def export_manifest(config, model_dir, target: Target, dtype: str, layout: KVLay
                 for phase, graph in graphs.items()},
         kvforge_version=__version__, kvforge_source=exporter_source_digest(),
         created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        weights_sharing=sizes, chat_template=_chat_template_source(folder), generation=generation,
+        weights_sharing={k: v for k, v in sizes.items() if k != "weights_sha256"}, chat_template=_chat_template_source(folder), generation=generation,
         tools=tool_versions(), **extra,
     )
     manifest["model"] = model

@@ -23,13 +23,8 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
-
-def _constant_weight(value: ir.Value) -> np.ndarray | None:
-    tensor = value.const_value
-    if tensor is None or value.producer() is not None and value.producer().op_type != "Constant":
-        return None
-    array = tensor.numpy()
-    return array if array.ndim == 2 else None
+from kvforge.exporter.graph_edit import take_over
+from kvforge.exporter.lazy_weights import lazy, transposed
 
 
 def fuse_parallel_matmuls(model: ir.Model, group_size: int = 3) -> int:
@@ -48,20 +43,22 @@ def fuse_parallel_matmuls(model: ir.Model, group_size: int = 3) -> int:
     for nodes in groups.values():
         if len(nodes) != group_size:
             continue
-        weights = [node.inputs[1].const_value.numpy() for node in nodes]
-        if len({w.dtype for w in weights}) != 1 or len({w.shape[0] for w in weights}) != 1 or any(
-            w.ndim != 2 for w in weights
-        ):
+        # Shapes and dtypes only: the weights may be lazy reads of the checkpoint (exporter/lazy_weights.py).
+        weights = [node.inputs[1].const_value for node in nodes]
+        shapes = [tuple(w.shape) for w in weights]
+        if len({w.dtype for w in weights}) != 1 or any(len(shape) != 2 for shape in shapes) or \
+                len({shape[0] for shape in shapes}) != 1:
             continue
         first = nodes[0]
-        fused = np.concatenate(weights, axis=1)
+        fused_shape = (shapes[0][0], sum(shape[1] for shape in shapes))
         name = f"kvforge_fused_{first.inputs[1].name}"
-        value = ir.Value(name=name, shape=ir.Shape(list(fused.shape)), type=first.inputs[1].type,
-                         const_value=ir.tensor(fused, name=name))
+        fused = lazy(lambda weights=weights: np.concatenate([w.numpy() for w in weights], axis=1), weights[0].dtype,
+                     fused_shape, name)
+        value = ir.Value(name=name, shape=ir.Shape(list(fused_shape)), type=first.inputs[1].type, const_value=fused)
         graph.register_initializer(value)
         tape = ir.tape.Tape()
         product = tape.op("MatMul", [first.inputs[0], value])
-        split = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([w.shape[1] for w in weights], np.int64))})
+        split = tape.op("Constant", [], attributes={"value": ir.tensor(np.array([s[1] for s in shapes], np.int64))})
         parts = tape.op_multi_out("Split", [product, split], attributes={"axis": -1}, num_outputs=len(nodes))
         # Insert before the earliest consumer of any output, i.e. right before the first MatMul.
         graph.insert_before(first, tape.nodes)
@@ -192,9 +189,10 @@ def align_norm_dtypes(model: ir.Model) -> int:
             key = (weight.name, dtype)
             if key not in copies:
                 name = f"{weight.name}.{dtype.name.lower()}"
-                array = weight.const_value.numpy().astype(dtype.numpy())
-                copies[key] = ir.Value(name=name, shape=weight.shape, type=ir.TensorType(dtype),
-                                       const_value=ir.tensor(array, name=name))
+                source = weight.const_value
+                cast = lazy(lambda source=source, dtype=dtype: source.numpy().astype(dtype.numpy()), dtype,
+                            tuple(source.shape), name)
+                copies[key] = ir.Value(name=name, shape=weight.shape, type=ir.TensorType(dtype), const_value=cast)
                 graph.register_initializer(copies[key])
             node.replace_input_with(slot, copies[key])
             touched = True
@@ -250,21 +248,51 @@ def drop_unused_norm_statistics(model: ir.Model) -> int:
 def pretranspose_tied_lm_head(model: ir.Model) -> int:
     """A tied lm_head reads the embedding through Transpose -> MatMul. ONNX Runtime's CPU then runs a
     FusedMatMul with transB over the embedding, about 4% slower a decode step than a MatMul over a
-    [H, V] copy (SmolLM2-135M fp32, A/Bs in both orders; benchmarks/README.md), and folding the Transpose
-    at session creation costs ~0.3 s on every start. So the export stores the copy (onnxruntime-genai's
-    builder does the same): the weights file grows by one [H, V] matrix. Returns how many were stored."""
+    [H, V] table (SmolLM2-135M fp32, A/Bs in both orders; benchmarks/README.md), and folding the Transpose
+    at session creation costs ~0.3 s on every start. So the export stores the table transposed, once: the
+    lm_head multiplies by it, and the embedding looks its rows up as columns (Gather on axis 1, then the
+    gathered [H, ...ids] moved back to [...ids, H]). The same values, one copy in the weights file (the
+    embedding is the largest tensor of most models). Returns how many tables were transposed."""
     stored = 0
-    for node in list(model.graph):
+    graph = model.graph
+    for node in list(graph):
         if node.op_type != "Transpose" or node.domain != "" or list(node.attributes.get_ints("perm", [])) != [1, 0]:
             continue
-        weight = _constant_weight(node.inputs[0])
-        if weight is None or not all(use.op_type == "MatMul" and slot == 1 for use, slot in node.outputs[0].uses()):
+        source = node.inputs[0]
+        tensor = source.const_value if source is not None and source.is_initializer() else None
+        if tensor is None or len(tensor.shape) != 2 or \
+                not all(use.op_type == "MatMul" and slot == 1 for use, slot in node.outputs[0].uses()):
             continue
-        name = f"{node.inputs[0].name}.transposed"
-        copy = ir.Value(name=name, shape=ir.Shape(weight.shape[::-1]), type=node.inputs[0].type,
-                        const_value=ir.tensor(np.ascontiguousarray(weight.T), name=name))
-        model.graph.register_initializer(copy)
+        lookups = [use for use, slot in source.uses() if use is not node]
+        if not all(_columns_lookup_possible(use, slot) for use, slot in source.uses() if use is not node):
+            continue
+        name = f"{source.name}.transposed"
+        shape = tuple(tensor.shape)[::-1]
+        table = transposed(tensor, None, name)
+        copy = ir.Value(name=name, shape=ir.Shape(list(shape)), type=source.type, const_value=table)
+        graph.register_initializer(copy)
         node.outputs[0].replace_all_uses_with(copy)
-        model.graph.remove(node, safe=True)
+        graph.remove(node, safe=True)
+        for lookup in lookups:
+            _lookup_columns(graph, lookup, copy)
         stored += 1
+    if stored:
+        ir.passes.common.RemoveUnusedNodesPass()(model)  # and the [V, H] table no node reads any more
     return stored
+
+
+def _columns_lookup_possible(node: ir.Node, slot: int) -> bool:
+    """The table's other use is an embedding lookup (Gather on axis 0) with ids of a known rank."""
+    ids = node.inputs[1] if len(node.inputs) > 1 else None
+    return node.op_type == "Gather" and node.domain == "" and slot == 0 and \
+        node.attributes.get_int("axis", 0) == 0 and ids is not None and ids.shape is not None
+
+
+def _lookup_columns(graph: ir.Graph, lookup: ir.Node, table: ir.Value) -> None:
+    """Gather(W, ids) on axis 0 -> Transpose(Gather(W^T, ids, axis=1)): [H, ...ids] moved to [...ids, H]."""
+    rank = len(lookup.inputs[1].shape)
+    tape = ir.tape.Tape()
+    columns = tape.op("Gather", [table, lookup.inputs[1]], attributes={"axis": 1})
+    rows = tape.op("Transpose", [columns], attributes={"perm": [*range(1, rank + 1), 0]})
+    graph.insert_before(lookup, tape.nodes)
+    take_over(graph, lookup, rows)

@@ -30,6 +30,18 @@ def replace_node(graph: ir.Graph, node: ir.Node, tape: ir.tape.Tape, new_outputs
     )
 
 
+def take_over(graph: ir.Graph, node: ir.Node, value: ir.Value) -> None:
+    """`value` (computed by nodes already inserted) takes the place of `node`'s one output: its type and shape,
+    its uses and, where it is a graph output, its name; then `node` is removed."""
+    old = node.outputs[0]
+    if old.dtype is not None:  # (a fusion's MatMul may have none: the graph's type inference has it)
+        value.dtype, value.shape = old.dtype, old.shape
+    old.replace_all_uses_with(value, replace_graph_outputs=True)
+    if value.is_graph_output():
+        old.name, value.name = None, old.name
+    graph.remove(node, safe=True)
+
+
 FUSION_DOMAIN = "ai.onnxruntime._fusion"  # onnxscript's intermediate RotaryEmbedding (exporter/fusions.py)
 TRANSPOSE_BSHD = [0, 2, 1, 3]  # [B, S, H, D] <-> [B, H, S, D]
 

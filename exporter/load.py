@@ -89,7 +89,7 @@ def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None 
     return text
 
 
-def _check_weight_files(model_dir: Path) -> None:
+def check_weight_files(model_dir: Path) -> None:
     """kvforge reads safetensors only: pickle checkpoints can run code when loaded."""
     if any(model_dir.glob("*.safetensors")) or (model_dir / "model.safetensors.index.json").is_file():
         return
@@ -115,7 +115,7 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[
     text_family(config, families)
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    _check_weight_files(model_dir)
+    check_weight_files(model_dir)
     # kvforge prints its own progress: transformers' bar is off for this load only, so an application
     # that embeds the exporter keeps its own setting.
     bars = hf_logging.is_progress_bar_enabled()

@@ -230,6 +230,11 @@ def _is_silu(act: Any) -> bool:
         return bool(torch.allclose(act(probe), torch.nn.functional.silu(probe), atol=1e-6))
 
 
+def looped_experts_count(model: torch.nn.Module) -> int:
+    """How many experts modules prepare_looped_experts would route (it rebuilds their weights from values)."""
+    return sum(type(module).__name__ in _LOOPED_EXPERTS for module in model.modules())
+
+
 def prepare_looped_experts(model: torch.nn.Module) -> int:
     """Route experts modules written as a loop over the experts a batch hits (_LOOPED_EXPERTS) through the
     canonical node, where their gate is SiLU: their forward becomes the node over the routed experts (plus

@@ -21,7 +21,10 @@ def optimize_graph(model: Any) -> None:
     from onnxscript import optimizer, rewriter
     from onnxscript.rewriter.rules import common as rules
 
+    from kvforge.exporter.lazy_weights import transpose_weights_lazily
+
     optimizer.inline(model)
+    transpose_weights_lazily(model)  # before the folding, which would transpose every weight in memory
     cleanups = [
         rules.no_op_cast_rule, rules.no_op_expand_rule, rules.no_op_transpose_rule, rules.cast_cast_rule,
         *exact_no_op_rules(),

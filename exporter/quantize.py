@@ -19,6 +19,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 
 from kvforge.core.errors import ExportError, InputError
+from kvforge.exporter.graph_edit import take_over
+from kvforge.exporter.quantize_tensors import quantizer_class
 from kvforge.exporter.trace import quiet_logger
 
 BITS = {"int4": 4, "int8": 8}
@@ -60,8 +62,9 @@ def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bit
         raise InputError(f"--quantize takes {', '.join(BITS)}, not {quantize!r}")
     if block_size not in BLOCK_SIZES:
         raise InputError(f"--block-size takes {', '.join(map(str, BLOCK_SIZES))}, not {block_size}")
-    if dtype != "fp32":
-        raise InputError(f"--quantize works from fp32 weights (activations stay fp32); drop --dtype {dtype}")
+    if dtype != "fp32" and method != "rtn":
+        raise InputError(f"--quant-method {method} runs with fp32 activations only; drop --dtype {dtype} "
+                         "(--quant-method rtn takes fp16 and bf16 activations for ONNX Runtime CUDA)")
 
 
 # int4 on a model under this many parameters keeps its lm_head at 8 bits unless --lm-head-bits says
@@ -81,8 +84,10 @@ def default_lm_head_bits(quantize: str, parameters: int) -> tuple[int | None, st
 
 
 def _materialise_transposed_weights(model: ir.Model) -> dict[str, str]:
-    """MatMul(x, Transpose(W)) with W constant (a tied lm_head) -> MatMul(x, W^T as a constant).
+    """MatMul(x, Transpose(W)) with W constant (a tied lm_head) -> MatMul(x, W^T as a constant, lazy).
     Returns {the new constant's name: W's name}."""
+    from kvforge.exporter.lazy_weights import transposed
+
     made = {}
     for node in list(model.graph):
         if node.op_type != "MatMul" or node.domain != "":
@@ -93,12 +98,10 @@ def _materialise_transposed_weights(model: ir.Model) -> dict[str, str]:
         source = transpose.inputs[0]
         if source is None or source.const_value is None:
             continue
-        array = source.const_value.numpy()
         perm = transpose.attributes.get("perm")
-        transposed = np.ascontiguousarray(array.transpose(list(perm.value)) if perm is not None else array.T)
         name = f"{source.name}_transposed"
-        value = ir.Value(name=name, shape=ir.Shape(list(transposed.shape)), type=source.type,
-                         const_value=ir.tensor(transposed, name=name))
+        table = transposed(source.const_value, None if perm is None else list(perm.value), name)
+        value = ir.Value(name=name, shape=ir.Shape(list(table.shape)), type=source.type, const_value=table)
         model.graph.register_initializer(value)
         node.replace_input_with(1, value)
         made[name] = source.name
@@ -140,12 +143,7 @@ def share_tied_embedding(model: ir.Model, tied: dict[str, str]) -> int:
         for value in tape.initializers:
             graph.register_initializer(value)
         graph.insert_before(lookup, tape.nodes)
-        old = lookup.outputs[0]
-        gathered.dtype, gathered.shape = old.dtype, old.shape
-        old.replace_all_uses_with(gathered, replace_graph_outputs=True)
-        if gathered.is_graph_output():
-            old.name, gathered.name = None, old.name
-        graph.remove(lookup, safe=True)
+        take_over(graph, lookup, gathered)
         shared += 1
     if shared:
         ir.passes.common.RemoveUnusedNodesPass()(model)  # and the copy / fp32 table the lookup read
@@ -162,24 +160,6 @@ def _vocab_nodes(model: ir.Model, vocab_size: int) -> dict[str, str]:
             if weight is not None and weight.const_value is not None and vocab_size in weight.const_value.shape:
                 names[node.name] = node.op_type
     return names
-
-
-def quantizer_class() -> type:
-    """ONNX Runtime's MatMulNBitsQuantizer, imported without its side effect: the module calls
-    `logging.basicConfig(level=INFO)` when imported, which would print every library's INFO records for the
-    rest of the process (onnx_ir's pass logging, each with a full stack: ~150 stderr lines per int4 export).
-    The root logger is put back as it was; WARNING and above still reach stderr through Python's default."""
-    import logging
-
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    for handler in root.handlers[:]:
-        if handler not in handlers:  # only what the import added: an application's own setup stays
-            root.removeHandler(handler)
-    root.setLevel(level)
-    return MatMulNBitsQuantizer
 
 
 def _hqq_config(bits: int, block_size: int) -> Any:
@@ -218,10 +198,54 @@ def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, 
     return quantizer.model.model
 
 
+def _round_tensors(model: ir.Model, bits: int, block_size: int, accuracy_level: int, head: list[str],
+                   tied_lookups: list[str]) -> None:
+    """RTN on every MatMul with a constant weight (the lm_head at 8 bits when `head` names it) and, at
+    4 bits, every lookup of a constant float table but a tied one: the nodes ONNX Runtime's quantiser takes."""
+    from kvforge.exporter.quantize_tensors import quantize_lookup, quantize_matmul
+
+    graph = model.graph
+    for node in list(graph):
+        if node.domain != "":
+            continue
+        if node.op_type == "MatMul" and len(node.inputs) == 2 and _constant(node.inputs[1]):
+            quantize_matmul(graph, node, 8 if node.name in head else bits, block_size, accuracy_level)
+        elif node.op_type == "Gather" and bits == 4 and node.name not in tied_lookups and _constant(node.inputs[0]) \
+                and node.inputs[0].dtype in FLOAT_TYPES:
+            quantize_lookup(graph, node, block_size)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+
+
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _constant(value: ir.Value | None) -> bool:
+    return value is not None and value.is_initializer() and value.const_value is not None
+
+
+def _quantize_proto(model: ir.Model, bits: int, block_size: int, accuracy_level: int, method: str, head: list[str],
+                    tied_lookups: list[str]) -> ir.Model:
+    """ONNX Runtime's whole-model quantiser over the model's proto (every weight in memory)."""
+    proto = ir.to_proto(model)
+    # The quantiser's INFO lines would bury the progress; its logger is restored afterwards.
+    with quiet_logger("onnxruntime.quantization"):
+        if head:
+            # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
+            others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
+            proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
+            return ir.from_proto(_run_quantizer(proto, 4, block_size, accuracy_level, method,
+                                                nodes_to_exclude=head + tied_lookups))
+        return ir.from_proto(_run_quantizer(proto, bits, block_size, accuracy_level, method,
+                                            nodes_to_exclude=tied_lookups))
+
+
 def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: int,
                    accuracy_level: int = DEFAULT_ACCURACY_LEVEL, lm_head_bits: int | None = None,
-                   method: str = "rtn") -> tuple[ir.Model, dict[str, Any]]:
-    """The quantised model (weights in memory) and a record of what was quantised. `lm_head_bits=8`
+                   method: str = "rtn", whole_model: bool = False) -> tuple[ir.Model, dict[str, Any]]:
+    """The quantised model and a record of what was quantised. RTN rounds weight by weight, lazily
+    (exporter/quantize_tensors.py: the weights are computed as the file is written); HQQ, and RTN with
+    `whole_model` (the reference the tests hold the lazy path to), run ONNX Runtime's whole-model
+    quantiser on the model in memory. `lm_head_bits=8`
     with int4 keeps the lm_head at 8 bits: on small models it carries much of int4's accuracy cost
     (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
     (84 -> 98 MB there); see benchmarks/README.md. `method` "hqq" chooses the int4 values with ONNX
@@ -231,22 +255,16 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     tied_lookups = [node.name for node in model.graph
                     if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].name in tied.values()]
     vocab_nodes = _vocab_nodes(model, vocab_size)
-    proto = ir.to_proto(model)
     bits = BITS[quantize]
-    # The quantiser's INFO lines would bury the progress; its logger is restored afterwards.
-    with quiet_logger("onnxruntime.quantization"):
-        try:
-            if bits == 4 and lm_head_bits == 8 and vocab_nodes:
-                head = [name for name, op in vocab_nodes.items() if op == "MatMul"]
-                # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
-                others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
-                proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
-                proto = _run_quantizer(proto, 4, block_size, accuracy_level, method, nodes_to_exclude=head + tied_lookups)
-            else:
-                proto = _run_quantizer(proto, bits, block_size, accuracy_level, method, nodes_to_exclude=tied_lookups)
-        except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
-            raise ExportError(f"ONNX Runtime's {quantize} ({method}) quantiser failed: {type(err).__name__}: {err}") from err
-    quantized = ir.from_proto(proto)
+    head = [name for name, op in vocab_nodes.items() if op == "MatMul"] if bits == 4 and lm_head_bits == 8 else []
+    try:
+        if method == "rtn" and not whole_model:
+            quantized = model
+            _round_tensors(model, bits, block_size, accuracy_level, head, tied_lookups)
+        else:
+            quantized = _quantize_proto(model, bits, block_size, accuracy_level, method, head, tied_lookups)
+    except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
+        raise ExportError(f"ONNX Runtime's {quantize} ({method}) quantiser failed: {type(err).__name__}: {err}") from err
     shared = share_tied_embedding(quantized, tied)
     ops = Counter(node.op_type for node in quantized.graph)
     bits_of = Counter(int(node.attributes["bits"].value) for node in quantized.graph

@@ -42,7 +42,7 @@ def quiet_logger(name: str, level: int = logging.ERROR):
         logger.setLevel(before)
 
 
-def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None) -> Any:
+def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None, fake_mode: Any = None) -> Any:
     """The canonical prefill graph (an onnx_ir model): attention as one kvforge node per layer, every
     batch, sequence, position and capacity dimension dynamic, IO named by the contract."""
     import torch
@@ -64,6 +64,8 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
     rest_shapes: list[dict] = [{0: batch_dim, 1: k_dim}] + [
         {0: batch_dim, 2: capacity_dim} if kind in KV_KINDS else {0: batch_dim} for _, kind in layout.buffers()]
     io = GraphIO.of("prefill", layout)
+    if fake_mode is not None:  # the model's weights are fake tensors of this mode: the inputs must be too
+        args, cache = [fake_mode.from_tensor(a) for a in args], [fake_mode.from_tensor(c) for c in cache]
     # torch.onnx prints its steps to stdout and warns about torchvision; keep stdout for --json.
     with warnings.catch_warnings(), contextlib.redirect_stdout(io_module.StringIO()), quiet_logger("torch.onnx"), \
             traceable_recurrences(model):

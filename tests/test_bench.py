@@ -36,10 +36,16 @@ def test_bench_against_hf_reports_medians_spread_and_ratios(exported, cache) -> 
     hf = report["systems"]["hf"]
     ours = report["systems"]["kvforge"]
     assert hf["decode_ratio_kvforge_over_peer"] == pytest.approx(ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"])
-    assert 0 < ours["bandwidth_fraction"] and report["machine_bandwidth_gbps"] > 0
+    # Each round's share against the probe of that round: the median lies within the rounds' spread.
+    assert report["mem_bandwidth_source"] == "measured" and report["mem_bandwidth_gbps"] > 0
+    for row in report["systems"].values():
+        low, high = row["decode_share_of_bandwidth_limit_pct_spread"]
+        assert 0 < low <= row["decode_share_of_bandwidth_limit_pct"] <= high
+    # Hugging Face runs the fp32 source: the same bytes per step as the fp32 export.
+    assert hf["bytes_per_decode_step"] == ours["bytes_per_decode_step"] == report["bytes_per_decode_step"]["total_bytes"]
     assert ours["export_s"] > 0 and report["export_profile_s"]["trace"] > 0
     table = bench.format_table(report)
-    assert "decode x" in table and "of the bandwidth this machine's probe measured" in table
+    assert "decode x" in table and "% of BW limit" in table and "measured by this machine's probe" in table
 
 
 def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
@@ -55,6 +61,18 @@ def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
     ours = report["systems"]["kvforge"]
     assert ours["cold_start_ms_spread"][0] <= ours["cold_start_ms"] == report["raw"]["kvforge"][0]["cold_start_ms"] > 0
     command = bench_workers.cold_start_command("kvforge", folder, report["cold_start_prompt"], 1)
+    # --mem-bandwidth: the share is the step's bytes over its time over the given GB/s, and says where it came from.
+    result = CliRunner().invoke(main, ["bench", folder, "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1",
+                                       "--threads", "1", "--no-cold-start", "--mem-bandwidth", "20", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["mem_bandwidth_source"] == "--mem-bandwidth" and report["mem_bandwidth_gbps"] == 20.0
+    reads = report["bytes_per_decode_step"]
+    # llama-tiny: K and V of 2 layers, 2 KV heads x 16, fp32, over 8 + 4 / 2 = 10 positions, one row
+    assert reads["context_tokens"] == 10 and reads["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * 10
+    ours = report["systems"]["kvforge"]
+    step_s = report["raw"]["kvforge"][0]["step_ms"] / 1e3
+    assert ours["decode_share_of_bandwidth_limit_pct"] == pytest.approx(100 * reads["total_bytes"] / step_s / 20e9)
     assert command[1:5] == ["-m", "kvforge.cli", "generate", folder] and "--max-new-tokens" in command
     bad = CliRunner().invoke(main, ["bench", folder, "--compare", "vllm"])
     assert bad.exit_code == 2 and "--compare takes hf, ort-genai; got vllm" in bad.output

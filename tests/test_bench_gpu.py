@@ -74,3 +74,17 @@ def test_a_failing_peer_is_reported_beside_the_others(exported, monkeypatch) -> 
     table = bench_gpu.format_gpu_table(report)
     assert "Stand-in GPU" in table and "hf-compiled   failed: RuntimeError: compilation failed" in table
     assert "decode x16.00, TTFT x0.20" in table
+    # A GPU the bandwidth table does not know: no share, and the table says what to give.
+    assert report["mem_bandwidth_gbps"] is None and report["systems"]["kvforge"]["batches"]["1"][
+        "decode_share_of_bandwidth_limit_pct"] is None
+    assert "% of BW limit: not computed, no bandwidth figure for GPU 'Stand-in GPU'" in table
+    # A known one: the step's bytes (1 ms a step in the stand-in rows) over its datasheet bandwidth.
+    monkeypatch.setattr(bench_gpu, "_gpu_name", lambda: "NVIDIA H100 80GB HBM3")
+    report = bench_gpu.run_gpu_bench(folder, "ort-cuda", (1,), compare=("hf",))
+    assert report["mem_bandwidth_gbps"] == 3350 and report["mem_bandwidth_source"] == "table: NVIDIA H100 80GB HBM3"
+    ours, hf = (report["systems"][name]["batches"]["1"] for name in ("kvforge", "hf"))
+    # batch 1, 128-token prompt, 128 new: 192 positions of K and V, 2 layers x 2 KV heads x 16, fp32
+    assert report["bytes_per_decode_step"]["1"]["kv_bytes"] == 2 * 2 * 2 * 16 * 4 * 192
+    assert ours["decode_share_of_bandwidth_limit_pct"] == pytest.approx(100 * ours["bytes_per_decode_step"] / 1e-3 / 3350e9)
+    assert hf["bytes_per_decode_step"] == ours["bytes_per_decode_step"]  # Hugging Face in the export's fp32
+    assert "3350 GB/s (table: NVIDIA H100 80GB HBM3)" in bench_gpu.format_gpu_table(report)

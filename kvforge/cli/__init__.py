@@ -13,7 +13,7 @@ import io
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -32,9 +32,6 @@ from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
 from kvforge.core.progress import StepProgress
 from kvforge.core.targets import TARGETS
-
-if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
-    pass
 
 
 class _Group(click.Group):
@@ -176,17 +173,20 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--kv-cache", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
               help="Quantised KV cache (target ort: GroupQueryAttention's int8 cache, per-channel scales calibrated "
                    "at export).")
+@click.option("--accuracy-check/--no-accuracy-check", default=None, help="Measure --quantize/--kv-cache against the "
+              "fp32 model (default: where it fits in half the free memory).")
+@click.option("--stream/--no-stream", default=True, show_default=True, help="Stream weights tensor by tensor "
+              "where the model allows (--no-stream: load it whole).")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str,
-           accuracy_level: int, kv_cache: str | None, as_json: bool) -> None:
+           accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
     --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
         raise click.UsageError("give MODEL_DIR or --recipe NAME, not both")
     if model_dir is None and recipe is None:
-        raise click.UsageError("give MODEL_DIR (a Hugging Face model folder or a .gguf file) or --recipe NAME "
-                               "(`kvforge recipes` lists them)")
+        raise click.UsageError("give MODEL_DIR (a Hugging Face folder or a .gguf file) or --recipe NAME (`kvforge recipes`)")
     if recipe is not None:
         from kvforge.models.recipes import get_recipe
 
@@ -196,7 +196,9 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
 
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
-                            accuracy_level=accuracy_level, kv_cache=kv_cache)
+                            accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream)
+    if accuracy_check is not None and quantize is None and kv_cache is None:
+        raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built
     progress = command_progress(False)
     if recipe is not None:
@@ -206,18 +208,18 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     manifest = export_model(model_dir, out_dir, options, progress=progress)
     section = "quantization" if quantize is not None else "kv_cache_quantization"
     if quantize is not None or kv_cache is not None:
-        from kvforge.tools.parity import measure_quantized
-
-        progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
-        manifest[section]["accuracy"] = measure_quantized(out_dir)
+        from kvforge.tools.parity import quantization_accuracy as accuracy
+        manifest[section]["accuracy"] = accuracy(out_dir, manifest[section], accuracy_check, progress)
     progress.close()
     if as_json:
         emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
         click.echo(f"exported {manifest['model']['architecture']} ({export_kind(manifest)}) to {out_dir}")
         quant = manifest.get(section)
-        if quant:
-            acc = quant["accuracy"]
+        acc = quant["accuracy"] if quant else None
+        if acc and "skipped" in acc:
+            click.echo(f"{quantize or 'KV cache ' + str(kv_cache)}: accuracy check skipped ({acc['skipped']})")
+        elif acc:
             what = (f"{quantize}: {quant['matmuls_quantized']} matrices, weights {quant['weights_bytes'] / 1e6:.0f} MB"
                     if quantize is not None else f"KV cache {kv_cache} (per-channel scales)")
             if quantize is not None and kv_cache is not None:

@@ -201,18 +201,23 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
 @click.option("--cold-start/--no-cold-start", default=True, show_default=True,
               help="Also time each system's cold start: a whole process from its start to its first token (CPU).")
+@click.option("--mem-bandwidth", metavar="GB/S",
+              help="Memory bandwidth in GB/s that each decode figure's share of the bandwidth limit is taken of "
+                   "(e.g. 3350). Default: the CPU's, measured in every round; a GPU's datasheet figure by its name.")
 @no_spin_option
 @click.option("--json", "as_json", is_flag=True)
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None, repeat: int | None, threads: int,
           backend: str | None, engine_dir: Path | None, compare: str, plot: Path | None, speculate: str | None,
-          draft_len: int, cold_start: bool, no_spin: bool, as_json: bool) -> None:
-    """Benchmark an export (TTFT, decode tokens/s, memory), optionally against peers: on the CPU (ort-cpu, with
-    weight bandwidth and cold start), or on a GPU with --backend ort-cuda / tensorrt."""
+          draft_len: int, cold_start: bool, mem_bandwidth: str | None, no_spin: bool, as_json: bool) -> None:
+    """Benchmark an export (TTFT, decode tokens/s and its share of the memory-bandwidth limit, memory), optionally
+    against peers: on the CPU (ort-cpu, with cold start), or on a GPU with --backend ort-cuda / tensorrt."""
     from kvforge.tools import bench as bench_module
+    from kvforge.tools.bandwidth import parse_mem_bandwidth
     from kvforge.tools.bench_gpu import GPU_BACKENDS
 
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     batches = _batch_sizes(batch)
+    gbps = parse_mem_bandwidth(mem_bandwidth)  # before any run
     if backend in GPU_BACKENDS:
         from kvforge.tools.bench_gpu import format_gpu_table, run_gpu_bench
 
@@ -221,7 +226,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None,
         progress = command_progress(False)
         report = run_gpu_bench(export_dir, backend, batches or (1, 8), prompt_len, new_tokens,
                                5 if repeat is None else repeat, peers, say=progress,
-                               backend_options=backend_options(engine_dir=engine_dir))
+                               backend_options=backend_options(engine_dir=engine_dir), mem_bandwidth=gbps)
         progress.close()
         if as_json:
             emit_json(report)
@@ -239,7 +244,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None,
     report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batches[0] if batches else 1,
                                     3 if repeat is None else repeat, threads, peers, say=progress,
                                     speculate=speculate, draft_len=draft_len, cold_start=cold_start,
-                                    spinning=not no_spin)
+                                    spinning=not no_spin, mem_bandwidth=gbps)
     progress.close()
     if plot is not None:
         bench_module.plot(report, plot)

@@ -136,3 +136,8 @@ def external_data_locations(data: bytes) -> set[str]:
             if child is not None:
                 stack.append((child, begin, after, depth + 1))
     return locations
+
+
+# The same walker, for readers of other fields (kvforge/tools/graph_reads.py: initializers and nodes).
+message_fields = _fields
+read_varint = _varint

@@ -82,6 +82,24 @@ def disk_full_error(out_dir: Path, elsewhere: str = "choose another output folde
                        f"filesystem or {elsewhere}; nothing was changed at the output")
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def require_free_space(folder: Path, nbytes: int, what: str = "the output") -> None:
+    """Refuse, before anything is written, an output of about `nbytes` that the filesystem of `folder` (the
+    nearest existing ancestor: the folder itself is usually made later) has no room for, with a 5% margin
+    for headers and files written beside it. A full disk found this way costs nothing; found at the end
+    of a long export it costs the export."""
+    anchor = Path(folder).absolute()
+    while not anchor.exists() and anchor != anchor.parent:
+        anchor = anchor.parent
+    free = shutil.disk_usage(anchor).free
+    if free < nbytes * 1.05:
+        raise ExportError(f"{what} needs about {_size(nbytes)} and {anchor} has {_size(free)} free; free space on "
+                          "that filesystem or choose another output folder; nothing was written")
+
+
 @contextmanager
 def naming_a_full_disk(out_dir: Path, elsewhere: str = "choose another output folder") -> Iterator[None]:
     """Around the writes of a StagedFolder's block: a full disk becomes disk_full_error(out_dir), other

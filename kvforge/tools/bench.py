@@ -1,4 +1,5 @@
-"""`kvforge bench`: time to first token, decode tokens/s, peak memory and weight bandwidth, against peers.
+"""`kvforge bench`: time to first token, decode tokens/s (and its share of the bandwidth limit), peak memory,
+against peers.
 
 Every system runs in its own process (so peak RSS is its own), after a warm-up generation, and the
 systems take turns round by round so that machine noise hits all alike; the table reports medians and
@@ -12,8 +13,10 @@ a CLI user pays it on every call: for kvforge its own `kvforge generate OUT --pr
 --max-new-tokens 1`, for onnxruntime-genai the few calls of its Python API that do the same (model,
 tokenizer, one token), for Hugging Face from_pretrained and generate. Alternated like the rest.
 
-Decode tokens/s excludes the prefill; achieved bandwidth = weight bytes read per decode step / step
-time, next to this machine's measured ceiling (a short ONNX Runtime MatMul probe, cached).
+Decode tokens/s excludes the prefill. Beside each system's figure, its share of the memory-bandwidth limit:
+the bytes it reads per decode step (weights and KV cache, kvforge/tools/bandwidth.py) over the step's time,
+against this machine's bandwidth as a short ONNX Runtime MatMul probe measures it in every round (or as
+`mem_bandwidth` gives it).
 
 The workers and the cold-start processes: kvforge/tools/bench_workers.py.
 """
@@ -32,6 +35,14 @@ from typing import Any
 
 from kvforge.core.errors import BackendUnavailableError, InputError
 from kvforge.core.manifest import load_manifest
+from kvforge.tools.bandwidth import (
+    bandwidth_probe,
+    bytes_per_decode_step,
+    genai_decoder_graph,
+    mean_context,
+    parse_mem_bandwidth,
+    share_pct,
+)
 from kvforge.tools.bench_workers import COLD_PROMPT, SPECULATIVE, cold_start_ms, prompt_ids
 
 PEERS = ("hf", "ort-genai")
@@ -39,42 +50,6 @@ CACHE = Path(os.environ.get("KVFORGE_BENCH_CACHE") or Path.home() / ".cache" / "
 
 
 # -- the orchestrator -------------------------------------------------------------------------------
-def bandwidth_probe(threads: int) -> Callable[[], float]:
-    """A probe of the GB/s that ONNX Runtime streams weights at on this machine: a
-    [1, 4096] x [4096, 8192] fp32 MatMul (128 MB of weights, far over the caches), 30 runs, the 90th
-    percentile of their throughput (a ceiling). This host's bandwidth drifts between 25 and 40 GB/s
-    over minutes (shared machine), so the bench calls the probe in every round, beside the systems."""
-    import numpy as np
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    weight = np.random.default_rng(0).standard_normal((4096, 8192)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])], "probe",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4096])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8192])],
-        initializer=[numpy_helper.from_array(weight, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 10
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options)
-    x = np.ones((1, 4096), np.float32)
-
-    def probe() -> float:
-        for _ in range(3):
-            session.run(None, {"x": x})
-        rates = []
-        for _ in range(30):
-            start = time.perf_counter()
-            session.run(None, {"x": x})
-            rates.append(weight.nbytes / (time.perf_counter() - start) / 1e9)
-        return float(np.percentile(rates, 90))
-
-    return probe
-
-
 def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Path:
     import hashlib
     import importlib.util
@@ -100,33 +75,17 @@ def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Pa
 def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 128, batch: int = 1,
               repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
               say: Callable[[str], None] | None = None, speculate: str | None = None,
-              draft_len: int = 6, cold_start: bool = True, spinning: bool = True) -> dict[str, Any]:
+              draft_len: int = 6, cold_start: bool = True, spinning: bool = True,
+              mem_bandwidth: float | None = None) -> dict[str, Any]:
     """The report (see the module docstring). `speculate="prompt-lookup"` adds kvforge with speculation
     (row SPECULATIVE) beside plain kvforge; `cold_start=False` skips the cold-start processes;
     `spinning=False`: kvforge's ONNX Runtime threads sleep instead of spinning while they wait (the
-    peers keep their defaults)."""
-    from kvforge.core.targets import get_target
-    from kvforge.runtime.speculate import check_speculation
-
+    peers keep their defaults); `mem_bandwidth` (GB/s): the bandwidth the shares are taken of, instead of
+    the probe's measurement."""
     say = say or (lambda _msg: None)
-    for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--batch", batch, 1),
-                             ("--repeat", repeat, 1), ("--threads", threads, 1)):
-        if value < low:
-            raise InputError(f"{name} must be >= {low}, got {value}")
-    unknown = sorted(set(compare) - set(PEERS))
-    if unknown:
-        raise InputError(f"--compare takes {', '.join(PEERS)}; got {', '.join(unknown)}")
+    mem_bandwidth = parse_mem_bandwidth(mem_bandwidth)
     export_dir = Path(export_dir)
-    manifest = load_manifest(export_dir)
-    if speculate is not None:
-        try:
-            check_speculation(speculate, draft_len)
-        except ValueError as err:
-            raise InputError(f"--speculate: {err}") from err
-        rows_at_once = get_target(manifest["target"]).continue_batch
-        if rows_at_once is not None and batch > rows_at_once:
-            raise InputError(f"--speculate with --batch {batch}: the {manifest['target']!r} target verifies drafts "
-                             f"for {rows_at_once} row(s) per call; use --batch 1 or an export with --target onnx")
+    manifest = _checked(export_dir, prompt_len, new_tokens, batch, repeat, threads, compare, speculate, draft_len)
     source = Path(manifest["model"].get("source", ""))
     quant = manifest.get("quantization") or {}
     systems: dict[str, str] = {"kvforge": str(export_dir)}
@@ -144,19 +103,17 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
     cold_prompt = COLD_PROMPT if (export_dir / "tokenizer.json").is_file() else ",".join(
         map(str, prompt_ids(8, 0, int(manifest["model"]["vocab_size"]))))
     worker = [str(prompt_len), str(new_tokens), str(batch), str(threads), "1" if spinning else "0"]
-    runs, probes = _rounds(systems, worker, repeat, threads, draft_len, cold_prompt if cold_start else None, say)
+    probe = bandwidth_probe(threads) if mem_bandwidth is None else None  # a given bandwidth needs no probe
+    runs, probes = _rounds(systems, worker, repeat, threads, draft_len, cold_prompt if cold_start else None, say,
+                           probe)
     # Speculation keeps greedy output: its tokens must be plain kvforge's, round by round.
     tokens = {name: [sample.pop("tokens", None) for sample in samples] for name, samples in runs.items()}
-    weight_bytes = int(quant.get("weights_bytes") or manifest.get("weights_sharing", {}).get("weights_bytes", 0))
     table = {name: _medians(samples) for name, samples in runs.items()}
     ours = table["kvforge"]
-    # Every decode step reads every weight once, whatever the batch.
-    ours["weight_gbps"] = weight_bytes / (ours["step_ms"] / 1e3) / 1e9 if weight_bytes else None
-    # Each round's achieved GB/s against the probe taken in that round; the median of those.
-    ours["bandwidth_fraction"] = statistics.median(
-        weight_bytes / (sample["step_ms"] / 1e3) / 1e9 / gbps for sample, gbps in zip(runs["kvforge"], probes, strict=True)
-    ) if weight_bytes else None
-    bandwidth = statistics.median(probes)
+    bandwidths = probes if mem_bandwidth is None else [mem_bandwidth] * repeat
+    # Each system's rows read the KV over the mean context of its decode (row b's prompt: prompt_len - 3b).
+    context = mean_context([prompt_len - 3 * b for b in range(batch)], new_tokens)
+    reads = _decode_shares(table, runs, systems, manifest, export_dir, batch, context, bandwidths)
     if SPECULATIVE in table:
         _speculation_row(table, runs, tokens, draft_len)
     _ratios(table, cold_start)
@@ -169,22 +126,74 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         if ours["export_s"] and table["ort-genai"]["export_s"]:
             table["ort-genai"]["export_ratio_kvforge_over_peer"] = ours["export_s"] / table["ort-genai"]["export_s"]
     return {"export": str(export_dir), "prompt_len": prompt_len, "new_tokens": new_tokens, "batch": batch,
-            "repeat": repeat, "threads": threads, "spinning": spinning, "weight_bytes": weight_bytes,
+            "repeat": repeat, "threads": threads, "spinning": spinning, "bytes_per_decode_step": reads,
             "speculate": speculate, "cold_start_prompt": cold_prompt if cold_start else None,
-            "machine_bandwidth_gbps": bandwidth, "machine_bandwidth_gbps_spread": [min(probes), max(probes)],
+            "mem_bandwidth_gbps": statistics.median(bandwidths),
+            "mem_bandwidth_gbps_spread": [min(bandwidths), max(bandwidths)],
+            "mem_bandwidth_source": "measured" if probes else "--mem-bandwidth",
             "export_profile_s": manifest.get("export_seconds"),
             "systems": table, "raw": runs}
 
 
+def _checked(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, repeat: int, threads: int,
+             compare: tuple[str, ...], speculate: str | None, draft_len: int) -> dict[str, Any]:
+    """The export's manifest, once the options are checked against it (InputError names a bad one)."""
+    from kvforge.core.targets import get_target
+    from kvforge.runtime.speculate import check_speculation
+
+    for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--batch", batch, 1),
+                             ("--repeat", repeat, 1), ("--threads", threads, 1)):
+        if value < low:
+            raise InputError(f"{name} must be >= {low}, got {value}")
+    unknown = sorted(set(compare) - set(PEERS))
+    if unknown:
+        raise InputError(f"--compare takes {', '.join(PEERS)}; got {', '.join(unknown)}")
+    manifest = load_manifest(export_dir)
+    if speculate is not None:
+        try:
+            check_speculation(speculate, draft_len)
+        except ValueError as err:
+            raise InputError(f"--speculate: {err}") from err
+        rows_at_once = get_target(manifest["target"]).continue_batch
+        if rows_at_once is not None and batch > rows_at_once:
+            raise InputError(f"--speculate with --batch {batch}: the {manifest['target']!r} target verifies drafts "
+                             f"for {rows_at_once} row(s) per call; use --batch 1 or an export with --target onnx")
+    return manifest
+
+
+def _decode_shares(table: dict[str, Any], runs: dict[str, list[dict[str, Any]]], systems: dict[str, str],
+                   manifest: dict[str, Any], export_dir: Path, batch: int, context: float,
+                   bandwidths: list[float]) -> dict[str, Any]:
+    """Each system's bytes read per decode step and its share of the bandwidth limit: each round's step time
+    against that round's bandwidth, the median and spread over rounds. Returns kvforge's bytes per step."""
+    reads = bytes_per_decode_step(manifest, export_dir, batch, context)
+    for name, row in table.items():
+        if name == "hf":  # the source model in fp32 (bench_workers): the same weights, 4 bytes each
+            step_bytes = bytes_per_decode_step(manifest, export_dir, batch, context, dtype="fp32")["total_bytes"]
+        elif name == "ort-genai":  # its own graph's weights (its int4 blocks are not kvforge's); an fp32 cache
+            step_bytes = bytes_per_decode_step(manifest, export_dir, batch, context, dtype="fp32",
+                                               graph=genai_decoder_graph(systems[name]))["total_bytes"]
+        else:  # kvforge, with or without speculation (a verification call reads what a step reads)
+            step_bytes = reads["total_bytes"]
+        shares = [share_pct(step_bytes, sample["step_ms"], gbps) or 0.0
+                  for sample, gbps in zip(runs[name], bandwidths, strict=True)]
+        row["bytes_per_decode_step"] = step_bytes
+        row["decode_read_gbps"] = step_bytes / (row["step_ms"] / 1e3) / 1e9
+        row["decode_share_of_bandwidth_limit_pct"] = statistics.median(shares)
+        row["decode_share_of_bandwidth_limit_pct_spread"] = [min(shares), max(shares)]
+    return reads
+
+
 def _rounds(systems: dict[str, str], worker: list[str], repeat: int, threads: int, draft_len: int,
-            cold_prompt: str | None, say: Callable[[str], None]) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
+            cold_prompt: str | None, say: Callable[[str], None],
+            probe: Callable[[], float] | None) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
     """Each system's worker process once a round, systems taking turns, then (with `cold_prompt`) their
-    cold starts; the bandwidth probe once a round beside them. Each system's samples, and the probes."""
-    probe = bandwidth_probe(threads)
+    cold starts; the bandwidth `probe` (if any) once a round beside them. Each system's samples, and the probes."""
     probes: list[float] = []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     for round_ in range(repeat):
-        probes.append(probe())
+        if probe is not None:
+            probes.append(probe())
         for name, path in systems.items():  # take turns, round by round
             say(f"round {round_ + 1}/{repeat}: {name}")
             extra = [str(draft_len)] if name == SPECULATIVE else []
@@ -242,7 +251,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"{report['export']}: prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch "
              f"{report['batch']}, {report['threads']} threads"
              f"{'' if report.get('spinning', True) else ' (kvforge: --no-spin)'}, median of {report['repeat']} rounds",
-             f"{'system':<16}{'TTFT ms':>10}{'decode tok/s':>14}{'peak RSS MB':>13}   ratios kvforge/peer"]
+             f"{'system':<16}{'TTFT ms':>10}{'decode tok/s (min-max)':>24}{'% of BW limit':>15}{'peak RSS MB':>13}"
+             "   ratios kvforge/peer (decode >1: kvforge faster; TTFT, RSS <1: kvforge lower)"]
     for name, row in report["systems"].items():
         ratios = "" if name not in PEERS else (
             f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}, "
@@ -251,8 +261,10 @@ def format_table(report: dict[str, Any]) -> str:
             ratios = f"   over plain kvforge: decode x{row['decode_ratio_over_plain']:.2f}"
         lo, hi = row["decode_tokens_per_s_spread"]
         label = f"{name} {row['precision']}" if row.get("precision") else name
-        lines.append(f"{label:<16}{row['ttft_ms']:>10.1f}{row['decode_tokens_per_s']:>9.1f} ({lo:.0f}-{hi:.0f})"
-                     f"{row['peak_rss_mb']:>10.0f}{ratios}")
+        decode = f"{row['decode_tokens_per_s']:.1f} ({lo:.0f}-{hi:.0f})"
+        share = row.get("decode_share_of_bandwidth_limit_pct")
+        lines.append(f"{label:<16}{row['ttft_ms']:>10.1f}{decode:>24}{'-' if share is None else f'{share:.1f}%':>15}"
+                     f"{row['peak_rss_mb']:>13.0f}{ratios}")
     ours = report["systems"]["kvforge"]
     spec = report["systems"].get(SPECULATIVE)
     if spec is not None:
@@ -273,11 +285,25 @@ def format_table(report: dict[str, Any]) -> str:
         if row.get("export_s"):
             ratio = row.get("export_ratio_kvforge_over_peer")
             lines.append(f"{name} export/build: {row['export_s']:.1f} s" + (f" (kvforge x{ratio:.2f})" if ratio else ""))
-    if ours.get("weight_gbps"):
-        lines.append(f"kvforge reads {report['weight_bytes'] / 1e6:.0f} MB of weights per decode step: "
-                     f"{ours['weight_gbps']:.1f} GB/s; {100 * ours['bandwidth_fraction']:.0f}% of the bandwidth this machine's "
-                     f"probe measured in the same rounds (median {report['machine_bandwidth_gbps']:.1f} GB/s)")
+    lines += _bandwidth_lines(report)
     return "\n".join(lines)
+
+
+def _bandwidth_lines(report: dict[str, Any]) -> list[str]:
+    """What the "% of BW limit" column divides: the bytes each system reads per step, and the bandwidth."""
+    reads = report.get("bytes_per_decode_step")
+    if not reads:
+        return []
+    states = f" + {reads['state_bytes'] / 1e6:,.2f} MB of recurrent state" if reads["state_bytes"] else ""
+    peers = "".join(f"; {name} {row['bytes_per_decode_step'] / 1e6:,.2f} MB" for name, row in report["systems"].items()
+                    if name in PEERS)
+    low, high = report["mem_bandwidth_gbps_spread"]
+    where = (f"measured by this machine's probe in each round ({low:.1f}-{high:.1f} GB/s)"
+             if report["mem_bandwidth_source"] == "measured" else f"from {report['mem_bandwidth_source']}")
+    return [f"% of BW limit = bytes read per decode step / step time / bandwidth. Per step kvforge reads "
+            f"{reads['weights_bytes'] / 1e6:,.2f} MB of weights + {reads['kv_bytes'] / 1e6:,.2f} MB of KV cache{states} "
+            f"(batch {reads['batch']}, {reads['context_tokens']:.0f} tokens of context per row, the decode's mean){peers}",
+            f"bandwidth {report['mem_bandwidth_gbps']:.1f} GB/s, {where}"]
 
 
 def check_plot(path: str | Path) -> None:

@@ -12,7 +12,9 @@ Each system runs in its own process (GPU memory is its own: the device's memory 
 CUDA context included, measured the same way for every system), warms up (sessions, CUDA graphs, torch
 compilation) on the very request it then times, and times it `repeat` times; medians are reported.
 Hugging Face's time to first token is when `generate` hands its streamer the first token (after the
-prefill, the first pick and its copy to the host); kvforge's is the Generator's own.
+prefill, the first pick and its copy to the host); kvforge's is the Generator's own. Each decode figure
+comes with its share of the bandwidth limit (kvforge/tools/bandwidth.py): the bytes a step reads over
+the step's time, against the GPU's datasheet bandwidth by its name (or `mem_bandwidth`).
 
 Worker mode: python -m kvforge.tools.bench_gpu worker SYSTEM PATH PROMPT_LEN NEW BATCHES REPEAT BACKEND OPTIONS_JSON
 """
@@ -30,6 +32,13 @@ from typing import Any
 
 from kvforge.core.errors import InputError
 from kvforge.core.manifest import load_manifest
+from kvforge.tools.bandwidth import (
+    bytes_per_decode_step,
+    gpu_bandwidth_choice,
+    mean_context,
+    parse_mem_bandwidth,
+    share_pct,
+)
 
 GPU_BACKENDS = ("ort-cuda", "tensorrt")
 GPU_PEERS = ("hf", "hf-compiled")
@@ -172,10 +181,12 @@ def _worker_main(argv: list[str]) -> None:
 def run_gpu_bench(export_dir: str | Path, backend: str, batches: tuple[int, ...] = (1, 8), prompt_len: int = 128,
                   new_tokens: int = 128, repeat: int = 5, compare: tuple[str, ...] = (),
                   say: Callable[[str], None] | None = None, backend_options: dict[str, Any] | None = None,
-                  worker_timeout: float | None = None) -> dict[str, Any]:
+                  worker_timeout: float | None = None, mem_bandwidth: float | None = None) -> dict[str, Any]:
     """The report (see the module docstring). kvforge's failure fails the run; a peer that fails or runs
-    past `worker_timeout` seconds is reported with its error, beside the figures of the others."""
+    past `worker_timeout` seconds is reported with its error, beside the figures of the others.
+    `mem_bandwidth` (GB/s): the bandwidth the decode shares are taken of, instead of the GPU's table figure."""
     say = say or (lambda _msg: None)
+    mem_bandwidth = parse_mem_bandwidth(mem_bandwidth)
     if backend not in GPU_BACKENDS:
         raise InputError(f"the GPU benchmark runs backend {', '.join(GPU_BACKENDS)}; got {backend!r}")
     unknown = sorted(set(compare) - set(GPU_PEERS))
@@ -214,6 +225,17 @@ def run_gpu_bench(export_dir: str | Path, backend: str, batches: tuple[int, ...]
             results[name] = {"error": failure, "batches": {}, "tokens": {}}
             continue
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    _peer_ratios(results)
+    gpu = _gpu_name()
+    bandwidth = gpu_bandwidth_choice(mem_bandwidth, gpu)
+    reads = _decode_shares(results, manifest, export_dir, prompt_len, new_tokens, bandwidth["mem_bandwidth_gbps"])
+    return {"export": str(export_dir), "backend": backend, "dtype": manifest["dtype"], "prompt_len": prompt_len,
+            "new_tokens": new_tokens, "batches": list(batches), "repeat": repeat, "gpu": gpu, **bandwidth,
+            "bytes_per_decode_step": reads, "systems": results}
+
+
+def _peer_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """Each peer's rows get kvforge's ratios over them and whether their tokens equal kvforge's."""
     ours = results["kvforge"]
     for name, result in results.items():
         if name == "kvforge" or "error" in result:
@@ -226,9 +248,25 @@ def run_gpu_bench(export_dir: str | Path, backend: str, batches: tuple[int, ...]
             row["tokens_equal_kvforge"] = result["tokens"][batch] == ours["tokens"][batch]
     for result in results.values():
         result.pop("tokens")
-    return {"export": str(export_dir), "backend": backend, "dtype": manifest["dtype"], "prompt_len": prompt_len,
-            "new_tokens": new_tokens, "batches": list(batches), "repeat": repeat, "gpu": _gpu_name(),
-            "systems": results}
+
+
+def _decode_shares(results: dict[str, dict[str, Any]], manifest: dict[str, Any], export_dir: Path, prompt_len: int,
+                   new_tokens: int, gbps: float | None) -> dict[str, dict[str, Any]]:
+    """Each row's bytes read per decode step and its share of the bandwidth limit (None without a bandwidth).
+    Hugging Face runs the source model in the export's dtype: the same weight elements at that size. Returns
+    kvforge's bytes per step by batch."""
+    reads: dict[str, dict[str, Any]] = {}
+    for name, result in results.items():
+        for batch, row in result["batches"].items():
+            context = mean_context([prompt_len - 3 * b for b in range(int(batch))], new_tokens)
+            step = bytes_per_decode_step(manifest, export_dir, int(batch), context,
+                                         dtype=None if name == "kvforge" else manifest["dtype"])
+            if name == "kvforge":
+                reads[batch] = step
+            row["bytes_per_decode_step"] = step["total_bytes"]
+            row["decode_read_gbps"] = step["total_bytes"] / (row["step_ms"] / 1e3) / 1e9
+            row["decode_share_of_bandwidth_limit_pct"] = share_pct(step["total_bytes"], row["step_ms"], gbps)
+    return reads
 
 
 def _gpu_name() -> str | None:
@@ -241,7 +279,8 @@ def _gpu_name() -> str | None:
 def format_gpu_table(report: dict[str, Any]) -> str:
     lines = [f"{report['export']} on {report['gpu'] or 'a GPU'} ({report['backend']}, {report['dtype']}): prompt "
              f"{report['prompt_len']}, {report['new_tokens']} new tokens, median of {report['repeat']} runs",
-             f"{'system':<14}{'batch':>6}{'TTFT ms':>10}{'decode tok/s':>14}{'GPU MB':>9}   ratios kvforge/peer"]
+             f"{'system':<14}{'batch':>6}{'TTFT ms':>10}{'decode tok/s':>14}{'% of BW limit':>15}{'GPU MB':>9}"
+             "   ratios kvforge/peer (decode >1: kvforge faster; TTFT <1: kvforge sooner)"]
     for name, result in report["systems"].items():
         if "error" in result:
             lines.append(f"{name:<14}failed: {result['error']}")
@@ -251,13 +290,26 @@ def format_gpu_table(report: dict[str, Any]) -> str:
             ratios = "" if name == "kvforge" else (
                 f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}"
                 f"{'' if row['tokens_equal_kvforge'] else ' (tokens differ)'}")
+            share = row.get("decode_share_of_bandwidth_limit_pct")
             lines.append(f"{name:<14}{batch:>6}{row['ttft_ms']:>10.2f}{row['decode_tokens_per_s']:>14.0f}"
+                         f"{'-' if share is None else f'{share:.1f}%':>15}"
                          f"{memory if memory is not None else float('nan'):>9.0f}{ratios}")
     graphs = report["systems"]["kvforge"].get("cuda_graphs")
     picks = "greedy picks on the device" if report["systems"]["kvforge"].get("device_greedy") else "picks on the host"
     lines.append(f"kvforge decode steps {'replayed from CUDA graphs' if graphs else 'run without CUDA graphs'}, {picks}; "
                  "GPU MB: the device's memory in use after the runs (CUDA context included)")
+    lines.append(_bandwidth_line(report))
     return "\n".join(lines)
+
+
+def _bandwidth_line(report: dict[str, Any]) -> str:
+    """What the "% of BW limit" column divides (or why it is empty)."""
+    if report.get("mem_bandwidth_gbps") is None:
+        return f"% of BW limit: not computed, {report.get('mem_bandwidth_note') or 'no bandwidth known'}"
+    reads = "; ".join(f"batch {batch}: {r['weights_bytes'] / 1e6:,.2f} MB of weights + {r['kv_bytes'] / 1e6:,.2f} MB of "
+                      f"KV cache" for batch, r in report.get("bytes_per_decode_step", {}).items())
+    return (f"% of BW limit = bytes read per decode step / step time / {report['mem_bandwidth_gbps']:.0f} GB/s "
+            f"({report['mem_bandwidth_source']}); kvforge reads per step at the decode's mean context {reads}")
 
 
 if __name__ == "__main__":

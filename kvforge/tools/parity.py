@@ -358,3 +358,29 @@ def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, h
                 "perplexity_tokens": ppl.get("tokens")}
     record_section(folder, section, {**manifest[section], "accuracy": accuracy})
     return accuracy
+
+
+def quantization_accuracy(out_dir: Path, record: dict[str, Any], check: bool | None,
+                          progress: Callable[[str], None]) -> dict[str, Any]:
+    """The quantisation's cost against the fp32 model, or why it was not measured: --no-accuracy-check, or
+    (by default) an fp32 model that would not fit in half the memory free now."""
+    if check is False:
+        return {"skipped": "--no-accuracy-check"}
+    parameters = record.get("parameters")
+    free = _free_memory()
+    if check is None and parameters and free and 4 * parameters > free / 2:
+        return {"skipped": f"the fp32 reference model takes {4 * parameters / 1e9:.1f} GB and {free / 1e9:.1f} GB is free; "
+                           "--accuracy-check measures it anyway, `kvforge parity` measures it later"}
+    progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
+    return measure_quantized(out_dir)
+
+
+def _free_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,256 @@
+"""The graphs of an export: the model (fake weights streamed from the checkpoint, or loaded whole), probed,
+traced once, cleaned up, fused, quantised, the decode graph derived and both lowered for the target.
+
+exporter/export.py checks the request and writes the result; this module makes the two graphs in memory
+(their weights lazy reads of the checkpoint where the export streams: exporter/lazy_weights.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.contract import KVLayout, StateSpec
+from kvforge.core.errors import KvforgeError, UnsupportedModelError
+from kvforge.core.targets import Target
+from kvforge.exporter.load import load_hf_model, one_line
+from kvforge.exporter.probe import layer_shapes, probe_states
+from kvforge.exporter.targets import EXPORT_TARGETS, export_target
+from kvforge.models.adapters import adapt_for_export
+from kvforge.models.config_values import config_value
+from kvforge.models.families import Family
+
+TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
+
+
+@dataclass
+class ExportWork:
+    """What every stage of one export reads: the model's config and family, the target and options, the
+    activations' torch dtype, the source folder and its checkpoint, and where progress goes."""
+
+    config: Any
+    family: Family
+    target: Target
+    options: Any  # exporter.export.ExportOptions
+    torch_dtype: Any
+    model_dir: Path
+    checkpoint: Any  # exporter.checkpoint.Checkpoint
+    say: Callable[[str], None]
+
+
+class Clock:
+    """Where the export's time goes (manifest "export_seconds"): laps by name, summed."""
+
+    def __init__(self, laps: dict[str, float]) -> None:
+        self.laps, self.mark = laps, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.mark
+        self.mark = now
+
+
+def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lower: Callable[..., Any],
+                families: Mapping[str, Family] | None) -> tuple[dict[str, Any], Any, Any, KVLayout]:
+    """The two graphs, the quantisation and KV-cache records and the KV layout; streamed where the model
+    allows it, else (and where tracing with fake weights fails) from the whole model, saying why."""
+    from kvforge.exporter.lazy_weights import empty_model, streaming_refusal
+
+    say, lap = work.say, Clock(laps)
+    why = streaming_refusal(work.config, work.options) if work.options.stream else "--no-stream"
+    empty = None
+    if why is None:
+        empty, why = empty_model(work.config, work.torch_dtype, work.checkpoint)
+    if empty is not None:
+        gb = work.checkpoint.nbytes / 1e9
+        say(f"streaming {gb:.2f} GB of weights from the checkpoint, tensor by tensor (the model is traced without them)")
+        try:
+            lap("load")
+            with empty.fake_mode:
+                layout = _prepare(empty.model, work, layout)
+            return (*build_graphs(empty.model, work, layout, lap, lower, empty), layout)
+        except KvforgeError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a model whose code needs real weights to trace
+            why = f"tracing it with fake weights failed ({type(err).__name__}: {one_line(err)[:200]})"
+    say(f"loading the whole model ({', '.join(work.config.architectures or [work.config.model_type])}, "
+        f"{work.options.dtype}): {why}")
+    laps.pop("load", None)
+    lap.mark = time.perf_counter()
+    model = load_hf_model(work.model_dir, work.options.dtype, families)
+    lap("load")
+    layout = _prepare(model, work, layout)
+    return (*build_graphs(model, work, layout, lap, lower, None), layout)
+
+
+def check_kernel_shapes(config, family: Family, head_dim: int, target: Target, dtype: str,
+                         kv_heads: int | None = None) -> None:
+    """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
+    from kvforge.plugins import attention_launch
+
+    others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items() if not t.kernel_shapes)
+    kv_heads = kv_heads or family.kv_heads(config)
+    heads = config_value(config, "num_attention_heads")
+    if heads is None:  # no attention (a state-space model): nothing for the kernel; its states are refused later
+        return
+    try:
+        attention_launch.check_shapes(heads, kv_heads, head_dim)
+    except ValueError as err:
+        raise UnsupportedModelError(
+            f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
+            f"head_dim {', '.join(map(str, TRT_HEAD_DIMS))}, query heads a multiple of the KV heads, and "
+            f"dtype {', '.join(target.dtypes)}; use {others} for this model"
+        ) from err
+    if dtype not in target.dtypes:
+        raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.dtypes)}, not {dtype!r}")
+
+
+def _dtype_name(torch_dtype: Any) -> str:
+    """float32 / float16 / bfloat16: a torch dtype's name, as the contract spells cache dtypes."""
+    return str(torch_dtype).removeprefix("torch.")
+
+
+def _prepare(model: Any, work: ExportWork, layout: KVLayout) -> KVLayout:
+    from kvforge.core.output_folder import fault_point
+
+    layout = adapt_for_export(model, layout, work.say)  # families kvforge reaches through an adapter
+    layout = probe_model(model, work.config, work.family, layout, work.target, work.options.dtype, work.say)
+    fault_point("export:model-loaded")
+    return layout
+
+
+def probe_model(model: Any, config: Any, family: Family, layout: KVLayout, target: Target, dtype: str,
+                 say: Callable[[str], None]) -> KVLayout:
+    """Prepare the loaded model's experts for export and check the attention shapes HF really passes
+    against the target; the KV layout those shapes give."""
+    passes = export_target(target.name)
+    # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
+    # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
+    # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
+    from kvforge.exporter.moe import prepare_looped_experts
+
+    looped = prepare_looped_experts(model)  # experts written as a loop over the picked ones (DBRX, LongCat)
+    if looped:
+        say(f"experts: {looped} looped MoE layers as the canonical MoE node")
+    if getattr(model, "_can_set_experts_implementation", lambda: False)():
+        from kvforge.exporter.moe import prepare_experts
+
+        model.set_experts_implementation("batched_mm")
+        routed = prepare_experts(model)
+        say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
+            + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
+    # Recurrent / linear-attention layers whose state lives in transformers' cache keep it as state buffers.
+    found = probe_states(model)
+    states = tuple(StateSpec(layer, kind, shape, _dtype_name(torch_dtype))
+                   for layer, kinds in sorted(found.items()) for kind, (shape, torch_dtype) in sorted(kinds.items()))
+    if states and passes.kernel_shapes:
+        stateful = sorted({spec.layer for spec in states})
+        raise UnsupportedModelError(f"{config.model_type}: its layers {stateful[:8]} keep a recurrent state, which "
+                                    f"--target {target.name}'s TensorRT engines do not carry yet; use --target ort or "
+                                    "--target onnx")
+    if states:
+        say(f"recurrent state: {len({spec.layer for spec in states})} layers keep {len(states)} state buffers "
+            f"({', '.join(sorted({spec.kind for spec in states}))})")
+    # The head counts HF's attention really receives (a config's own convention can differ:
+    # multi_query, num_kv_heads, ...), per layer: the KV cache follows them.
+    shapes = layer_shapes(model, layout.num_layers, frozenset(found))
+    for head_dim in sorted({shape.cache_dim for shape in shapes if shape is not None}):
+        if head_dim % passes.head_dim_multiple:
+            others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
+                                 if head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
+            raise UnsupportedModelError(f"{config.model_type}: its head size {head_dim} is not a multiple of "
+                                        f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
+                                        f"({target.summary.split(' (')[0]}) needs; use {others}")
+    if passes.kernel_shapes and any(shape.sinks for shape in shapes if shape is not None):
+        # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check before
+        # loading raises; this one catches a model outside the registry's rows).
+        raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
+                                    f"kernel (--target {target.name}) does not implement")
+    probed = KVLayout.per_layer([None if shape is None else (shape.kv_heads, shape.cache_dim) for shape in shapes],
+                                layout.dtype, layout.max_capacity, states)
+    if probed != layout:
+        layout = probed
+        if passes.kernel_shapes:
+            for heads, head_dim in sorted(set(layout.layer_shapes())):
+                check_kernel_shapes(config, family, head_dim, target, dtype, kv_heads=heads)
+    return layout
+
+
+def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, lower: Callable[..., Any],
+                 empty: Any = None) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+    """Trace, clean up, fuse, (quantise,) derive decode and lower: the two graphs in memory, the weight
+    quantisation's record and the quantised KV cache's (None when not asked for)."""
+    from kvforge.exporter.fusions import rotary_caches
+    from kvforge.exporter.optimize import fuse_graph, optimize_graph
+    from kvforge.exporter.quantize import quantize_model
+    from kvforge.exporter.trace import derive_decode_graph, trace_prefill
+
+    config, family, target, options, say = work.config, work.family, work.target, work.options, work.say
+
+    say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
+    prefill = trace_prefill(model, layout, work.torch_dtype, family, None if empty is None else empty.fake_mode)
+    if empty is not None:
+        from kvforge.exporter.lazy_weights import attach_weights
+
+        attach_weights(prefill, empty, work.checkpoint)
+    lap("trace")
+    optimize_graph(prefill)
+    lap("optimize")
+    fused = fuse_graph(prefill, target, quantized=options.quantize is not None, dtype=options.dtype,
+                       merge_pairs=options.merge_pairs)
+    lap("fuse")
+    say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
+    quantization = None
+    if options.quantize is not None:
+        from kvforge.exporter.quantize import default_lm_head_bits
+
+        parameters = sum(p.numel() for p in model.parameters())
+        lm_head_bits, why = options.lm_head_bits, None
+        if lm_head_bits is None:
+            lm_head_bits, why = default_lm_head_bits(options.quantize, parameters)
+        say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
+            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else ""))
+        prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
+                                               options.accuracy_level, lm_head_bits, options.quant_method)
+        if why:
+            quantization["lm_head_bits_default"] = why
+        quantization["parameters"] = parameters
+        lap("quantize")
+    kv_scales, kv_quant = None, None
+    if options.kv_cache is not None:
+        from kvforge.exporter.kv_quant import calibrate
+
+        say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
+        kv_scales, kv_quant = calibrate(model, config, layout, work.model_dir, options.kv_cache)
+        lap("kv_calibrate")
+    # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
+    if export_target(target.name).ort_fusions and options.quantize is None:
+        from kvforge.exporter.fusions import pretranspose_tied_lm_head
+
+        pretranspose_tied_lm_head(prefill)
+    graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
+    # The experts' weights are quantised by the MoE lowering (ONNX Runtime's QMoE takes its own layout).
+    moe_quantize = None
+    if options.quantize is not None:
+        from kvforge.exporter.moe import INT8_EXPERTS, moe_nodes
+        from kvforge.exporter.quantize import BITS
+
+        experts = len(moe_nodes(prefill.graph))
+        if experts and BITS[options.quantize] == 4:
+            moe_quantize = (4, options.block_size)
+            quantization["moe_experts"] = f"int4, blocks of {options.block_size} (ONNX Runtime's QMoE), {experts} layers"
+            say(f"quantising {experts} MoE layers' experts to int4 (ONNX Runtime's QMoE)")
+        elif experts:
+            quantization["moe_experts"] = INT8_EXPERTS
+            say(f"note: {INT8_EXPERTS}")
+    rotary = rotary_caches(model, layout.max_capacity, layout.dtype) \
+        if export_target(target.name).ort_fusions else None
+    for phase, graph in graphs.items():
+        say(f"lowering {phase} attention for target {target.name}")
+        lower(graph, target.name, rotary, kv_scales, moe_quantize, attends=bool(layout.layer_shapes()))
+        graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
+    lap("derive_and_lower")
+    return graphs, quantization, kv_quant
