@@ -95,7 +95,8 @@ def one_size(run: Run, size: str, first: bool) -> None:
     for name in exports:
         folder = str(run.work / f"{size}-{name}")
         gpu = ["--backend", run.backend] if run.backend != "ort-cpu" else ["--no-cold-start"]
-        run.step(f"{size}/bench-{name}", [*kvforge, "bench", folder, *gpu, "--batch", batches, "--prompt-len", "128",
+        peers = ["--compare", "hf-compiled"] if run.backend != "ort-cpu" else []  # HF + torch.compile, the same GPU
+        run.step(f"{size}/bench-{name}", [*kvforge, "bench", folder, *gpu, *peers, "--batch", batches, "--prompt-len", "128",
                                           "--new-tokens", "128", "--repeat", "3", "--json"])
         run.step(f"{size}/bench-{name}-2048", [*kvforge, "bench", folder, *gpu, "--batch", "1", "--prompt-len", "2048",
                                                "--new-tokens", "64", "--repeat", "3", "--json"])

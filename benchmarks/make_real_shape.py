@@ -7,7 +7,7 @@ generated in chunks and streamed into the file after the header (safetensors' sa
 whole shard). The memory beyond the imports (~0.5 GB for torch and transformers) is one chunk, ~100 MB,
 whatever the size: Llama-3.2-1B's 2.5 GB are made with a peak RSS of 0.66 GB.
 
-    python benchmarks/make_real_shape.py llama-3.2-1b /tmp/llama-1b-shape --dtype bf16
+    python benchmarks/make_real_shape.py llama-3.2-1b /tmp/llama-1b-shape            # fp16; --dtype bf16 as released
     python benchmarks/make_real_shape.py llama-3.1-8b /data/llama-8b-shape --shard-gb 5   # ~16 GB of disk
 
 The folder (config.json, generation_config.json, model*.safetensors, the index when sharded, a locally
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument("--shard-gb", type=float, default=2.0, help="largest shard, GB (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="replace a folder this script wrote before")

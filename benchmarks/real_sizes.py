@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--cap-gb", type=float, default=19.0)
     parser.add_argument("--systems", default="kvforge,builder")
     parser.add_argument("--kinds", default="fp16,int4")
-    parser.add_argument("--keep", action="store_true", help="keep the exports (default: deleted after each run)")
+    parser.add_argument("--keep", action="store_true", help="keep kvforge's exports (default: every output is deleted after its run)")
     args = parser.parse_args()
     cap = _cap(args.cap_gb) if os.geteuid() == 0 else []
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
@@ -88,10 +88,13 @@ def main() -> None:
             for system in args.systems.split(","):
                 out = args.work / f"{model.name}-{system}-{kind}"
                 record = timed(commands(system, kind, model, out), cap)
+                if system == "kvforge" and record["outcome"] == "ok":  # where its time went (manifest laps)
+                    laps = json.loads((out / "kvforge.json").read_text())["export_seconds"]
+                    record["laps"] = {name: round(value, 1) for name, value in laps.items()}
                 row[f"{system}/{kind}"] = record
                 print(model.name, system, kind, record, flush=True)
                 args.out.write_text(json.dumps(results, indent=2))
-                if not args.keep:
+                if not args.keep or system != "kvforge":
                     shutil.rmtree(out, ignore_errors=True)
                     shutil.rmtree(str(out) + ".cache", ignore_errors=True)
 

@@ -68,6 +68,9 @@ class ExportOptions:
     # Stream the weights from the checkpoint's shards into the weights file (exporter/lazy_weights.py) where
     # the model allows it; False: load the whole model first, as exports did before streaming
     stream: bool = True
+    # Streamed, trace two of a model's alike layers and stamp the rest (exporter/layer_stamping.py); False:
+    # trace every layer (the Python API's switch, for tests that compare the two)
+    stamp: bool = True
 
     def resolve(self) -> Target:
         """The target's registry entry, after checking every option against it."""

@@ -186,16 +186,11 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
     from kvforge.exporter.fusions import rotary_caches
     from kvforge.exporter.optimize import fuse_graph, optimize_graph
     from kvforge.exporter.quantize import quantize_model
-    from kvforge.exporter.trace import derive_decode_graph, trace_prefill
+    from kvforge.exporter.trace import derive_decode_graph
 
-    config, family, target, options, say = work.config, work.family, work.target, work.options, work.say
+    config, target, options, say = work.config, work.target, work.options, work.say
 
-    say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
-    prefill = trace_prefill(model, layout, work.torch_dtype, family, None if empty is None else empty.fake_mode)
-    if empty is not None:
-        from kvforge.exporter.lazy_weights import attach_weights
-
-        attach_weights(prefill, empty, work.checkpoint)
+    prefill = _trace(model, work, layout, empty)
     lap("trace")
     optimize_graph(prefill)
     lap("optimize")
@@ -254,3 +249,33 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, quantization, kv_quant
+
+
+def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
+    """The canonical prefill graph. Streamed, a model of alike layers is traced with two and the rest
+    stamped (exporter/layer_stamping.py); then every fake weight gets its lazy checkpoint read."""
+    from kvforge.exporter.trace import trace_prefill
+
+    if empty is None:
+        work.say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
+        return trace_prefill(model, layout, work.torch_dtype, work.family)
+    from kvforge.exporter.layer_stamping import StampRefused, stamp_layers, stamp_plan, traced_prefix
+    from kvforge.exporter.lazy_weights import attach_weights
+
+    plan = stamp_plan(model, work.config, layout) if work.options.stamp else "--no-stamp"
+    prefill = None
+    if not isinstance(plan, str):
+        work.say(f"tracing 2 of the {plan.total} alike layers (torch.onnx, dynamo) and stamping the rest; "
+                 "the decode graph is derived from it")
+        with traced_prefix(model, plan, layout) as short:
+            prefill = trace_prefill(model, short, work.torch_dtype, work.family, empty.fake_mode)
+        try:
+            stamp_layers(prefill, plan, layout)
+        except StampRefused as why:
+            plan, prefill = str(why), None
+    if prefill is None:
+        work.say(f"tracing the model once (torch.onnx, dynamo; every layer: {plan}); the decode graph is derived "
+                 "from it")
+        prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode)
+    attach_weights(prefill, empty, work.checkpoint)
+    return prefill

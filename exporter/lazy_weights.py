@@ -16,6 +16,8 @@ the export says why.
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +163,15 @@ class _Lazy(ir.LazyTensor):
         super().__init__(*args, **kwargs)
         self.stored = stored
 
+    def tofile(self, file: Any) -> None:
+        """Write the bytes without the extra copy `tobytes` makes (onnx-ir's path for a file without fileno)."""
+        tensor = self._evaluate()
+        array = tensor.numpy() if type(tensor).__name__ in ("Tensor", "TorchTensor") else None
+        if array is None or sys.byteorder != "little" or array.dtype.itemsize * 8 != self.dtype.bitwidth:
+            tensor.tofile(file)
+            return
+        file.write(contiguous(array, array.dtype).reshape(-1).view(np.uint8))
+
 
 def stored_array(tensor: Any) -> np.ndarray:
     """`tensor`'s values in their stored dtype where it knows them (a checkpoint read, a transpose of one),
@@ -182,7 +193,7 @@ def lazy(compute: Callable[[], np.ndarray], dtype: ir.DataType, shape: tuple[int
     def make() -> Any:
         array = compute()
         if array.flags.c_contiguous or array.ndim < 2 or array.nbytes <= _RowBlocks.COPY_BYTES:
-            return ir.Tensor(np.ascontiguousarray(array, dtype=dtype.numpy()), dtype=dtype, name=name)
+            return ir.Tensor(contiguous(array, dtype.numpy()), dtype=dtype, name=name)
         return _RowBlocks(array, dtype, name)
 
     return _Lazy(make, dtype=dtype, shape=ir.Shape(list(shape)), name=name, stored=stored)
@@ -205,7 +216,7 @@ class _RowBlocks:
         return int(self.array.size * self.dtype.itemsize)
 
     def numpy(self) -> np.ndarray:
-        return np.ascontiguousarray(self.array, dtype=self.dtype.numpy())
+        return contiguous(self.array, self.dtype.numpy())
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return self.numpy() if dtype is None else self.numpy().astype(dtype)
@@ -216,7 +227,22 @@ class _RowBlocks:
     def tofile(self, file: Any) -> None:
         rows = max(1, int(self.BLOCK_BYTES // max(1, self.array[0].size * self.dtype.itemsize)))
         for start in range(0, self.array.shape[0], rows):
-            file.write(np.ascontiguousarray(self.array[start:start + rows], dtype=self.dtype.numpy()).tobytes())
+            file.write(contiguous(self.array[start:start + rows], self.dtype.numpy()).reshape(-1).view(np.uint8))
+
+
+def contiguous(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`array` in C order and `dtype`. A strided view (a transposed weight) is copied by torch, ~6x faster
+    than numpy's strided copy of 2-byte values; the bytes are moved as integers of the same width, which
+    torch has for every dtype (bf16 as ml_dtypes' type is foreign to it), then cast contiguously."""
+    if not array.flags.c_contiguous and array.ndim >= 2 and array.size and array.itemsize in (1, 2, 4, 8) \
+            and min(array.strides) >= 0:
+        import torch
+
+        ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[array.itemsize]
+        with warnings.catch_warnings():  # a read-only checkpoint map: torch warns, and only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            array = torch.from_numpy(array.view(ints)).contiguous().numpy().view(array.dtype)
+    return np.ascontiguousarray(array, dtype=dtype)
 
 
 def transpose_weights_lazily(model: ir.Model) -> int:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kvforge.exporter.graph_edit import take_over
-from kvforge.exporter.lazy_weights import stored_array
+from kvforge.exporter.lazy_weights import contiguous, stored_array
 
 # Elements of a weight widened to fp32 at a time (64 MB).
 CHUNK_ELEMENTS = 1 << 24
@@ -75,7 +75,7 @@ class _Parts:
 
 
 def _widened(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array, dtype=np.float32)  # the kernel reads a C-order buffer
+    return contiguous(array, np.dtype(np.float32))  # the kernel reads a C-order buffer
 
 
 def _activation_numpy(dtype: ir.DataType) -> Any:
@@ -98,14 +98,16 @@ def quantize_matmul(graph: ir.Graph, node: ir.Node, bits: int, block_size: int, 
     def compute() -> tuple[np.ndarray, np.ndarray]:
         # Column by column: each column's blocks are its own, so slices of columns give the same bits as the
         # whole, and only a slice is ever widened to fp32 (an 8B lm_head would take 2.1 GB at once).
+        # Each slice is written into the result (no list of parts joined at the end: a second whole copy).
         weights, step = stored_array(tensor), max(1, CHUNK_ELEMENTS // rows)
-        packed, scales = [], []
+        packed = np.empty((cols, k_blocks, blob), np.uint8)
+        scales = np.empty((cols, k_blocks), _activation_numpy(scale_dtype))
         for start in range(0, cols, step):
             with np.errstate(divide="ignore", invalid="ignore"):
                 part, part_scales, _ = quantizer.qbits_block_quant(_widened(weights[:, start:start + step]))
-            packed.append(part)
-            scales.append(part_scales.astype(_activation_numpy(scale_dtype)))
-        return np.concatenate(packed), np.concatenate(scales)
+            packed[start:start + step] = part.reshape(-1, k_blocks, blob)
+            scales[start:start + step] = part_scales.reshape(-1, k_blocks)
+        return packed, scales
 
     parts = _Parts(compute)
     blocks = _initializer(graph, f"{weight.name}_Q{bits}", ir.DataType.UINT8, (cols, k_blocks, blob), parts, 0)
@@ -127,21 +129,22 @@ def quantize_lookup(graph: ir.Graph, node: ir.Node, block_size: int) -> bool:
     shape = tuple(int(d) for d in tensor.shape)
     scale_dtype = tensor.dtype
     quantizer = _quantizer(4, block_size, 0)
+    k_blocks = (shape[1] + block_size - 1) // block_size
 
     def compute() -> tuple[Any, np.ndarray]:
         # Row by row (an even number of values a slice, so the packed nibbles of slices join byte for byte).
         table, step = stored_array(tensor), max(2, CHUNK_ELEMENTS // shape[1] // 2 * 2)
-        values, scales = [], []
+        values = np.empty((shape[0] * shape[1] + 1) // 2, np.uint8)
+        scales = np.empty((shape[0], k_blocks), _activation_numpy(scale_dtype))
         for start in range(0, shape[0], step):
             with np.errstate(divide="ignore", invalid="ignore"):  # a zero block's scale: np.where discards it
                 part, part_scales, _ = quantizer.quantize_ndarray(_widened(table[start:start + step]), 1, block_size, True)
-            values.append(part.reshape(-1))
-            scales.append(part_scales.astype(_activation_numpy(scale_dtype)))
-        return (ir.PackedTensor(np.concatenate(values), ir.DataType.INT4, shape=shape),
-                np.concatenate(scales))
+            offset = start * shape[1] // 2
+            values[offset:offset + part.size] = part.reshape(-1)
+            scales[start:start + step] = part_scales.reshape(-1, k_blocks)
+        return ir.PackedTensor(values, ir.DataType.INT4, shape=shape), scales
 
     parts = _Parts(compute)
-    k_blocks = (shape[1] + block_size - 1) // block_size
     values = _initializer(graph, f"{table.name}_Q4", ir.DataType.INT4, shape, parts, 0)
     scales = _initializer(graph, f"{table.name}_scales", scale_dtype, (shape[0], k_blocks), parts, 1)
     attributes = {"gather_axis": node.attributes.get_int("axis", 0), "quantize_axis": 1, "block_size": block_size}

@@ -197,3 +197,61 @@ def test_a_damaged_checkpoint_is_one_line_exit_2_and_nothing_written(hf_folder, 
     lines = [line for line in result.output.splitlines() if line.startswith("kvforge: error:")]
     assert len(lines) == 1 and says in lines[0], result.output
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def _deeper(hf_folder, tmp_path: Path, recipe: str, layers: int) -> Path:
+    """A copy of the recipe's folder with `layers` decoder layers (seeded random weights): the tiny recipes
+    have two, too few for layer stamping."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / f"{recipe}-{layers}"
+    shutil.copytree(hf_folder(recipe), folder)
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * layers
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("recipe,options", [("llama3-tiny", {}), ("qwen3-tiny", {"quantize": "int4"})])
+def test_stamped_layers_give_the_graph_a_trace_of_every_layer_gives(hf_folder, tmp_path, recipe, options):
+    from collections import Counter
+
+    import onnx_ir as ir
+
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import Generator
+
+    source = _deeper(hf_folder, tmp_path, recipe, 5)
+    said: list[str] = []
+    export_model(source, tmp_path / "stamped", progress=said.append, **options)
+    export_model(source, tmp_path / "traced", stamp=False, **options)
+    assert any(line.startswith("tracing 2 of the 5 alike layers") for line in said), said
+    for graph in ("prefill.onnx", "decode.onnx"):
+        ours, theirs = ir.load(tmp_path / "stamped" / graph).graph, ir.load(tmp_path / "traced" / graph).graph
+        assert Counter(n.op_type for n in ours) == Counter(n.op_type for n in theirs)
+        assert [v.name for v in ours.inputs] == [v.name for v in theirs.inputs]
+        assert [v.name for v in ours.outputs] == [v.name for v in theirs.outputs]
+    # Every weight the same (by name where torch.onnx named it; its numbered constants by value).
+    ours, theirs = _initializers(tmp_path / "stamped"), _initializers(tmp_path / "traced")
+    named = {name for name in ours if not name.startswith("val_")}
+    assert named == {name for name in theirs if not name.startswith("val_")} and any(".layers.4." in n for n in named)
+    assert all(np.array_equal(ours[name], theirs[name]) for name in named)
+    assert sorted(a.tobytes() for a in ours.values()) == sorted(a.tobytes() for a in theirs.values())
+    prompts = [[1, 50, 60, 70, 80], [1, 33, 44]]
+    stamped = Generator(tmp_path / "stamped").generate(prompts, max_new_tokens=12, greedy=True, ignore_eos=True)
+    traced = Generator(tmp_path / "traced").generate(prompts, max_new_tokens=12, greedy=True, ignore_eos=True)
+    assert stamped.tokens == traced.tokens
+
+
+def test_layers_that_differ_are_traced_every_one(hf_folder, tmp_path):
+    from kvforge.exporter.export import export_model
+
+    said: list[str] = []
+    export_model(_deeper(hf_folder, tmp_path, "gemma2-tiny", 4), tmp_path / "g", progress=said.append)
+    assert any("every layer: gemma2 is not among the families whose layers are alike" in line for line in said), said

@@ -186,7 +186,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     if model_dir is not None and recipe is not None:
         raise click.UsageError("give MODEL_DIR or --recipe NAME, not both")
     if model_dir is None and recipe is None:
-        raise click.UsageError("give MODEL_DIR (a Hugging Face folder or a .gguf file) or --recipe NAME (`kvforge recipes`)")
+        raise click.UsageError("give MODEL_DIR (a Hugging Face model folder or a .gguf file) or --recipe NAME (`kvforge recipes`)")
     if recipe is not None:
         from kvforge.models.recipes import get_recipe
 
