@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from typing import Any
 
 from kvforge.core.errors import InputError, KvforgeError
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk, require_free_space
+from kvforge.models.safetensors_shards import plan_shards, write_checkpoint
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -90,26 +90,6 @@ def tensor_plan(config: Any, dtype: str) -> list[Planned]:
     return plan
 
 
-def plan_shards(plan: list[Planned], shard_bytes: int) -> list[list[Planned]]:
-    """Tensors in order, a new shard when the next one would take the current one past `shard_bytes`
-    (as save_pretrained's max_shard_size does)."""
-    shards: list[list[Planned]] = [[]]
-    size = 0
-    for tensor in plan:
-        if shards[-1] and size + tensor.nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(tensor)
-        size += tensor.nbytes
-    return shards
-
-
-def shard_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
 def chunks(tensor: Planned, dtype: str, seed: int) -> Iterator[Any]:
     """The tensor's values, row blocks at a time: ones for a norm's weight, else N(0, 0.02) from a generator
     seeded by seed + its index (reproducible for a given seed, whatever the shard size)."""
@@ -125,31 +105,6 @@ def chunks(tensor: Planned, dtype: str, seed: int) -> Iterator[Any]:
     for start in range(0, rows, step):
         block = (min(step, rows - start), *tensor.shape[1:])
         yield torch.empty(block, dtype=torch.float32).normal_(0.0, STD, generator=generator).to(torch_dtype)
-
-
-def write_shard(path: Path, tensors: list[Planned], dtype: str, seed: int, done: Callable[[Planned], None]) -> None:
-    """One safetensors file, streamed: the header (known from the shapes), then each tensor's bytes in order."""
-    import torch
-
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for tensor in tensors:
-        header[tensor.name] = {"dtype": DTYPES[dtype][1], "shape": list(tensor.shape),
-                               "data_offsets": [offset, offset + tensor.nbytes]}
-        offset += tensor.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with path.open("wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for tensor in tensors:
-            written = 0
-            for block in chunks(tensor, dtype, seed):
-                data = block.reshape(-1).view(torch.uint8).numpy()
-                out.write(memoryview(data))
-                written += data.nbytes
-            assert written == tensor.nbytes, (tensor.name, written, tensor.nbytes)
-            done(tensor)
 
 
 class Progress:
@@ -223,7 +178,6 @@ def make_checkpoint(name: str, out_dir: Path, dtype: str = "bf16", shard_gb: flo
     config = build_config(shape, dtype)
     plan = tensor_plan(config, dtype)
     shards = plan_shards(plan, int(shard_gb * 1e9))
-    files = shard_names(len(shards))
     total = sum(tensor.nbytes for tensor in plan)
     say(f"{name}: {len(plan)} tensors, {total / 1e9:.2f} GB in {len(shards)} shard(s), "
         f"{DTYPES[dtype][0]}, seed {seed} -> {out_dir}")
@@ -236,12 +190,8 @@ def make_checkpoint(name: str, out_dir: Path, dtype: str = "bf16", shard_gb: flo
         write_tokenizer(staging, config.vocab_size, config.bos_token_id, config.eos_token_id)
         config.save_pretrained(staging)
         GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id).save_pretrained(staging)
-        for file, tensors in zip(files, shards, strict=True):
-            write_shard(staging / file, tensors, dtype, seed, progress)
-        if len(shards) > 1:
-            index = {"metadata": {"total_parameters": sum(t.numel for t in plan), "total_size": total},
-                     "weight_map": {t.name: file for file, tensors in zip(files, shards, strict=True) for t in tensors}}
-            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_checkpoint(staging, plan, DTYPES[dtype][1], lambda tensor: chunks(tensor, dtype, seed),
+                         int(shard_gb * 1e9), progress)
         (staging / MARKER).write_text(json.dumps(
             {**record, "dtype": dtype, "seed": seed, "random_weights": True, "bytes": total}, indent=2) + "\n")
         staged.publish()

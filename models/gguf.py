@@ -1,10 +1,12 @@
 """GGUF in: a `.gguf` file (or a folder holding one) -> an ordinary Hugging Face folder, cached.
 
-transformers reads GGUF files (`from_pretrained(folder, gguf_file=...)`, with the `gguf` package) and
-dequantises the weights to fp32. It refuses `save_pretrained` on such a model, so the model is rebuilt
-from its config without the quantisation entry and given the loaded weights, then saved as
-safetensors with the tokenizer (chat template included) and the generation config. The folder
-carries `kvforge_gguf.json` (the source file, its size and sha256, its architecture and tensor
+transformers reads the GGUF's config and tokenizer (with the `gguf` package). The weights are converted
+tensor by tensor: each GGUF tensor is dequantised to fp32, given transformers' own processing and name
+(Llama's q/k rows un-permuted), and streamed into safetensors shards (models/safetensors_shards.py), so
+converting holds one tensor, not the model. The result is the folder transformers' whole-model GGUF
+loading and `save_pretrained` would write (a test compares every tensor). Architectures whose tensors are
+not one parameter each (merged experts) load the whole model through transformers, as before, saying so.
+The folder carries `kvforge_gguf.json` (the source file, its size and sha256, its architecture and tensor
 types); a later conversion of the same file reuses it.
 """
 
@@ -16,6 +18,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvforge.core.errors import InputError, UnsupportedModelError
 from kvforge.core.manifest import sha256_file
@@ -101,46 +105,129 @@ def convert_gguf(
                        say=say) as staged):
         staging = staged.path
         assert staging is not None
-        _convert(gguf_path, staging)
+        _convert(gguf_path, staging, say)
         record = {"source": str(gguf_path), "bytes": gguf_path.stat().st_size, "sha256": digest, **header}
         (staging / GGUF_MARKER).write_text(json.dumps(record, indent=2) + "\n")
         staged.publish()
     return hf_dir
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+# Architectures whose transformers tensor processor maps each GGUF tensor to one parameter of the same
+# name, from its own values alone: these convert tensor by tensor. The rest (experts merged across
+# tensors, renamed or split tensors) load the whole model through transformers, as before.
+_STREAMED_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor", "NemotronTensorProcessor")
+_SHARD_BYTES = 5 * 10**9
+
+
+def _convert(gguf_path: Path, out: Path, say: Callable[[str], None]) -> None:
+    """The Hugging Face folder of `gguf_path` in `out`: tokenizer, config, generation config, and the
+    weights dequantised to fp32, streamed tensor by tensor where the architecture allows it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     folder, name = str(gguf_path.parent), gguf_path.name
-    # transformers' GGUF reader draws its own tqdm bar per tensor; kvforge reports progress itself.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config_dict = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    except Exception as err:  # an architecture transformers' GGUF reader cannot read
+        raise UnsupportedModelError(
+            f"transformers cannot read {gguf_path.name}: {type(err).__name__}: {' '.join(str(err).split())}"
+        ) from err
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    config = AutoConfig.for_model(**config_dict)
+    with torch.device("meta"):
+        empty = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config.architectures = [type(empty).__name__]
+    config.dtype = torch.float32
+    plan = _tensor_plan(gguf_path, empty)
+    if isinstance(plan, str):
+        say(f"loading the whole GGUF model through transformers: {plan}")
+        _convert_whole(gguf_path, out, config)
+    else:
+        config.save_pretrained(out)
+        from kvforge.models.safetensors_shards import write_checkpoint
+
+        write_checkpoint(out, plan, "F32", _GGUFTensor.blocks, _SHARD_BYTES)
+    tokenizer.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+class _GGUFTensor:
+    """One parameter's GGUF tensor: dequantised and processed (Llama's q/k rows un-permuted) when written."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], tensor: Any, processor: Any, mapping: dict[str, str]) -> None:
+        self.name, self.shape, self.tensor, self.processor, self.mapping = name, shape, tensor, processor, mapping
+        self.numel = int(np.prod(shape)) if shape else 1
+        self.nbytes = self.numel * 4
+
+    @staticmethod
+    def blocks(entry: _GGUFTensor) -> list[np.ndarray]:
+        from gguf import dequantize
+
+        weights = dequantize(entry.tensor.data, entry.tensor.tensor_type)
+        result = entry.processor.process(weights=weights, name=entry.tensor.name, tensor_key_mapping=entry.mapping,
+                                         parsed_parameters={})
+        if result.name != entry.tensor.name or np.size(result.weights) != entry.numel:
+            raise RuntimeError(f"GGUF tensor {entry.tensor.name} became {result.name} of {np.shape(result.weights)}, "
+                               f"not {entry.name} of {list(entry.shape)}")
+        return [np.asarray(result.weights, dtype=np.float32).reshape(entry.shape)]
+
+
+def _tensor_plan(gguf_path: Path, empty: Any) -> list[_GGUFTensor] | str:
+    """Each parameter save_pretrained would write, with the GGUF tensor it comes from; or why the file
+    cannot be converted tensor by tensor."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=False)
+    processor_class = TENSOR_PROCESSORS.get(read_header(gguf_path)["architecture"])
+    if processor_class is not None and processor_class.__name__ not in _STREAMED_PROCESSORS:
+        return f"its tensors ({processor_class.__name__}) are not one parameter each"
+    processor = (processor_class or TensorProcessor)(config=parsed.get("config", {}))
+    mapping = get_gguf_hf_weights_map(empty, processor)
+    wanted = dict(empty.state_dict())
+    tied = getattr(empty.config, "tie_word_embeddings", False) and "lm_head.weight" in wanted
+    if tied:
+        wanted.pop("lm_head.weight")  # save_pretrained writes a tied lm_head once, as the embedding
+    plan = {}
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        hf_name = mapping.get(tensor.name)
+        if hf_name in wanted and hf_name not in plan:
+            plan[hf_name] = _GGUFTensor(hf_name, tuple(wanted[hf_name].shape), tensor, processor, mapping)
+    missing = [name for name in wanted if name not in plan]
+    if missing:
+        return f"{len(missing)} of its parameters have no GGUF tensor of their own ({', '.join(missing[:3])})"
+    return [plan[name] for name in wanted]
+
+
+def _convert_whole(gguf_path: Path, out: Path, config: Any) -> None:
+    """transformers' own GGUF loading (the whole model, in fp32), then save_pretrained."""
+    import torch
+    from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
+    # transformers' GGUF reader draws its own tqdm bar per tensor; kvforge reports progress itself.
     saved_tqdm = gguf_utils.tqdm
     gguf_utils.tqdm = functools.partial(saved_tqdm, disable=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except Exception as err:  # an architecture or quantisation type transformers' GGUF loader cannot read
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                      dtype=torch.float32)
+    except Exception as err:  # a quantisation type transformers' GGUF loader cannot read
         raise UnsupportedModelError(
             f"transformers cannot read {gguf_path.name}: {type(err).__name__}: {' '.join(str(err).split())}"
         ) from err
     finally:
         gguf_utils.tqdm = saved_tqdm
-    # transformers refuses save_pretrained on a GGUF-loaded model: rebuild it without the
-    # quantisation entry and hand it the dequantised weights.
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config_dict.pop("_name_or_path", None)
-    config = AutoConfig.for_model(**config_dict)
-    config.architectures = [type(loaded).__name__]
+    # transformers refuses save_pretrained on a GGUF-loaded model: a model rebuilt from the config
+    # without the quantisation entry is handed the dequantised weights.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    generation = GenerationConfig.from_model_config(config)
-    if loaded.generation_config is not None:
-        generation = loaded.generation_config
-    generation.save_pretrained(out)

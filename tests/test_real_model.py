@@ -113,6 +113,25 @@ def test_gguf_conversion_is_reused_and_recorded(real, tmp_path) -> None:
     assert any("reusing" in line for line in say) and not any("converting" in line for line in say)
 
 
+def test_gguf_converts_tensor_by_tensor_to_what_transformers_loads_whole(real, tmp_path) -> None:
+    """The streamed conversion (one tensor dequantised at a time) writes exactly the folder transformers'
+    whole-model GGUF loading and save_pretrained write: the same files, configs and tensors."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from kvforge.models.gguf import _convert_whole
+
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    _convert_whole(GGUF, whole, AutoConfig.from_pretrained(real["hf"]))
+    for name in ("config.json",):
+        assert json.loads((whole / name).read_text()) == json.loads((real["hf"] / name).read_text())
+    with safe_open(real["hf"] / "model.safetensors", "pt") as ours, safe_open(whole / "model.safetensors", "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys()) and len(list(ours.keys())) == 272
+        for key in ours.keys():
+            assert ours.get_tensor(key).equal(theirs.get_tensor(key)), key
+
+
 def test_demo_answers_with_the_real_model_from_its_cache(real) -> None:
     result = CliRunner().invoke(main, ["demo", "-o", str(real["root"]), "--json"])
     assert result.exit_code == 0, result.stderr
