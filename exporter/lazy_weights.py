@@ -278,3 +278,24 @@ def transposed(tensor: ir.TensorProtocol, perm: list[int] | None, name: str) -> 
     order = list(perm) if perm is not None else list(range(len(shape)))[::-1]
     return lazy(lambda: stored_array(tensor).transpose(order), tensor.dtype, tuple(shape[i] for i in order),
                 name, stored=lambda: stored_array(tensor).transpose(order))
+
+
+_PAGEOUT = 21  # Linux's MADV_PAGEOUT (5.4+)
+
+
+def release_pages(view: np.ndarray) -> None:
+    """Hand back the memory pages under `view` (a slice of a checkpoint tensor that has been used): a
+    mapped file's pages leave the process's resident memory and are read again if touched, so a
+    quantiser walking a 1 GB table holds a slice of it, not all it has read. MADV_PAGEOUT drops only what
+    it can reclaim without loss: an anonymous copy (no swap here) stays, and elsewhere it is a no-op."""
+    if not sys.platform.startswith("linux") or view.size == 0 or min(view.strides, default=0) < 0:
+        return
+    import ctypes
+    import mmap
+
+    start = view.__array_interface__["data"][0]
+    end = start + sum((dim - 1) * stride for dim, stride in zip(view.shape, view.strides, strict=True)) + view.itemsize
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _PAGEOUT)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kvforge.exporter.graph_edit import take_over
-from kvforge.exporter.lazy_weights import contiguous, stored_array
+from kvforge.exporter.lazy_weights import contiguous, release_pages, stored_array
 
 # Elements of a weight widened to fp32 at a time (64 MB).
 CHUNK_ELEMENTS = 1 << 24
@@ -107,6 +107,7 @@ def quantize_matmul(graph: ir.Graph, node: ir.Node, bits: int, block_size: int, 
                 part, part_scales, _ = quantizer.qbits_block_quant(_widened(weights[:, start:start + step]))
             packed[start:start + step] = part.reshape(-1, k_blocks, blob)
             scales[start:start + step] = part_scales.reshape(-1, k_blocks)
+            release_pages(weights[:, start:start + step])
         return packed, scales
 
     parts = _Parts(compute)
@@ -142,6 +143,7 @@ def quantize_lookup(graph: ir.Graph, node: ir.Node, block_size: int) -> bool:
             offset = start * shape[1] // 2
             values[offset:offset + part.size] = part.reshape(-1)
             scales[start:start + step] = part_scales.reshape(-1, k_blocks)
+            release_pages(table[start:start + step])
         return ir.PackedTensor(values, ir.DataType.INT4, shape=shape), scales
 
     parts = _Parts(compute)

@@ -195,7 +195,7 @@ def test_quantized_logits_are_close_to_fp32(quantized, exported) -> None:
     [
         (dict(quantize="int3"), "--quantize takes int4, int8, not 'int3'"),
         (dict(quantize="int4", block_size=48), "--block-size takes 16, 32, 64, 128, not 48"),
-        (dict(quantize="int4", dtype="fp16"), "--quantize works from fp32 weights"),
+        (dict(quantize="int4", dtype="fp16", quant_method="hqq"), "--quant-method hqq runs with fp32 activations only"),
         (dict(quantize="int4", target="onnx"), "use it with --target ort, not onnx"),
         (dict(lm_head_bits=8), "--lm-head-bits goes with --quantize"),
         (dict(quantize="int4", lm_head_bits=2), "--lm-head-bits takes 8"),
