@@ -282,7 +282,7 @@ class Scheduler:
         self.stats["cached_tokens"] += job.cached
         self.stats["ttft_ms_sum"] += job.ttft_ms
         self.stats["ttft_count"] += 1
-        self._deliver(step.positions[0])
+        self._deliver(step.positions)
         self._end_failed(step.failed)
 
     def _decode_step(self) -> None:
@@ -311,21 +311,27 @@ class Scheduler:
             step = self.engine.decode(view)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += step.tokens
-        for accepted in step.positions:
-            self._deliver(accepted)
+        self._deliver(step.positions)
         self._end_failed(step.failed)
         self.stats["decode_seconds"] += time.perf_counter() - started
 
     # -- one token ----------------------------------------------------------------------------------
-    def _deliver(self, accepted: list[Accepted]) -> None:
-        """Each accepted token to its request as a Delta; a row it ends is released."""
-        for item in accepted:
-            row = item.row
-            self.stats["completion_tokens"] += 1
-            row.owner.handle.emit(Delta([item.token], item.delta, [item.logprob] if item.logprob is not None else None,
-                                        row.index))
-            if row.finished:
-                self._release(item.at, row.reason)
+    def _deliver(self, positions: list[list[Accepted]]) -> None:
+        """Each accepted token to its request as a Delta, position by position; then each row that ended
+        is released, once, after its last token. A verification step accepts several tokens of a row
+        before any is delivered, so the row is already finished at its first: releasing it there would
+        end the request before the rest of its tokens."""
+        ended: dict[int, Row] = {}
+        for accepted in positions:
+            for item in accepted:
+                row = item.row
+                self.stats["completion_tokens"] += 1
+                row.owner.handle.emit(Delta([item.token], item.delta,
+                                            [item.logprob] if item.logprob is not None else None, row.index))
+                if row.finished:
+                    ended.setdefault(item.at, row)
+        for at, row in ended.items():
+            self._release(at, row.reason)
 
     def _end_failed(self, failed: list[tuple[int, Row]]) -> None:
         """Rows whose own grammar failed end alone, with its error; the batch goes on."""
@@ -334,7 +340,8 @@ class Scheduler:
 
     def _release(self, at: int, reason: FinishReason, keep: bool = True) -> None:
         row = self.engine.rows[at]
-        assert row is not None
+        if row is None:  # released already (a grammar failure and a finish in one step): nothing left to end
+            return
         self._finish(row, at, reason, keep=keep)
         with self._cond:
             self.engine.release(at)
