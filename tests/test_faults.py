@@ -619,14 +619,14 @@ def test_stdout_closed_tells_a_pipe_without_reader_from_an_open_one(monkeypatch)
     """Only a BrokenPipeError on a stdout whose reader left is quiet; others stay one-line errors."""
     import sys
 
-    from kvforge import cli
+    from kvforge.cli.common import stdout_closed
 
     read, write = os.pipe()
     with open(write, "w") as stdout:
         monkeypatch.setattr(sys, "stdout", stdout)
-        assert not cli._stdout_closed()
+        assert not stdout_closed()
         os.close(read)
-        assert cli._stdout_closed()
+        assert stdout_closed()
 
 
 def test_external_data_locations_match_onnx(sources) -> None:

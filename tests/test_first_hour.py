@@ -270,7 +270,7 @@ def test_the_demo_says_converted_once_and_reports_the_exporters_time(tmp_path, m
     writer.write_tensors_to_file()
     writer.close()
 
-    def convert(_gguf_path, out) -> None:
+    def convert(_gguf_path, out, _say) -> None:
         shutil.copytree(hf_folder("llama-tiny"), out, dirs_exist_ok=True)
         (out / "kvforge_recipe.json").unlink()
         (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
@@ -302,3 +302,13 @@ def test_build_says_when_it_replaces_engines_built_with_other_options(exported, 
     assert code == 0, err
     assert f"replacing the engines in {folder / 'engines'}, built with other options (single_engine True -> False)" \
         in err
+
+
+def test_a_bare_kvforge_prints_its_help_and_a_usage_error_says_where_the_usage_is() -> None:
+    # A bare `kvforge`: the help as `--help` prints it (click 8.2 raises it as an error), exit 0.
+    code, out, err = run()
+    assert code == 0 and re.match(r"Usage: \S+ \[OPTIONS\] COMMAND", out) and "\n  export " in out and not err
+    result = CliRunner().invoke(main, ["export"], prog_name="kvforge")
+    code, err = result.exit_code, result.stderr
+    assert code == 2 and err.strip() == ("kvforge: error: Missing option '-o' / '--output'. "
+                                         "(kvforge export --help shows its usage)")

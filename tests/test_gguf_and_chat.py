@@ -88,7 +88,7 @@ def _no_space_safetensors(path) -> BaseException:
 def test_a_full_disk_while_converting_a_gguf_names_the_folder(failure, tmp_path, monkeypatch) -> None:
     from kvforge.models import gguf as gguf_module
 
-    def convert(gguf_path, out) -> None:  # transformers' save_pretrained, running out of room half-way
+    def convert(gguf_path, out, say) -> None:  # the weights written, running out of room half-way
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").write_bytes(b"half of the weights")
         raise failure(out / "model.safetensors")

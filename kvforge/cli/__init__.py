@@ -9,8 +9,6 @@ quietly with 141, as a process killed by SIGPIPE. Every command has `--json` (on
 from __future__ import annotations
 
 import dataclasses
-import io
-import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -27,6 +25,8 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     human_bytes,
     one_line,
     require_export_extra,
+    silence_stdout,
+    stdout_closed,
 )
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
@@ -51,10 +51,15 @@ class _Group(click.Group):
             sys.exit(1)
         except click.exceptions.Exit as err:
             sys.exit(err.exit_code)
+        except click.exceptions.NoArgsIsHelpError as err:  # a bare `kvforge`: its help, as --help shows it
+            click.echo(err.ctx.get_help() if err.ctx is not None else err.format_message())
+            sys.exit(0)
         except click.ClickException as err:  # usage errors: one line, not click's usage block
             if debug:
                 raise
-            click.echo(f"kvforge: error: {one_line(err.format_message())}", err=True)
+            context = getattr(err, "ctx", None)
+            where = f" ({context.command_path} --help shows its usage)" if context is not None else ""
+            click.echo(f"kvforge: error: {one_line(err.format_message())}{where}", err=True)
             sys.exit(2)
         except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("kvforge: interrupted", err=True)
@@ -65,12 +70,12 @@ class _Group(click.Group):
             click.echo(f"kvforge: error: {one_line(str(err))}", err=True)
             sys.exit(2)
         except _PipeClosed as closed:
-            if not _stdout_closed():
+            if not stdout_closed():
                 _unexpected(closed.__cause__ or closed, debug)
             # The reader of stdout went away (`kvforge generate ... | head`): not a failure of the
             # command. Exit quietly as a process killed by SIGPIPE reports it (128 + 13), and point
             # stdout at /dev/null so the interpreter's flush at exit does not complain again.
-            _silence_stdout()
+            silence_stdout()
             sys.exit(SIGPIPE_EXIT)
         except Exception as err:  # a bug or an unexpected environment: still one line
             _unexpected(err, debug)
@@ -110,29 +115,6 @@ def _unexpected(err: BaseException, debug: bool) -> NoReturn:
         err=True,
     )
     sys.exit(2)
-
-
-def _stdout_closed() -> bool:
-    """Whether stdout is a pipe or socket whose reader is gone (POLLERR on its write end). Without
-    a file descriptor or poll() to ask, a BrokenPipeError is taken to be stdout's."""
-    try:
-        import select
-
-        fd = sys.stdout.fileno()
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        return True
-
-
-def _silence_stdout() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
-        pass  # not a real file (a test runner's capture): nothing to flush at exit
 
 
 @click.group(cls=_Group)

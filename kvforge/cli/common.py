@@ -3,7 +3,10 @@ and the small parsers and formatters of their messages."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -129,3 +132,25 @@ def parse_ids(text: str) -> list[int]:
         raise InputError(f"--prompt-ids expects comma-separated integer token ids, got {text!r}") from err
 
 
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader is gone (POLLERR on its write end). Without
+    a file descriptor or poll() to ask, a BrokenPipeError is taken to be stdout's."""
+    try:
+        import select
+
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return True
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit does not fail on a closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        pass  # not a real file (a test runner's capture): nothing to flush at exit
