@@ -54,7 +54,7 @@ def read_header(path: Path) -> dict[str, Any]:
     try:
         import gguf
     except ImportError as err:
-        raise InputError("reading GGUF files needs the gguf package: pip install 'kvforge[export]'") from err
+        raise InputError("reading GGUF files needs the gguf package: pip install -e '.[export]'") from err
     try:
         reader = gguf.GGUFReader(str(path))
         arch_field = reader.fields["general.architecture"]

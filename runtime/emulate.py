@@ -63,8 +63,8 @@ def _require(modules: tuple[str, ...], why: str) -> None:
     missing = [name for name in modules if importlib.util.find_spec(name) is None]
     if missing:
         raise BackendUnavailableError(
-            f"backend 'emulate' {why} needs {', '.join(missing)}: pip install torch==2.13.0 && "
-            "pip install 'kvforge[emulate]'" + (" (or pass emulation='reference' for the torch-free numpy reference)"
+            f"backend 'emulate' {why} needs {', '.join(missing)}: pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && "
+            "pip install -e '.[emulate]'" + (" (or pass emulation='reference' for the torch-free numpy reference)"
                                                 if "torch" in missing or "triton" in missing else "")
         )
 

@@ -48,7 +48,7 @@ def providers_for(device: str, device_id: int = 0) -> list[Any]:
         if "CUDAExecutionProvider" not in available:
             raise BackendUnavailableError(
                 "backend 'ort-cuda' needs onnxruntime's CUDAExecutionProvider, but this onnxruntime offers "
-                f"{available}; install onnxruntime-gpu (pip install 'kvforge[gpu]') or use backend='ort-cpu'"
+                f"{available}; install onnxruntime-gpu (pip install -e '.[gpu]') or use backend='ort-cpu'"
             )
         return [("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"]
     raise InputError(f"unknown ONNX Runtime device {device!r}; expected one of {DEVICES}")

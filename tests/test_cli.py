@@ -127,4 +127,4 @@ def test_export_without_the_export_extra_says_what_to_install(tmp_path, monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
     code, _, err = run("export", str(tmp_path), "-o", str(tmp_path / "out"))
     assert code == 2
-    assert "needs the export extra (torch missing): pip install torch==2.13.0 && pip install 'kvforge[export]'" in err
+    assert "needs the export extra (torch missing), in the kvforge checkout: pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && pip install -e '.[export]'" in err

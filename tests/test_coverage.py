@@ -245,7 +245,7 @@ def test_every_passing_type_records_its_tensorrt_rtx_build() -> None:
 
 
 def test_the_rtx_build_is_real_and_a_model_with_state_is_refused_in_one_line() -> None:
-    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install -e '.[trt-rtx]'")
     from kvforge.tools.coverage_sweep import rtx_one
 
     built = rtx_one("qwen2")

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("torch")
-pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install -e '.[trt-rtx]'")
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.engine_plan import ENGINES_MANIFEST, RECORD_DIGEST  # noqa: E402
@@ -141,9 +141,21 @@ def test_inspect_verify_reports_intact_engines(built) -> None:
 def test_inspect_verify_without_engines_says_so(exported) -> None:
     result = CliRunner().invoke(main, ["inspect", str(exported("llama-tiny", "ort")), "--verify"])
     assert result.exit_code == 0, result.output
-    assert "engines: none built" in result.stdout
+    # An ort export is not built into engines at all: inspect does not send its reader to `kvforge build`.
+    assert "engines: none (target ort runs on ONNX Runtime; TensorRT engines come from --target onnx or trt " \
+           "exports)" in result.stdout and "kvforge build" not in result.stdout
     info = json.loads(CliRunner().invoke(main, ["inspect", str(exported("llama-tiny", "ort")), "--json"]).stdout)
     assert info["engines"]["built"] is False
+
+
+def test_inspect_says_an_empty_engines_folder_holds_no_engines(exported, tmp_path) -> None:
+    import shutil
+
+    folder = shutil.copytree(exported("llama-tiny", "onnx"), tmp_path / "export")
+    assert "engines: none built (no " in CliRunner().invoke(main, ["inspect", str(folder)]).stdout
+    (folder / "engines").mkdir()
+    out = CliRunner().invoke(main, ["inspect", str(folder)]).stdout
+    assert f"engines: none built ({folder / 'engines'} holds no engines.json; `kvforge build` makes them)" in out
 
 
 def test_an_engines_json_of_an_older_kvforge_is_checked_but_said_unverified(built, tmp_path) -> None:

@@ -58,7 +58,7 @@ def test_build_options_defaults_and_errors() -> None:
     options = resolve_build_options(_manifest())
     assert options == BuildOptions("fp16", 1, 4096, 4096, False)
     assert resolve_build_options(_manifest(max_capacity=1024)).max_seq_len == 1024
-    with pytest.raises(InputError, match="ort-target export cannot be built into TensorRT engines"):
+    with pytest.raises(InputError, match="an export of --target ort cannot be built into TensorRT engines"):
         resolve_build_options(_manifest(target="ort"))
     with pytest.raises(InputError, match="--dtype bf16 but the export is fp16: .* re-export with --dtype bf16"):
         resolve_build_options(_manifest(), dtype="bf16")
@@ -265,7 +265,7 @@ def test_build_without_tensorrt_is_one_line_and_writes_nothing(exported, tmp_pat
     lines = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
     assert len(lines) == 1 and "Traceback" not in result.stderr
     assert "TensorRT is not installed" in lines[0]
-    assert "pip install 'kvforge[trt-rtx]'" in lines[0] and "pip install 'kvforge[trt]'" in lines[0]
+    assert "pip install -e '.[trt-rtx]'" in lines[0] and "pip install -e '.[trt]'" in lines[0]
     assert sorted(p.name for p in folder.iterdir()) == before  # no engines/ folder, no staging
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 

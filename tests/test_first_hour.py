@@ -189,8 +189,8 @@ def test_the_cuda_python_hint_names_the_backend_and_a_gpu_machine(monkeypatch) -
     assert "trt backend" not in message
     assert message == (
         "the tensorrt backend (and serving on ort-cuda) runs on an NVIDIA GPU through cuda-python (cuda.bindings), "
-        "which is not installed: on a machine with an NVIDIA GPU and its driver, pip install 'kvforge[trt]' "
-        "(TensorRT and cuda-python; 'kvforge[gpu]' for ort-cuda); `kvforge doctor` shows what runs here")
+        "which is not installed: on a machine with an NVIDIA GPU and its driver, pip install -e '.[trt]' "
+        "(TensorRT and cuda-python; -e '.[gpu]' for ort-cuda); `kvforge doctor` shows what runs here")
 
 
 # -- small things ---------------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_the_demo_says_converted_once_and_reports_the_exporters_time(tmp_path, m
 
 
 def test_build_says_when_it_replaces_engines_built_with_other_options(exported, tmp_path) -> None:
-    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install -e '.[trt-rtx]'")
     folder = shutil.copytree(exported("llama-tiny", "onnx", "fp16"), tmp_path / "export")
     shutil.rmtree(folder / "engines", ignore_errors=True)
     code, _, err = run("build", str(folder), "--max-seq-len", "32", "--max-batch", "2")

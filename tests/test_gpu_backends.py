@@ -1,7 +1,7 @@
 """The GPU backends end to end: ONNX Runtime CUDA, and TensorRT engines from `kvforge build`.
 
 Marked `gpu`; each test skips with the reason where its GPU stack is missing. Run on a GPU machine with
-onnxruntime-gpu in place of onnxruntime (and `pip install 'kvforge[trt]'` for the TensorRT ones) and
+onnxruntime-gpu in place of onnxruntime (and `pip install -e '.[trt]'` for the TensorRT ones) and
 `pytest -m gpu`. The ort-cuda checks here are what benchmarks/gpu_check.py ran on an H100 (2026-11-26:
 every family's parity, CUDA-graph replay = plain runs, in place, continuation prefills, serving); the
 TensorRT ones have never run (TensorRT-RTX does not run on H100/H200, standard TensorRT was not at hand).
@@ -33,7 +33,7 @@ def _need_ort_cuda() -> None:
 
 def _need_tensorrt() -> None:
     if importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("cuda") is None:
-        pytest.skip("needs TensorRT and cuda-python (pip install 'kvforge[trt]') on an NVIDIA GPU")
+        pytest.skip("needs TensorRT and cuda-python (pip install -e '.[trt]') on an NVIDIA GPU")
     from kvforge.core import cuda
 
     if cuda.device_count() == 0:

@@ -144,7 +144,7 @@ def test_demo_answers_with_the_real_model_from_its_cache(real) -> None:
 def test_real_model_builds_real_tensorrt_engines_in_fp16(real, tmp_path, engine_report) -> None:
     # TensorRT-RTX's ahead-of-time builder on the CPU: the real model's fp16 `onnx`-target graphs, two
     # engines and one with two profiles. Running them needs a GPU (tests/test_gpu_backends.py).
-    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+    pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install -e '.[trt-rtx]'")
     from kvforge.engines.trt_build import build_engines
 
     out = tmp_path / f"{REAL_NAME}-onnx-fp16"

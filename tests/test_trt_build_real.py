@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("torch")
-pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 'kvforge[trt-rtx]'")
+pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install -e '.[trt-rtx]'")
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.engine_plan import ENGINES_MANIFEST, resolve_build_options  # noqa: E402
@@ -129,7 +129,7 @@ def test_trt_target_is_refused_in_one_line_with_nothing_written(exported, tmp_pa
     assert result.exit_code == 2 and "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
     assert len(lines) == 1
-    assert "a trt-target export cannot be built with TensorRT-RTX" in lines[0] and "--target onnx" in lines[0]
+    assert "an export of --target trt cannot be built with TensorRT-RTX" in lines[0] and "--target onnx" in lines[0]
     assert sorted(p.name for p in folder.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 

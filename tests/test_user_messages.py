@@ -50,7 +50,7 @@ def test_bench_plot_needs_are_checked_before_any_round(exported, monkeypatch, tm
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
     result = CliRunner().invoke(main, ["bench", folder, "--plot", str(tmp_path / "x.png")])
-    assert result.exit_code == 2 and "--plot needs matplotlib: pip install 'kvforge[bench]'" in result.stderr
+    assert result.exit_code == 2 and "--plot needs matplotlib: pip install -e '.[bench]'" in result.stderr
 
 
 def test_a_quantised_gguf_exported_to_fp32_gets_a_hint() -> None:

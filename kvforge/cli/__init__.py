@@ -347,7 +347,12 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
                "  checked: file sizes, and sha256 of the small files (--verify re-hashes the weights too)")
     engines = info["engines"]
     if not engines["built"]:
-        click.echo(f"  engines: none built (no {engines['folder']}; `kvforge build` makes them)")
+        target = TARGETS.get(manifest["target"])
+        folder = Path(engines["folder"])
+        where = f"{folder} holds no engines.json" if folder.is_dir() else f"no {folder}"
+        click.echo(f"  engines: none (target {manifest['target']} runs on ONNX Runtime; TensorRT engines come "
+                   "from --target onnx or trt exports)" if target is not None and not target.buildable else
+                   f"  engines: none built ({where}; `kvforge build` makes them)")
         return
     trt = engines["tensorrt"]
     click.echo(f"  engines in {engines['folder']}, for {engines['gpu'].get('name', '?')} "

@@ -29,8 +29,8 @@ def require_export_extra(command: str) -> None:
                if importlib.util.find_spec(name) is None]
     if missing:
         raise BackendUnavailableError(
-            f"`kvforge {command}` needs the export extra ({', '.join(missing)} missing): "
-            "pip install torch==2.13.0 && pip install 'kvforge[export]'"
+            f"`kvforge {command}` needs the export extra ({', '.join(missing)} missing), in the kvforge checkout: "
+            "pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && pip install -e '.[export]'"
         )
 
 

@@ -23,8 +23,8 @@ def _cudart() -> Any:
         # the engines run only on a GPU).
         raise BackendUnavailableError(
             "the tensorrt backend (and serving on ort-cuda) runs on an NVIDIA GPU through cuda-python (cuda.bindings), "
-            "which is not installed: on a machine with an NVIDIA GPU and its driver, pip install 'kvforge[trt]' "
-            "(TensorRT and cuda-python; 'kvforge[gpu]' for ort-cuda); `kvforge doctor` shows what runs here"
+            "which is not installed: on a machine with an NVIDIA GPU and its driver, pip install -e '.[trt]' "
+            "(TensorRT and cuda-python; -e '.[gpu]' for ort-cuda); `kvforge doctor` shows what runs here"
         ) from err
     return runtime
 

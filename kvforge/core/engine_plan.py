@@ -73,7 +73,7 @@ def resolve_build_options(
     """Check `kvforge build`'s flags against the export and fill in the defaults."""
     target, export_dtype = get_target(manifest["target"]), manifest["dtype"]
     if not target.buildable:
-        raise InputError(f"a {target.name}-target export cannot be built into TensorRT engines ({target.build_refusal})")
+        raise InputError(f"an export of --target {target.name} cannot be built into TensorRT engines ({target.build_refusal})")
     if dtype is not None and dtype != export_dtype:
         raise InputError(
             f"--dtype {dtype} but the export is {export_dtype}: engines are strongly typed, built in the export's "

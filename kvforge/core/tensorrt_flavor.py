@@ -34,8 +34,8 @@ RTX_PORTABLE = "8.0, 8.6, 8.9, 12.0+"
 _RTX_RUNS_ON = ((8, 0), (8, 6), (8, 9))
 _STANDARD_OLDEST = (7, 5)
 _INSTALL_HINT = (
-    "pip install 'kvforge[trt-rtx]' (TensorRT for RTX: builds engines on any machine, CPU included) or, on a "
-    "machine with an NVIDIA GPU, pip install 'kvforge[trt]' (TensorRT >= 10.15)"
+    "pip install -e '.[trt-rtx]' (TensorRT for RTX: builds engines on any machine, CPU included) or, on a "
+    "machine with an NVIDIA GPU, pip install -e '.[trt]' (TensorRT >= 10.15)"
 )
 
 
@@ -98,7 +98,7 @@ def gpu_refusal(flavor: str, gpu: dict[str, str]) -> str | None:
     if flavor == "tensorrt-rtx":
         return (f"{_LABELS[flavor]} engines cannot run on {where}: TensorRT-RTX runs only on compute capability "
                 f"{RTX_PORTABLE}, and no rebuild changes that. On this GPU use standard TensorRT (pip install "
-                "'kvforge[trt]', then kvforge build --tensorrt tensorrt) or --backend ort-cuda with an ort-target "
+                "-e '.[trt]', then kvforge build --tensorrt tensorrt) or --backend ort-cuda with an ort-target "
                 "export (kvforge export --target ort --dtype fp16)")
     return (f"{_LABELS[flavor]} does not run on {where} (it needs compute capability "
             f"{runs_on_summary(flavor)}); use --backend ort-cuda with an ort-target export")

@@ -87,12 +87,12 @@ def build_target(trt: TensorRT, say: Callable[[str], None] = lambda _msg: None) 
     except BackendUnavailableError as err:
         raise BackendUnavailableError(
             f"kvforge build with {trt.label} needs cuda-python (cuda.bindings) and an NVIDIA GPU: pip install "
-            "'kvforge[trt]' on a GPU machine, or build on any machine with TensorRT-RTX (pip install 'kvforge[trt-rtx]')"
+            "-e '.[trt]' on a GPU machine, or build on any machine with TensorRT-RTX (pip install -e '.[trt-rtx]')"
         ) from err
     if count == 0:
         raise BackendUnavailableError(
             f"kvforge build with {trt.label} needs an NVIDIA GPU to build for; CUDA reports none (TensorRT-RTX "
-            "builds without one: pip install 'kvforge[trt-rtx]')"
+            "builds without one: pip install -e '.[trt-rtx]')"
         )
     gpu = cuda.device_info(0)
     refusal = gpu_refusal(trt.flavor, gpu)
@@ -108,7 +108,7 @@ def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] 
         return None
     if trt.plugin_module() is None:
         raise BackendUnavailableError(
-            f"a {target.name}-target export cannot be built with {trt.label}: kvforge's attention plugin is embedded "
+            f"an export of --target {target.name} cannot be built with {trt.label}: kvforge's attention plugin is embedded "
             "through tensorrt.plugin (ahead-of-time kernels), which TensorRT-RTX does not have; export with "
             "--target onnx (TensorRT's own attention), or build on a GPU machine with TensorRT >= 10.15"
         )
@@ -153,7 +153,7 @@ def build_engines(
     if KVLayout.from_manifest(manifest).states:
         raise UnsupportedModelError(f"{export_dir}: this model's recurrent layers keep a state, which kvforge's "
                                     "TensorRT engines do not carry yet; run the export on ONNX Runtime "
-                                    "(kvforge generate without --backend trt)")
+                                    "(kvforge generate without --backend tensorrt)")
     options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine,
                                     plugin_shared_kib)
     if plugin_arch is not None:

@@ -64,7 +64,7 @@ def _require():
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise BackendUnavailableError("kvforge serve needs FastAPI, uvicorn and prometheus-client: "
-                                      "pip install 'kvforge[serve]'") from err
+                                      "pip install -e '.[serve]'") from err
 
 
 def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int | None = None,

@@ -25,7 +25,7 @@ def _ray_serve():
     try:
         from ray import serve
     except ImportError as err:
-        raise BackendUnavailableError("--ray needs Ray Serve: pip install 'kvforge[ray]'") from err
+        raise BackendUnavailableError("--ray needs Ray Serve: pip install -e '.[ray]'") from err
     return serve
 
 

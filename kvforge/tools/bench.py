@@ -56,7 +56,7 @@ def _genai_model(source: Path, precision: str, say: Callable[[str], None]) -> Pa
 
     if importlib.util.find_spec("onnxruntime_genai") is None:
         raise BackendUnavailableError(
-            "--compare ort-genai needs onnxruntime-genai: pip install onnxruntime-genai (or pip install 'kvforge[bench]')"
+            "--compare ort-genai needs onnxruntime-genai: pip install onnxruntime-genai (or pip install -e '.[bench]')"
         )
     key = hashlib.sha256(f"{source.resolve()}:{precision}".encode()).hexdigest()[:16]
     out = CACHE / f"genai-{key}-{precision}"
@@ -316,7 +316,7 @@ def check_plot(path: str | Path) -> None:
     if not path.parent.resolve().is_dir():
         raise InputError(f"--plot {path}: the folder {path.parent} does not exist")
     if importlib.util.find_spec("matplotlib") is None:
-        raise BackendUnavailableError("--plot needs matplotlib: pip install 'kvforge[bench]'")
+        raise BackendUnavailableError("--plot needs matplotlib: pip install -e '.[bench]'")
 
 
 def plot(report: dict[str, Any], path: str | Path) -> None:

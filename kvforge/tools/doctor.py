@@ -180,17 +180,17 @@ def backend_verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     else:
         reasons["ort-cuda"] = None
     reasons["emulate"] = None if have["onnxruntime_extensions"] else \
-        "needs onnxruntime-extensions: pip install 'kvforge[emulate]'"
+        "needs onnxruntime-extensions: pip install -e '.[emulate]'"
     trt = report["tensorrt"]
     runnable = [flavor for flavor, entry in trt.items() if entry.get("runs_here")]
     if not any(entry["installed"] for entry in trt.values()):
-        reasons["tensorrt"] = "TensorRT is not installed: pip install 'kvforge[trt]' on a GPU machine"
+        reasons["tensorrt"] = "TensorRT is not installed: pip install -e '.[trt]' on a GPU machine"
     elif gpu is None:
         reasons["tensorrt"] = "no GPU to run engines on"
     elif not runnable:
         reasons["tensorrt"] = "; ".join(e["run_reason"] for e in trt.values() if e["installed"] and e["run_reason"])
     elif not have["cuda"]:
-        reasons["tensorrt"] = "needs cuda-python: pip install 'kvforge[trt]'"
+        reasons["tensorrt"] = "needs cuda-python: pip install -e '.[trt]'"
     else:
         reasons["tensorrt"] = None
     verdicts = {}
@@ -198,7 +198,7 @@ def backend_verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         reason = reasons.get(name, "not probed by kvforge doctor")
         verdicts[name] = {"runs_here": reason is None, "reason": reason}
     if verdicts["ort-cuda"]["runs_here"] and not have["cuda"]:
-        verdicts["ort-cuda"]["note"] = "serving (row copies on the GPU) needs cuda-python: pip install 'kvforge[gpu]'"
+        verdicts["ort-cuda"]["note"] = "serving (row copies on the GPU) needs cuda-python: pip install -e '.[gpu]'"
     if verdicts["emulate"]["runs_here"] and not (have["torch"] and have["triton"]):
         verdicts["emulate"]["note"] = "only --emulation reference (the Triton mode needs torch and triton)"
     return verdicts
