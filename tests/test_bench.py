@@ -80,6 +80,22 @@ def test_bench_cli_json_and_errors(exported, cache, tmp_path) -> None:
     assert bad.exit_code == 2 and "--repeat must be >= 1, got 0" in bad.output
     with pytest.raises(KvforgeError, match="missing does not exist; pass the output folder of `kvforge export`"):
         bench.run_bench(tmp_path / "missing")
+    # A prompt the export cannot hold is refused before any run (it failed in the worker).
+    bad = CliRunner().invoke(main, ["bench", folder, "--prompt-len", "2047", "--new-tokens", "2"])
+    assert bad.exit_code == 2 and "--prompt-len 2047 + --new-tokens 2 is over the export's 2048 positions" in bad.output
+
+
+def test_bench_rows_keep_a_token_each_whatever_the_batch(exported, cache) -> None:
+    # Row b had prompt_len - 3b tokens: --batch 8 --prompt-len 16 (and the default 128 at --batch 44) had an
+    # empty row. The step shrinks instead; rows still differ in length where they can.
+    assert bench_workers.row_lengths(128, 1) == [128] and bench_workers.row_lengths(128, 4) == [128, 125, 122, 119]
+    assert bench_workers.row_lengths(16, 8) == [16, 14, 12, 10, 8, 6, 4, 2]
+    assert min(bench_workers.row_lengths(128, 44)) >= 1 and min(bench_workers.row_lengths(4, 40)) == 4
+    result = CliRunner().invoke(main, ["bench", str(exported("llama-tiny", "onnx")), "--batch", "8", "--prompt-len",
+                                       "16", "--new-tokens", "3", "--repeat", "1", "--threads", "1", "--no-cold-start",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["systems"]["kvforge"]["decode_tokens_per_s"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is not None, reason="onnxruntime-genai is installed")

@@ -21,8 +21,9 @@ def test_bad_options_are_refused_before_any_run(exported) -> None:
         bench_gpu.run_gpu_bench(folder, "ort-cuda", compare=("ort-genai",))
     with pytest.raises(InputError, match="runs backend ort-cuda, tensorrt"):
         bench_gpu.run_gpu_bench(folder, "ort-cpu")
-    with pytest.raises(InputError, match="too short for batch 8"):
-        bench_gpu.run_gpu_bench(folder, "ort-cuda", batches=(1, 8), prompt_len=16)
+    capacity = json.loads((folder / "kvforge.json").read_text())["kv_cache"]["max_capacity"]
+    with pytest.raises(InputError, match=rf"--prompt-len {capacity} \+ --new-tokens 2 is over the export's {capacity} "):
+        bench_gpu.run_gpu_bench(folder, "ort-cuda", prompt_len=capacity, new_tokens=2)
     runner = CliRunner()
     result = runner.invoke(main, ["bench", str(folder), "--batch", "1,8"])
     assert result.exit_code == 2 and "several --batch sizes are for the GPU benchmark" in result.output

@@ -43,7 +43,14 @@ from kvforge.tools.bandwidth import (
     parse_mem_bandwidth,
     share_pct,
 )
-from kvforge.tools.bench_workers import COLD_PROMPT, SPECULATIVE, cold_start_ms, prompt_ids
+from kvforge.tools.bench_workers import (
+    COLD_PROMPT,
+    SPECULATIVE,
+    check_fits,
+    cold_start_ms,
+    prompt_ids,
+    row_lengths,
+)
 
 PEERS = ("hf", "ort-genai")
 CACHE = Path(os.environ.get("KVFORGE_BENCH_CACHE") or Path.home() / ".cache" / "kvforge" / "bench")
@@ -112,7 +119,7 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
     ours = table["kvforge"]
     bandwidths = probes if mem_bandwidth is None else [mem_bandwidth] * repeat
     # Each system's rows read the KV over the mean context of its decode (row b's prompt: prompt_len - 3b).
-    context = mean_context([prompt_len - 3 * b for b in range(batch)], new_tokens)
+    context = mean_context(row_lengths(prompt_len, batch), new_tokens)
     reads = _decode_shares(table, runs, systems, manifest, export_dir, batch, context, bandwidths)
     if SPECULATIVE in table:
         _speculation_row(table, runs, tokens, draft_len)
@@ -149,6 +156,7 @@ def _checked(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, rep
     if unknown:
         raise InputError(f"--compare takes {', '.join(PEERS)}; got {', '.join(unknown)}")
     manifest = load_manifest(export_dir)
+    check_fits(manifest, prompt_len, new_tokens)
     if speculate is not None:
         try:
             check_speculation(speculate, draft_len)

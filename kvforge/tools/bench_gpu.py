@@ -39,6 +39,7 @@ from kvforge.tools.bandwidth import (
     parse_mem_bandwidth,
     share_pct,
 )
+from kvforge.tools.bench_workers import check_fits, prompt_ids, row_lengths
 
 GPU_BACKENDS = ("ort-cuda", "tensorrt")
 GPU_PEERS = ("hf", "hf-compiled")
@@ -46,9 +47,7 @@ TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def prompt_rows(prompt_len: int, batch: int, vocab: int) -> list[list[int]]:
-    from kvforge.tools.bench_workers import prompt_ids
-
-    return [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+    return [prompt_ids(n, b, vocab) for b, n in enumerate(row_lengths(prompt_len, batch))]
 
 
 def gpu_memory_mb() -> float | None:
@@ -197,10 +196,9 @@ def run_gpu_bench(export_dir: str | Path, backend: str, batches: tuple[int, ...]
             raise InputError(f"{name} must be >= {low}, got {value}")
     if not batches or min(batches) < 1:
         raise InputError(f"--batch takes positive sizes, got {batches}")
-    if prompt_len - 3 * (max(batches) - 1) < 1:
-        raise InputError(f"--prompt-len {prompt_len} is too short for batch {max(batches)} (row b has prompt-len - 3b tokens)")
     export_dir = Path(export_dir)
     manifest = load_manifest(export_dir)
+    check_fits(manifest, prompt_len, new_tokens)
     source = Path(manifest["model"].get("source", ""))
     systems = {"kvforge": (str(export_dir), dict(backend_options or {}))}
     dtype = TORCH_DTYPES.get(manifest["dtype"], "float16")
@@ -258,7 +256,7 @@ def _decode_shares(results: dict[str, dict[str, Any]], manifest: dict[str, Any],
     reads: dict[str, dict[str, Any]] = {}
     for name, result in results.items():
         for batch, row in result["batches"].items():
-            context = mean_context([prompt_len - 3 * b for b in range(int(batch))], new_tokens)
+            context = mean_context(row_lengths(prompt_len, int(batch)), new_tokens)
             step = bytes_per_decode_step(manifest, export_dir, int(batch), context,
                                          dtype=None if name == "kvforge" else manifest["dtype"])
             if name == "kvforge":

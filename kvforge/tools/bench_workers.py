@@ -20,6 +20,23 @@ from typing import Any
 from kvforge.core.errors import InputError
 
 
+def check_fits(manifest: dict[str, Any], prompt_len: int, new_tokens: int) -> None:
+    """Refuse, before any run, a prompt and its new tokens that the export's KV capacity cannot hold."""
+    from kvforge.core.contract import KVLayout
+
+    capacity = KVLayout.from_manifest(manifest).max_capacity
+    if prompt_len + new_tokens > capacity:
+        raise InputError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} is over the export's "
+                         f"{capacity} positions (the model's context length); use fewer")
+
+
+def row_lengths(prompt_len: int, batch: int) -> list[int]:
+    """The prompt length of each batch row: prompt_len, then 3 fewer a row (rows of different lengths), or
+    fewer steps where prompt_len is short for the batch, so that every row keeps at least one token."""
+    step = min(3, (prompt_len - 1) // (batch - 1)) if batch > 1 else 0
+    return [prompt_len - step * b for b in range(batch)]
+
+
 def prompt_ids(length: int, row: int = 0, vocab: int = 512) -> list[int]:
     """A fixed, repeatable prompt of token ids every system gets (a different one per batch row)."""
     return [((7 + 2 * row) * i + 3 * row) % (vocab - 10) + 5 for i in range(length)]
@@ -55,7 +72,7 @@ def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int
     from kvforge.runtime import GenerationRequest, Generator, Speculation
 
     gen = Generator(path, threads=threads, spinning=spinning)
-    prompts = [prompt_ids(prompt_len - 3 * b, b, gen.vocab_size) for b in range(batch)]  # different lengths
+    prompts = [prompt_ids(n, b, gen.vocab_size) for b, n in enumerate(row_lengths(prompt_len, batch))]
     speculation = Speculation("prompt-lookup", draft_len) if draft_len else None
     request = GenerationRequest(prompts, new, ignore_eos=True, speculation=speculation)  # greedy
     gen.generate(request.replace(prompts=_warmup(prompts), max_new_tokens=8))  # warm-up
@@ -79,7 +96,7 @@ def _work_hf(path: str, prompt_len: int, new: int, batch: int, threads: int, spi
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
-    full = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+    full = [prompt_ids(n, b, vocab) for b, n in enumerate(row_lengths(prompt_len, batch))]
 
     def run(tokens: int, rows: list[list[int]]) -> tuple[float, float]:
         width = max(map(len, rows))
@@ -113,7 +130,7 @@ def _work_genai(path: str, prompt_len: int, new: int, batch: int, threads: int, 
     model = og.Model(config)
     genai_config = json.loads((Path(path) / "genai_config.json").read_text())["model"]
     vocab, pad = genai_config["vocab_size"], int(genai_config.get("pad_token_id") or 0)
-    full = [prompt_ids(prompt_len - 3 * b, b, vocab) for b in range(batch)]
+    full = [prompt_ids(n, b, vocab) for b, n in enumerate(row_lengths(prompt_len, batch))]
 
     def run(tokens: int, rows: list[list[int]]) -> tuple[float, float]:
         params = og.GeneratorParams(model)
