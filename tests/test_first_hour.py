@@ -312,3 +312,18 @@ def test_a_bare_kvforge_prints_its_help_and_a_usage_error_says_where_the_usage_i
     code, err = result.exit_code, result.stderr
     assert code == 2 and err.strip() == ("kvforge: error: Missing option '-o' / '--output'. "
                                          "(kvforge export --help shows its usage)")
+
+
+def test_parity_refuses_a_model_dir_that_is_not_the_exports_model(hf_folder, exported, tmp_path) -> None:
+    export = str(exported("llama-tiny"))
+    # Another architecture with the same vocabulary: was reported as a parity failure of the export.
+    code, _, err = run("parity", str(hf_folder("qwen2-tiny")), export)
+    assert code == 2 and err.startswith(f"kvforge: error: {hf_folder('qwen2-tiny')} is not the model {export} was "
+                                        "exported from (model_type llama in the export, qwen2 in qwen2-tiny)"), err
+    assert "The order is MODEL_DIR EXPORT_DIR" in err
+    # Another vocabulary: failed in numpy ("operands could not be broadcast").
+    other = shutil.copytree(hf_folder("llama-tiny"), tmp_path / "bigger-vocab")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+    code, _, err = run("parity", str(other), export)
+    assert code == 2 and "(vocab_size 512 in the export, 1024 in bigger-vocab)" in err, err

@@ -192,6 +192,34 @@ def lossy_quantization(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return {"bits": 8, "kv_cache": kv["dtype"]} if kv else None
 
 
+def _check_same_model(model_dir: Path, manifest: dict[str, Any], export_dir: Path) -> None:
+    """Refuse a MODEL_DIR that is not the model the export was made from (its config against the manifest's
+    record): a parity run against another model fails in numpy, or blames the export."""
+    if not (model_dir / "config.json").is_file():
+        return  # load_hf_model says what is wrong with the folder
+    from transformers import AutoConfig
+
+    from kvforge.models.config_values import config_value
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception:  # noqa: BLE001 - an unreadable config: load_hf_model says so in its words
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    recorded = manifest["model"]
+    theirs = {"model_type": {config.model_type, text.model_type}, "vocab_size": config_value(text, "vocab_size"),
+              "hidden_size": config_value(text, "hidden_size"), "num_heads": config_value(text, "num_attention_heads")}
+    differ = [f"{name} {recorded[name]} in the export, {value if name != 'model_type' else text.model_type} in "
+              f"{model_dir.name}" for name, value in theirs.items()
+              if recorded.get(name) is not None and value is not None
+              and (recorded[name] not in value if name == "model_type" else recorded[name] != value)]
+    if differ:
+        source = recorded.get("source")
+        raise InputError(f"{model_dir} is not the model {export_dir} was exported from ({'; '.join(differ)})"
+                         + (f"; it was exported from {source}" if source else "") + ". The order is MODEL_DIR "
+                         "EXPORT_DIR")
+
+
 def run_parity(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -222,6 +250,7 @@ def run_parity(
         raise InputError(f"--atol must be > 0, got {atol}")
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
+    _check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
     quantization = lossy_quantization(load_manifest(export_dir))
     if quantization is not None and perplexity_tokens < 2:
         raise InputError(f"{export_dir} is quantised to int{quantization['bits']}; its parity gate is perplexity, "
