@@ -228,6 +228,9 @@ def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, 
     clock["total"] = time.perf_counter() - started
     extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
     manifest = export_manifest(config, model_dir, target, dtype, layout, graphs, staging, sizes, gguf_record, extra)
+    for field, ids in manifest["model"].get("dropped_token_ids", {}).items():
+        say(f"note: {field} {ids} left out: at or beyond the vocabulary ({config.vocab_size} tokens), the model "
+            "cannot emit it")
     write_manifest(staging, manifest)
     fault_point("export:manifest-written")
     return manifest

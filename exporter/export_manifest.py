@@ -77,6 +77,29 @@ def tool_versions() -> dict[str, str]:
     return versions
 
 
+TOKEN_ID_FIELDS = ("eos_token_id", "bos_token_id", "pad_token_id")
+
+
+def _in_vocabulary(ids: dict[str, Any], vocab_size: int, where: str, dropped: dict[str, Any]) -> dict[str, Any]:
+    """`ids` (eos an id or a list; bos and pad may be -1, Hugging Face's "none") without the ids outside the
+    vocabulary, each dropped one recorded in `dropped` under "where.field"."""
+    def valid(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+    out = {}
+    for name, value in ids.items():
+        if isinstance(value, list | tuple):
+            out[name] = [v for v in value if valid(v)]
+            gone = [v for v in value if not valid(v)]
+        elif value is None or valid(value) or (name != "eos_token_id" and value == -1):
+            out[name], gone = value, []
+        else:
+            out[name], gone = None, [value]
+        if gone:
+            dropped[f"{where}.{name}"] = gone
+    return out
+
+
 def export_manifest(config, model_dir, target: Target, dtype: str, layout: KVLayout, graphs, folder: Path, sizes,
               gguf_record, extra: dict[str, Any]) -> dict[str, Any]:
     eos = config.eos_token_id
@@ -85,18 +108,28 @@ def export_manifest(config, model_dir, target: Target, dtype: str, layout: KVLay
     if generation_file.is_file():
         generation = json.loads(generation_file.read_text())
         eos = generation.get("eos_token_id", eos)
+    # Ids the model cannot emit (a checkpoint whose vocabulary was trimmed) never matter to generation, and
+    # the loader refuses them: they are left out here, and the manifest says which (dropped_token_ids).
+    dropped: dict[str, Any] = {}
+    ids = _in_vocabulary({"eos_token_id": eos, "bos_token_id": getattr(config, "bos_token_id", None),
+                          "pad_token_id": getattr(config, "pad_token_id", None)}, config.vocab_size, "model", dropped)
+    generation = {**generation, **_in_vocabulary({k: generation[k] for k in TOKEN_ID_FIELDS if k in generation},
+                                                 config.vocab_size, "generation", dropped)}
+    eos = ids["eos_token_id"]
     eos_list = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(eos))
     spec = ModelSpec(
         # A state-space model has no attention heads: its query heads are named 1 (it has no KV to size).
         vocab_size=config.vocab_size, num_heads=config_value(config, "num_attention_heads") or 1,
-        hidden_size=config.hidden_size, max_position_embeddings=layout.max_capacity, bos_token_id=getattr(config, "bos_token_id", None),
-        eos_token_id=eos_list, pad_token_id=getattr(config, "pad_token_id", None),
+        hidden_size=config.hidden_size, max_position_embeddings=layout.max_capacity, bos_token_id=ids["bos_token_id"],
+        eos_token_id=eos_list, pad_token_id=ids["pad_token_id"],
         sliding_window=getattr(config, "sliding_window", None), source=str(model_dir),
         architecture=(config.architectures or [None])[0], model_type=config.model_type,
     )
     model = spec.to_manifest()
     if text_of(config) is not None:  # a multimodal checkpoint: its text model was exported (exporter/text_model.py)
         model["text_of"] = text_of(config)
+    if dropped:
+        model["dropped_token_ids"] = dropped
     if gguf_record is not None:
         model["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256", "architecture", "tensor_types")}
     files = {path.name: file_record(path) for path in sorted(folder.iterdir())

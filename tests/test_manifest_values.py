@@ -40,6 +40,9 @@ CASES = [
      "model.max_position_embeddings must be an integer >= 1 and <= 16777216"),
     ("dtype null", _set("dtype"), None, "dtype must be one of fp32, fp16, bf16, got None"),
     ("dtype unknown", _set("dtype"), "fp7", "dtype must be one of fp32, fp16, bf16, got 'fp7'"),
+    # Was read as "no chat template": a path outside the export is a crafted manifest (issue 43, 12).
+    ("chat template elsewhere", _set("chat_template"), "../../etc/template.jinja",
+     "chat_template is '../../etc/template.jinja', which no export writes"),
 ]
 
 
@@ -80,3 +83,32 @@ def test_huggingface_none_pad_ids_still_load_and_pad_with_a_real_id(export, tmp_
     batch = generator.generate(["hi", "a longer prompt here"], max_new_tokens=3, greedy=True)
     alone = generator.generate(["hi"], max_new_tokens=3, greedy=True)
     assert batch.tokens[0] == alone.tokens[0]
+
+
+def test_an_export_without_its_manifest_is_called_damaged(export, tmp_path) -> None:
+    # Its graphs, weights and config.json are there: not "a Hugging Face model folder" to export first.
+    folder = shutil.copytree(export, tmp_path / "damaged")
+    (folder / "kvforge.json").unlink()
+    with pytest.raises(ManifestError, match="holds an export's graphs but no kvforge.json: the export is damaged"):
+        load_manifest(folder)
+
+
+def test_an_export_keeps_only_token_ids_inside_the_vocabulary(hf_folder, tmp_path) -> None:
+    # A trimmed vocabulary whose config still names an eos beyond it: the export wrote a manifest its own
+    # loader refused ("re-run the export", which could not help). Now the ids are left out, and said.
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import Generator
+
+    folder = shutil.copytree(hf_folder("llama-tiny"), tmp_path / "trimmed")
+    for name, values in (("config.json", {"eos_token_id": [2, 600], "bos_token_id": 700}),
+                         ("generation_config.json", {"eos_token_id": [2, 600], "pad_token_id": 512})):
+        data = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**data, **values}))
+    said: list[str] = []
+    manifest = export_model(folder, tmp_path / "export", progress=said.append)
+    assert manifest["model"]["dropped_token_ids"] == {"model.eos_token_id": [600], "model.bos_token_id": [700],
+                                                      "generation.eos_token_id": [600],
+                                                      "generation.pad_token_id": [512]}
+    assert any(line.startswith("note: model.eos_token_id [600] left out") for line in said), said
+    assert load_manifest(tmp_path / "export")["model"]["eos_token_id"] == [2]
+    assert Generator(tmp_path / "export").generate([[1, 5, 6]], max_new_tokens=2, ignore_eos=True).tokens[0]

@@ -160,6 +160,9 @@ def resolve_in_folder(folder: Path, name: Any, what: str, kind: str = "export fo
     return path
 
 
+CHAT_TEMPLATE_SOURCES = ("chat_template.jinja", "tokenizer_config.json", None)  # what exports record
+
+
 def _validate(manifest: Any, path: Path) -> None:
     """Structure checks with messages that name the entry, so a bad file never ends in a KeyError."""
     if not isinstance(manifest, dict):
@@ -185,6 +188,11 @@ def _validate(manifest: Any, path: Path) -> None:
     if spec.max_position_embeddings is not None and layout.max_capacity > spec.max_position_embeddings:
         raise ManifestError(f"{path}: kv_cache.max_capacity {layout.max_capacity} is beyond the model's "
                             f"max_position_embeddings {spec.max_position_embeddings}; re-run the export")
+    template = manifest.get("chat_template")
+    if template not in CHAT_TEMPLATE_SOURCES:  # a path elsewhere was read as "no chat template"
+        raise ManifestError(f"{path}: chat_template is {template!r}, which no export writes (one of "
+                            f"{', '.join(map(repr, CHAT_TEMPLATE_SOURCES))}): the manifest is crafted or damaged; "
+                            "re-run the export")
     files = manifest["files"]
     if not isinstance(files, dict):
         raise ManifestError(f"{path}: 'files' must be an object of file records; re-run the export")
@@ -305,9 +313,12 @@ def load_manifest(folder: str | Path, verify_hashes: bool = False) -> dict[str, 
         raise ManifestError(f"{folder} is a file, not a folder; pass the output folder of `kvforge export`")
     path = folder / MANIFEST_NAME
     if not path.is_file():
-        if (folder / "config.json").is_file():  # a model: exported into a folder of its own, never into itself
+        if (folder / "config.json").is_file() and not (folder / "prefill.onnx").is_file():  # a model, not an export
             raise ManifestError(f"{folder} is a Hugging Face model folder, not a kvforge export: export it first "
                                 f"(`kvforge export {folder} -o {_export_beside(folder)}`) and pass that folder")
+        if (folder / "prefill.onnx").is_file() or (folder / "decode.onnx").is_file():
+            raise ManifestError(f"{folder} holds an export's graphs but no {MANIFEST_NAME}: the export is damaged "
+                                "(its manifest was removed, or it never finished); re-run the export")
         raise ManifestError(f"{folder} has no {MANIFEST_NAME}: it is not a kvforge export (`kvforge export MODEL_DIR "
                             "-o OUT_DIR` makes one; pass OUT_DIR)")
     try:
