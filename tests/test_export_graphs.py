@@ -193,7 +193,7 @@ def test_tampered_export_is_refused(tmp_path, exported) -> None:
     with pytest.raises(ManifestError, match="truncated or replaced"):
         load_manifest(folder)
     (folder / "kvforge.json").unlink()
-    with pytest.raises(ManifestError, match="not a kvforge export"):
+    with pytest.raises(ManifestError, match="holds an export.s graphs but no kvforge.json: the export is damaged"):
         load_manifest(folder)
 
 
