@@ -287,3 +287,15 @@ def test_an_empty_chat_template_file_is_refused_at_start(chat_export, tmp_path, 
                           "--chat-template", str(empty)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert f"the chat template {empty} is empty" in run.stderr and "serving" not in run.stderr
+
+
+# -- issue 43, 5: a template that renders the messages to nothing is the server's fault, said as such --------
+def test_a_chat_template_rendering_nothing_is_the_servers_error(exported, tmp_path) -> None:
+    folder = with_template(exported("llama-tiny", "ort"), tmp_path / "silent", "{# renders nothing #}")
+    with serving(create_app(folder, max_batch=1, max_seq_len=64), log_level="critical") as base:
+        response = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                              timeout=60)
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "chat_template_error" and "no prompts given" not in error["message"]
+    assert error["message"].startswith("the server's chat template rendered these messages to no text")

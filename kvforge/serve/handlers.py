@@ -148,6 +148,10 @@ class OpenAIHandlers:
             raise ApiError(413, str(err), param="messages", code="context_length_exceeded") from err
         except InputError as err:
             raise ApiError(400, str(err), param="messages") from err
+        if not ids:  # the server's template at fault, not the client's messages
+            raise ApiError(500, "the server's chat template rendered these messages to no text (no tokens), so there "
+                           "is no prompt to answer; the server's operator can give another with kvforge serve "
+                           "--chat-template FILE", kind="server_error", code="chat_template_error")
         constraint = self._tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
         generation = self.generation_request(body, ids, max(1, self.service.capacity - len(ids) + 1), "chat", constraint)
