@@ -127,7 +127,7 @@ class GenerationRequest:
                 raise InputError(f"speculation must be a Speculation, got {type(self.speculation).__name__}")
             if not self.sampling.greedy:
                 raise InputError("speculative decoding keeps greedy output unchanged and needs greedy decoding; "
-                                 "drop temperature/top_k/top_p or pass greedy=True")
+                                 "drop the temperature/top_k/top_p options (--greedy, greedy=True)")
             refused = [name for name, given in (("keep_logits", self.keep_logits),
                                                 ("logprobs", self.logprobs is not None),
                                                 ("penalties", self.sampling.penalized),
@@ -200,6 +200,12 @@ def resolve_sampling(defaults: SamplingConfig, sampling: SamplingConfig | None, 
         if given:
             raise InputError(f"pass either sampling=SamplingConfig(...) or the keywords {sorted(given)}, not both")
         return sampling
+    if given.get("greedy") is True:  # greedy picks the argmax: a temperature or an active filter would be ignored
+        ignored = [key for key, off in (("temperature", None), ("top_k", 0), ("top_p", 1), ("min_p", 0))
+                   if key in given and given[key] != off]
+        if ignored:
+            raise InputError(f"greedy decoding ignores {', '.join(f'{k}={given[k]}' for k in ignored)}; ask for one: "
+                             "greedy (--greedy, greedy=True) or sampling (those options without it)")
     if "greedy" not in given and any(key in given for key in ("temperature", "top_k", "top_p", "min_p")):
         given["greedy"] = False  # asking for a temperature or a filter means asking to sample
     return defaults.with_overrides(**given)

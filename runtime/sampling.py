@@ -51,7 +51,8 @@ class SamplingConfig:
             raise InputError(f"temperature must be a number > 0, got {self.temperature!r}")
         if not self.temperature > 0:
             raise InputError(
-                f"temperature must be > 0, got {self.temperature}; use greedy=True for deterministic decoding"
+                f"temperature must be > 0, got {self.temperature}; for deterministic decoding ask for greedy "
+                "(--greedy, greedy=True; temperature 0 over HTTP)"
             )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")

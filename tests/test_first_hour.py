@@ -327,3 +327,34 @@ def test_parity_refuses_a_model_dir_that_is_not_the_exports_model(hf_folder, exp
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     code, _, err = run("parity", str(other), export)
     assert code == 2 and "(vocab_size 512 in the export, 1024 in bigger-vocab)" in err, err
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["export", "MODEL", "-o", "OUT", "--block-size", "64"], "--block-size goes with --quantize, which is not given"),
+    (["export", "MODEL", "-o", "OUT", "--accuracy-level", "4", "--quant-method", "rtn"],
+     "--accuracy-level, --quant-method go with --quantize, which is not given"),
+    (["generate", "EXPORT", "--prompt-ids", "1,2", "--draft-len", "3"], "--draft-len goes with --speculate"),
+    (["bench", "EXPORT", "--draft-len", "3"], "--draft-len goes with --speculate"),
+    (["generate", "EXPORT", "--prompt-ids", "1,2", "--greedy", "--temperature", "0.5"],
+     "greedy decoding ignores temperature=0.5; ask for one: greedy (--greedy, greedy=True) or sampling"),
+    (["generate", "EXPORT", "--prompt-ids", "1,2", "--temperature", "-1"],
+     "temperature must be > 0, got -1.0; for deterministic decoding ask for greedy (--greedy, greedy=True; "
+     "temperature 0 over HTTP)"),
+], ids=["block-size", "accuracy-level", "draft-len generate", "draft-len bench", "greedy+temperature", "temperature"])
+def test_options_that_would_be_ignored_are_refused(args, says, hf_folder, exported, tmp_path) -> None:
+    # They were ignored without a word (issue 43, 8 and 9).
+    swap = {"MODEL": str(hf_folder("llama-tiny")), "OUT": str(tmp_path / "out"), "EXPORT": str(exported("llama-tiny"))}
+    code, _, err = run(*[swap.get(a, a) for a in args])
+    assert code == 2 and says in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_python_api_refuses_greedy_with_a_temperature(exported) -> None:
+    from kvforge.core.errors import InputError
+    from kvforge.runtime import Generator
+
+    generator = Generator(exported("llama-tiny"))
+    with pytest.raises(InputError, match="greedy decoding ignores temperature=0.7"):
+        generator.generate([[1, 2]], max_new_tokens=2, greedy=True, temperature=0.7)
+    # The filters' "off" values are not a request to sample (the server passes them so).
+    assert generator.generate([[1, 2]], max_new_tokens=2, greedy=True, top_p=1.0, top_k=0).tokens[0]

@@ -24,6 +24,7 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     emit_json,
     human_bytes,
     one_line,
+    refuse_unused,
     require_export_extra,
     silence_stdout,
     stdout_closed,
@@ -173,6 +174,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         from kvforge.models.recipes import get_recipe
 
         get_recipe(recipe)  # a typo is said without the export extra's seconds of imports
+    refuse_unused("quantize", quantize is not None, "block_size", "accuracy_level", "quant_method")
     require_export_extra("export")
     from kvforge.exporter.export import ExportOptions, export_model
 

@@ -34,6 +34,19 @@ def require_export_extra(command: str) -> None:
         )
 
 
+def refuse_unused(needed: str, present: bool, *names: str) -> None:
+    """A usage error for options given on the command line that only mean something with --`needed`
+    (absent): they would be ignored without a word."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in names
+             if context.get_parameter_source(name) == ParameterSource.COMMANDLINE]
+    if given and not present:
+        raise click.UsageError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --{needed}, which is "
+                               "not given")
+
+
 BACKEND_CHOICES = list(BACKENDS)
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
 

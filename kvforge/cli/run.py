@@ -17,6 +17,7 @@ from kvforge.cli.common import (
     emulation_option,
     no_spin_option,
     parse_ids,
+    refuse_unused,
     require_export_extra,
     sampling_keywords,
     sampling_options,
@@ -60,6 +61,7 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     from kvforge.runtime import Generator
     from kvforge.runtime.prompts import RenderedChat
 
+    refuse_unused("speculate", options["speculate"] is not None, "draft_len")
     if sum(map(bool, (options["prompts"], options["prompt_ids"], options["chat_text"] is not None))) != 1:
         raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
     if options["system_text"] is not None and options["chat_text"] is None:
@@ -215,6 +217,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None,
     from kvforge.tools.bandwidth import parse_mem_bandwidth
     from kvforge.tools.bench_gpu import GPU_BACKENDS
 
+    refuse_unused("speculate", speculate is not None, "draft_len")
     peers = tuple(p.strip() for p in compare.split(",") if p.strip())
     batches = _batch_sizes(batch)
     gbps = parse_mem_bandwidth(mem_bandwidth)  # before any run
