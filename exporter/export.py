@@ -147,7 +147,7 @@ def export_model(
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))
     # The staging folder comes first, so an unwritable output fails before the slow work.
-    with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say) as staged:
+    with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged:
         assert staged.path is not None
         require_free_space(out_dir.parent, _expected_bytes(checkpoint, options), "the export")
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say)

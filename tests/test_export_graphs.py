@@ -267,3 +267,27 @@ def test_rope_before_attention_folds_only_as_gqa_computes_it(domain, attributes,
     assert (found is not None) is folds
     if folds:
         assert found[0] is y and found[1].op_type == "RotaryEmbedding"
+
+
+def test_an_export_that_appears_meanwhile_is_not_replaced_without_force(hf_folder, exported, tmp_path, monkeypatch):
+    """Two exports to the same new folder without --force: the later one used to replace the first silently
+    (issue 43, 7). Now it stops before publishing and leaves the other run's export as it is."""
+    import shutil
+
+    from kvforge.core import output_folder
+    from kvforge.exporter.export import export_model
+
+    out, other = tmp_path / "out", exported("llama-tiny")
+
+    def the_other_run(name: str) -> None:
+        if name == "export:manifest-written" and not out.exists():
+            shutil.copytree(other, out)  # the other export finishes first
+
+    monkeypatch.setattr(output_folder, "FAULT_HOOKS", [the_other_run])
+    with pytest.raises(InputError, match="appeared while this run wrote its kvforge export .another run made it.; "
+                                         "it was left as it is"):
+        export_model(hf_folder("qwen2-tiny"), out)
+    assert json.loads((out / "kvforge.json").read_text())["model"]["model_type"] == "llama"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
+    export_model(hf_folder("qwen2-tiny"), out, force=True)  # --force replaces it
+    assert json.loads((out / "kvforge.json").read_text())["model"]["model_type"] == "qwen2"

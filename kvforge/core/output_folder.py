@@ -223,7 +223,10 @@ class StagedFolder:
     atomically); leaving the block without publishing deletes the staging folder."""
 
     def __init__(self, out_dir: Path, marker: str, what: str = "kvforge export",
-                 sources: list[Path] | None = None, say: Callable[[str], None] | None = None) -> None:
+                 sources: list[Path] | None = None, say: Callable[[str], None] | None = None,
+                 force: bool = True) -> None:
+        # force=False: a folder that appears at out_dir while this run writes (another run's) is not replaced
+        self.force = force
         self.out_dir = Path(out_dir).resolve()
         self.marker = marker
         self.what = what
@@ -251,6 +254,9 @@ class StagedFolder:
         """Move the staging folder into place; the old folder (if any) is swapped out, then deleted."""
         assert self.path is not None
         # Check again: the path may have changed since the run started.
+        if not self.force and self.out_dir.exists():
+            raise InputError(f"{self.out_dir} appeared while this run wrote its {self.what} (another run made it); "
+                             "it was left as it is and nothing was written: pass --force to replace it")
         check_output(self.out_dir, self.sources, force=True, marker=self.marker, what=self.what)
         self.path.chmod(0o755)  # mkdtemp makes it private; an output folder is an ordinary folder
         fault_point("publish:before")
