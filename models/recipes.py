@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.errors import InputError
-from kvforge.core.output_folder import StagedFolder, check_output
+from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
 from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 
@@ -172,7 +172,8 @@ def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = Fals
     folder = Path(folder).absolute()
     # Only a folder this function wrote (it has the recipe marker) is ever replaced.
     check_output(folder, [], force=force, marker=RECIPE_MARKER, what="kvforge recipe folder")
-    with StagedFolder(folder, RECIPE_MARKER, what="kvforge recipe folder") as staged:
+    # safetensors reports a full disk without a path (SafetensorError): said as a full disk at `folder`.
+    with naming_a_full_disk(folder), StagedFolder(folder, RECIPE_MARKER, what="kvforge recipe folder") as staged:
         staging = staged.path
         assert staging is not None
         model = build_model(name, seed=seed)

@@ -358,3 +358,35 @@ def test_the_python_api_refuses_greedy_with_a_temperature(exported) -> None:
         generator.generate([[1, 2]], max_new_tokens=2, greedy=True, temperature=0.7)
     # The filters' "off" values are not a request to sample (the server passes them so).
     assert generator.generate([[1, 2]], max_new_tokens=2, greedy=True, top_p=1.0, top_k=0).tokens[0]
+
+
+def test_a_recipe_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch) -> None:
+    # Was "unexpected SafetensorError" and an empty folder left behind (issue 43, 6).
+    from safetensors import SafetensorError
+
+    from kvforge.models import recipes
+
+    class Unsaveable:
+        def save_pretrained(self, *args, **kwargs):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(recipes, "build_model", lambda name, seed=0: Unsaveable())
+    code, _, err = run("demo", "--recipe", "demo-llama", "-o", str(tmp_path / "d"))
+    errors = [line for line in err.splitlines() if line.startswith("kvforge: error:")]
+    assert code == 2 and len(errors) == 1 and "unexpected" not in err, err
+    assert "no space left" in err.lower() and str(tmp_path / "d") in err, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_failed_export_of_a_recipe_removes_the_recipe_folder_it_built(tmp_path, monkeypatch) -> None:
+    # It said nothing was changed, and left the complete recipe folder behind (issue 43, 6).
+    from kvforge.core.errors import ExportError
+    from kvforge.exporter import export
+
+    def failing(*args, **kwargs):
+        raise ExportError("export of the recipe failed: the disk is full; nothing was changed")
+
+    monkeypatch.setattr(export, "export_model", failing)
+    code, _, err = run("export", "--recipe", "llama-tiny", "-o", str(tmp_path / "out"))
+    assert code == 2 and "nothing was changed" in err
+    assert list(tmp_path.iterdir()) == []

@@ -185,11 +185,19 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built
     progress = command_progress(False)
+    built = None
     if recipe is not None:
-        model_dir = _recipe_source(recipe, out_dir, hf_dir, force, progress)
+        model_dir, built = _recipe_source(recipe, out_dir, hf_dir, force, progress)
         options = dataclasses.replace(options, hf_dir=None)  # --hf-dir held the recipe: no GGUF to convert there
     assert model_dir is not None
-    manifest = export_model(model_dir, out_dir, options, progress=progress)
+    try:
+        manifest = export_model(model_dir, out_dir, options, progress=progress)
+    except BaseException:
+        if built is not None:  # a failed export changes nothing: the recipe folder built for it goes too
+            import shutil
+
+            shutil.rmtree(built, ignore_errors=True)
+        raise
     section = "quantization" if quantize is not None else "kv_cache_quantization"
     if quantize is not None or kv_cache is not None:
         from kvforge.tools.parity import quantization_accuracy as accuracy
@@ -216,9 +224,10 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
             click.echo(hint, err=True)
 
 
-def _recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool, say: StepProgress) -> Path:
+def _recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
+                   say: StepProgress) -> tuple[Path, Path | None]:
     """The Hugging Face folder of a built-in recipe, built (or reused) beside the export, as a GGUF's
-    conversion is: OUT_DIR.hf unless --hf-dir says where."""
+    conversion is: OUT_DIR.hf unless --hf-dir says where; and the folder again when it was built now."""
     from kvforge.core.manifest import MANIFEST_NAME
     from kvforge.core.output_folder import check_output
     from kvforge.models.recipes import recipe_folder
@@ -226,8 +235,7 @@ def _recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
     out = Path(out_dir).absolute()
     folder = Path(hf_dir) if hf_dir is not None else out.parent / f"{out.name}.hf"
     check_output(out, [folder.absolute()], force=force, marker=MANIFEST_NAME)  # before the recipe is built
-    recipe_folder(recipe, folder, say)
-    return folder
+    return folder, folder if recipe_folder(recipe, folder, say) else None
 
 
 def export_kind(manifest: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ and reused while their sources are unchanged, so a second run starts in seconds.
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,11 +85,17 @@ def run_demo(
             f"{recipe!r}, whose weights are RANDOM, so its text is noise")
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    if gguf is not None:
-        model_dir, export_dir = _prepare_real(gguf, out_dir, target, say, timings)
-    else:
-        assert recipe is not None
-        model_dir, export_dir = _prepare_recipe(recipe, out_dir, target, say, timings)
+    made = not out_dir.exists()
+    try:
+        if gguf is not None:
+            model_dir, export_dir = _prepare_real(gguf, out_dir, target, say, timings)
+        else:
+            assert recipe is not None
+            model_dir, export_dir = _prepare_recipe(recipe, out_dir, target, say, timings)
+    except BaseException:
+        if made:  # the folder this run made for its outputs: nothing of it is left by a failure
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     timings["prepare_s"] = round(time.perf_counter() - started, 1)
     generator = Generator(export_dir)
     real = gguf is not None
