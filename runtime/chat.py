@@ -157,9 +157,12 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""  # OpenAI's null content beside tool calls; templates test it for truth
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(content, str):
             raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}"[:500])
-        if message["role"] not in ROLES:
-            raise InputError(f"message {i} has role {message['role']!r}; use one of {', '.join(ROLES)}")
+        if message["role"] not in ROLES and message["role"] != "developer":
+            raise InputError(f"message {i} has role {message['role']!r}; use one of {', '.join(ROLES)} (or "
+                             "'developer', OpenAI's name for system)")
         checked = dict(message, content=content)
+        if checked["role"] == "developer":  # OpenAI's current name for the system role; templates know "system"
+            checked["role"] = "system"
         for key in ("tool_call_id", "name"):
             if checked.get(key) is not None and not isinstance(checked[key], str):
                 raise InputError(f"message {i}'s {key!r} must be a str, got {checked[key]!r}"[:300])

@@ -129,6 +129,10 @@ def test_multi_turn_chat_reuses_the_previous_turns(server, reference) -> None:
 BAD = [
     ("wrong key", {"headers": {"Authorization": "Bearer nope"}, "json": {"prompt": "x"}}, "/v1/completions", 401, "invalid_api_key"),
     ("no key", {"headers": {}, "json": {"prompt": "x"}}, "/v1/completions", 401, "invalid_api_key"),
+    ("the key without a scheme", {"headers": {"Authorization": KEY}, "json": {"prompt": "x"}}, "/v1/completions", 401,
+     "invalid_api_key"),
+    ("another scheme", {"headers": {"Authorization": f"Basic {KEY}"}, "json": {"prompt": "x"}}, "/v1/completions", 401,
+     "invalid_api_key"),
     ("malformed JSON", {"content": b"{oops"}, "/v1/completions", 400, None),
     ("body not an object", {"json": [1, 2]}, "/v1/completions", 400, None),
     ("unknown model", {"json": {"model": "gpt-9", "prompt": "x"}}, "/v1/completions", 404, "model_not_found"),
@@ -165,6 +169,19 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, wha
     ok = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                     json={"prompt": "still alive", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_developer_is_system(server) -> None:
+    # RFC 7235: "bearer KEY" is valid (it got 401); OpenAI's "developer" role is the system role (it got 400).
+    base, _ = server
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        response = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"{scheme} {KEY}"},
+                              json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
+        assert response.status_code == 200, (scheme, response.text)
+    from kvforge.runtime.chat import check_messages
+
+    assert check_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])[0] == \
+        {"role": "system", "content": "Be brief."}
 
 
 def test_client_disconnect_mid_stream_cancels_the_request(server) -> None:

@@ -213,7 +213,7 @@ class Guard:
                  on_refuse: Callable[[str, int, str], None] | None = None) -> None:
         self.app = app
         self.on_refuse = on_refuse
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.expected = api_key.encode() if api_key is not None else None
         self.allowed_hosts = allowed_hosts
         self.max_body_bytes = max_body_bytes
 
@@ -270,7 +270,10 @@ class Guard:
                      f"--allow-host {shown.split(':')[0]}",
                 code="host_not_allowed"))
         if self.expected is not None and scope["path"] not in self.OPEN_PATHS:
-            if not hmac.compare_digest(headers.get("authorization", b""), self.expected):
+            # RFC 7235: the scheme is case-insensitive ("bearer KEY" is as good as "Bearer KEY").
+            scheme, _, token = headers.get("authorization", b"").partition(b" ")
+            key_ok = hmac.compare_digest(token.strip(), self.expected)  # compared whatever the scheme: constant time
+            if scheme.lower() != b"bearer" or not key_ok:
                 return await refuse(ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                                              kind="authentication_error", code="invalid_api_key"))
         if scope["method"] != "POST":
