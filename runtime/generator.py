@@ -198,6 +198,9 @@ class Generator:
         came as text. Stop strings need the tokenizer."""
         if request.stop and self.tokenizer is None:
             raise InputError(f"stop strings need the export's {TOKENIZER_FILE}; {self.folder} has none")
+        outside = sorted(t for t in request.stop_token_ids if not 0 <= t < self.vocab_size)
+        if outside:  # the model can never emit them: such a stop would never stop anything
+            raise InputError(f"stop_token_ids {outside[:8]} are not token ids of this model (0..{self.vocab_size - 1})")
         return parse_prompts(request.prompts, self.tokenizer, self.vocab_size, self.folder)
 
     def grammar_matcher(self, grammar: Any) -> Any:

@@ -57,7 +57,10 @@ def parse_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: int
         prompts = prompts.tolist() if prompts.ndim == 2 else [prompts.tolist()]
     if isinstance(prompts, (bytes, bytearray)):
         prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+    if not isinstance(prompts, (list, tuple)):
+        raise InputError(f"prompts must be a str, a list of str, or a list of token-id lists, got "
+                         f"{type(prompts).__name__} {prompts!r}"[:300])
+    if len(prompts) == 0:
         raise InputError("no prompts given (the prompt is empty): pass a str, a list of str, or a list of "
                          "token-id lists")
     for i, p in enumerate(prompts):

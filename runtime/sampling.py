@@ -11,6 +11,7 @@ before this, per row, by runtime/logit_controls.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise InputError(f"temperature must be a number > 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature):
+            raise InputError(f"temperature must be a finite number > 0, got {self.temperature}")
         if not self.temperature > 0:
             raise InputError(
                 f"temperature must be > 0, got {self.temperature}; for deterministic decoding ask for greedy "

@@ -390,3 +390,19 @@ def test_a_failed_export_of_a_recipe_removes_the_recipe_folder_it_built(tmp_path
     code, _, err = run("export", "--recipe", "llama-tiny", "-o", str(tmp_path / "out"))
     assert code == 2 and "nothing was changed" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("prompts", "options", "says"), [
+    (5, {}, "prompts must be a str, a list of str, or a list of token-id lists, got int 5"),
+    ({"a": 1}, {}, "prompts must be a str, a list of str, or a list of token-id lists, got dict {'a': 1}"),
+    ([[1, 2]], {"temperature": float("inf")}, "temperature must be a finite number > 0, got inf"),
+    ([[1, 2]], {"stop_token_ids": [7, 10**6]}, "stop_token_ids [1000000] are not token ids of this model (0..511)"),
+], ids=["int", "dict", "temperature inf", "stop id outside"])
+def test_the_python_api_names_what_is_wrong(exported, prompts, options, says) -> None:
+    # They said "the prompt is empty", or were accepted (issue 43, 10).
+    from kvforge.core.errors import InputError
+    from kvforge.runtime import Generator
+
+    with pytest.raises(InputError) as err:
+        Generator(exported("llama-tiny")).generate(prompts, max_new_tokens=2, **options)
+    assert says in str(err.value)
