@@ -132,7 +132,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.stats = {"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
                       "decode_steps": 0, "decode_tokens": 0, "ttft_ms_sum": 0.0, "ttft_count": 0, "decode_seconds": 0.0,
-                      "rejected": 0, "draft_tokens": 0, "accepted_tokens": 0}
+                      "rejected": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                      "rows_failed": 0, "prefix_store_errors": 0}  # one request's own failures (it ends alone)
 
     # -- public -------------------------------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -322,36 +323,53 @@ class Scheduler:
         before any is delivered, so the row is already finished at its first: releasing it there would
         end the request before the rest of its tokens."""
         ended: dict[int, Row] = {}
+        broken: dict[int, str] = {}
         for accepted in positions:
             for item in accepted:
                 row = item.row
+                if item.at in broken:
+                    continue
                 self.stats["completion_tokens"] += 1
-                row.owner.handle.emit(Delta([item.token], item.delta,
-                                            [item.logprob] if item.logprob is not None else None, row.index))
+                try:
+                    row.owner.handle.emit(Delta([item.token], item.delta,
+                                                [item.logprob] if item.logprob is not None else None, row.index))
+                except Exception as err:  # noqa: BLE001 - this request's own consumer failed: it ends alone
+                    broken[item.at] = f"internal error delivering a token: {type(err).__name__}: {err}"
+                    continue
                 if row.finished:
                     ended.setdefault(item.at, row)
+        for at, message in broken.items():
+            self._release(at, FinishReason.ERROR, keep=False, error=message)
         for at, row in ended.items():
-            self._release(at, row.reason)
+            if at not in broken:
+                self._release(at, row.reason)
 
     def _end_failed(self, failed: list[tuple[int, Row]]) -> None:
         """Rows whose own grammar failed end alone, with its error; the batch goes on."""
         for at, _ in failed:
             self._release(at, FinishReason.ERROR)
 
-    def _release(self, at: int, reason: FinishReason, keep: bool = True) -> None:
+    def _release(self, at: int, reason: FinishReason, keep: bool = True, error: str | None = None) -> None:
         row = self.engine.rows[at]
         if row is None:  # released already (a grammar failure and a finish in one step): nothing left to end
             return
-        self._finish(row, at, reason, keep=keep)
-        with self._cond:
-            self.engine.release(at)
+        try:
+            self._finish(row, at, reason, error=error, keep=keep)
+        except Exception:  # noqa: BLE001 - its consumer is gone (its Done could not be delivered): it ends here
+            self.stats["rows_failed"] += 1
+        finally:
+            with self._cond:
+                self.engine.release(at)
 
     def _finish(self, row: Row, at: int, reason: FinishReason, error: str | None = None, keep: bool = True) -> None:
         job = row.owner
         if keep and at >= 0 and row.tokens:
             # Positions written for this request: the prompt and every generated token but the last.
             written = job.prompt_ids + row.tokens[:-1]
-            self.prefixes.store(written, self.backend.read_rows(self.slot, at, len(written)))
+            try:
+                self.prefixes.store(written, self.backend.read_rows(self.slot, at, len(written)))
+            except Exception:  # noqa: BLE001 - only a cache for later requests: this one's answer is whole
+                self.stats["prefix_store_errors"] += 1
         if row.error is not None:  # the row's own grammar failed: the client's request, not the server
             error, client_error = row.error, True
         else:

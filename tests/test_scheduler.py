@@ -120,3 +120,38 @@ def test_bad_requests_and_a_full_queue(exported) -> None:
     with pytest.raises(InputError, match="max_seq_len must be between 2 and the export's"):
         Scheduler(generator, max_seq_len=10**9)
     scheduler.close()
+
+
+def test_an_internal_error_in_one_row_ends_that_request_alone(exported) -> None:
+    """A failure that belongs to one request (its consumer raising on a token, its prefix copy failing)
+    ends or touches that request only; the others in the batch answer as they do alone (issue 43)."""
+    generator = Generator(exported("llama-tiny", "ort"))
+    scheduler = Scheduler(generator, max_batch=3, max_seq_len=256, prefill_chunk=8).start()
+    try:
+        seen = []
+
+        def consumer_that_breaks(event) -> None:
+            seen.append(event)
+            if isinstance(event, Delta) and len(seen) == 3:
+                raise RuntimeError("the client's queue is gone")
+
+        broken = scheduler.submit(_request(PROMPTS[0], 12), on_event=consumer_that_breaks)
+        others = [scheduler.submit(_request(p, 12)) for p in PROMPTS[1:3]]
+        for handle, prompt in zip(others, PROMPTS[1:3], strict=True):
+            tokens, _, done = handle.result()
+            assert tokens == _solo(generator, prompt, 12) and done.error is None
+        done = [e for e in seen if isinstance(e, Done)]
+        assert len(done) == 1 and done[0].finish_reason == FinishReason.ERROR and "the client's queue is gone" in \
+            done[0].error and broken.done is not None
+        # The prefix store failing (a cache for later requests) does not touch the answer.
+        original = scheduler.prefixes.store
+        scheduler.prefixes.store = lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room"))
+        try:
+            tokens, _, done = scheduler.submit(_request(PROMPTS[3], 8)).result()
+        finally:
+            scheduler.prefixes.store = original
+        assert tokens == _solo(generator, PROMPTS[3], 8) and done.error is None
+        stats = scheduler.snapshot()
+        assert stats["prefix_store_errors"] == 1 and stats["running"] == 0
+    finally:
+        scheduler.close()
