@@ -17,10 +17,14 @@ import numpy as np
 
 
 class PrefixStore:
-    """KV rows of finished requests by their token sequence, least recently used evicted first."""
+    """KV rows of finished requests by their token sequence, least recently used evicted first, bounded
+    in bytes and in entries."""
 
-    def __init__(self, budget_bytes: int, exact_only: bool = False) -> None:
+    MAX_ENTRIES = 4096  # a bound on the count too: each lookup scans the entries (an index is issue 43's next step)
+
+    def __init__(self, budget_bytes: int, exact_only: bool = False, max_entries: int = MAX_ENTRIES) -> None:
         self.budget_bytes = budget_bytes
+        self.max_entries = max_entries
         self.exact_only = exact_only
         self.bytes = 0
         self._entries: collections.OrderedDict[int, tuple[np.ndarray, list[tuple[np.ndarray, ...]]]] = (
@@ -60,7 +64,7 @@ class PrefixStore:
                 self._drop(key)
         self._entries[next(self._ids)] = (new, kv)
         self.bytes += size
-        while self.bytes > self.budget_bytes:
+        while self.bytes > self.budget_bytes or len(self._entries) > self.max_entries:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, key: int) -> None:

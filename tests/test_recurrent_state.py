@@ -314,3 +314,12 @@ def test_prompts_of_different_lengths_need_row_moves_and_a_backend_without_them_
     assert "\n" not in str(refused.value) and "one length per call" in str(refused.value)
     same = generator.generate([[5, 6, 7], [9, 8, 7]], max_new_tokens=3, greedy=True, ignore_eos=True).tokens
     assert same == [greedy_alone(Generator(root / "ort"), row, 3) for row in ([5, 6, 7], [9, 8, 7])]
+
+
+def test_the_prefix_store_is_bounded_in_entries_too() -> None:
+    # Bounded only by bytes, 5,024 tiny entries made every lookup scan them all (issue 43, 2).
+    store = PrefixStore(1 << 30, max_entries=3)
+    kv = [(np.zeros(4, np.float32),)]
+    for first in range(5):
+        store.store([first, 7, 8], kv)
+    assert len(store) == 3 and store.lookup([0, 7, 8, 9])[0] == 0 and store.lookup([4, 7, 8, 9])[0] == 3
