@@ -178,7 +178,7 @@ def test_trt_backend_without_engines_or_tensorrt_says_what_to_do(exported, tmp_p
         "files": {}, "options": {"max_batch": 1, "max_input_len": 64, "max_seq_len": 64, "single_engine": False},
         "tensorrt": {"flavor": "tensorrt", "version": "10.15.1"},
     }))
-    with pytest.raises(BackendUnavailableError, match=r"TensorRT \(tensorrt\) is not installed.* pip install 'kvforge\[trt\]'"):
+    with pytest.raises(BackendUnavailableError, match=r"TensorRT \(tensorrt\) is not installed.* pip install -e '\.\[trt\]'"):
         Generator(folder, backend="tensorrt")
     result = CliRunner().invoke(main, ["generate", str(folder), "--backend", "tensorrt", "--prompt-ids", "1,2"])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "tensorrt" in result.stderr

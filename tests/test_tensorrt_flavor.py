@@ -37,7 +37,7 @@ def test_auto_prefers_standard_tensorrt_and_falls_back_to_rtx(monkeypatch) -> No
 
 def test_missing_or_old_tensorrt_is_one_clear_error(monkeypatch) -> None:
     monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: [])
-    with pytest.raises(BackendUnavailableError, match=r"TensorRT is not installed: pip install 'kvforge\[trt-rtx\]'"):
+    with pytest.raises(BackendUnavailableError, match=r"TensorRT is not installed: pip install -e '\.\[trt-rtx\]'"):
         load_tensorrt()
     monkeypatch.setattr(tensorrt_flavor, "installed_flavors", lambda: ["tensorrt-rtx"])
     with pytest.raises(BackendUnavailableError, match=r"TensorRT \(tensorrt\) is not installed \(installed: tensorrt-rtx\)"):

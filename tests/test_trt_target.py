@@ -172,7 +172,7 @@ def test_emulate_without_its_extra_says_which_extra(exported, monkeypatch) -> No
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    with pytest.raises(BackendUnavailableError, match=r"needs triton: pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && pip install 'kvforge\[emulate\]'"):
+    with pytest.raises(BackendUnavailableError, match=r"needs triton: pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && pip install -e '\.\[emulate\]'"):
         Generator(exported("llama-tiny", "trt"))
     # the numpy reference needs no triton
     assert Generator(exported("llama-tiny", "trt"), **REFERENCE).generate([[1, 5]], max_new_tokens=2).tokens
