@@ -83,8 +83,13 @@ def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dty
     from kvforge.exporter.wrapper import GraphWrapper
 
     if layout.layers:  # the record's one scale shape, and the rotary pairs, assume one head size
-        raise UnsupportedModelError(f"{config.model_type}: --kv-cache {kv_dtype} needs one KV head count and head "
-                                    "size for every layer, and this model's layers differ; export without --kv-cache")
+        attention = sum(layout.has_kv(i) for i in range(layout.num_layers))
+        why = ("has no attention layers (it keeps recurrent state only)" if not attention else
+               "mixes attention layers with recurrent-state layers" if layout.states else
+               "has layers of different KV head counts or head sizes")
+        raise UnsupportedModelError(f"{config.model_type}: --kv-cache {kv_dtype} quantises an attention KV cache "
+                                    f"with one head count and head size in every layer, and this model {why}; "
+                                    "export without --kv-cache")
     first, windows = calibration_ids(model_dir, int(config.max_position_embeddings))
     wrapper = GraphWrapper(model, "prefill").eval()
     rows: list[list[list[np.ndarray]]] = [[[], []] for _ in range(layout.num_layers)]  # layer -> kind -> [S, H, D]

@@ -23,7 +23,6 @@ from typing import Any
 
 from kvforge.core.errors import InputError, ManifestError
 
-ROLES = ("system", "user", "assistant", "tool")
 # A rendered prompt longer than this is a template gone wrong (no context window holds it).
 MAX_RENDERED_CHARS = 4 << 20
 
@@ -138,66 +137,6 @@ def _load(folder: Path, manifest: dict[str, Any]) -> tuple[str | None, dict[str,
         if isinstance(value, str):
             specials[name] = value
     return template, specials, where
-
-
-def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages as the template gets them: {role, content} with str content; an assistant message
-    may carry OpenAI's `tool_calls` instead of content (content null or absent), a tool message a
-    `tool_call_id`, any message a `name`. A call's `arguments` (OpenAI sends a JSON string) reach the
-    template as the object, which is what templates write with `tojson`."""
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (or one str)")
-    out = []
-    for i, message in enumerate(messages):
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if calls is not None and content is None and message.get("role") == "assistant":
-            content = ""  # OpenAI's null content beside tool calls; templates test it for truth
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(content, str):
-            raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}"[:500])
-        if message["role"] not in ROLES and message["role"] != "developer":
-            raise InputError(f"message {i} has role {message['role']!r}; use one of {', '.join(ROLES)} (or "
-                             "'developer', OpenAI's name for system)")
-        checked = dict(message, content=content)
-        if checked["role"] == "developer":  # OpenAI's current name for the system role; templates know "system"
-            checked["role"] = "system"
-        for key in ("tool_call_id", "name"):
-            if checked.get(key) is not None and not isinstance(checked[key], str):
-                raise InputError(f"message {i}'s {key!r} must be a str, got {checked[key]!r}"[:300])
-        if calls is not None:
-            if message["role"] != "assistant":
-                raise InputError(f"message {i} has 'tool_calls' but role {message['role']!r}; only assistant "
-                                 "messages carry tool calls")
-            checked["tool_calls"] = _check_tool_calls(calls, i)
-        out.append(checked)
-    return out
-
-
-def _check_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise InputError(f"message {i}'s 'tool_calls' must be a list, got {type(calls).__name__}")
-    out = []
-    for j, call in enumerate(calls):
-        where = f"message {i}'s tool_calls[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or call.get("type", "function") != "function":
-            raise InputError(f"{where} must be {{'type': 'function', 'function': {{'name': str, 'arguments': "
-                             f"str}}}}, got {call!r}"[:500])
-        if call.get("id") is not None and not isinstance(call["id"], str):
-            raise InputError(f"{where}'s 'id' must be a str, got {call['id']!r}"[:300])
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except (ValueError, RecursionError) as err:
-                raise InputError(f"{where}'s arguments are not valid JSON ({err}): {arguments!r}"[:500]) from None
-        if not isinstance(arguments, dict):
-            raise InputError(f"{where}'s arguments must be a JSON object, got {arguments!r}"[:300])
-        out.append(dict(call, type="function", function=dict(function, arguments=arguments)))
-    return out
 
 
 def render(template: str, messages: list[dict[str, Any]], specials: dict[str, str],

@@ -168,8 +168,8 @@ class Generator:
         token (runtime/chat_tokens.py; `special_tokens_in_content=True`: parsed, as transformers does).
         `messages`: [{"role", "content"}, ...] or one user message as a str; `tools`: OpenAI's tool
         list, for templates that take one (kvforge.runtime.tool_calls parses the calls out of the answer)."""
-        from kvforge.runtime.chat import check_messages
         from kvforge.runtime.chat_tokens import conversation_ids
+        from kvforge.runtime.messages import check_messages
         from kvforge.runtime.tool_calls import check_tools, template_takes_tools
 
         template = self.chat_template

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.errors import CapacityError, InputError, KvforgeError
-from kvforge.runtime.chat import ChatTemplate, chat_template_override, check_messages
+from kvforge.runtime.chat import ChatTemplate, chat_template_override
 from kvforge.runtime.chat_tokens import conversation_ids
 from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
 from kvforge.runtime.constraint import compiler_for
 from kvforge.runtime.generator import Generator
 from kvforge.runtime.handles import Event, RequestHandle
 from kvforge.runtime.logprobs import TokenLogprob
+from kvforge.runtime.messages import check_messages
 from kvforge.runtime.request import GenerationRequest
 from kvforge.runtime.scheduler import Scheduler
 from kvforge.runtime.tokenizer import TokenPieces
@@ -125,6 +126,14 @@ class GenerationService:
     def check_length(self, ids: Sequence[int], what: str = "the prompt") -> None:
         if len(ids) > self.capacity:
             raise CapacityError(self.too_long(what, f"{len(ids)} tokens"))
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """InputError for a token id outside the vocabulary, before the request is queued."""
+        vocab = self.generator.vocab_size
+        outside = next((pos for pos, token in enumerate(ids) if not 0 <= token < vocab), None)
+        if outside is not None:
+            raise InputError(f"the prompt's position {outside} has token id {ids[outside]}, outside the vocabulary "
+                             f"[0, {vocab})")
 
     def too_long(self, what: str, size: str) -> str:
         return f"{what} ({size}) does not fit this server's context of {self.capacity} tokens; shorten it"

@@ -41,7 +41,7 @@ def test_the_cap_is_a_build_option_in_engines_json_and_the_key(tmp_path) -> None
     assert record["options"]["plugin_shared_kib"] == 48
     with pytest.raises(InputError, match="--plugin-shared-mem must be a positive integer, got 0"):
         resolve_build_options(manifest, plugin_shared_kib=0)
-    with pytest.raises(InputError, match="onnx-target export does not use"):
+    with pytest.raises(InputError, match="an export for the onnx target does not use"):
         resolve_build_options(_manifest("onnx"), plugin_shared_kib=48)
 
 
@@ -105,4 +105,4 @@ def test_kvforge_build_hands_the_architecture_to_the_plugin(monkeypatch, tmp_pat
     assert result.exit_code != 0 and "--arch: the plugin's GPU architecture must look like sm_90, got 'hopper'" in result.output
     target["name"] = "onnx"
     result = CliRunner().invoke(main, ["build", str(export), "--arch", "sm_90"])
-    assert result.exit_code != 0 and "onnx-target export does not use the plugin" in result.output
+    assert result.exit_code != 0 and "an export for the onnx target does not use the plugin" in result.output

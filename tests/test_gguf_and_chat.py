@@ -166,7 +166,7 @@ def test_chat_rendering_equals_transformers_on_smollm2(tmp_path) -> None:
 
 def test_bad_messages_are_refused(tmp_path) -> None:
     from kvforge.core.errors import InputError
-    from kvforge.runtime.chat import check_messages
+    from kvforge.runtime.messages import check_messages
 
     with pytest.raises(InputError, match="message 0 has role 'wizard'"):
         check_messages([{"role": "wizard", "content": "x"}])

@@ -6,6 +6,8 @@ each prompt's own tokens; speculation and TensorRT refuse such a model in one li
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from serving import check_two_turns, greedy_alone
@@ -323,3 +325,21 @@ def test_the_prefix_store_is_bounded_in_entries_too() -> None:
     for first in range(5):
         store.store([first, 7, 8], kv)
     assert len(store) == 3 and store.lookup([0, 7, 8, 9])[0] == 0 and store.lookup([4, 7, 8, 9])[0] == 3
+
+
+@pytest.mark.parametrize(("shapes", "why"), [
+    ([None, None], "this model has no attention layers (it keeps recurrent state only)"),
+    ([None, (2, 16)], "this model mixes attention layers with recurrent-state layers"),
+], ids=["mamba", "hybrid"])
+def test_an_int8_kv_cache_refusal_says_what_the_model_keeps(shapes, why) -> None:
+    # It said the layers "differ" for a model with no KV cache at all (issue 43, 13).
+    from types import SimpleNamespace
+
+    from kvforge.exporter.kv_quant import calibrate
+
+    states = tuple(StateSpec(i, "recurrent0", (2, 8, 16), "float32") for i, s in enumerate(shapes) if s is None)
+    layout = KVLayout.per_layer(shapes, "float32", 64, states)
+    with pytest.raises(UnsupportedModelError, match=re.escape(f"mamba: --kv-cache int8 quantises an attention KV "
+                                                              f"cache with one head count and head size in every "
+                                                              f"layer, and {why}; export without --kv-cache")):
+        calibrate(None, SimpleNamespace(model_type="mamba"), layout, None, "int8")

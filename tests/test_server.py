@@ -178,7 +178,7 @@ def test_the_bearer_scheme_is_case_insensitive_and_developer_is_system(server) -
         response = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"{scheme} {KEY}"},
                               json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
         assert response.status_code == 200, (scheme, response.text)
-    from kvforge.runtime.chat import check_messages
+    from kvforge.runtime.messages import check_messages
 
     assert check_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])[0] == \
         {"role": "system", "content": "Be brief."}

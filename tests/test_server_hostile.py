@@ -332,6 +332,10 @@ def test_chat_defaults_to_the_rest_of_the_context_and_takes_text_parts(server, r
     got = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 4,
                                                "temperature": 0})
     assert got.status_code == 200 and got.json()["choices"][0]["message"]["content"] == joined.text[0]
+    # The Python API takes and refuses what the server does (issue 43, 10).
+    assert reference.chat([{"role": "user", "content": parts}], max_new_tokens=4, greedy=True).text == joined.text
+    with pytest.raises(InputError, match="messages\\[0\\] has the key 'zzz', which a user message does not take"):
+        reference.chat([{"role": "user", "content": "hi", "zzz": 1}], max_new_tokens=4)
     image = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]})
     assert image.status_code == 400 and "'image_url'" in image.json()["error"]["message"]

@@ -137,6 +137,22 @@ def test_a_lone_surrogate_anywhere_in_the_body_is_a_400(server, path, body, wher
     assert message.startswith(where) and "a lone surrogate" in message, message
 
 
+# -- issue 43, 8: a refused value names its parameter, whatever the check that refused it ----------------
+@pytest.mark.parametrize(("path", "body", "param", "says"), [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature",
+     "'temperature' must be a finite number, got nan"),
+    ("/v1/completions", '{"prompt": "hi", "top_p": Infinity}', "top_p", "'top_p' must be a finite number"),
+    ("/v1/completions", '{"prompt": [5, 999999], "max_tokens": 2}', "prompt", "999999"),
+    ("/v1/completions", '{"prompt": "hi", "seed": -1}', "seed", "'seed' must be between"),
+], ids=["NaN temperature", "infinite top_p", "out-of-vocabulary id", "negative seed"])
+def test_a_refused_value_names_its_parameter(server, path, body, param, says) -> None:
+    _, base = server
+    response = httpx.post(f"{base}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
 # -- 8: every key of a message is used or refused, as OpenAI's API defines it ---------------------------
 @pytest.mark.parametrize(("message", "status", "says"), [
     ({"role": "user", "content": "hi", "zzz": 1}, 400, "messages[0] has the key 'zzz', which a user message"),
@@ -144,8 +160,12 @@ def test_a_lone_surrogate_anywhere_in_the_body_is_a_400(server, path, body, wher
     ({"role": "user", "content": "hi", "name": "bob"}, 400, "messages[0].name is not written by this model's"),
     ({"role": "assistant", "content": "hi", "refusal": "no"}, 400, "messages[0].refusal is not supported"),
     ({"role": "assistant", "content": "hi", "refusal": None, "audio": None}, 200, None),  # OpenAI's own echo
-    ({"role": "tool", "content": "4", "tool_call_id": "c1", "name": "add"}, 200, None),
-], ids=["unknown", "another role's key", "name the template drops", "refusal", "null refusal", "tool name"])
+    ({"role": "tool", "content": "4", "name": "add"}, 200, None),
+    ({"role": "tool", "content": "4", "tool_call_id": "c2"}, 400, "answers tool_call_id 'c2', which no earlier"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi", "zzz": 1}]}, 400,
+     "messages[0].content[0] has the key 'zzz', which a text part does not take"),
+], ids=["unknown", "another role's key", "name the template drops", "refusal", "null refusal", "tool name",
+        "unmatched tool_call_id", "text part key"])
 def test_each_key_of_a_message_is_used_or_refused(server, message, status, says) -> None:
     _, base = server
     response = httpx.post(f"{base}/v1/chat/completions", json={"messages": [message], "max_tokens": 2}, timeout=30)

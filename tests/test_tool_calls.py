@@ -14,7 +14,8 @@ import pytest
 from serving import serving
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.chat import ChatTemplate, check_messages
+from kvforge.runtime.chat import ChatTemplate
+from kvforge.runtime.messages import check_messages
 from kvforge.runtime.tool_calls import (
     ToolCall,
     call_grammar,

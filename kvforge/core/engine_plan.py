@@ -89,8 +89,8 @@ def resolve_build_options(
     if plugin_shared_kib is not None:
         _positive("--plugin-shared-mem", plugin_shared_kib)
         if target.plugin is None:
-            raise InputError(f"--plugin-shared-mem sizes kvforge's attention plugin, which a {target.name}-target "
-                             "export does not use; drop it (or export with --target trt)")
+            raise InputError(f"--plugin-shared-mem sizes kvforge's attention plugin, which an export for "
+                             f"the {target.name} target does not use; drop it (or export with --target trt)")
     return BuildOptions(export_dtype, _positive("--max-batch", max_batch), max_input_len, max_seq_len,
                         bool(single_engine), plugin_shared_kib)
 

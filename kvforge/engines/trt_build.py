@@ -121,8 +121,8 @@ def _check_plugin_arch(manifest: dict[str, Any], arch: str) -> str:
     from kvforge.plugins import trt_plugin
 
     if manifest["target"] != "trt":
-        raise InputError(f"--arch picks the attention plugin's GPU architecture; a {manifest['target']}-target "
-                         "export does not use the plugin")
+        raise InputError(f"--arch picks the attention plugin's GPU architecture; an export for the "
+                         f"{manifest['target']} target does not use the plugin")
     try:
         return trt_plugin.check_arch(arch)
     except ValueError as err:

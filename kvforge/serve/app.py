@@ -50,7 +50,6 @@ from kvforge.serve.guard import (  # noqa: F401  (re-exported: kvforge.serve.app
     allowed_hosts_for,
     check_api_key,
     check_fields,
-    message_content,
     number_field,
     response_format_grammar,
     valid_text,

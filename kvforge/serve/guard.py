@@ -57,6 +57,8 @@ def number_field(body: dict, name: str, default: Any, kind: type, low: float | N
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {value!r}", param=name)
+    if value != value or value in (float("inf"), float("-inf")):  # JSON's NaN and Infinity, which Python reads
+        raise ApiError(400, f"'{name}' must be a finite number, got {value!r}", param=name)
     if (low is not None and value < low) or (high is not None and value > high):
         raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value!r}", param=name)
     return kind(value)
@@ -151,54 +153,6 @@ def check_unicode(body: Any) -> None:
                 stack.append((f"{where}.{key}" if where else key, item))
         elif isinstance(value, list):
             stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
-
-
-# What each role's message may carry (OpenAI's chat API). Used: role, content, tool_calls (assistant),
-# tool_call_id (tool) and name (OpenAI's participant name: used when the chat template writes it,
-# refused when it does not, runtime/service.py; a tool message's name is only a label). Accepted only
-# when null or absent: an assistant's `refusal` and `audio`, and the deprecated `function_call` (a
-# refusal's text goes in the content). Anything else is refused, as unknown top-level parameters are.
-MESSAGE_KEYS = {"system": {"role", "content", "name"}, "user": {"role", "content", "name"},
-                "tool": {"role", "content", "tool_call_id", "name"},
-                "assistant": {"role", "content", "name", "tool_calls"}}
-NULL_ONLY_MESSAGE_KEYS = {"assistant": {"refusal", "audio", "function_call"}}
-
-
-def check_message_keys(messages: list[Any]) -> None:
-    """A 400 for a key of a message that the server would otherwise drop without a word."""
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in MESSAGE_KEYS:
-            continue  # its shape and role are checked (and refused) with the messages themselves
-        role = message["role"]
-        for key, value in message.items():
-            if key in MESSAGE_KEYS[role]:
-                continue
-            if key in NULL_ONLY_MESSAGE_KEYS.get(role, ()):
-                if value is None:
-                    continue
-                raise ApiError(400, f"messages[{i}].{key} is not supported by this server (it would be ignored); "
-                                    f"leave it out or null" + ("; send a refusal's text as the content"
-                                                             if key == "refusal" else ""), param="messages",
-                               code="unsupported_parameter")
-            raise ApiError(400, f"messages[{i}] has the key {key!r}, which a {role} message does not take here; "
-                                f"it takes {', '.join(sorted(MESSAGE_KEYS[role]))}", param="messages",
-                           code="unsupported_parameter")
-
-
-def message_content(content: Any, i: int) -> Any:
-    """OpenAI's content forms: a str, or a list of parts of which only text parts are taken
-    (joined by newlines); other parts are refused by name."""
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:80]
-            raise ApiError(400, f"messages[{i}].content[{j}] is a {shown} part; this server takes text parts only "
-                                "({'type': 'text', 'text': ...})", param="messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 class Guard:

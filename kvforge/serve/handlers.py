@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.core.errors import CapacityError, InputError, KvforgeError, QueueFullError
-from kvforge.runtime.chat import check_messages
 from kvforge.runtime.handles import Delta, Done
+from kvforge.runtime.messages import MessageKeyError, check_messages
 from kvforge.runtime.request import FinishReason, GenerationRequest
 from kvforge.runtime.service import GenerationService, TemplateError
 from kvforge.runtime.tool_calls import ToolRequest
@@ -30,11 +30,10 @@ from kvforge.serve.choices import (
     speculate_option,
 )
 from kvforge.serve.guard import (
+    FIELDS,
     ApiError,
     check_fields,
-    check_message_keys,
     check_unicode,
-    message_content,
     number_field,
     response_format_grammar,
     valid_text,
@@ -103,6 +102,10 @@ class OpenAIHandlers:
                 ids = self._encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt", "prompt")
             else:
                 ids = self._fits(list(prompt), "the prompt", "prompt")
+                try:
+                    self.service.check_ids(ids)
+                except InputError as err:
+                    raise ApiError(400, str(err), param="prompt") from err
             job = Job(ids, self.generation_request(body, ids, 16, "text"))  # OpenAI's completions default: 16
             if echo:
                 job.echo = prompt if isinstance(prompt, str) else self.service.decode(ids)
@@ -123,15 +126,14 @@ class OpenAIHandlers:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        check_message_keys(messages)
-        if self.service.renderer is None:
-            raise ApiError(400, str(self.service.template_error), param="messages")
-        messages = [dict(m, content=message_content(m.get("content"), i)) if isinstance(m, dict) else m
-                    for i, m in enumerate(messages)]
         try:
             checked = check_messages(messages)
+        except MessageKeyError as err:
+            raise ApiError(400, str(err), param="messages", code="unsupported_parameter") from err
         except InputError as err:
             raise ApiError(400, str(err), param="messages") from err
+        if self.service.renderer is None:
+            raise ApiError(400, str(self.service.template_error), param="messages")
         try:
             tools = self.service.tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
                                        checked)
@@ -360,9 +362,9 @@ def _flag(body: dict, key: str) -> bool:
 
 def _param_of(err: InputError) -> str | None:
     """The OpenAI parameter a request's own check names ("stop must be ...", "ignore_eos ...")."""
-    message = str(err)
-    return next((key for key in ("stop", "ignore_eos", "speculate", "draft_len", "seed", "n", "logprobs")
-                 if message.startswith((key, f"'{key}'"))), None)
+    word = str(err).split(" ", 1)[0].strip("'")
+    known = FIELDS["text"] | FIELDS["chat"] | {"draft_len"}
+    return word if word in known else None
 
 
 def _failed(event: Delta | Done) -> bool:
