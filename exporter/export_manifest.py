@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from kvforge import __version__
+from kvforge.core import __version__
 from kvforge.core.contract import KVLayout, ModelSpec
 from kvforge.core.manifest import MANIFEST_NAME, compose, file_record, io_spec
 from kvforge.core.targets import Target

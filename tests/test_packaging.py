@@ -66,3 +66,16 @@ def test_xdist_groups_the_real_model_tests_on_one_worker(request) -> None:
     assert request.node.nodeid.endswith("@real"), (
         f"--dist loadgroup did not group {request.node.nodeid}: pytest {pytest.__version__} and this pytest-xdist "
         "do not work together; install the versions pyproject.toml's dev extra pins")
+
+
+def test_a_clone_named_kvforge_beside_a_script_is_explained(tmp_path: Path) -> None:
+    # Python takes the clone's root (no __init__.py) as a namespace package before an editable install;
+    # it failed with "cannot import name '__version__' from 'kvforge' (unknown location)" (issue 43, 21).
+    if not _imported_from(tmp_path)["kvforge"].startswith(str(REPO)):
+        pytest.skip("kvforge is not installed editable from this checkout (a regular install is not shadowed)")
+    (tmp_path / "kvforge").symlink_to(REPO, target_is_directory=True)
+    (tmp_path / "script.py").write_text("from kvforge.exporter.export import export_model\n")
+    run = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert (f"ImportError: 'kvforge' was imported from {tmp_path / 'kvforge'}, a folder without kvforge's __init__.py: "
+            "most likely a clone of the kvforge repository named 'kvforge' beside your script") in run.stderr

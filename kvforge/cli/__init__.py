@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import click
 
-from kvforge import __version__
+from kvforge.core import __version__
 from kvforge.cli import chat as cli_chat
 from kvforge.cli import run as cli_run
 from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: part of kvforge.cli's API)

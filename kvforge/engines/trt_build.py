@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvforge import __version__
+from kvforge.core import __version__
 from kvforge.core.contract import KVLayout, ModelSpec
 from kvforge.core.engine_plan import (
     ENGINE_DIR_NAME,

@@ -206,7 +206,7 @@ def backend_verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def diagnose() -> dict[str, Any]:
     """Everything `kvforge doctor` prints, as data."""
-    from kvforge import __version__
+    from kvforge.core import __version__
 
     found, problem = gpus()
     report: dict[str, Any] = {"kvforge": __version__, "gpus": found, "gpu_problem": problem,
