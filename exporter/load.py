@@ -66,7 +66,8 @@ def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None 
         raise InputError(f"{config_file} is not valid JSON ({one_line(err)}); fix or re-save the model folder") from err
     if not isinstance(raw, dict):
         raise InputError(f"{config_file} holds a JSON {type(raw).__name__}, not an object: not a model config")
-    raw_family = SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"))
+    raw_family = SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"),
+                                 is_encoder_decoder=raw.get("is_encoder_decoder", False))
     # A multimodal checkpoint is checked as its text model (once transformers has read its config).
     multimodal = isinstance(raw.get("text_config"), dict) or raw.get("model_type") in OWN_TEXT_CONFIG
     if not multimodal:

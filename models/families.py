@@ -179,8 +179,14 @@ def family_for(config: Any, registry: Mapping[str, Family] | None = None) -> Fam
     architectures = getattr(config, "architectures", None) or []
     if isinstance(architectures, str):
         architectures = [architectures]
-    supported = ", ".join(supported_architectures(registry))
+    # Not ~150 class names on one line: how many, and where they are listed.
+    supported = f"{len(registry)} decoder-only model types, listed in docs/models.md"
     family = registry.get(model_type) if isinstance(model_type, str) else None
+    if family is None and getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is an encoder-decoder model, out of kvforge's scope: it exports decoder-only "
+            f"causal language models (prefill and decode of one stack); see docs/models.md for the {len(registry)} "
+            "it takes")
     if family is None:
         named = f" ({', '.join(map(str, architectures))})" if architectures else ""
         claimed: dict[str, str] = {}
