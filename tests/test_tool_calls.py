@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -333,7 +334,10 @@ def test_tool_call_round_trip_with_the_openai_client(server, tool_export) -> Non
     assert second.choices[0].finish_reason == ("length" if want.finish_reason[0] == "length" else "stop")
 
 
-def test_named_tool_choice_calls_that_function(server) -> None:
+def test_named_tool_choice_calls_that_function(server, caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kvforge.serve")
     client = _client(server)
     messages = [{"role": "user", "content": "Add 2 and 3"}]
     choice = {"type": "function", "function": {"name": "add"}}
@@ -345,6 +349,14 @@ def test_named_tool_choice_calls_that_function(server) -> None:
     streamed = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice=choice,
                                               max_tokens=120, temperature=0, stream=True)
     assert _reassemble(streamed) == ("", [(c.function.name, c.function.arguments) for c in calls], "tool_calls")
+    # The request log says what the client got, not "stop" (issue 43, 22).
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        logged = [r.kvforge_fields for r in caplog.records if getattr(r, "kvforge_fields", {}).get("id") == answer.id]
+        if logged:
+            break
+        time.sleep(0.05)
+    assert [fields["finish_reason"] for fields in logged] == ["tool_calls"]
 
 
 def test_tool_choice_none_and_auto_answer_as_without_tools(server, tool_export) -> None:

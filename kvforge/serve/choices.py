@@ -275,6 +275,11 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    def called_tools(self) -> bool:
+        """Whether an answer is a tool call (its finish_reason "tool_calls"; the request log says so too)."""
+        return self.kind == "chat" and any(c.finish_reason == "tool_calls" or answer_message(c.text, self.tools)[1]
+                                           for c in self.choices)
+
     def body(self) -> dict[str, Any]:
         """The whole (non-streamed) response."""
         choices = []

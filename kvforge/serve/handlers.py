@@ -314,7 +314,7 @@ def _event_stream(reply: Reply, events: asyncio.Queue, cancel_all: Callable[[], 
             yield "data: [DONE]\n\n"
         finally:
             cancel_all()
-            trace.end(200)  # logged now, or once the cancelled request's last Done comes
+            trace.end(200, tool_calls=reply.finished and reply.called_tools())  # logged now, or at the last Done
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"x-request-id": trace.id})
 
@@ -349,7 +349,7 @@ async def _answer(request: Any, reply: Reply, events: asyncio.Queue, cancel_all:
     finally:
         getter.cancel()
         cancel_all()
-        trace.end(status)  # logged now, or once a cancelled request's last Done comes
+        trace.end(status, tool_calls=status == 200 and reply.called_tools())  # logged now, or at the last Done
     return reply.body()
 
 

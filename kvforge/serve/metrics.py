@@ -155,6 +155,7 @@ class RequestTrace:
         self._lock = threading.Lock()  # taken once at the end, never per token
         self._ended_status: int | None = None
         self._logged = False
+        self.tool_calls = False
 
     def on_event(self, event: Any, stream: Any = 0) -> None:
         """Called in the scheduler thread for every Delta and the (request's one) Done, before the
@@ -175,9 +176,11 @@ class RequestTrace:
         if status is not None:
             self._finish(status)
 
-    def end(self, status: int) -> None:
+    def end(self, status: int, tool_calls: bool = False) -> None:
         """The handler is done with the request: log it now if its Done came, else when it comes
-        (the client went away and the request is being cancelled)."""
+        (the client went away and the request is being cancelled). `tool_calls`: the answer is a tool
+        call, which the Done cannot tell (the log's finish_reason is then OpenAI's "tool_calls")."""
+        self.tool_calls = tool_calls
         with self._lock:
             if self.done is None:
                 self._ended_status = status
@@ -199,7 +202,7 @@ class RequestTrace:
         end = time.perf_counter()
         reason = done.finish_reason.value
         if reason in ("eos", "stop"):
-            reason = "stop"  # OpenAI's name for both (the log and the counter use its names)
+            reason = "tool_calls" if self.tool_calls else "stop"  # OpenAI's names (the log and the counter use them)
         ttft = self.first - self.arrived if self.first is not None else None
         tps = ((done.completion_tokens - 1) / (self.last - self.first)
                if done.completion_tokens > 1 and self.last is not None and self.last > self.first else None)
