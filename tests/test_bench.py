@@ -193,3 +193,22 @@ def test_serving_peer_prompts_are_distinct_pieces_of_the_passage(tmp_path) -> No
     assert combined["tokens_per_s"] == 50.0 and combined["itl_p99_ms"] == 61.2 and combined["load_avg_1m"] == [2.5, 4.1]
     assert combined["all_same_lengths"] and combined["samples"] == samples and combined["prompt_tokens"] == [53] * 24
     assert not peer.combine([samples[0], {**samples[1], "tokens": 500}])["all_same_lengths"]
+
+
+def test_the_system_table_keeps_its_columns_whatever_the_names() -> None:
+    # A long system name shifted every column after it (issue 43, 22).
+    def row(tps: float, **extra) -> dict:
+        return {"ttft_ms": 181.0, "decode_tokens_per_s": tps, "decode_tokens_per_s_spread": (tps - 1, tps + 1),
+                "peak_rss_mb": 694.0, **extra}
+
+    peer = next(iter(bench.PEERS))
+    ratios = {"decode_ratio_kvforge_over_peer": 1.12, "ttft_ratio_kvforge_over_peer": 0.82,
+              "rss_ratio_kvforge_over_peer": 0.89}
+    lines = bench._system_rows({"kvforge": row(50.4, precision="fp32"),
+                                peer: row(1234.5, precision="int4-a-long-precision-name", **ratios)})
+    header, ours, theirs = lines
+    for column in ("TTFT ms", "decode tok/s (min-max)", "peak RSS MB", "decode x", "RSS x"):
+        end = header.index(column) + len(column)  # right-aligned numbers end where their header ends
+        assert theirs[end - 1] != " " and (end == len(theirs) or theirs[end] == " "), (column, theirs)
+    assert ours.index("50.4") + len("50.4 (49-51)") == header.index("decode tok/s (min-max)") + len("decode tok/s (min-max)")
+    assert theirs.endswith("1.12    0.82   0.89")

@@ -258,21 +258,10 @@ def _ratios(table: dict[str, Any], cold_start: bool) -> None:
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"{report['export']}: prompt {report['prompt_len']}, {report['new_tokens']} new tokens, batch "
              f"{report['batch']}, {report['threads']} threads"
-             f"{'' if report.get('spinning', True) else ' (kvforge: --no-spin)'}, median of {report['repeat']} rounds",
-             f"{'system':<16}{'TTFT ms':>10}{'decode tok/s (min-max)':>24}{'% of BW limit':>15}{'peak RSS MB':>13}"
-             "   ratios kvforge/peer (decode >1: kvforge faster; TTFT, RSS <1: kvforge lower)"]
-    for name, row in report["systems"].items():
-        ratios = "" if name not in PEERS else (
-            f"   decode x{row['decode_ratio_kvforge_over_peer']:.2f}, TTFT x{row['ttft_ratio_kvforge_over_peer']:.2f}, "
-            f"RSS x{row['rss_ratio_kvforge_over_peer']:.2f}")
-        if name == SPECULATIVE:
-            ratios = f"   over plain kvforge: decode x{row['decode_ratio_over_plain']:.2f}"
-        lo, hi = row["decode_tokens_per_s_spread"]
-        label = f"{name} {row['precision']}" if row.get("precision") else name
-        decode = f"{row['decode_tokens_per_s']:.1f} ({lo:.0f}-{hi:.0f})"
-        share = row.get("decode_share_of_bandwidth_limit_pct")
-        lines.append(f"{label:<16}{row['ttft_ms']:>10.1f}{decode:>24}{'-' if share is None else f'{share:.1f}%':>15}"
-                     f"{row['peak_rss_mb']:>13.0f}{ratios}")
+             f"{'' if report.get('spinning', True) else ' (kvforge: --no-spin)'}, median of {report['repeat']} rounds"]
+    lines += _system_rows(report["systems"])
+    lines.append("ratios: kvforge / that system. decode above 1 = kvforge faster; TTFT and RSS below 1 = kvforge "
+                 "sooner and smaller")
     ours = report["systems"]["kvforge"]
     spec = report["systems"].get(SPECULATIVE)
     if spec is not None:
@@ -295,6 +284,29 @@ def format_table(report: dict[str, Any]) -> str:
             lines.append(f"{name} export/build: {row['export_s']:.1f} s" + (f" (kvforge x{ratio:.2f})" if ratio else ""))
     lines += _bandwidth_lines(report)
     return "\n".join(lines)
+
+
+def _system_rows(systems: dict[str, Any]) -> list[str]:
+    """The per-system table, its columns as wide as their widest cell (a long system name or a wide decode
+    figure shifted every column after it)."""
+    header = ["system", "TTFT ms", "decode tok/s (min-max)", "% of BW limit", "peak RSS MB", "decode x", "TTFT x",
+              "RSS x"]
+    rows = []
+    for name, row in systems.items():
+        lo, hi = row["decode_tokens_per_s_spread"]
+        share = row.get("decode_share_of_bandwidth_limit_pct")
+        ratios = ["", "", ""]
+        if name in PEERS:
+            ratios = [f"{row[f'{key}_ratio_kvforge_over_peer']:.2f}" for key in ("decode", "ttft", "rss")]
+        elif name == SPECULATIVE:
+            ratios = [f"{row['decode_ratio_over_plain']:.2f} (over plain kvforge)", "", ""]
+        rows.append([f"{name} {row['precision']}" if row.get("precision") else name, f"{row['ttft_ms']:.1f}",
+                     f"{row['decode_tokens_per_s']:.1f} ({lo:.0f}-{hi:.0f})", "-" if share is None else f"{share:.1f}%",
+                     f"{row['peak_rss_mb']:.0f}", *ratios])
+    widths = [max(len(cells[i]) for cells in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width)
+                      for i, (cell, width) in enumerate(zip(cells, widths, strict=True))).rstrip()
+            for cells in [header, *rows]]
 
 
 def _bandwidth_lines(report: dict[str, Any]) -> list[str]:
