@@ -109,13 +109,13 @@ def test_the_quick_start_repeats_readmes_demo_as_written() -> None:
 def test_export_of_the_gguf_where_readme_says_it_is(workdir, real) -> None:
     script = doc_block("installed_real_model()", "docs/quickstart.md")
     _run(script, workdir, timeout=900)
-    manifest = (workdir / "smollm2-onnx" / "kvforge.json").read_text()
+    manifest = (workdir / "kvforge-demo" / "smollm2-onnx" / "kvforge.json").read_text()
     assert '"target": "onnx"' in manifest and "SmolLM2-135M-Instruct" in manifest
     # Issue 17's case: the same GGUF converted and exported in a fresh `kvforge export` process gives the
     # very export the in-process path (the demo's way: the `real` fixture) gave, constants included.
     from test_export_reproducible import assert_same_export
 
-    assert_same_export(real["onnx"], workdir / "smollm2-onnx")
+    assert_same_export(real["onnx"], workdir / "kvforge-demo" / "smollm2-onnx")
 
 
 def test_python_api_example(workdir) -> None:
