@@ -262,7 +262,7 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     from kvforge.exporter.layer_stamping import StampRefused, stamp_layers, stamp_plan, traced_prefix
     from kvforge.exporter.lazy_weights import attach_weights
 
-    plan = stamp_plan(model, work.config, layout) if work.options.stamp else "--no-stamp"
+    plan = stamp_plan(model, work.config, layout, work.family) if work.options.stamp else "--no-stamp"
     prefill = None
     if not isinstance(plan, str):
         work.say(f"tracing 2 of the {plan.total} alike layers (torch.onnx, dynamo) and stamping the rest; "

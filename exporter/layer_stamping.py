@@ -26,11 +26,9 @@ from typing import Any
 import onnx_ir as ir
 
 from kvforge.core.contract import GraphIO, KVLayout
+from kvforge.models.families import Family
 
 SCOPES = "pkg.torch.onnx.name_scopes"
-# Families whose decoder layers are alike by construction (no sliding/full alternation, no layers
-# without rotary, no dense-then-MoE): the rest trace every layer.
-UNIFORM_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma"})
 TRACED_LAYERS = 2
 _MIN_LAYERS = 4  # below this, stamping saves nothing worth the second code path
 
@@ -48,13 +46,13 @@ class StampPlan:
     total: int
 
 
-def stamp_plan(model: Any, config: Any, layout: KVLayout) -> StampPlan | str:
-    """The plan for a model whose layers can be stamped, or why not."""
+def stamp_plan(model: Any, config: Any, layout: KVLayout, family: Family) -> StampPlan | str:
+    """The plan for a model whose layers can be stamped (its family says they are alike), or why not."""
     import torch
 
     total = layout.num_layers
-    if config.model_type not in UNIFORM_FAMILIES:
-        return f"{config.model_type} is not among the families whose layers are alike"
+    if not family.uniform_layers:
+        return f"{family.model_type} is not among the families whose layers are alike"
     if layout.layers or layout.states or total < _MIN_LAYERS:
         return "its KV layout differs per layer" if layout.layers or layout.states else f"only {total} layers"
     kinds = set(getattr(config, "layer_types", None) or [])

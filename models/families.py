@@ -38,6 +38,9 @@ class Family:
     # why its `trt` export fails there, if it does.
     swept: bool = False
     trt_refusal: str | None = None
+    # Decoder layers alike by construction (no sliding/full alternation, no layers without rotary, no
+    # dense-then-MoE): a streamed export traces two and stamps the rest (exporter/layer_stamping.py).
+    uniform_layers: bool = False
 
     # First guesses from the config (the export probes the shapes each layer really has); 1 for a model
     # without attention heads (a state-space model), which keeps no KV.
@@ -103,12 +106,18 @@ def _rope_parameter_sets(config: Any) -> list[tuple[str, dict[str, Any]]]:
 HAND_WRITTEN: dict[str, Family] = {
     family.model_type: family
     for family in (
-        Family("llama", ("LlamaForCausalLM",), "Llama 1-3.x incl. llama3 rope scaling, tied or untied embeddings"),
-        Family("mistral", ("MistralForCausalLM",), "sliding-window attention"),
-        Family("qwen2", ("Qwen2ForCausalLM",), "q/k/v bias, optional sliding window"),
-        Family("qwen3", ("Qwen3ForCausalLM",), "q/k RMSNorm, head_dim independent of hidden/heads"),
-        Family("phi3", ("Phi3ForCausalLM",), "Phi-3/3.5/4-mini: fused qkv and gate/up, LongRoPE, partial rotary"),
-        Family("gemma", ("GemmaForCausalLM",), "embedding scaling, RMSNorm +1, GeGLU, head_dim 256"),
+        Family("llama", ("LlamaForCausalLM",), "Llama 1-3.x incl. llama3 rope scaling, tied or untied embeddings",
+               uniform_layers=True),
+        Family("mistral", ("MistralForCausalLM",), "sliding-window attention",
+               uniform_layers=True),
+        Family("qwen2", ("Qwen2ForCausalLM",), "q/k/v bias, optional sliding window",
+               uniform_layers=True),
+        Family("qwen3", ("Qwen3ForCausalLM",), "q/k RMSNorm, head_dim independent of hidden/heads",
+               uniform_layers=True),
+        Family("phi3", ("Phi3ForCausalLM",), "Phi-3/3.5/4-mini: fused qkv and gate/up, LongRoPE, partial rotary",
+               uniform_layers=True),
+        Family("gemma", ("GemmaForCausalLM",), "embedding scaling, RMSNorm +1, GeGLU, head_dim 256",
+               uniform_layers=True),
         Family("gemma2", ("Gemma2ForCausalLM",),
                "attention and final-logit soft-capping, query_pre_attn_scalar, alternating sliding/global layers",
                final_softcap_key="final_logit_softcapping"),
@@ -116,9 +125,11 @@ HAND_WRITTEN: dict[str, Family] = {
                "q/k norm, sliding/global layer pattern with their own RoPE bases (text model)",
                final_softcap_key="final_logit_softcapping"),
         Family("gpt2", ("GPT2LMHeadModel",), "learned absolute positions, multi-head attention, biases, LayerNorm"),
-        Family("olmo2", ("Olmo2ForCausalLM",), "post-norm blocks, q/k RMSNorm over all heads"),
+        Family("olmo2", ("Olmo2ForCausalLM",), "post-norm blocks, q/k RMSNorm over all heads",
+               uniform_layers=True),
         Family("granite", ("GraniteForCausalLM",), "embedding, residual, attention and logit multipliers",
-               logits_divisor_key="logits_scaling"),
+               logits_divisor_key="logits_scaling",
+               uniform_layers=True),
         Family("smollm3", ("SmolLM3ForCausalLM",), "layers without RoPE (NoPE) between rotary layers"),
     )
 }
