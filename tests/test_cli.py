@@ -130,3 +130,29 @@ def test_export_without_the_export_extra_says_what_to_install(tmp_path, monkeypa
     code, _, err = run("export", str(tmp_path), "-o", str(tmp_path / "out"))
     assert code == 2
     assert "needs the export extra (torch missing), in the kvforge checkout: pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu && pip install -e '.[export]'" in err
+
+
+def test_help_groups_the_commands_and_gives_every_option_a_text() -> None:
+    # Alphabetical, cut summaries, no examples, options without help (issue 43, 20).
+    import shlex
+
+    import click
+
+    from kvforge.cli.help import EXAMPLES, SECTIONS
+
+    text = CliRunner().invoke(main, ["--help"]).output
+    headings = [line for line in text.splitlines() if line.endswith(" commands:")]
+    assert headings == ["Start commands:", "Make commands:", "Run commands:", "Look commands:"], text
+    order = [line.split()[0] for line in text.split("Start commands:")[1].splitlines()
+             if line.startswith("  ") and line.split()]
+    assert order == [name for names in SECTIONS.values() for name in names] == sorted(main.commands, key=order.index)
+    assert "..." not in text.split("Start commands:")[1]  # every summary whole
+    for name, command in main.commands.items():
+        lacking = [p.opts for p in command.params if isinstance(p, click.Option) and not p.help and not p.hidden]
+        assert not lacking, (name, lacking)
+        shown = CliRunner().invoke(main, [name, "--help"]).output
+        assert "Examples:" in shown and EXAMPLES[name], name
+        for example in EXAMPLES[name]:  # each parses as written: its options exist, its values fit their types
+            args = shlex.split(example)
+            assert args[:2] == ["kvforge", name], example
+            command.make_context(name, args[2:])

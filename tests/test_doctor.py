@@ -60,6 +60,9 @@ def test_ort_cuda_reasons_in_the_order_a_user_fixes_them() -> None:
                        "Runtime needs did not load)", none)["backends"]["ort-cuda"]
     assert fallback["reason"].startswith("a CUDA session does not start: fell back")
     assert "TensorRT is not installed" in _report([H100], [], None, none)["backends"]["tensorrt"]["reason"]
+    # No GPU and a CPU onnxruntime: the missing GPU is the reason, not a package to install (issue 43, 22).
+    cpu_only = _report([], ["CPUExecutionProvider"], None, none)["backends"]["ort-cuda"]["reason"]
+    assert cpu_only == "no GPU (CUDA reports no GPU)"
 
 
 def test_tensorrt_info_judges_each_flavour_against_the_gpu(monkeypatch) -> None:

@@ -327,6 +327,11 @@ def test_parity_refuses_a_model_dir_that_is_not_the_exports_model(hf_folder, exp
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
     code, _, err = run("parity", str(other), export)
     assert code == 2 and "(vocab_size 512 in the export, 1024 in bigger-vocab)" in err, err
+    # Swapped: the export first. It was told to export the model folder first (issue 43, 22).
+    code, _, err = run("parity", export, str(hf_folder("llama-tiny")))
+    assert code == 2 and err.startswith(f"kvforge: error: {export} is a kvforge export and {hf_folder('llama-tiny')} "
+                                        "is not: the arguments are swapped? The order is MODEL_DIR EXPORT_DIR: "
+                                        f"kvforge parity {hf_folder('llama-tiny')} {export}"), err
 
 
 @pytest.mark.parametrize(("args", "says"), [

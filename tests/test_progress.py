@@ -46,3 +46,33 @@ def test_a_terminal_gets_a_live_display_with_each_steps_elapsed_time() -> None:
     assert "converting the GGUF" in text and "tracing the model" in text
     assert re.search(r"0:00:0\d", text)  # rich's elapsed-time column
     assert "done" in text  # finished steps stay on screen, marked done
+
+
+def test_a_heartbeat_names_its_step_whole(monkeypatch) -> None:
+    # "still prompt 'def main() (16 s)" cut inside a quote; "still round 1/3" lost the system's name (issue 43, 19).
+    from kvforge.core import progress
+
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.2)
+    out = io.StringIO()
+    say = StepProgress(stream=out)
+    for message in ("prompt 2 of 3 (12 tokens, 'def main(): (x)'; about 40 s of prompts left)",
+                    "timing ort-genai, round 1/3", "building the built-in recipe 'a (b)' in /x: a description"):
+        say(message)
+        time.sleep(0.35)
+    say.close()
+    still = [re.sub(r" \(\d+ s\)$", "", line.split("] ", 2)[2]) for line in out.getvalue().splitlines() if "still" in line]
+    assert still == ["still prompt 2 of 3", "still timing ort-genai, round 1/3",
+                     "still building the built-in recipe 'a (b)' in /x"], out.getvalue()
+
+
+def test_a_message_wider_than_the_terminal_keeps_the_time_column() -> None:
+    from rich.console import Console
+
+    from kvforge.core.progress import live_display
+
+    live = live_display(Console(file=io.StringIO(), width=40, force_terminal=True, color_system=None))
+    live.add_task("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it", total=None)
+    console = Console(file=io.StringIO(), width=40, color_system=None)
+    console.print(live.make_tasks_table(live.tasks))
+    [line] = console.file.getvalue().splitlines()
+    assert re.search(r"0:00:00 tracing the model once", line) and len(line) <= 40, line

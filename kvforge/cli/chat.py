@@ -31,6 +31,7 @@ from kvforge.cli.common import (
     backend_options,
     check_utf8,
     emulation_option,
+    no_spin_option,
     sampling_keywords,
     sampling_options,
 )
@@ -158,6 +159,7 @@ def _stat_line(turn: Turn) -> str:
                    "tensorrt: any backend with row operations.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime backends: intra-op threads.")
 @emulation_option
+@no_spin_option
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--quiet", is_flag=True, help="No banner and no statistics line after each answer.")
 @click.option("--special-tokens-in-content", is_flag=True,
@@ -167,8 +169,8 @@ def _stat_line(turn: Turn) -> str:
               help="One JSON object per answer on stdout (answer, finish_reason, token counts, ttft_ms, "
                    "decode_tokens_per_s) instead of streamed text.")
 def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_eos: bool,
-         max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, verify: bool,
-         quiet: bool, special_tokens_in_content: bool, as_json: bool, **sampling: Any) -> None:
+         max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, no_spin: bool,
+         verify: bool, quiet: bool, special_tokens_in_content: bool, as_json: bool, **sampling: Any) -> None:
     """Chat with an export in the terminal (multi-turn; earlier turns' KV rows are reused).
 
     /reset forgets the conversation, /exit or Ctrl-D quits; Ctrl-C stops the answer being written
@@ -178,7 +180,8 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
 
     check_utf8("--system", system_text)
     generator = Generator(export_dir, backend=backend, verify_hashes=verify,
-                          **backend_options(threads=threads, emulation=emulation))
+                          **backend_options(threads=threads, emulation=emulation,
+                                            spinning=False if no_spin else None))
     try:
         generator.chat_template  # noqa: B018  (raises when the export has none)
     except InputError as err:

@@ -57,13 +57,20 @@ def sampling_options(command: Command) -> Command:
     """--greedy, --temperature, --top-k, --top-p, --seed: the sampling options `generate` and `chat` share."""
     for option in reversed((
         click.option("--greedy", is_flag=True, help="Greedy decoding, whatever the folder's generation config says."),
-        click.option("--temperature", type=float),
-        click.option("--top-k", type=int),
-        click.option("--top-p", type=float),
-        click.option("--seed", type=int),
+        click.option("--temperature", type=float, help="Sample at this temperature (> 0) instead of the export's "
+                     "default decoding."),
+        click.option("--top-k", type=int, help="Sample among the k most likely tokens only (0: all)."),
+        click.option("--top-p", type=float, help="Sample among the most likely tokens whose probabilities add up to p "
+                     "(1: all)."),
+        click.option("--seed", type=int, help="Sampling seed: the same seed gives the same tokens."),
     )):
         command = option(command)
     return command
+
+
+def json_option(what: str) -> Callable[[Command], Command]:
+    """--json: the command's result as one JSON object on stdout instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object instead of text.")
 
 
 def sampling_keywords(options: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from kvforge.cli.common import (
     command_progress,
     emit_json,
     emulation_option,
+    json_option,
     no_spin_option,
     parse_ids,
     refuse_unused,
@@ -34,7 +35,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
 @click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
 @click.option("--system", "system_text", help="With --chat: a system message first.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Most tokens generated per prompt.")
 @sampling_options
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--sessions", type=click.Choice(["single", "shared", "separate"]), default=None,
               help="ONNX Runtime backends: single (default: one session runs both phases, one weight copy), "
                    "shared (both graphs over one memory-mapped copy), separate (both graphs, two copies).")
-@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
 @emulation_option
 @no_spin_option
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
@@ -55,7 +56,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--draft-len", default=6,  # runtime.speculate.DEFAULT_DRAFT_LEN (not imported: slow)
               show_default=True, type=int,
               help="With --speculate: most tokens drafted per step.")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("the results (tokens, text, timings)")
 def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> None:
     """Generate from an export folder."""
     from kvforge.runtime import Generator
@@ -149,20 +150,20 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
 @click.command()
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @click.argument("export_dir", type=click.Path(path_type=Path))
-@click.option("--new-tokens", default=32, show_default=True, type=int)
+@click.option("--new-tokens", default=32, show_default=True, type=int, help="Greedy tokens compared per prompt.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt text (default: a few built-in prompts).")
 @click.option("--atol", type=float, help="Max abs logit error allowed (default: 1e-3 fp32, 0.15 fp16).")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
               help="The backend to check (default: the one `kvforge generate` runs by default).")
 @click.option("--sessions", type=click.Choice(["shared", "single", "separate"]), default=None,
               help="ONNX Runtime backends: single (default, as generate), shared or separate (run decode.onnx too).")
-@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default OUT_DIR/engines).")
+@click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
 @emulation_option
 @click.option("--against", type=click.Choice(BACKEND_CHOICES), default=None,
               help="Also compare with another backend (same tolerance, same prompts).")
 @click.option("--perplexity-tokens", default=1024, show_default=True, type=int,
               help="Perplexity of export vs HF on this many tokens of kvforge's fixed text (0: skip).")
-@click.option("--json", "as_json", is_flag=True)
+@json_option("the report (per-prompt errors, perplexity)")
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
            backend: str | None, sessions: str | None, engine_dir: Path | None, emulation: str | None,
            against: str | None, perplexity_tokens: int, as_json: bool) -> None:
@@ -186,13 +187,13 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 
 @click.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
-@click.option("--prompt-len", default=128, show_default=True, type=int)
-@click.option("--new-tokens", default=128, show_default=True, type=int)
+@click.option("--prompt-len", default=128, show_default=True, type=int, help="Prompt tokens per row.")
+@click.option("--new-tokens", default=128, show_default=True, type=int, help="Tokens decoded per row.")
 @click.option("--batch", default=None,
               help="Rows (prompts of different lengths); GPU backends take a list, e.g. 1,8. [default: 1; GPU: 1,8]")
 @click.option("--repeat", default=None, type=int,
               help="Rounds (CPU, default 3) or timed runs after a warm-up (GPU, default 5); medians are reported.")
-@click.option("--threads", default=2, show_default=True, type=int)
+@click.option("--threads", default=2, show_default=True, type=int, help="Threads each system runs with.")
 @click.option("--backend", type=click.Choice(BACKEND_CHOICES), default=None,
               help="ort-cuda or tensorrt: the GPU benchmark (peers hf, hf-compiled on the same GPU). Default: the CPU one.")
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
@@ -207,7 +208,7 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
               help="Memory bandwidth in GB/s that each decode figure's share of the bandwidth limit is taken of "
                    "(e.g. 3350). Default: the CPU's, measured in every round; a GPU's datasheet figure by its name.")
 @no_spin_option
-@click.option("--json", "as_json", is_flag=True)
+@json_option("the report (medians, spreads, ratios)")
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None, repeat: int | None, threads: int,
           backend: str | None, engine_dir: Path | None, compare: str, plot: Path | None, speculate: str | None,
           draft_len: int, cold_start: bool, mem_bandwidth: str | None, no_spin: bool, as_json: bool) -> None:
@@ -273,7 +274,8 @@ def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
 @click.command()
 @click.argument("export_dir", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="TCP port (0: a free one, printed when serving).")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Rows of the running batch (requests decoded together).")
 @click.option("--max-seq-len", type=click.IntRange(2), default=None,

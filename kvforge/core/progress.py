@@ -29,10 +29,8 @@ class StepProgress:
         self._task: Any = None
         if not quiet and self.stream.isatty():
             from rich.console import Console
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self._live = Progress(SpinnerColumn(finished_text="[green]done"), TimeElapsedColumn(),
-                                  TextColumn("{task.description}"), console=Console(file=self.stream))
+            self._live = live_display(Console(file=self.stream))
 
         # Plain output's heartbeat: the running step's short name, when it began and when its next "still"
         # line is due, guarded by a lock shared with the thread that prints those lines.
@@ -91,7 +89,29 @@ class StepProgress:
             self._task = None
 
 
+def live_display(console: Any) -> Any:
+    """rich's view: spinner, elapsed time, then the step's message cut to the terminal's width (a message wider
+    than the terminal made rich drop the spinner and the time)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Column
+
+    return Progress(SpinnerColumn(finished_text="[green]done", table_column=Column(no_wrap=True, min_width=4)),
+                    TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+                    TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+                    console=console)
+
+
 def _short(message: str) -> str:
     """A step's name for its heartbeat: its message up to the first detail ('tracing the model once (torch.onnx,
-    dynamo); ...' -> 'tracing the model once')."""
-    return message.split(";")[0].split(" (")[0].split(":")[0].strip()
+    dynamo); ...' -> 'tracing the model once'), never cut inside a quoted text ("prompt 'def main():'")."""
+    i, quote = 0, None
+    while i < len(message):
+        char = message[i]
+        if quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"" and (i == 0 or message[i - 1] == " "):  # an opening quote, not an apostrophe
+            quote = char
+        elif char in ";:" or message.startswith(" (", i):
+            break
+        i += 1
+    return message[:i].strip()

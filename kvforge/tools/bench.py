@@ -203,7 +203,7 @@ def _rounds(systems: dict[str, str], worker: list[str], repeat: int, threads: in
         if probe is not None:
             probes.append(probe())
         for name, path in systems.items():  # take turns, round by round
-            say(f"round {round_ + 1}/{repeat}: {name}")
+            say(f"timing {name}, round {round_ + 1}/{repeat}")
             extra = [str(draft_len)] if name == SPECULATIVE else []
             proc = subprocess.run([sys.executable, "-m", "kvforge.tools.bench_workers", "worker", name, path, *worker,
                                    *extra], capture_output=True, text=True)
@@ -214,7 +214,7 @@ def _rounds(systems: dict[str, str], worker: list[str], repeat: int, threads: in
         for name, path in systems.items() if cold_prompt is not None else ():  # cold starts take turns too
             if name == SPECULATIVE:  # the same process start as plain kvforge's
                 continue
-            say(f"round {round_ + 1}/{repeat}: {name} cold start")
+            say(f"timing the cold start of {name}, round {round_ + 1}/{repeat}")
             runs[name][-1]["cold_start_ms"] = cold_start_ms(name, path, cold_prompt, threads)
     return runs, probes
 

@@ -170,11 +170,11 @@ def backend_verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ort = report["onnxruntime"]
     reasons: dict[str, str | None] = {}
     reasons["ort-cpu"] = None
-    if "CUDAExecutionProvider" not in ort["providers"]:
+    if gpu is None:  # first: onnxruntime-gpu would not help a machine without a GPU
+        reasons["ort-cuda"] = f"no GPU ({report['gpu_problem'] or 'none found'})"
+    elif "CUDAExecutionProvider" not in ort["providers"]:
         reasons["ort-cuda"] = ("this onnxruntime has no CUDAExecutionProvider: pip install onnxruntime-gpu "
                                "(in place of onnxruntime)")
-    elif gpu is None:
-        reasons["ort-cuda"] = f"no GPU ({report['gpu_problem'] or 'none found'})"
     elif ort["cuda_session"] != "ok":
         reasons["ort-cuda"] = f"a CUDA session does not start: {ort['cuda_session']}"
     else:

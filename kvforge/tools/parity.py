@@ -13,6 +13,7 @@ unless HF's own top-2 margin at that step is below 2 x atol (a numerical tie, re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -250,6 +251,9 @@ def run_parity(
         raise InputError(f"--atol must be > 0, got {atol}")
     if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
         raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
+    if (Path(model_dir) / "kvforge.json").is_file() and not (Path(export_dir) / "kvforge.json").is_file():
+        raise InputError(f"{model_dir} is a kvforge export and {export_dir} is not: the arguments are swapped? "
+                         f"The order is MODEL_DIR EXPORT_DIR: kvforge parity {export_dir} {model_dir}")
     _check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
     quantization = lossy_quantization(load_manifest(export_dir))
     if quantization is not None and perplexity_tokens < 2:
@@ -276,9 +280,14 @@ def run_parity(
         max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
         pad_token_id=manifest["model"].get("pad_token_id") or 0,
     )
-    for text in prompts or list(DEFAULT_PROMPTS):
+    texts = list(prompts or DEFAULT_PROMPTS)
+    began = time.perf_counter()
+    for k, text in enumerate(texts):
         ids = generator.tokenizer.encode(text)
-        say(f"prompt {text[:40]!r} ({len(ids)} tokens)")
+        # After the first prompt, an estimate from the prompts so far (they take alike: new_tokens steps each).
+        left = (time.perf_counter() - began) / k * (len(texts) - k) if k else None
+        say(f"prompt {k + 1} of {len(texts)} ({len(ids)} tokens, {text[:40]!r}"
+            + (f"; about {left:.0f} s of prompts left" if left is not None else "") + ")")
         report.prompts.append(_prompt_parity(generator, other, model, text, ids, new_tokens, atol, no_eos))
     if perplexity_tokens:
         ids = generator.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:perplexity_tokens]
