@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvforge.core.errors import UnsupportedModelError
+from kvforge.models.gemma3n import adapt_gemma3n
 
 # What the adapters say they did (adapt_for_export's progress line).
 ROUTED = "attention routed through transformers' attention interface"
@@ -531,6 +532,7 @@ ADAPTERS: dict[str, Callable[[Any], str]] = {
     **dict.fromkeys(("zamba", "zamba2"), adapt_shared_attention),
     "bloom": adapt_bloom,
     "mpt": adapt_mpt,
+    "gemma3n_text": adapt_gemma3n,
 }
 # model_type -> (the most positions an export of it can hold exactly, why), where its attention limits them.
 CAPACITY_LIMITS: dict[str, Callable[[Any], tuple[int, str] | None]] = {

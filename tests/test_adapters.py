@@ -270,3 +270,29 @@ def test_served_with_chunked_prefill_and_a_second_turn_equals_each_alone(exporte
         check_two_turns(scheduler, solo, prompts)
     finally:
         scheduler.close()
+
+
+def test_gemma3n_sparse_mlps_equal_hf_with_the_quantile_a_constant() -> None:
+    # HF's Normal.icdf (erfinv) has no ONNX form: the E4B-shaped export failed (issue 43). The adapter computes the
+    # quantile once; the MLP must still compute HF's function.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.models.adapters import adapt_for_export
+
+    config = tiny_config("gemma3n_text")
+    assert list(config.activation_sparsity_pattern) == [0.95, 0.95, 0.0, 0.0]  # the sweep keeps it on
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    mlps = [layer.mlp for layer in model.model.layers]
+    inputs = torch.randn(2, 5, config.hidden_size)
+    with torch.no_grad():
+        want = [mlp(inputs) for mlp in mlps]
+        said = []
+        adapt_for_export(model, say=said.append)
+        got = [mlp(inputs) for mlp in mlps]
+    assert said == ["adapted gemma3n_text for export: activation sparsity's normal quantile computed once at export "
+                    "(erfinv has no ONNX form) (2 layers)"]
+    assert mlps[0]._kvforge_z == pytest.approx(1.6448536, abs=1e-6)  # the standard normal's 95th percentile
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
