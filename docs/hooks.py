@@ -5,6 +5,7 @@ A page asks for a table with an HTML comment on a line of its own:
 
     <!-- kvforge:support-table -->    kvforge.models.families.support_table(): families x targets, dtypes
     <!-- kvforge:coverage-table -->   kvforge.models.coverage.coverage_table(): the architecture sweep
+    <!-- kvforge:commands -->         kvforge.cli.help.markdown_overview(): the commands as --help groups them
 
 README.md carries the support table as text (tests/test_families.py keeps it equal to the registry).
 """
@@ -29,7 +30,15 @@ def _coverage_table() -> str:
     return coverage_table()
 
 
-TABLES: dict[str, Callable[[], str]] = {"support-table": _support_table, "coverage-table": _coverage_table}
+def _commands() -> str:
+    from kvforge.cli import main
+    from kvforge.cli.help import markdown_overview
+
+    return markdown_overview(main)
+
+
+TABLES: dict[str, Callable[[], str]] = {"support-table": _support_table, "coverage-table": _coverage_table,
+                                        "commands": _commands}
 
 
 def render(markdown: str) -> str:

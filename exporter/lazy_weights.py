@@ -50,7 +50,8 @@ def streaming_refusal(config: Any, options: Any) -> str | None:
         return f"--quant-method {options.quant_method} runs ONNX Runtime's whole-model quantiser"
     if text_of(config) is not None:
         return "a multimodal checkpoint's text model is loaded from renamed tensors"
-    if config.model_type in ADAPTERS:
+    # An adapter that only changes the model's code (it says so: keeps_weights) runs on the fake weights too.
+    if config.model_type in ADAPTERS and not getattr(ADAPTERS[config.model_type], "keeps_weights", False):
         return f"{config.model_type}'s export adapter rewrites weights from their values"
     return None
 

@@ -14,6 +14,7 @@ SMALL = {
     "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "n_routed_experts": 8,
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "sliding_window": 16, "rotary_dim": 8,
+    "vocab_size_per_layer_input": 512,  # Gemma 3n's per-layer embeddings: 262,144 rows x layers (1 GB) by default
 }
 
 # (v_head_dim 8 against keys of 8 + 8: multi-head latent attention keeps keys and values of different
@@ -34,6 +35,8 @@ TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
     "axk1": {"n_group": 2, "topk_group": 1},
     # The same grouped routing, met once their MoE layers are kept (coverage.py's _keep_layer_kinds).
     **dict.fromkeys(("bailing_hybrid", "beam", "deepseek_v32"), {"n_group": 2, "topk_group": 1}),
+    # DeepSeek-V3's first 3 layers are dense: at 2 layers it had no MoE layer (no per-layer list to keep).
+    "deepseek_v3": {"first_k_dense_replace": 1, "n_group": 2, "topk_group": 1},
     "longcat_flash": {"num_layers": 1, "zero_expert_num": 2},
     # Qwen4-Exp's default config leaves its indexer unsized (its checkpoints set it); a budget of 128 positions.
     # Cohere Compass reads its rotary parameters per layer type, and its default config sets none.

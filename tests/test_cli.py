@@ -156,3 +156,66 @@ def test_help_groups_the_commands_and_gives_every_option_a_text() -> None:
             args = shlex.split(example)
             assert args[:2] == ["kvforge", name], example
             command.make_context(name, args[2:])
+
+
+def test_the_group_and_every_command_name_their_own_placeholders_in_option_help() -> None:
+    # `--engine-dir` said "default OUT_DIR/engines" where the argument is EXPORT_DIR (issue 43, 22): a FOO_DIR an
+    # option's help names must be the command's argument or an option's metavar, as its usage line shows them.
+    import re
+
+    import click
+
+    assert all(param.help for param in main.params if isinstance(param, click.Option)), "kvforge's own options"
+    for name, command in main.commands.items():
+        shown = {p.name.upper() for p in command.params if isinstance(p, click.Argument) and p.name}
+        shown |= {p.metavar for p in command.params if isinstance(p, click.Option) and p.metavar}
+        for option in (p for p in command.params if isinstance(p, click.Option)):
+            named = set(re.findall(r"\b[A-Z]+_DIR\b", option.help or ""))
+            assert named <= shown, (name, option.opts, named - shown)
+
+
+def test_parity_says_which_prompt_of_how_many_and_the_time_left(hf_folder, exported, monkeypatch) -> None:
+    # Minutes with no "prompt 2 of 3" and no estimate (issue 43, 19). A clock that moves 10 s a prompt makes the
+    # estimate exact: after prompt 1, 2 prompts x 10 s are left; after prompt 2, one.
+    import itertools
+    import re
+    import types
+
+    from kvforge.core.progress import _short
+    from kvforge.tools import parity
+
+    clock = itertools.count(0.0, 10.0)
+    monkeypatch.setattr(parity, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    code, _, err = run("parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny")), "--new-tokens", "2",
+                       "--perplexity-tokens", "0")
+    assert code == 0, err
+    said = [re.sub(r"^\[kvforge\] \[\s*[\d.]+s\] ", "", line) for line in err.splitlines()]
+    prompts = [line for line in said if line.startswith("prompt ")]
+    assert [re.sub(r"\d+ tokens", "N tokens", line) for line in prompts] == [
+        "prompt 1 of 3 (N tokens, 'Once upon a time')",
+        "prompt 2 of 3 (N tokens, 'The quick brown fox jumps over the lazy '; about 20 s of prompts left)",
+        "prompt 3 of 3 (N tokens, 'def main(): return 42'; about 10 s of prompts left)",
+    ], err
+    # Their heartbeats ("still prompt 'def main() (16 s)" cut inside the quote) name the prompt by its number.
+    assert [_short(line) for line in prompts] == ["prompt 1 of 3", "prompt 2 of 3", "prompt 3 of 3"]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_no_spin_reaches_the_backend_from_generate_and_chat(command, tmp_path, monkeypatch) -> None:
+    # chat lacked --no-spin, which gave 1.5x on a busy CPU (issue 43, 22): both commands hand the backend
+    # spinning=False with it, and leave the backend's default without it.
+    import kvforge.runtime
+    from kvforge.core.errors import InputError
+
+    given: list[dict] = []
+
+    def fake_generator(*args: object, **options: object) -> None:
+        given.append(options)
+        raise InputError("stopped by the test")
+
+    monkeypatch.setattr(kvforge.runtime, "Generator", fake_generator)
+    for flag in (["--no-spin"], []):
+        code, _, err = run(command, str(tmp_path), "--prompt", "hi", *flag) if command == "generate" else \
+            run(command, str(tmp_path), *flag)
+        assert code == 2 and "stopped by the test" in err, err
+    assert [options.get("spinning") for options in given] == [False, None], given

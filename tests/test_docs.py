@@ -101,3 +101,33 @@ def test_readmes_coverage_summary_is_the_sweeps() -> None:
     passing = {name for name, row in load_coverage()["types"].items() if row["status"] == "pass"}
     more = f"{len(passing - set(HAND_WRITTEN))} more model types"
     assert more in README and more in (DOCS / "models.md").read_text()
+
+
+def test_the_cli_reference_lists_the_commands_as_help_does_with_whole_summaries() -> None:
+    # The site's reference cut each summary at its docstring's first line, mid-sentence, listed the commands
+    # alphabetically and showed no examples (issue 43, 20): the hook writes them as `kvforge --help` groups them.
+    from kvforge.cli.help import EXAMPLES, SECTIONS, SUMMARIES
+
+    page = (DOCS / "cli.md").read_text()
+    assert "<!-- kvforge:commands -->" in page
+    rendered = _hooks().on_page_markdown(page)
+    listed = re.findall(r"^- \[`([a-z]+)`\]\(#kvforge-\1\): (.*)$", rendered, flags=re.M)
+    assert [name for name, _ in listed] == [name for names in SECTIONS.values() for name in names]
+    headings = re.findall(r"^\*\*([A-Z][a-z]+)\*\*$", rendered, flags=re.M)
+    assert headings == list(SECTIONS)
+    for name, line in listed:
+        assert line.startswith(SUMMARIES[name] + " Example") and all(f"`{ex}`" in line for ex in EXAMPLES[name])
+    # mkdocs-click's own list of subcommands (sorted by it) takes each command's short_help: whole sentences.
+    mkdocs_click = pytest.importorskip("mkdocs_click._docs")
+    reference = "\n".join(mkdocs_click.make_command_docs("kvforge", main, depth=1, list_subcommands=True))
+    for name, summary in SUMMARIES.items():
+        assert f"- *{name}*: {summary}\n" in reference, name
+
+
+def test_the_docs_name_the_commands_without_json() -> None:
+    # docs/cli.md said every command has --json; serve has none (its output is its request log) (issue 43, 22).
+    commands: dict[str, click.Command] = main.commands  # type: ignore[attr-defined]
+    without = sorted(name for name, command in commands.items()
+                     if not any("--json" in param.opts for param in command.params))
+    assert without == ["serve"]
+    assert "`--json` (every command but `serve`, whose output is its request log)" in (DOCS / "cli.md").read_text()

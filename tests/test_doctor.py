@@ -13,8 +13,8 @@ H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"
         "driver": "580.159.04"}
 
 
-def _report(gpus, providers, cuda_session, tensorrt) -> dict:
-    report = {"gpus": gpus, "gpu_problem": None if gpus else "CUDA reports no GPU",
+def _report(gpus, providers, cuda_session, tensorrt, device=None) -> dict:
+    report = {"gpus": gpus, "gpu_problem": None if gpus else "CUDA reports no GPU", "gpu_device": device,
               "onnxruntime": {"version": "1.31.1", "providers": providers, "cuda_session": cuda_session},
               "tensorrt": tensorrt}
     report["backends"] = doctor.backend_verdicts(report)
@@ -81,3 +81,31 @@ def test_the_probe_model_is_a_valid_onnx_model() -> None:
 
     session = ort.InferenceSession(doctor.PROBE_MODEL, providers=["CPUExecutionProvider"])
     assert session.run(None, {"x": np.array([3.5], np.float32)})[0].tolist() == [3.5]
+
+
+def test_onnxruntime_gpu_is_suggested_only_where_a_gpu_is_seen(monkeypatch, tmp_path) -> None:
+    # doctor told a machine without a GPU to install onnxruntime-gpu (issue 43, 22). Where nothing describes a
+    # GPU, /dev/nvidia0 still shows one (a container without nvidia-smi or cuda-python): then the package helps.
+    none = {"tensorrt": {"installed": False, "runs_here": False, "run_reason": "no GPU"},
+            "tensorrt-rtx": {"installed": False, "runs_here": False, "run_reason": "no GPU"}}
+    cpu_ort = ["CPUExecutionProvider"]
+    device = _report([], cpu_ort, None, none, device="/dev/nvidia0")["backends"]["ort-cuda"]["reason"]
+    assert device == "this onnxruntime has no CUDAExecutionProvider: pip install onnxruntime-gpu (in place of onnxruntime)"
+    gpu_ort = _report([], ["CUDAExecutionProvider", *cpu_ort], "not tried: no GPU", none, device="/dev/nvidia0")
+    assert gpu_ort["backends"]["ort-cuda"]["reason"] == ("/dev/nvidia0 is there, but no GPU could be described "
+                                                        "(CUDA reports no GPU)")
+    # The whole command on this machine's onnxruntime, told there is no GPU tool and no device, then a device.
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        return  # an onnxruntime-gpu machine: the package is already there
+    monkeypatch.setattr(doctor, "gpus", lambda: ([], "no nvidia-smi on PATH and no cuda-python to ask"))
+    monkeypatch.setattr(doctor, "GPU_DEVICE", tmp_path / "nvidia0")
+    text = CliRunner().invoke(main, ["doctor"]).output
+    assert "gpu:       none (no nvidia-smi on PATH and no cuda-python to ask)\n" in text
+    assert "ort-cuda  no: no GPU (no nvidia-smi on PATH and no cuda-python to ask)\n" in text
+    assert "onnxruntime-gpu" not in text
+    (tmp_path / "nvidia0").touch()
+    text = CliRunner().invoke(main, ["doctor"]).output
+    assert f"gpu:       none (no nvidia-smi on PATH and no cuda-python to ask; {tmp_path / 'nvidia0'} is there)" in text
+    assert "ort-cuda  no: this onnxruntime has no CUDAExecutionProvider: pip install onnxruntime-gpu" in text

@@ -95,3 +95,17 @@ def test_what_readme_creates_in_a_checkout_is_ignored_by_git() -> None:
 
     ignored = (Path(__file__).resolve().parents[1] / ".gitignore").read_text().split()
     assert ".venv/" in ignored and "kvforge-demo/" in ignored  # README's venv and the demo's cache
+
+
+def test_parity_with_its_folders_swapped_says_the_order(tmp_path) -> None:
+    # The export given as MODEL_DIR got "... a Hugging Face model folder, not a kvforge export: export it first"
+    # (issue 43, 22). Decided from the folders alone, before any model loads.
+    export, model = tmp_path / "my-export", tmp_path / "my-model"
+    export.mkdir()
+    model.mkdir()
+    (export / "kvforge.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    result = CliRunner().invoke(main, ["parity", str(export), str(model)])
+    assert result.exit_code == 2
+    assert result.stderr == (f"kvforge: error: {export} is a kvforge export and {model} is not: the arguments are "
+                             f"swapped? The order is MODEL_DIR EXPORT_DIR: kvforge parity {model} {export}\n")

@@ -3,7 +3,7 @@ in kvforge/cli/run.py; chat in kvforge/cli/chat.py; what they share in kvforge/c
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
 130 for Ctrl-C); `--debug` shows the traceback. Output cut short by its reader (`| head`) ends
-quietly with 141, as a process killed by SIGPIPE. Every command has `--json` (one JSON object on stdout).
+quietly with 141, as a process killed by SIGPIPE. Every command but serve has `--json` (one JSON object on stdout).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     command_progress,
     dequantised_hint,
     emit_json,
+    export_kind,
     human_bytes,
     json_option,
     one_line,
@@ -30,7 +31,6 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     silence_stdout,
     stdout_closed,
 )
-from kvforge.cli.inspect import export_kind  # noqa: F401  (kvforge.cli.export_kind: tests and callers)
 from kvforge.core import __version__
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
@@ -136,7 +136,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 @main.command()
 @click.argument("model_dir", required=False, type=click.Path(path_type=Path))
-@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), help="Export folder to create.")
+@click.option("-o", "--output", "out_dir", required=True, type=click.Path(path_type=Path), metavar="OUT_DIR",
+              help="Export folder to create.")
 @click.option("--recipe", default=None, metavar="NAME",
               help="Export a built-in random-weight recipe (`kvforge recipes` lists them) instead of MODEL_DIR; its "
                    "Hugging Face folder is built in --hf-dir (default OUT_DIR.hf).")

@@ -1,4 +1,4 @@
-"""`kvforge chat OUT_DIR`: an interactive terminal chat (registered on the group in kvforge/cli/__init__.py).
+"""`kvforge chat EXPORT_DIR`: an interactive terminal chat (registered on the group in kvforge/cli/__init__.py).
 
 Each turn re-renders the whole conversation with the export's chat template and submits it to a
 one-row continuous-batching Scheduler (runtime/scheduler.py), the server's engine: its PrefixStore

@@ -174,3 +174,17 @@ def silence_stdout() -> None:
         os.close(devnull)
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
         pass  # not a real file (a test runner's capture): nothing to flush at exit
+
+
+def export_kind(manifest: dict[str, Any]) -> str:
+    """'ort, fp32', with the quantisation where there is one: 'ort, fp32, int4 weights, 8-bit lm_head, int8 KV cache'."""
+    parts = [manifest["target"], manifest["dtype"]]
+    quant = manifest.get("quantization")
+    if quant:
+        parts.append(f"int{quant['bits']} weights" + (f" ({quant['quant_method']})" if quant.get("quant_method", "rtn") != "rtn" else ""))
+        if quant.get("lm_head_bits") not in (None, quant["bits"]):
+            parts.append(f"{quant['lm_head_bits']}-bit lm_head")
+    kv = manifest.get("kv_cache_quantization")
+    if kv:
+        parts.append(f"{kv['dtype']} KV cache")
+    return ", ".join(parts)

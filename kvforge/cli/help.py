@@ -1,6 +1,7 @@
 """`kvforge --help` grouped the way a session goes (start, make, run, look) instead of alphabetically, each
 command's whole one-line summary (click cuts them to the terminal mid-sentence), and each command's
---help ending with examples that run as written."""
+--help ending with examples that run as written; the site's CLI reference gets the same overview
+(markdown_overview, written into docs/cli.md by docs/hooks.py)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,11 @@ EXAMPLES = {
     "demo": ["kvforge demo", "kvforge demo --recipe llama-tiny -o /tmp/demo --json"],
     "recipes": ["kvforge recipes"],
     "doctor": ["kvforge doctor --json"],
-    "export": ["kvforge export ./my-hf-model -o my-export",
-               "kvforge export ./my-hf-model -o my-export-int4 --quantize int4",
-               "kvforge export --recipe llama-tiny -o tiny --target trt"],
+    "export": ["kvforge export MODEL_DIR -o EXPORT_DIR",
+               "kvforge export MODEL_DIR -o EXPORT_DIR --quantize int4",
+               "kvforge export --recipe llama-tiny -o tiny-trt --target trt"],
     "parity": ["kvforge parity kvforge-demo/smollm2-135m-instruct.hf " + DEMO],
-    "build": ["kvforge build tiny-trt-export --max-seq-len 2048"],
+    "build": ["kvforge build tiny-trt --max-seq-len 2048"],  # the folder export's trt example makes
     "generate": [f"kvforge generate {DEMO} --prompt 'Once upon a time' --max-new-tokens 32",
                  f"kvforge generate {DEMO} --chat 'What is the capital of France?' --greedy"],
     "chat": [f"kvforge chat {DEMO} --system 'Be brief.'"],
@@ -44,16 +45,42 @@ EXAMPLES = {
 }
 
 
-def format_sections(group: click.Group, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-    """The group's commands under SECTIONS' headings; any command not placed there goes under "Other"."""
+def sections(group: click.Group) -> dict[str, list[str]]:
+    """SECTIONS' headings with the group's (visible) commands under each; a command not placed there (a new
+    one) goes under "Other", so it is never left out of the help."""
     placed = {name for names in SECTIONS.values() for name in names}
-    sections = {**SECTIONS, "Other": tuple(sorted(set(group.list_commands(ctx)) - placed))}
-    for title, names in sections.items():
-        rows = [(name, group.commands[name].get_short_help_str(limit=200)) for name in names
-                if name in group.commands and not group.commands[name].hidden]
-        if rows:
-            with formatter.section(f"{title} commands"):
-                formatter.write_dl(rows)
+    found = {**SECTIONS, "Other": tuple(sorted(set(group.commands) - placed))}
+    listed = {title: [name for name in names if name in group.commands and not group.commands[name].hidden]
+              for title, names in found.items()}
+    return {title: names for title, names in listed.items() if names}
+
+
+def format_sections(group: click.Group, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    """The group's commands under their headings, each with its whole summary."""
+    grouped = sections(group)
+    # click sizes each list's first column to its own names; one width keeps the summaries in one column.
+    width = max(len(name) for names in grouped.values() for name in names)
+    for title, names in grouped.items():
+        with formatter.section(f"{title} commands"):
+            formatter.write_dl([(name.ljust(width), group.commands[name].get_short_help_str(limit=200))
+                                for name in names])
+
+
+def markdown_overview(group: click.Group) -> str:
+    """The commands by section with their summaries and examples, as Markdown: the site's CLI reference
+    (docs/hooks.py) shows what --help shows, which mkdocs-click does not (it sorts, and drops epilogs). Each
+    name links to its mkdocs-click section (`kvforge-NAME`: mkdocs.yml has attr_list, so the full path)."""
+    lines = []
+    for title, names in sections(group).items():
+        lines += [f"**{title}**", ""]
+        for name in names:
+            command = group.commands[name]
+            examples = "; ".join(f"`{line}`" for line in EXAMPLES.get(name, ()))
+            label = "Examples" if len(EXAMPLES.get(name, ())) > 1 else "Example"
+            lines.append(f"- [`{name}`](#kvforge-{name}): {command.get_short_help_str(limit=200)}"
+                         + (f" {label}: {examples}" if examples else ""))
+        lines.append("")
+    return "\n".join(lines)
 
 
 def finish(group: click.Group) -> None:

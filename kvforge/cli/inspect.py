@@ -56,17 +56,3 @@ def describe_engines(export_dir: str | Path, verify: bool = False) -> dict[str, 
     return {"folder": str(engine_dir), "built": True, "verified": verify, "record_sha256": RECORD_DIGEST in record,
             "files": record.get("files", {}), "engines": record.get("engines", {}),
             "tensorrt": record.get("tensorrt", {}), "gpu": record.get("gpu", {}), "options": record.get("options", {})}
-
-
-def export_kind(manifest: dict[str, Any]) -> str:
-    """'ort, fp32', with the quantisation where there is one: 'ort, fp32, int4 weights, 8-bit lm_head, int8 KV cache'."""
-    parts = [manifest["target"], manifest["dtype"]]
-    quant = manifest.get("quantization")
-    if quant:
-        parts.append(f"int{quant['bits']} weights" + (f" ({quant['quant_method']})" if quant.get("quant_method", "rtn") != "rtn" else ""))
-        if quant.get("lm_head_bits") not in (None, quant["bits"]):
-            parts.append(f"{quant['lm_head_bits']}-bit lm_head")
-    kv = manifest.get("kv_cache_quantization")
-    if kv:
-        parts.append(f"{kv['dtype']} KV cache")
-    return ", ".join(parts)

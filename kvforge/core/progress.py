@@ -90,20 +90,32 @@ class StepProgress:
 
 
 def live_display(console: Any) -> Any:
-    """rich's view: spinner, elapsed time, then the step's message cut to the terminal's width (a message wider
-    than the terminal made rich drop the spinner and the time)."""
+    """rich's view: spinner, elapsed time, then the step's message cut to the terminal's width with an ellipsis
+    (a message wider than the terminal made rich drop the spinner and the time). expand: rich applies a
+    column's ratio, and so its ellipsis, only in a table as wide as the terminal; otherwise it crops mutely."""
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Column
 
     return Progress(SpinnerColumn(finished_text="[green]done", table_column=Column(no_wrap=True, min_width=4)),
                     TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
                     TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
-                    console=console)
+                    console=console, expand=True)
 
 
 def _short(message: str) -> str:
     """A step's name for its heartbeat: its message up to the first detail ('tracing the model once (torch.onnx,
-    dynamo); ...' -> 'tracing the model once'), never cut inside a quoted text ("prompt 'def main():'")."""
+    dynamo); ...' -> 'tracing the model once'), never cut inside a quoted text ("prompt 'def main():'"). A
+    one-word label before a colon names whose step it is ('ort-cuda: batches 1, 8 ...', 'TensorRT: Building
+    engine (5 steps)'), so it stays, with its step: cut at the colon, "still ort-cuda" says nothing of what runs."""
+    text = message.strip()
+    label, colon, rest = text.partition(": ")
+    if colon and label and " " not in label and label[0] not in "'\"":
+        return f"{label}: {_first_part(rest)}"
+    return _first_part(text)
+
+
+def _first_part(message: str) -> str:
+    """`message` up to its first detail (a ';', a ':' or a ' (' outside quotes)."""
     i, quote = 0, None
     while i < len(message):
         char = message[i]

@@ -36,6 +36,11 @@ CUDA_LIBRARIES = {
 }
 
 
+# NVIDIA's driver makes this device for the first GPU whatever tools are installed: a GPU is seen through it
+# where neither nvidia-smi nor cuda-python can describe one (a container without them).
+GPU_DEVICE = Path("/dev/nvidia0")
+
+
 def _library_dirs() -> list[Path]:
     """Where the dynamic loader looks, plus the lib folders of pip's nvidia-* packages."""
     dirs = [Path(d) for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
@@ -170,11 +175,14 @@ def backend_verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ort = report["onnxruntime"]
     reasons: dict[str, str | None] = {}
     reasons["ort-cpu"] = None
-    if gpu is None:  # first: onnxruntime-gpu would not help a machine without a GPU
+    device = report.get("gpu_device")
+    if gpu is None and device is None:  # first: onnxruntime-gpu would not help a machine without a GPU
         reasons["ort-cuda"] = f"no GPU ({report['gpu_problem'] or 'none found'})"
     elif "CUDAExecutionProvider" not in ort["providers"]:
         reasons["ort-cuda"] = ("this onnxruntime has no CUDAExecutionProvider: pip install onnxruntime-gpu "
                                "(in place of onnxruntime)")
+    elif gpu is None:
+        reasons["ort-cuda"] = f"{device} is there, but no GPU could be described ({report['gpu_problem']})"
     elif ort["cuda_session"] != "ok":
         reasons["ort-cuda"] = f"a CUDA session does not start: {ort['cuda_session']}"
     else:
@@ -210,6 +218,7 @@ def diagnose() -> dict[str, Any]:
 
     found, problem = gpus()
     report: dict[str, Any] = {"kvforge": __version__, "gpus": found, "gpu_problem": problem,
+                              "gpu_device": str(GPU_DEVICE) if GPU_DEVICE.exists() else None,
                               "cuda_runtime": cuda_runtime(), "cuda_libraries": cuda_libraries()}
     report["onnxruntime"] = onnxruntime_info(bool(found))
     report["tensorrt"] = tensorrt_info(found[0] if found else None)
@@ -226,7 +235,8 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"gpu {gpu['index']}:     {gpu['name']} (compute capability {gpu['compute_capability']}"
                          f"{memory}{driver})")
     else:
-        lines.append(f"gpu:       none ({report['gpu_problem'] or 'none found'})")
+        seen = f"; {report['gpu_device']} is there" if report.get("gpu_device") else ""
+        lines.append(f"gpu:       none ({report['gpu_problem'] or 'none found'}{seen})")
     lines.append(f"cuda:      runtime {report['cuda_runtime'] or 'unknown (no cuda-python)'}")
     libraries = report["cuda_libraries"]
     lines.append("libraries: " + ", ".join(f"{name} {'found' if path else 'missing'}" for name, path in libraries.items()))
