@@ -118,6 +118,7 @@ def export_model(
         options = options or ExportOptions(**keywords)
     except TypeError as err:
         raise InputError(f"export_model: {err}") from None
+    options = _checkpoint_bits(options, model_dir)
     target = options.resolve()
     check_model_path(model_dir)  # a typo, a file or a Hub id: said at once, before torch loads
     from kvforge.exporter.lowering import lower
@@ -125,6 +126,7 @@ def export_model(
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
     model_dir, gguf_record, converted_s = _gguf_input(model_dir, out_dir, options, say)
+    model_dir, int_weights = _integer_weights(options, model_dir, out_dir, gguf_record, say)
     dtype = options.dtype
     # Before any work: never replace something that is not an export, or that holds the model.
     check_output(out_dir, [model_dir], force=options.force, marker=MANIFEST_NAME)
@@ -150,7 +152,8 @@ def export_model(
     with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged:
         assert staged.path is not None
         require_free_space(out_dir.parent, _expected_bytes(checkpoint, options), "the export")
-        work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say)
+        work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
+                          int_weights)
         clock: dict[str, float] = {}
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
@@ -189,6 +192,49 @@ def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
     folder = convert_gguf(gguf_file, hf_dir, progress=watch)
     converted_s = time.perf_counter() - converting if any(converted) else None
     return Path(folder).resolve(), json.loads((Path(folder) / GGUF_MARKER).read_text()), converted_s
+
+
+def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOptions:
+    """A pre-quantised checkpoint's integers are carried over as they are: --quantize takes its bits (given or
+    not); another width or method is refused. A format kvforge does not take is refused here, in one line."""
+    from kvforge.models.prequantized_convert import prequantized_layout
+
+    if not (Path(model_dir) / "config.json").is_file():
+        return options
+    layout = prequantized_layout(Path(model_dir))
+    if layout is None:
+        return options
+    bits = f"int{layout.bits}"
+    if options.quantize not in (None, bits) or options.quant_method != "rtn":
+        asked = f"--quantize {options.quantize}" if options.quantize not in (None, bits) else \
+            f"--quant-method {options.quant_method}"
+        raise InputError(f"{model_dir} is a {layout.describe()} checkpoint: kvforge carries its integers over as they "
+                         f"are, so {asked} does not apply; drop it")
+    return dataclasses.replace(options, quantize=bits)
+
+
+def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, gguf_record: dict[str, Any] | None,
+                     say: Callable[[str], None]) -> tuple[Path, Any]:
+    """Where weights already held as integers come from: a pre-quantised checkpoint (traced from its
+    dequantised twin, its integers carried over) or, with --quantize, a GGUF's Q4_0/Q8_0 blocks. Returns the
+    folder to trace and the integer-weight source (None: every weight is rounded)."""
+    from kvforge.models.prequantized_convert import convert_prequantized, prequantized_layout
+
+    if gguf_record is not None:
+        if options.quantize is None or options.quant_method != "rtn":
+            return model_dir, None
+        from kvforge.models.gguf_blocks import gguf_int_weights
+
+        return model_dir, gguf_int_weights(gguf_record["source"], model_dir)
+    layout = prequantized_layout(model_dir)
+    if layout is None:
+        return model_dir, None
+    hf_dir = Path(options.hf_dir) if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
+    check_output(out_dir, [model_dir, hf_dir.absolute()], force=options.force, marker=MANIFEST_NAME)
+    from kvforge.models.prequantized import PrequantizedWeights
+
+    folder = convert_prequantized(model_dir, hf_dir, say)
+    return Path(folder).resolve(), PrequantizedWeights(model_dir, layout)
 
 
 # A model without a position limit (state-space models, ALiBi) is exported for this many positions.

@@ -23,6 +23,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
+from kvforge.exporter.exact_blocks import PARTS_META
 from kvforge.exporter.graph_edit import take_over
 from kvforge.exporter.lazy_weights import lazy, transposed
 
@@ -55,6 +56,7 @@ def fuse_parallel_matmuls(model: ir.Model, group_size: int = 3) -> int:
         fused = lazy(lambda weights=weights: np.concatenate([w.numpy() for w in weights], axis=1), weights[0].dtype,
                      fused_shape, name)
         value = ir.Value(name=name, shape=ir.Shape(list(fused_shape)), type=first.inputs[1].type, const_value=fused)
+        value.meta[PARTS_META] = [node.inputs[1].name for node in nodes]  # an import finds each part's integers
         graph.register_initializer(value)
         tape = ir.tape.Tape()
         product = tape.op("MatMul", [first.inputs[0], value])

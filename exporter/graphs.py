@@ -39,6 +39,9 @@ class ExportWork:
     model_dir: Path
     checkpoint: Any  # exporter.checkpoint.Checkpoint
     say: Callable[[str], None]
+    # Weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q8_0 blocks): carried into
+    # MatMulNBits as they are (exporter/exact_blocks.py); None: every weight is rounded
+    int_weights: Any = None
 
 
 class Clock:
@@ -204,12 +207,18 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
 
         parameters = sum(p.numel() for p in model.parameters())
         lm_head_bits, why = options.lm_head_bits, None
-        if lm_head_bits is None:
+        if lm_head_bits is None and (work.int_weights is None or work.int_weights.rounds_the_rest):
             lm_head_bits, why = default_lm_head_bits(options.quantize, parameters)
         say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
             f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else ""))
         prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
-                                               options.accuracy_level, lm_head_bits, options.quant_method)
+                                               options.accuracy_level, lm_head_bits, options.quant_method,
+                                               exact=work.int_weights)
+        if "integer_weights" in quantization:
+            carried = quantization["integer_weights"]
+            say(f"{carried['carried_over']} weight matrices carried over from the {carried['source']}'s integers as "
+                f"they are; {len(carried['rounded'])} rounded ({', '.join(carried['rounded'][:3]) or 'none'}"
+                f"{', ...' if len(carried['rounded']) > 3 else ''})")
         if why:
             quantization["lm_head_bits_default"] = why
         quantization["parameters"] = parameters

@@ -19,6 +19,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 
 from kvforge.core.errors import ExportError, InputError
+from kvforge.exporter.exact_blocks import IntWeightSource, import_matmul, source_names, specs_for
 from kvforge.exporter.graph_edit import take_over
 from kvforge.exporter.quantize_tensors import quantizer_class
 from kvforge.exporter.trace import quiet_logger
@@ -199,21 +200,34 @@ def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, 
 
 
 def _round_tensors(model: ir.Model, bits: int, block_size: int, accuracy_level: int, head: list[str],
-                   tied_lookups: list[str]) -> None:
+                   tied_lookups: list[str], exact: IntWeightSource | None = None) -> tuple[int, list[str]]:
     """RTN on every MatMul with a constant weight (the lm_head at 8 bits when `head` names it) and, at
-    4 bits, every lookup of a constant float table but a tied one: the nodes ONNX Runtime's quantiser takes."""
+    4 bits, every lookup of a constant float table but a tied one: the nodes ONNX Runtime's quantiser takes.
+    A weight that `exact` holds as integers is carried over as they are instead. Returns how many were, and
+    the names of the weights rounded although `exact` was given (they had no integer form there)."""
     from kvforge.exporter.quantize_tensors import quantize_lookup, quantize_matmul
 
-    graph = model.graph
+    graph, carried, rounded = model.graph, 0, []
     for node in list(graph):
         if node.domain != "":
             continue
         if node.op_type == "MatMul" and len(node.inputs) == 2 and _constant(node.inputs[1]):
+            specs = specs_for(node.inputs[1], exact)
+            if specs is not None:
+                import_matmul(graph, node, exact, specs, accuracy_level)
+                carried += 1
+                continue
+            if exact is not None and not exact.rounds_the_rest:
+                continue  # a pre-quantised checkpoint's float weights stay as it has them
+            if exact is not None:
+                rounded.extend(source_names(node.inputs[1]))
             quantize_matmul(graph, node, 8 if node.name in head else bits, block_size, accuracy_level)
         elif node.op_type == "Gather" and bits == 4 and node.name not in tied_lookups and _constant(node.inputs[0]) \
+                and (exact is None or exact.rounds_the_rest) \
                 and node.inputs[0].dtype in FLOAT_TYPES:
             quantize_lookup(graph, node, block_size)
     ir.passes.common.RemoveUnusedNodesPass()(model)
+    return carried, rounded
 
 
 FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -241,7 +255,8 @@ def _quantize_proto(model: ir.Model, bits: int, block_size: int, accuracy_level:
 
 def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: int,
                    accuracy_level: int = DEFAULT_ACCURACY_LEVEL, lm_head_bits: int | None = None,
-                   method: str = "rtn", whole_model: bool = False) -> tuple[ir.Model, dict[str, Any]]:
+                   method: str = "rtn", whole_model: bool = False,
+                   exact: IntWeightSource | None = None) -> tuple[ir.Model, dict[str, Any]]:
     """The quantised model and a record of what was quantised. RTN rounds weight by weight, lazily
     (exporter/quantize_tensors.py: the weights are computed as the file is written); HQQ, and RTN with
     `whole_model` (the reference the tests hold the lazy path to), run ONNX Runtime's whole-model
@@ -249,7 +264,9 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     with int4 keeps the lm_head at 8 bits: on small models it carries much of int4's accuracy cost
     (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
     (84 -> 98 MB there); see benchmarks/README.md. `method` "hqq" chooses the int4 values with ONNX
-    Runtime's HQQ instead of rounding (an 8-bit lm_head is still rounded); docs/quantisation.md compares them."""
+    Runtime's HQQ instead of rounding (an 8-bit lm_head is still rounded); docs/quantisation.md compares them.
+    `exact`: weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q8_0 blocks), carried
+    into MatMulNBits as they are; the others are rounded."""
     tied = _materialise_transposed_weights(model)
     # A tied embedding's lookup is left to share_tied_embedding (the lm_head's table), not quantised apart.
     tied_lookups = [node.name for node in model.graph
@@ -257,10 +274,11 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     vocab_nodes = _vocab_nodes(model, vocab_size)
     bits = BITS[quantize]
     head = [name for name, op in vocab_nodes.items() if op == "MatMul"] if bits == 4 and lm_head_bits == 8 else []
+    carried, rounded = 0, []
     try:
         if method == "rtn" and not whole_model:
             quantized = model
-            _round_tensors(model, bits, block_size, accuracy_level, head, tied_lookups)
+            carried, rounded = _round_tensors(model, bits, block_size, accuracy_level, head, tied_lookups, exact)
         else:
             quantized = _quantize_proto(model, bits, block_size, accuracy_level, method, head, tied_lookups)
     except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
@@ -280,4 +298,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
         "nodes_by_bits": {str(b): n for b, n in sorted(bits_of.items())},
         "lm_head_bits": 8 if bits == 4 and lm_head_bits == 8 and vocab_nodes else bits,
     }
+    if exact is not None:
+        record["integer_weights"] = {"source": exact.kind, "carried_over": carried,
+                                     "rounded": sorted(name.removeprefix("model.") for name in set(rounded))}
     return quantized, record

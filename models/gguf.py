@@ -142,7 +142,7 @@ def _convert(gguf_path: Path, out: Path, say: Callable[[str], None]) -> None:
         empty = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     config.architectures = [type(empty).__name__]
     config.dtype = torch.float32
-    plan = _tensor_plan(gguf_path, empty)
+    plan = tensor_plan(gguf_path, empty)
     if isinstance(plan, str):
         say(f"loading the whole GGUF model through transformers: {plan}")
         _convert_whole(gguf_path, out, config)
@@ -176,7 +176,7 @@ class _GGUFTensor:
         return [np.asarray(result.weights, dtype=np.float32).reshape(entry.shape)]
 
 
-def _tensor_plan(gguf_path: Path, empty: Any) -> list[_GGUFTensor] | str:
+def tensor_plan(gguf_path: Path, empty: Any) -> list[_GGUFTensor] | str:
     """Each parameter save_pretrained would write, with the GGUF tensor it comes from; or why the file
     cannot be converted tensor by tensor."""
     from gguf import GGUFReader

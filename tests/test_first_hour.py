@@ -200,6 +200,10 @@ def test_the_dequantised_gguf_hint_says_int4_requantises() -> None:
     assert dequantised_hint(manifest) == (
         "note: the GGUF's Q4_1 weights (98.4 MB) were dequantised to fp32 (538.0 MB); --quantize int4 (target ort) "
         "re-quantises them to 4 bits (round-to-nearest, blocks of 32: not the GGUF's own blocks)")
+    manifest["model"]["source_gguf"]["tensor_types"] = {"F32": 61, "Q4_0": 150, "Q6_K": 60}
+    assert dequantised_hint(manifest).endswith(
+        "--quantize int4 (target ort) carries its Q4_0 blocks over as they are and re-quantises the rest to 4 bits "
+        "(round-to-nearest)")
 
 
 def test_progress_says_it_is_still_working_when_not_on_a_terminal(monkeypatch) -> None:

@@ -13,6 +13,7 @@ unless HF's own top-2 margin at that step is below 2 x atol (a numerical tie, re
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -189,7 +190,13 @@ def lossy_quantization(manifest: dict[str, Any]) -> dict[str, Any] | None:
     `quantization`), else an int8 KV cache (`kv_cache_quantization`, gated as 8 bits), else None."""
     kv = manifest.get("kv_cache_quantization")
     if manifest.get("quantization") is not None:
-        return {**manifest["quantization"], **({"kv_cache": kv["dtype"]} if kv else {})}
+        quantization = {**manifest["quantization"], **({"kv_cache": kv["dtype"]} if kv else {})}
+        carried = quantization.get("integer_weights") or {}
+        if carried.get("source") not in (None, "gguf") and not carried.get("rounded"):
+            # A pre-quantised checkpoint's integers are its reference's own: only the products' int8
+            # activations (accuracy level 4) differ, so it is gated as 8 bits are
+            quantization["gate_bits"] = 8
+        return quantization
     return {"bits": 8, "kv_cache": kv["dtype"]} if kv else None
 
 
@@ -219,6 +226,25 @@ def _check_same_model(model_dir: Path, manifest: dict[str, Any], export_dir: Pat
         raise InputError(f"{model_dir} is not the model {export_dir} was exported from ({'; '.join(differ)})"
                          + (f"; it was exported from {source}" if source else "") + ". The order is MODEL_DIR "
                          "EXPORT_DIR")
+
+
+def dequantised_twin(model_dir: Path, manifest: dict[str, Any], say: Callable[[str], None]) -> Path:
+    """A pre-quantised checkpoint (GPTQ, AWQ, ...) is compared through its dequantised twin, the folder its
+    export traced (transformers loads the checkpoint itself only through its library's GPU kernels)."""
+    from kvforge.models.prequantized import MARKER, read_quantization_config
+
+    if read_quantization_config(model_dir) is None:
+        return model_dir
+    twin = Path(manifest["model"].get("source", ""))
+    try:
+        source = json.loads((twin / MARKER).read_text())["source"]
+    except (OSError, ValueError, KeyError):
+        source = None
+    if source is None or Path(source).resolve() != model_dir.resolve():
+        raise InputError(f"{model_dir} is a pre-quantised checkpoint, and {twin} (the folder the export traced) is not "
+                         "its dequantised twin: pass the folder `kvforge export` dequantised it into")
+    say(f"comparing against {twin}, the dequantised twin of {model_dir.name} (its integers in fp32)")
+    return twin
 
 
 def run_parity(
@@ -255,6 +281,7 @@ def run_parity(
         raise InputError(f"{model_dir} is a kvforge export and {export_dir} is not: the arguments are swapped? "
                          f"The order is MODEL_DIR EXPORT_DIR: kvforge parity {export_dir} {model_dir}")
     _check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
+    model_dir = dequantised_twin(Path(model_dir), load_manifest(export_dir), say)
     quantization = lossy_quantization(load_manifest(export_dir))
     if quantization is not None and perplexity_tokens < 2:
         raise InputError(f"{export_dir} is quantised to int{quantization['bits']}; its parity gate is perplexity, "
@@ -295,7 +322,8 @@ def run_parity(
             f"(each window's first token is context, not scored: {_scored(len(ids))} scored)")
         report.perplexity = _perplexity(generator, model, ids, dtype)
         if quantization is not None:
-            report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization["bits"])]
+            report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization.get("gate_bits",
+                                                                                       quantization["bits"]))]
     return report
 
 
