@@ -83,7 +83,7 @@ def one_size(run: Run, size: str, first: bool) -> None:
     source = run.work / size
     if not (source / "config.json").is_file():
         run.step(f"{size}/make", [sys.executable, str(HERE / "make_real_shape.py"), size, str(source), "--force"])
-    exports = {"fp16": ["--dtype", "fp16"], "int4-fp16": ["--quantize", "int4", "--dtype", "fp16", "--no-accuracy-check"]}
+    exports = {"fp16": ["--dtype", "fp16"], "int4-fp16": ["--quantize", "int4", "--quant-method", "rtn", "--dtype", "fp16", "--no-accuracy-check"]}
     for name, options in exports.items():
         folder = run.work / f"{size}-{name}"
         run.step(f"{size}/export-{name}", [*kvforge, "export", str(source), "-o", str(folder), "--force", *options])

@@ -45,7 +45,7 @@ def _exports(work: Path) -> dict[str, Path]:
             export_model(gguf, folder, target="ort", hf_dir=work / f"{REAL_NAME}.hf", force=True)
         out[REAL_NAME] = folder
         # The real model in fp16 and int4 too: the exports whose weights are cast or quantised on the way.
-        for name, options in (("fp16", {"dtype": "fp16"}), ("int4", {"quantize": "int4"})):
+        for name, options in (("fp16", {"dtype": "fp16"}), ("int4", {"quantize": "int4", "quant_method": "rtn"})):
             folder = work / f"{REAL_NAME}-ort-{name}"
             if not (folder / "kvforge.json").is_file():
                 export_model(work / f"{REAL_NAME}.hf", folder, target="ort", force=True, **options)

@@ -68,7 +68,8 @@ def export(hf_dir: Path, out: Path, variant: str) -> None:
     if variant == "dense":  # ... and "batched_mm" is the dense function
         ALL_EXPERTS_FUNCTIONS["batched_mm"] = dense_experts_forward
     try:
-        export_model(hf_dir, out, target="ort", force=True, quantize="int4" if variant.endswith("int4") else None)
+        export_model(hf_dir, out, target="ort", force=True, quantize="int4" if variant.endswith("int4") else None,
+                     quant_method="rtn" if variant.endswith("int4") else None)
     finally:
         ALL_EXPERTS_FUNCTIONS["batched_mm"], moe._gate_form = saved, gate_form
 

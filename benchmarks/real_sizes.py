@@ -62,7 +62,7 @@ def timed(command: list[str], cap: list[str]) -> dict[str, Any]:
 
 def commands(system: str, kind: str, model: Path, out: Path) -> list[str]:
     if system == "kvforge":
-        options = ["--dtype", "fp16"] if kind == "fp16" else ["--quantize", "int4", "--no-accuracy-check"]
+        options = ["--dtype", "fp16"] if kind == "fp16" else ["--quantize", "int4", "--quant-method", "rtn", "--no-accuracy-check"]
         return ["kvforge", "export", str(model), "-o", str(out), "--force", *options]
     precision, device = ("fp16", "cuda") if kind == "fp16" else ("int4", "cpu")
     return [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model), "-o", str(out),

@@ -11,24 +11,12 @@ Gather in the order its blocks follow. The values are computed when the weights 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.models.int_weights import IntWeight
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """What the graph needs of an integer weight before its values are read."""
-
-    bits: int
-    block_size: int
-    shape: tuple[int, int]  # [N, K]
-    symmetric: bool
-    order: tuple[int, ...] | None
+from kvforge.models.int_weights import IntWeight, WeightSpec
 
 
 class IntWeightSource(Protocol):

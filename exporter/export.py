@@ -9,11 +9,12 @@ and renamed into place at the end, so a failed export leaves nothing that looks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,10 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4
     lm_head_bits: int | None = None  # 8: an 8-bit lm_head with int4
-    quant_method: str = "rtn"  # "rtn" | "hqq": how int4 values are chosen (exporter/quantize.py METHODS)
+    # "rtn" | "hqq" | "autoround": how int4 values are chosen (exporter/quantize.py METHODS); None: the default
+    # (exporter/quantize.py default_method: autoround for int4 under 1B parameters, else rtn)
+    quant_method: str | None = None
+    calibration: str | Path | None = None  # autoround's calibration text (default: kvforge's own)
     kv_cache: str | None = None  # "int8": a quantised KV cache (targets with `kv_cache_dtypes`; exporter/kv_quant.py)
     force: bool = False  # replace an existing export at the output
     hf_dir: str | Path | None = None  # where a GGUF input is converted (default OUT_DIR.hf)
@@ -79,6 +83,12 @@ class ExportOptions:
             raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits, self.quant_method,
                        self.accuracy_level)
+        if self.calibration is not None and self.quant_method not in (None, "autoround"):
+            raise InputError(f"--calibration goes with --quant-method autoround, not {self.quant_method}")
+        if self.quant_method == "autoround" or self.calibration is not None:
+            from kvforge.exporter.calibrate import read_calibration
+
+            read_calibration(self.calibration)  # an empty or binary file is said before any work
         passes = export_target(target.name)
         if self.quantize is not None and not passes.quantize:
             raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target.name}")
@@ -126,7 +136,9 @@ def export_model(
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
     model_dir, gguf_record, converted_s = _gguf_input(model_dir, out_dir, options, say)
+    options, method_default = _default_method(options, model_dir, gguf_record)
     model_dir, int_weights = _integer_weights(options, model_dir, out_dir, gguf_record, say)
+    calibration_work = out_dir.parent / f".{out_dir.name}.calibration"
     dtype = options.dtype
     # Before any work: never replace something that is not an export, or that holds the model.
     check_output(out_dir, [model_dir], force=options.force, marker=MANIFEST_NAME)
@@ -149,16 +161,20 @@ def export_model(
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))
     # The staging folder comes first, so an unwritable output fails before the slow work.
-    with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged:
+    with (_removed_after(calibration_work),
+          StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged):
         assert staged.path is not None
         require_free_space(out_dir.parent, _expected_bytes(checkpoint, options), "the export")
+        clock: dict[str, float] = {}
+        int_weights = int_weights or _calibrated(options, model_dir, calibration_work, clock, say)
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
                           int_weights)
-        clock: dict[str, float] = {}
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
             graphs, quantization, kv_quant, layout = make_graphs(work, layout, clock, lower, families)
+            if quantization is not None and method_default is not None:
+                quantization["quant_method_default"] = method_default
             fault_point("export:graphs-built")
             manifest = _write(staged.path, graphs, config, model_dir, target, dtype, layout, gguf_record,
                               quantization, kv_quant, clock, started, say)
@@ -194,6 +210,46 @@ def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
     return Path(folder).resolve(), json.loads((Path(folder) / GGUF_MARKER).read_text()), converted_s
 
 
+def _default_method(options: ExportOptions, model_dir: Path,
+                    gguf_record: dict[str, Any] | None) -> tuple[ExportOptions, str | None]:
+    """The options with --quant-method's default chosen for this model, and why (None: it was given)."""
+    from kvforge.exporter.quantize import default_method
+
+    if options.quant_method is not None:
+        return options, None
+    if options.calibration is not None:  # a calibration text asks for calibration
+        return dataclasses.replace(options, quant_method="autoround"), None
+    parameters = 0
+    if options.quantize is not None and (Path(model_dir) / "config.json").is_file():
+        checkpoint = open_checkpoint(model_dir)
+        parameters = checkpoint.nbytes // {"float32": 4, "float64": 8}.get(checkpoint.dtype or "", 2)
+    method, why = default_method(options.quantize, parameters, gguf_record is not None)
+    return dataclasses.replace(options, quant_method=method), why
+
+
+def _calibrated(options: ExportOptions, model_dir: Path, work: Path, clock: dict[str, float],
+                say: Callable[[str], None]) -> Any:
+    """AutoRound's integer weights (--quant-method autoround), or None."""
+    if options.quant_method != "autoround":
+        return None
+    from kvforge.exporter.calibrate import calibrate
+
+    began = time.perf_counter()
+    source = calibrate(model_dir, 4, options.block_size, options.calibration, work, say)
+    clock["calibrate"] = time.perf_counter() - began
+    return source
+
+
+@contextlib.contextmanager
+def _removed_after(folder: Path) -> Iterator[None]:
+    """A work folder (AutoRound's output, read while the weights are written) gone when the export ends."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOptions:
     """A pre-quantised checkpoint's integers are carried over as they are: --quantize takes its bits (given or
     not); another width or method is refused. A format kvforge does not take is refused here, in one line."""
@@ -205,12 +261,12 @@ def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOpt
     if layout is None:
         return options
     bits = f"int{layout.bits}"
-    if options.quantize not in (None, bits) or options.quant_method != "rtn":
+    if options.quantize not in (None, bits) or options.quant_method not in (None, "rtn", "autoround"):
         asked = f"--quantize {options.quantize}" if options.quantize not in (None, bits) else \
             f"--quant-method {options.quant_method}"
         raise InputError(f"{model_dir} is a {layout.describe()} checkpoint: kvforge carries its integers over as they "
                          f"are, so {asked} does not apply; drop it")
-    return dataclasses.replace(options, quantize=bits)
+    return dataclasses.replace(options, quantize=bits, quant_method="rtn")  # its integers: nothing to calibrate
 
 
 def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, gguf_record: dict[str, Any] | None,

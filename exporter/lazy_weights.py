@@ -46,7 +46,7 @@ def streaming_refusal(config: Any, options: Any) -> str | None:
 
     if options.kv_cache is not None:
         return f"--kv-cache {options.kv_cache} calibrates its scales by running the model"
-    if options.quantize is not None and options.quant_method != "rtn":
+    if options.quantize is not None and options.quant_method == "hqq":
         return f"--quant-method {options.quant_method} runs ONNX Runtime's whole-model quantiser"
     if text_of(config) is not None:
         return "a multimodal checkpoint's text model is loaded from renamed tensors"

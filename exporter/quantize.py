@@ -29,7 +29,9 @@ BITS = {"int4": 4, "int8": 8}
 # symmetric grid (DefaultWeightOnlyQuantConfig); "hqq" is Half-Quadratic Quantization
 # (HQQWeightOnlyQuantConfig: asymmetric blocks, float zero points fitted by a proximal solver, no
 # calibration data; needs torch). HQQ cannot quantise a Gather: the embedding stays fp32.
-METHODS = ("rtn", "hqq")
+# "autoround": AutoRound's calibrated rounding (exporter/calibrate.py: integer zero points, carried over as
+# a pre-quantised checkpoint's integers are).
+METHODS = ("rtn", "hqq", "autoround")
 BLOCK_SIZES = (16, 32, 64, 128)
 # ONNX Runtime's MatMulNBits accuracy_level 4: int8 activations in the dot products (its fastest CPU path).
 DEFAULT_ACCURACY_LEVEL = 4
@@ -40,7 +42,10 @@ ACCURACY_LEVELS = {1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}
 
 
 def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bits: int | None = None,
-                  method: str = "rtn", accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> None:
+                  method: str | None = None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> None:
+    """Refuse options that cannot go together; `method` None is the default (default_method)."""
+    if method is None:
+        method = "rtn"  # what the default is checked as: it is autoround only where that takes the options
     if method not in METHODS:
         raise InputError(f"--quant-method takes {', '.join(METHODS)}, not {method!r}")
     if isinstance(accuracy_level, bool) or accuracy_level not in ACCURACY_LEVELS:
@@ -54,16 +59,16 @@ def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bit
         if method != "rtn":
             raise InputError(f"--quant-method {method} goes with --quantize int4")
         return
-    if method == "hqq" and quantize != "int4":
-        raise InputError(f"--quant-method hqq takes --quantize int4 only (kvforge runs ONNX Runtime's HQQ at 4 bits; "
-                         f"8-bit rounding already costs little): use --quantize {quantize} with --quant-method rtn")
+    if method != "rtn" and quantize != "int4":
+        raise InputError(f"--quant-method {method} takes --quantize int4 only (8-bit rounding already costs little): "
+                         f"use --quantize {quantize} with --quant-method rtn")
     if lm_head_bits not in (None, 8, BITS.get(quantize)):
         raise InputError(f"--lm-head-bits takes 8 (or the --quantize bits), not {lm_head_bits}")
     if quantize not in BITS:
         raise InputError(f"--quantize takes {', '.join(BITS)}, not {quantize!r}")
     if block_size not in BLOCK_SIZES:
         raise InputError(f"--block-size takes {', '.join(map(str, BLOCK_SIZES))}, not {block_size}")
-    if dtype != "fp32" and method != "rtn":
+    if dtype != "fp32" and method == "hqq":
         raise InputError(f"--quant-method {method} runs with fp32 activations only; drop --dtype {dtype} "
                          "(--quant-method rtn takes fp16 and bf16 activations for ONNX Runtime CUDA)")
 
@@ -74,6 +79,23 @@ def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bit
 # answered instead of rambling, decode 148 -> 137 tokens/s on 2 CPU cores, 89 -> 102 MB
 # (docs/quantisation.md).
 SMALL_MODEL_PARAMETERS = 1_000_000_000
+
+
+def default_method(quantize: str | None, parameters: int, gguf: bool) -> tuple[str, str | None]:
+    """--quant-method when it is not given, and why. int4 under 1B parameters is calibrated with AutoRound: on
+    the real SmolLM2-135M-Instruct it keeps a third of round-to-nearest's KL divergence from fp32 at the same
+    decode speed (docs/quantisation.md), for minutes of calibration on a CPU. Above 1B that would take hours
+    on a CPU; a GGUF's Q4_0/Q8_0 blocks are its model and are carried over as they are."""
+    if quantize != "int4":
+        return "rtn", None
+    if gguf:
+        return "rtn", ("rtn: a GGUF's Q4_0/Q8_0 blocks are carried over as they are and the rest rounded "
+                       "(--quant-method autoround calibrates the rest instead)")
+    if parameters >= SMALL_MODEL_PARAMETERS:
+        return "rtn", (f"rtn: calibrating {parameters / 1e9:.1f}B parameters on a CPU would take hours "
+                       "(--quant-method autoround calibrates anyway)")
+    return "autoround", ("autoround: calibrated int4, the default under 1B parameters (minutes of calibration on a "
+                         "CPU; --quant-method rtn rounds in seconds)")
 
 
 def default_lm_head_bits(quantize: str, parameters: int) -> tuple[int | None, str | None]:
@@ -217,8 +239,8 @@ def _round_tensors(model: ir.Model, bits: int, block_size: int, accuracy_level: 
                 import_matmul(graph, node, exact, specs, accuracy_level)
                 carried += 1
                 continue
-            if exact is not None and not exact.rounds_the_rest:
-                continue  # a pre-quantised checkpoint's float weights stay as it has them
+            if exact is not None and not exact.rounds_the_rest and node.name not in head:
+                continue  # a pre-quantised checkpoint's float weights stay as it has them (but an asked-for lm_head)
             if exact is not None:
                 rounded.extend(source_names(node.inputs[1]))
             quantize_matmul(graph, node, 8 if node.name in head else bits, block_size, accuracy_level)
@@ -276,7 +298,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     head = [name for name, op in vocab_nodes.items() if op == "MatMul"] if bits == 4 and lm_head_bits == 8 else []
     carried, rounded = 0, []
     try:
-        if method == "rtn" and not whole_model:
+        if method in ("rtn", "autoround") and not whole_model:
             quantized = model
             carried, rounded = _round_tensors(model, bits, block_size, accuracy_level, head, tied_lookups, exact)
         else:
@@ -288,8 +310,10 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     bits_of = Counter(int(node.attributes["bits"].value) for node in quantized.graph
                       if node.op_type in ("MatMulNBits", "GatherBlockQuantized") and "bits" in node.attributes)
     record = {
-        "method": ("onnxruntime MatMulNBitsQuantizer (block-wise, symmetric)" if method == "rtn" else
-                   "onnxruntime MatMulNBitsQuantizer, HQQ (block-wise, asymmetric, float zero points)"),
+        "method": {"rtn": "onnxruntime MatMulNBitsQuantizer (block-wise, symmetric)",
+                   "hqq": "onnxruntime MatMulNBitsQuantizer, HQQ (block-wise, asymmetric, float zero points)",
+                   "autoround": "AutoRound, calibrated (block-wise, asymmetric, integer zero points); lm_head and "
+                                "embedding rounded"}[method],
         "quant_method": method,
         "bits": bits, "block_size": block_size, "accuracy_level": accuracy_level,
         "matmuls_quantized": ops.get("MatMulNBits", 0), "matmuls_left_fp32": ops.get("MatMul", 0),

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.models.int_weights import IntWeight
+from kvforge.models.int_weights import IntWeight, WeightSpec
 
 CARRIED = {"Q4_0": 4, "Q8_0": 8}
 BLOCK = 32
@@ -53,8 +53,6 @@ class GGUFIntWeights:
         return {name: entry.tensor.tensor_type.name for name, entry in self.entries.items()}
 
     def spec(self, name: str) -> Any:
-        from kvforge.exporter.exact_blocks import WeightSpec
-
         entry = self.entries.get(name)
         if entry is None or entry.tensor.tensor_type.name not in CARRIED or len(entry.shape) != 2:
             return None

@@ -16,6 +16,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
+@dataclass(frozen=True)
+class WeightSpec:
+    """What an exporter needs of an integer weight before its values are read."""
+
+    bits: int
+    block_size: int
+    shape: tuple[int, int]  # [N, K]
+    symmetric: bool
+    order: tuple[int, ...] | None
+
+
 @dataclass
 class IntWeight:
     """One weight matrix [N outputs, K inputs] as integers in [0, 2**bits), per-block scales and zero points."""

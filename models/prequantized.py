@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
-from kvforge.models.int_weights import IntWeight, grouped_order
+from kvforge.models.int_weights import IntWeight, WeightSpec, grouped_order
 
 MARKER = "kvforge_prequantized.json"
 AWQ_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word sits in nibble AWQ_ORDER[j]
@@ -125,6 +125,7 @@ class PrequantizedWeights:
         self.model_dir, self.layout, self.kind = Path(model_dir), layout, layout.kind
         self.rounds_the_rest = False  # its float weights (lm_head, embedding) stay float: the export equals it
         self.files: dict[str, Path] = {}
+        self._specs: dict[str, WeightSpec] = {}
         for file in sorted(self.model_dir.glob("*.safetensors")):
             with safe_open(str(file), "np") as handle:
                 self.files.update({name: file for name in handle.keys()})  # noqa: SIM118 (a handle, not a dict)
@@ -146,15 +147,15 @@ class PrequantizedWeights:
     def has(self, name: str) -> bool:
         return name in self.files
 
-    def spec(self, name: str) -> Any:
-        from kvforge.exporter.exact_blocks import WeightSpec
-
+    def spec(self, name: str) -> WeightSpec | None:
         prefix = name.removesuffix(".weight")
         if not name.endswith(".weight") or prefix not in self.prefixes:
             return None
-        weight = self.load(name)  # small next to the export's own work; keeps one reader per layout
-        order = None if weight.order is None else tuple(int(i) for i in weight.order)
-        return WeightSpec(weight.bits, weight.block_size, weight.shape, weight.symmetric(), order)
+        if name not in self._specs:  # read once (the weight itself: one reader per layout), asked for again
+            weight = self.load(name)
+            order = None if weight.order is None else tuple(int(i) for i in weight.order)
+            self._specs[name] = WeightSpec(weight.bits, weight.block_size, weight.shape, weight.symmetric(), order)
+        return self._specs[name]
 
     def load(self, name: str) -> IntWeight:
         prefix, layout = name.removesuffix(".weight"), self.layout

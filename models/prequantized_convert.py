@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.core.errors import InputError
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
 from kvforge.models.prequantized import (
     MARKER,
@@ -110,3 +111,20 @@ def _write(model_dir: Path, out: Path, weights: PrequantizedWeights) -> None:
         if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json", "quantization_config.json",
                                                                                   "model.safetensors.index.json"):
             shutil.copy2(file, out / file.name)
+
+
+def dequantised_twin(model_dir: Path, manifest: dict[str, Any], say: Callable[[str], None]) -> Path:
+    """A pre-quantised checkpoint (GPTQ, AWQ, ...) is compared through its dequantised twin, the folder its
+    export traced (transformers loads the checkpoint itself only through its library's GPU kernels)."""
+    if read_quantization_config(model_dir) is None:
+        return model_dir
+    twin = Path(manifest["model"].get("source", ""))
+    try:
+        source = json.loads((twin / MARKER).read_text())["source"]
+    except (OSError, ValueError, KeyError):
+        source = None
+    if source is None or Path(source).resolve() != model_dir.resolve():
+        raise InputError(f"{model_dir} is a pre-quantised checkpoint, and {twin} (the folder the export traced) is not "
+                         "its dequantised twin: pass the folder `kvforge export` dequantised it into")
+    say(f"comparing against {twin}, the dequantised twin of {model_dir.name} (its integers in fp32)")
+    return twin

@@ -84,7 +84,7 @@ def test_export_recipe_builds_its_folder_beside_the_output_and_exports_it(tmp_pa
 # -- quantised export: no library stack traces ------------------------------------------------------------
 def test_a_quantised_export_prints_no_library_logging(hf_folder, tmp_path) -> None:
     model = hf_folder("llama-tiny")
-    result = kvforge_subprocess("export", str(model), "-o", str(tmp_path / "int4"), "--quantize", "int4",
+    result = kvforge_subprocess("export", str(model), "-o", str(tmp_path / "int4"), "--quantize", "int4", "--quant-method", "rtn",
                                 "--lm-head-bits", "8", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Stack (most recent call last)" not in result.stderr

@@ -217,7 +217,7 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
     calls = []
     quantize_experts = moe.quantize_experts
     monkeypatch.setattr(moe, "quantize_experts", lambda *args: calls.append(args[0].shape) or quantize_experts(*args))
-    export_model(tmp_path / "hf", tmp_path / "int4", target="ort", quantize="int4")
+    export_model(tmp_path / "hf", tmp_path / "int4", target="ort", quantize="int4", quant_method="rtn")
     assert len(calls) == 2 * 2  # gate/up and down of each of the 2 layers, once for both graphs
     for name in ("prefill.onnx", "decode.onnx"):
         graph = onnx.load(tmp_path / "int4" / name, load_external_data=False).graph
@@ -227,7 +227,7 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
     quantised = error(tmp_path / "int4")
     lower = moe.lower_moe_to_ort
     monkeypatch.setattr(moe, "lower_moe_to_ort", lambda graph, quantize=None: lower(graph))
-    export_model(tmp_path / "hf", tmp_path / "float-experts", target="ort", quantize="int4")
+    export_model(tmp_path / "hf", tmp_path / "float-experts", target="ort", quantize="int4", quant_method="rtn")
     assert quantised < 1.25 * error(tmp_path / "float-experts")
 
 

@@ -136,3 +136,26 @@ def test_a_format_kvforge_does_not_take_is_refused_in_one_line(quantization, sai
     with pytest.raises(InputError, match=said) as caught:
         export_model(folder, tmp_path / "out")
     assert "\n" not in str(caught.value)
+
+
+def test_an_import_with_fp16_activations_keeps_its_integers(hf_folder, tmp_path):
+    """--dtype fp16 (ONNX Runtime CUDA's MatMulNBits form, run here on the CPU): the same integers, fp16 scales
+    (GPTQ's own dtype), logits within fp16's tolerance of the dequantised model."""
+    import torch
+
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import GenerationRequest, Generator
+
+    base = hf_folder("llama-tiny")
+    truth = make(tmp_path / "gptq", base, "gptq", act_order=True)
+    export_model(tmp_path / "gptq", tmp_path / "out", dtype="fp16", accuracy_level=1)
+    blocks = _blocks(tmp_path / "out", 4)
+    scales = next(v[1] for k, v in blocks.items() if "layers.0.self_attn.o_proj" in k)
+    assert scales.dtype == np.float16
+    np.testing.assert_array_equal(scales, truth["model.layers.0.self_attn.o_proj"][2])
+    reference = _reference_model(base, truth)
+    ids = [5, 17, 42, 99, 7, 3]
+    result = Generator(tmp_path / "out").generate(GenerationRequest([ids], 8, ignore_eos=True, keep_logits=True))
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids + result.tokens[0][:-1]])).logits[0, len(ids) - 1:].numpy()
+    assert np.abs(np.stack([s[0] for s in result.logits]).astype(np.float32) - expected).max() < 0.15

@@ -34,7 +34,7 @@ def quantized(hf_folder, tmp_path_factory):
         key = (bits, tuple(sorted(options.items())))
         if key not in made:
             out = root / f"{bits}-{len(made)}"
-            export_model(hf_folder(RECIPE), out, quantize=bits, **options)
+            export_model(hf_folder(RECIPE), out, quantize=bits, **{"quant_method": "rtn", **options})
             made[key] = out
         return made[key]
 
@@ -152,7 +152,7 @@ def test_accuracy_level_on_the_command_line_reaches_every_matmulnbits(tmp_path) 
     from kvforge.cli import main
 
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["export", "--recipe", RECIPE, "-o", str(out), "--quantize", "int4",
+    result = CliRunner().invoke(main, ["export", "--recipe", RECIPE, "-o", str(out), "--quantize", "int4", "--quant-method", "rtn",
                                        "--accuracy-level", "1"])
     assert result.exit_code == 0, result.output
     nodes = [n for n in onnx.load(out / "prefill.onnx", load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
@@ -199,7 +199,7 @@ def test_quantized_logits_are_close_to_fp32(quantized, exported) -> None:
         (dict(quantize="int4", target="onnx"), "use it with --target ort, not onnx"),
         (dict(lm_head_bits=8), "--lm-head-bits goes with --quantize"),
         (dict(quantize="int4", lm_head_bits=2), "--lm-head-bits takes 8"),
-        (dict(quantize="int4", quant_method="gptq"), "--quant-method takes rtn, hqq, not 'gptq'"),
+        (dict(quantize="int4", quant_method="gptq"), "--quant-method takes rtn, hqq, autoround, not 'gptq'"),
         (dict(quant_method="hqq"), "--quant-method hqq goes with --quantize int4"),
         (dict(quantize="int8", quant_method="hqq"), "--quant-method hqq takes --quantize int4 only"),
         (dict(quantize="int4", accuracy_level=0), "--accuracy-level takes 1 (fp32), 2 (fp16), 3 (bf16), 4 (int8), not 0"),

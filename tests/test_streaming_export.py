@@ -65,10 +65,10 @@ def test_int4_rounded_per_tensor_equals_onnx_runtimes_whole_model_quantiser(hf_f
     if chunk is not None:  # weights quantised in slices of columns (rows of the embedding), as large ones are
         monkeypatch.setattr(quantize_tensors, "CHUNK_ELEMENTS", chunk)
     source = hf_folder(recipe)
-    export_model(source, tmp_path / "lazy", quantize="int4", lm_head_bits=head_bits)
+    export_model(source, tmp_path / "lazy", quantize="int4", quant_method="rtn", lm_head_bits=head_bits)
     whole_model = quantize.quantize_model
     monkeypatch.setattr(quantize, "quantize_model", lambda *a, **k: whole_model(*a, **k, whole_model=True))
-    export_model(source, tmp_path / "ort", quantize="int4", lm_head_bits=head_bits, stream=False)
+    export_model(source, tmp_path / "ort", quantize="int4", quant_method="rtn", lm_head_bits=head_bits, stream=False)
     ours, theirs = _initializers(tmp_path / "lazy"), _initializers(tmp_path / "ort")
     assert sorted(ours) == sorted(theirs)
     different = [name for name in ours if not np.array_equal(ours[name], theirs[name])]
@@ -82,7 +82,7 @@ def test_int4_with_fp16_activations_for_onnx_runtime_cuda(hf_folder, tmp_path):
     from kvforge.exporter.export import export_model
     from kvforge.tools.parity import measure_quantized
 
-    export_model(hf_folder("llama-tiny"), tmp_path / "q", quantize="int4", dtype="fp16")
+    export_model(hf_folder("llama-tiny"), tmp_path / "q", quantize="int4", quant_method="rtn", dtype="fp16")
     graph = ir.load(tmp_path / "q" / "decode.onnx").graph
     nbits = [node for node in graph if node.op_type == "MatMulNBits"]
     assert nbits and all(node.inputs[2].dtype == ir.DataType.FLOAT16 for node in nbits)
@@ -218,7 +218,7 @@ def _deeper(hf_folder, tmp_path: Path, recipe: str, layers: int) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("recipe,options", [("llama3-tiny", {}), ("qwen3-tiny", {"quantize": "int4"})])
+@pytest.mark.parametrize("recipe,options", [("llama3-tiny", {}), ("qwen3-tiny", {"quantize": "int4", "quant_method": "rtn"})])
 def test_stamped_layers_give_the_graph_a_trace_of_every_layer_gives(hf_folder, tmp_path, recipe, options):
     from collections import Counter
 

@@ -19,6 +19,7 @@ from kvforge.cli import chat as cli_chat
 from kvforge.cli import help as cli_help
 from kvforge.cli import run as cli_run
 from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: part of kvforge.cli's API)
+    checkpoint_bits,
     command_progress,
     dequantised_hint,
     emit_json,
@@ -155,9 +156,14 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--lm-head-bits", type=int, default=None,
               help="With --quantize int4: 8 keeps the lm_head at 8 bits (more accurate, more bytes per token; the "
                    "default for models under 1B parameters), 4 quantises it with the rest.")
-@click.option("--quant-method", type=click.Choice(["rtn", "hqq"]), default="rtn", show_default=True,
-              help="With --quantize int4: rtn rounds each block; hqq fits each block with ONNX Runtime's HQQ "
-                   "(no calibration data; keeps the embedding fp32). docs/quantisation.md compares them.")
+@click.option("--calibration", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Calibration text for --quant-method autoround (UTF-8, at least 512 tokens; default: "
+                   "kvforge's own ~2,400-token text).")
+@click.option("--quant-method", type=click.Choice(["rtn", "hqq", "autoround"]), default=None,
+              help="With --quantize int4: autoround calibrates each block with AutoRound (integer zero points; "
+                   "the default under 1B parameters, minutes on a CPU); rtn rounds each block (seconds; the default "
+                   "from 1B and for a GGUF); hqq fits each block with ONNX Runtime's HQQ (slow on a CPU). "
+                   "docs/quantisation.md compares them.")
 @click.option("--accuracy-level", type=click.IntRange(1, 4), default=4, show_default=True,
               help="With --quantize: the precision ONNX Runtime's CPU MatMulNBits multiplies in: 4 int8 "
                    "activations (fastest), 1 fp32 (most accurate, much slower decode: docs/quantisation.md).")
@@ -170,8 +176,9 @@ def main(ctx: click.Context, debug: bool) -> None:
               "where the model allows (--no-stream: load it whole).")
 @json_option("the manifest")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
-           hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str,
-           accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool) -> None:
+           hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str | None,
+           accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool,
+           calibration: Path | None) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
     --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
@@ -182,13 +189,15 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         from kvforge.models.recipes import get_recipe
 
         get_recipe(recipe)  # a typo is said without the export extra's seconds of imports
+    if model_dir is not None and quantize is None:
+        quantize = checkpoint_bits(model_dir)  # a pre-quantised checkpoint: its integers, its bits
     refuse_unused("quantize", quantize is not None, "block_size", "accuracy_level", "quant_method")
     require_export_extra("export")
     from kvforge.exporter.export import ExportOptions, export_model
 
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
-                            accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream)
+                            accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream, calibration=calibration)
     if accuracy_check is not None and quantize is None and kv_cache is None:
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built

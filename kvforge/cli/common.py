@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -124,6 +125,16 @@ def dequantised_hint(manifest: dict[str, Any]) -> str | None:
         rounded = f"carries its {'/'.join(carried)} blocks over as they are{rest}"
     return (f"note: the GGUF's {'/'.join(quantized)} weights ({human_bytes(gguf['bytes'])}) were dequantised to "
             f"{manifest['dtype']} ({human_bytes(weights)}); --quantize int4 (target ort) {rounded}")
+
+
+def checkpoint_bits(model_dir: Path) -> str | None:
+    """"int4"/"int8" for a pre-quantised checkpoint (exported with its own integers), None for any other input."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return None
+    from kvforge.models.prequantized_convert import prequantized_layout
+
+    layout = prequantized_layout(Path(model_dir))
+    return None if layout is None else f"int{layout.bits}"
 
 
 def human_bytes(count: int) -> str:

@@ -13,7 +13,6 @@ unless HF's own top-2 margin at that step is below 2 x atol (a numerical tie, re
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -228,25 +227,6 @@ def _check_same_model(model_dir: Path, manifest: dict[str, Any], export_dir: Pat
                          "EXPORT_DIR")
 
 
-def dequantised_twin(model_dir: Path, manifest: dict[str, Any], say: Callable[[str], None]) -> Path:
-    """A pre-quantised checkpoint (GPTQ, AWQ, ...) is compared through its dequantised twin, the folder its
-    export traced (transformers loads the checkpoint itself only through its library's GPU kernels)."""
-    from kvforge.models.prequantized import MARKER, read_quantization_config
-
-    if read_quantization_config(model_dir) is None:
-        return model_dir
-    twin = Path(manifest["model"].get("source", ""))
-    try:
-        source = json.loads((twin / MARKER).read_text())["source"]
-    except (OSError, ValueError, KeyError):
-        source = None
-    if source is None or Path(source).resolve() != model_dir.resolve():
-        raise InputError(f"{model_dir} is a pre-quantised checkpoint, and {twin} (the folder the export traced) is not "
-                         "its dequantised twin: pass the folder `kvforge export` dequantised it into")
-    say(f"comparing against {twin}, the dequantised twin of {model_dir.name} (its integers in fp32)")
-    return twin
-
-
 def run_parity(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -281,6 +261,8 @@ def run_parity(
         raise InputError(f"{model_dir} is a kvforge export and {export_dir} is not: the arguments are swapped? "
                          f"The order is MODEL_DIR EXPORT_DIR: kvforge parity {export_dir} {model_dir}")
     _check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
+    from kvforge.models.prequantized_convert import dequantised_twin
+
     model_dir = dequantised_twin(Path(model_dir), load_manifest(export_dir), say)
     quantization = lossy_quantization(load_manifest(export_dir))
     if quantization is not None and perplexity_tokens < 2:
