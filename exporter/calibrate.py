@@ -112,7 +112,7 @@ def calibrate(model_dir: Path, bits: int, block_size: int, calibration: str | Pa
     from kvforge.models.prequantized import PrequantizedWeights, layout_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    samples = [tokenizer.decode(w) for w in windows(tokenizer(text)["input_ids"], what)]
+    samples = [tokenizer.decode(w) for w in windows(tokenizer.encode(text), what)]
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

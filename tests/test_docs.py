@@ -67,7 +67,7 @@ def _commands_in(page: str) -> list[str]:
 @pytest.mark.parametrize("page", ["README.md", *PAGES])
 def test_every_kvforge_option_the_docs_use_exists(page: str) -> None:
     commands: dict[str, click.Command] = main.commands  # type: ignore[attr-defined]
-    global_options = {option for param in main.params for option in param.opts}
+    global_options = {option for param in main.params for option in (*param.opts, *param.secondary_opts)}
     for command_line in _commands_in(page):
         words = command_line.split()
         name = next((word for word in words[1:] if not word.startswith("-")), None)
@@ -75,7 +75,8 @@ def test_every_kvforge_option_the_docs_use_exists(page: str) -> None:
             assert all(word in global_options for word in words[1:] if word.startswith("--")), command_line
             continue
         assert name in commands, f"{page}: `{command_line}`: kvforge has no command {name!r}"
-        known = global_options | {option for param in commands[name].params for option in param.opts}
+        known = global_options | {option for param in commands[name].params
+                                 for option in (*param.opts, *param.secondary_opts)}
         for option in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", command_line):
             assert option in known, f"{page}: `{command_line}` uses {option}, which `kvforge {name}` does not have"
 
