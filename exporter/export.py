@@ -261,7 +261,7 @@ def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOpt
     if layout is None:
         return options
     bits = f"int{layout.bits}"
-    if options.quantize not in (None, bits) or options.quant_method not in (None, "rtn", "autoround"):
+    if options.quantize not in (None, bits) or options.quant_method not in (None, "rtn"):
         asked = f"--quantize {options.quantize}" if options.quantize not in (None, bits) else \
             f"--quant-method {options.quant_method}"
         raise InputError(f"{model_dir} is a {layout.describe()} checkpoint: kvforge carries its integers over as they "

@@ -159,3 +159,12 @@ def test_an_import_with_fp16_activations_keeps_its_integers(hf_folder, tmp_path)
     with torch.no_grad():
         expected = reference(torch.tensor([ids + result.tokens[0][:-1]])).logits[0, len(ids) - 1:].numpy()
     assert np.abs(np.stack([s[0] for s in result.logits]).astype(np.float32) - expected).max() < 0.15
+
+
+def test_calibrating_a_prequantized_checkpoint_is_refused(hf_folder, tmp_path):
+    from kvforge.core.errors import InputError
+    from kvforge.exporter.export import export_model
+
+    make(tmp_path / "awq", hf_folder("llama-tiny"), "awq")
+    with pytest.raises(InputError, match="carries its integers over as they are, so --quant-method autoround does not apply"):
+        export_model(tmp_path / "awq", tmp_path / "out", quant_method="autoround")
