@@ -138,7 +138,6 @@ def export_model(
     model_dir, gguf_record, converted_s = _gguf_input(model_dir, out_dir, options, say)
     options, method_default = _default_method(options, model_dir, gguf_record)
     model_dir, int_weights = _integer_weights(options, model_dir, out_dir, gguf_record, say)
-    calibration_work = out_dir.parent / f".{out_dir.name}.calibration"
     dtype = options.dtype
     # Before any work: never replace something that is not an export, or that holds the model.
     check_output(out_dir, [model_dir], force=options.force, marker=MANIFEST_NAME)
@@ -161,20 +160,18 @@ def export_model(
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))
     # The staging folder comes first, so an unwritable output fails before the slow work.
-    with (_removed_after(calibration_work),
+    with (_removed_after(calibration_work := out_dir.parent / f".{out_dir.name}.calibration"),
           StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged):
         assert staged.path is not None
         require_free_space(out_dir.parent, _expected_bytes(checkpoint, options), "the export")
         clock: dict[str, float] = {}
         int_weights = int_weights or _calibrated(options, model_dir, calibration_work, clock, say)
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
-                          int_weights)
+                          int_weights, method_default)
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
             graphs, quantization, kv_quant, layout = make_graphs(work, layout, clock, lower, families)
-            if quantization is not None and method_default is not None:
-                quantization["quant_method_default"] = method_default
             fault_point("export:graphs-built")
             manifest = _write(staged.path, graphs, config, model_dir, target, dtype, layout, gguf_record,
                               quantization, kv_quant, clock, started, say)

@@ -42,6 +42,7 @@ class ExportWork:
     # Weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q8_0 blocks): carried into
     # MatMulNBits as they are (exporter/exact_blocks.py); None: every weight is rounded
     int_weights: Any = None
+    method_default: str | None = None  # why --quant-method is what it is, when it was not given
 
 
 class Clock:
@@ -221,6 +222,8 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
                 f"{', ...' if len(carried['rounded']) > 3 else ''})")
         if why:
             quantization["lm_head_bits_default"] = why
+        if work.method_default:
+            quantization["quant_method_default"] = work.method_default
         quantization["parameters"] = parameters
         lap("quantize")
     kv_scales, kv_quant = None, None
