@@ -60,7 +60,7 @@ class ExportOptions:
     accuracy_level: int = 4
     lm_head_bits: int | None = None  # 8: an 8-bit lm_head with int4
     # "rtn" | "hqq" | "autoround": how int4 values are chosen (exporter/quantize.py METHODS); None: the default
-    # (exporter/quantize.py default_method: autoround for int4 under 1B parameters, else rtn)
+    # (exporter/quantize.py default_method: hqq for int4 under 1B parameters in fp32, else autoround or rtn)
     quant_method: str | None = None
     calibration: str | Path | None = None  # autoround's calibration text (default: kvforge's own)
     kv_cache: str | None = None  # "int8": a quantised KV cache (targets with `kv_cache_dtypes`; exporter/kv_quant.py)
@@ -220,7 +220,7 @@ def _default_method(options: ExportOptions, model_dir: Path,
     if options.quantize is not None and (Path(model_dir) / "config.json").is_file():
         checkpoint = open_checkpoint(model_dir)
         parameters = checkpoint.nbytes // {"float32": 4, "float64": 8}.get(checkpoint.dtype or "", 2)
-    method, why = default_method(options.quantize, parameters, gguf_record is not None)
+    method, why = default_method(options.quantize, parameters, gguf_record is not None, options.dtype)
     return dataclasses.replace(options, quant_method=method), why
 
 

@@ -92,22 +92,25 @@ def test_calibration_goes_with_autoround(hf_folder, tmp_path):
     assert result.exit_code == 2 and "--calibration goes with --quant-method autoround, not rtn" in result.stderr
 
 
-def test_the_default_method_is_autoround_under_1b_parameters_and_rtn_otherwise():
+def test_the_default_method_is_hqq_under_1b_parameters_autoround_in_fp16_and_rtn_otherwise():
     from kvforge.exporter.quantize import default_method
 
-    assert default_method("int4", 135_000_000, gguf=False)[0] == "autoround"
+    assert default_method("int4", 135_000_000, gguf=False)[0] == "hqq"
+    assert default_method("int4", 135_000_000, gguf=False, dtype="fp16")[0] == "autoround"  # HQQ: fp32 only
     assert default_method("int4", 8_000_000_000, gguf=False) == (
-        "rtn", "rtn: calibrating 8.0B parameters on a CPU would take hours (--quant-method autoround calibrates anyway)")
+        "rtn", "rtn: the default from 1B parameters (8.0B here: HQQ holds the whole model, calibrating would take "
+               "hours on a CPU; --quant-method hqq or autoround anyway)")
     assert default_method("int4", 135_000_000, gguf=True)[0] == "rtn"  # its Q4_0/Q8_0 blocks are carried over
     assert default_method("int8", 135_000_000, gguf=False) == ("rtn", None)
 
 
-def test_int4_without_a_method_calibrates_a_small_model_and_says_why(hf_folder, tmp_path, monkeypatch):
+def test_int4_without_a_method_calibrates_a_small_fp16_model_and_says_why(hf_folder, tmp_path, monkeypatch):
     from kvforge.exporter import calibrate
     from kvforge.exporter.export import export_model
 
     monkeypatch.setattr(calibrate, "ITERATIONS", 5)
-    manifest = export_model(hf_folder("llama-tiny"), tmp_path / "out", quantize="int4")
+    manifest = export_model(hf_folder("llama-tiny"), tmp_path / "out", quantize="int4", dtype="fp16")
     quant = manifest["quantization"]
     assert quant["quant_method"] == "autoround" and quant["quant_method_default"].startswith("autoround: calibrated")
+    assert "with --dtype fp16" in quant["quant_method_default"]
     assert quant["integer_weights"]["carried_over"] == 8

@@ -109,16 +109,20 @@ def test_int4_with_an_int8_lm_head(quantized) -> None:
 def test_hqq_export_records_its_method_and_keeps_int4_parity(lm_head_bits, quantized, hf_folder) -> None:
     folder = quantized("int4", quant_method="hqq", lm_head_bits=lm_head_bits)
     ops, model = _ops(folder)
-    assert ops["MatMul"] == 0 and ops["MatMulNBits"] == 4 * LAYERS + 1
+    fours = 4 * LAYERS + (lm_head_bits == 4)
+    assert ops["MatMulNBits"] == 4 * LAYERS + 1
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     bits = Counter(a.i for n in nodes for a in n.attribute if a.name == "bits")
     assert bits == ({4: 4 * LAYERS, 8: 1} if lm_head_bits == 8 else {4: 4 * LAYERS + 1})
-    # HQQ's blocks are asymmetric: each 4-bit MatMulNBits reads a zero point; all keep kvforge's accuracy_level.
+    # HQQ's blocks are asymmetric with float zero points; each 4-bit product runs on the integer kernel (no zero
+    # point input: the default 8) with its blocks' offsets added beside it (exporter/float_offsets.py).
     four = [n for n in nodes if any(a.name == "bits" and a.i == 4 for a in n.attribute)]
-    assert all(len(n.input) == 4 and n.input[3] for n in four)
+    assert all(len(n.input) == 3 for n in four)
+    assert ops["ReduceSum"] == ops["MatMul"] == fours and ops["Add"] >= fours
     assert all(any(a.name == "accuracy_level" and a.i == 4 for a in n.attribute) for n in nodes)
     quant = json.loads((folder / "kvforge.json").read_text())["quantization"]
     assert quant["quant_method"] == "hqq" and "HQQ" in quant["method"] and quant["lm_head_bits"] == lm_head_bits
+    assert quant["float_zero_points_as_offsets"] == fours and quant["matmuls_left_fp32"] == 0
     # HQQ leaves a Gather alone: the tied embedding shares an 8-bit (rounded) lm_head's table, else stays fp32.
     assert quant["embedding_shares_lm_head"] == (lm_head_bits == 8)
     load_manifest(folder, verify_hashes=True)
@@ -127,9 +131,16 @@ def test_hqq_export_records_its_method_and_keeps_int4_parity(lm_head_bits, quant
     assert report.passed, report.failure_reason()
 
 
-def test_rtn_is_the_default_and_recorded(quantized) -> None:
+def test_rtn_is_recorded(quantized) -> None:
     quant = json.loads((quantized("int4") / "kvforge.json").read_text())["quantization"]
-    assert quant["quant_method"] == "rtn" and "symmetric" in quant["method"]
+    assert quant["quant_method"] == "rtn" and "symmetric" in quant["method"] and "float_zero_points_as_offsets" not in quant
+
+
+def test_hqq_is_the_default_for_a_small_fp32_model_and_says_why(hf_folder, tmp_path) -> None:
+    manifest = export_model(hf_folder(RECIPE), tmp_path / "out", quantize="int4")
+    quant = manifest["quantization"]
+    assert quant["quant_method"] == "hqq" and quant["quant_method_default"].startswith("hqq: int4 fitted with HQQ")
+    assert quant["float_zero_points_as_offsets"] == 4 * LAYERS
 
 
 def test_quant_method_on_the_command_line(tmp_path) -> None:

@@ -160,10 +160,10 @@ def main(ctx: click.Context, debug: bool) -> None:
               help="Calibration text for --quant-method autoround (UTF-8, at least 512 tokens; default: "
                    "kvforge's own ~2,400-token text).")
 @click.option("--quant-method", type=click.Choice(["rtn", "hqq", "autoround"]), default=None,
-              help="With --quantize int4: autoround calibrates each block with AutoRound (integer zero points; "
-                   "the default under 1B parameters, minutes on a CPU); rtn rounds each block (seconds; the default "
-                   "from 1B and for a GGUF); hqq fits each block with ONNX Runtime's HQQ (slow on a CPU). "
-                   "docs/quantisation.md compares them.")
+              help="With --quantize int4: hqq fits each block with HQQ (float zero points; closest to fp32, "
+                   "seconds; the default under 1B parameters in fp32); rtn rounds each block (fastest decode; the "
+                   "default from 1B and for a GGUF); autoround calibrates each block with AutoRound (minutes on a "
+                   "CPU; the default under 1B with --dtype fp16/bf16). docs/quantisation.md compares them.")
 @click.option("--accuracy-level", type=click.IntRange(1, 4), default=4, show_default=True,
               help="With --quantize: the precision ONNX Runtime's CPU MatMulNBits multiplies in: 4 int8 "
                    "activations (fastest), 1 fp32 (most accurate, much slower decode: docs/quantisation.md).")

@@ -46,8 +46,8 @@ TARGETS: dict[str, Target] = {
             name="ort",
             summary="ONNX Runtime's com.microsoft.GroupQueryAttention (in place when past/present share one OrtValue)",
             dtypes=tuple(DTYPES),
-            support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` (int4 calibrated "
-                    "with AutoRound under 1B parameters), with fp32 activations (CPU) or `--dtype fp16`/`bf16` (ONNX "
+            support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` (int4 fitted "
+                    "with HQQ under 1B parameters, or calibrated with AutoRound), with fp32 activations (CPU) or `--dtype fp16`/`bf16` (ONNX "
                     "Runtime CUDA's `MatMulNBits`; run here on the CPU only) (measured on Llama, Qwen2, SmolLM2 and "
                     "Gemma 3); GPTQ, AWQ, compressed-tensors and AutoRound checkpoints and a GGUF's Q4_0/Q8_0 blocks "
                     "carried over bit for bit; an int8 KV cache with `--kv-cache int8` (fp32, measured on CPU)",
