@@ -60,9 +60,10 @@ def specs_for(weight: ir.Value, source: IntWeightSource | None) -> list[WeightSp
 
 
 def _alike(specs: Sequence[WeightSpec]) -> bool:
-    """Whether the parts can share one MatMulNBits: one width, block size and input order."""
+    """Whether the parts can share one MatMulNBits: one width, block size, input order and kind of zero point."""
     first = specs[0]
-    return all((s.bits, s.block_size, s.order) == (first.bits, first.block_size, first.order) for s in specs)
+    return all((s.bits, s.block_size, s.order, s.float_zero_points)
+               == (first.bits, first.block_size, first.order, first.float_zero_points) for s in specs)
 
 
 def pack_values(values: np.ndarray, bits: int, block_size: int) -> np.ndarray:
@@ -124,7 +125,9 @@ def _nbits_inputs(graph: ir.Graph, node: ir.Node, source: IntWeightSource, names
         parts = [source.load(name) for name in names]
         packed = np.concatenate([pack_values(p.values, bits, block_size) for p in parts])
         scales = np.concatenate([p.scales for p in parts]).astype(scale_dtype.numpy())
-        zeros = pack_zero_points(np.concatenate([p.zero_point_array() for p in parts]), bits)
+        zeros = np.concatenate([p.zero_point_array() for p in parts])
+        # Float zero points (a GGUF Q4_1's) stay floats in the scales' dtype: float_offsets moves them beside the kernel
+        zeros = zeros.astype(scales.dtype) if first.float_zero_points else pack_zero_points(zeros, bits)
         return packed, scales, zeros
 
     parts = _Parts(compute)
@@ -133,7 +136,9 @@ def _nbits_inputs(graph: ir.Graph, node: ir.Node, source: IntWeightSource, names
         inputs[0] = _gathered(graph, node, np.asarray(first.order, np.int64), weight_name)
     inputs.append(_initializer(graph, f"{weight_name}_Q{bits}", ir.DataType.UINT8, (rows, blocks, blob), parts, 0))
     inputs.append(_initializer(graph, f"{weight_name}_scales", scale_dtype, (rows, blocks), parts, 1))
-    if not symmetric:
+    if first.float_zero_points:
+        inputs.append(_initializer(graph, f"{weight_name}_zero_points", scale_dtype, (rows, blocks), parts, 2))
+    elif not symmetric:
         zero_bytes = (blocks * bits + 7) // 8
         inputs.append(_initializer(graph, f"{weight_name}_zero_points", ir.DataType.UINT8, (rows, zero_bytes), parts, 2))
     attributes = {"K": cols, "N": rows, "bits": bits, "block_size": block_size}

@@ -39,18 +39,24 @@ def float_zero_points(node: ir.Node) -> ir.Value | None:
     return zero
 
 
-def _offsets(node: ir.Node, zero: ir.Value) -> np.ndarray | None:
-    """C [blocks, N] in the scales' dtype, or None where the node's layout is not the plain one this handles."""
+def _offsets(node: ir.Node, zero: ir.Value) -> ir.LazyTensor | None:
+    """C [blocks, N] in the scales' dtype, computed when it is written (the scales and zero points may be lazy
+    themselves: an imported checkpoint's), or None where the node's layout is not the plain one this handles."""
     attrs = node.attributes
     rows, cols = attrs.get_int("N"), attrs.get_int("K")
     bits, block = attrs.get_int("bits"), attrs.get_int("block_size")
     scales = node.inputs[2].const_value if node.inputs[2] is not None else None
     if scales is None or cols % block or any(v is not None for v in node.inputs[ZERO_POINT + 1:ZERO_POINT + 2]):
         return None  # a padded last block, runtime scales or a group index (act-order): left as it is
-    blocks = cols // block
-    scale = scales.numpy().astype(np.float64).reshape(rows, blocks)
-    offset = scale * ((1 << (bits - 1)) - zero.const_value.numpy().astype(np.float64).reshape(rows, blocks))
-    return np.ascontiguousarray(offset.T).astype(scales.numpy().dtype)
+    blocks, zeros = cols // block, zero.const_value
+
+    def make() -> ir.Tensor:
+        scale = scales.numpy().astype(np.float64).reshape(rows, blocks)
+        offset = scale * ((1 << (bits - 1)) - zeros.numpy().astype(np.float64).reshape(rows, blocks))
+        return ir.Tensor(np.ascontiguousarray(offset.T).astype(scales.dtype.numpy()))
+
+    return ir.LazyTensor(make, dtype=scales.dtype, shape=ir.Shape([blocks, rows]),
+                         name=f"{node.inputs[1].name}_block_offsets")
 
 
 def move_float_zero_points(model: ir.Model) -> int:
@@ -67,14 +73,14 @@ def move_float_zero_points(model: ir.Model) -> int:
         rank = len(x.shape) if x.shape is not None else None
         if offsets is None or rank is None:
             continue
-        blocks, block = offsets.shape[0], node.attributes.get_int("block_size")
+        blocks, block = int(offsets.shape[0]), node.attributes.get_int("block_size")
         name = node.inputs[1].name
         tape = ir.tape.Tape()
         # [..., K] -> [..., blocks, block]: 0 keeps a leading dimension as it is (batch, sequence)
         shape = tape.initializer(ir.tensor(np.array([0] * (rank - 1) + [blocks, block], np.int64)),
                                  name=f"{name}_block_shape")
         axis = tape.initializer(ir.tensor(np.array([-1], np.int64)), name=f"{name}_block_axis")
-        table = tape.initializer(ir.tensor(offsets), name=f"{name}_block_offsets")
+        table = tape.initializer(offsets, name=f"{name}_block_offsets")
         sums = tape.op("ReduceSum", [tape.op("Reshape", [x, shape]), axis], attributes={"keepdims": 0})
         inputs = list(node.inputs)
         inputs[ZERO_POINT] = None  # the default zero point, 2**(bits - 1)

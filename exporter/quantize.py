@@ -88,12 +88,12 @@ def default_method(quantize: str | None, parameters: int, gguf: bool, dtype: str
     perplexity within 0.3% of fp32 and 94 of 96 greedy tokens, where AutoRound's calibration (integer zero
     points) keeps +6.1% and 81 and round-to-nearest +13.3% and 69, in seconds, for 0.78x round-to-nearest's
     decode speed (docs/quantisation.md). HQQ takes fp32 activations only: there AutoRound. From 1B the whole
-    model would have to be held (HQQ) or calibrated for hours (AutoRound); a GGUF's Q4_0/Q8_0 blocks are its
+    model would have to be held (HQQ) or calibrated for hours (AutoRound); a GGUF's Q4_0/Q4_1/Q8_0 blocks are its
     model and are carried over as they are."""
     if quantize != "int4":
         return "rtn", None
     if gguf:
-        return "rtn", ("rtn: a GGUF's Q4_0/Q8_0 blocks are carried over as they are and the rest rounded "
+        return "rtn", ("rtn: a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks are carried over as they are and the rest rounded "
                        "(--quant-method hqq fits the rest instead)")
     if parameters >= SMALL_MODEL_PARAMETERS:
         return "rtn", (f"rtn: the default from 1B parameters ({parameters / 1e9:.1f}B here: HQQ holds the whole model, "
@@ -295,7 +295,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
     (84 -> 98 MB there); see benchmarks/README.md. `method` "hqq" chooses the int4 values with ONNX
     Runtime's HQQ instead of rounding (an 8-bit lm_head is still rounded); docs/quantisation.md compares them.
-    `exact`: weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q8_0 blocks), carried
+    `exact`: weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q8_0 blocks), carried
     into MatMulNBits as they are; the others are rounded."""
     tied = _materialise_transposed_weights(model)
     # A tied embedding's lookup is left to share_tied_embedding (the lm_head's table), not quantised apart.

@@ -1,9 +1,11 @@
 """A linear layer's weight already held as integers: what a pre-quantised checkpoint (GPTQ, AWQ,
-compressed-tensors, AutoRound) or a GGUF block type (Q4_0, Q8_0) stores, in one neutral form.
+compressed-tensors, AutoRound) or a GGUF block type (Q4_0, Q4_1, Q4_K, Q8_0) stores, in one neutral form.
 
 The form is the one ONNX Runtime's MatMulNBits reads: rows are output features, blocks of `block_size`
-consecutive input features share one scale and one integer zero point, and a value is
-`scale * (q - zero_point)`. A checkpoint whose groups are not consecutive (GPTQ's act-order `g_idx`)
+consecutive input features share one scale and one zero point, and a value is `scale * (q - zero_point)`.
+The zero points are integers, or floats where the format's block minimum is no whole number of steps
+(a GGUF Q4_1 block, `d * q + m`: zero point `-m / d`); the exporter runs those beside the integer kernel
+(exporter/float_offsets.py). A checkpoint whose groups are not consecutive (GPTQ's act-order `g_idx`)
 is held with its input features reordered so that they are, and `order` says how: the graph gathers the
 activations in that order before the product. The exporter packs these as they are
 (exporter/exact_blocks.py): nothing is dequantised and rounded again.
@@ -25,6 +27,7 @@ class WeightSpec:
     shape: tuple[int, int]  # [N, K]
     symmetric: bool
     order: tuple[int, ...] | None
+    float_zero_points: bool = False
 
 
 @dataclass
@@ -35,7 +38,7 @@ class IntWeight:
     block_size: int
     values: np.ndarray  # uint8 [N, K], the input features in `order`
     scales: np.ndarray  # float [N, K // block_size]
-    zero_points: np.ndarray | None = None  # uint8 [N, K // block_size]; None: 2**(bits - 1) everywhere
+    zero_points: np.ndarray | None = None  # uint8 or float32 [N, K // block_size]; None: 2**(bits - 1) everywhere
     order: np.ndarray | None = None  # int64 [K]: values[:, i] is input feature order[i]; None: natural order
 
     def __post_init__(self) -> None:
@@ -45,6 +48,8 @@ class IntWeight:
                              f"{self.block_size}")
         if self.zero_points is not None and self.zero_points.shape != self.scales.shape:
             raise ValueError(f"zero points of shape {self.zero_points.shape}, scales {self.scales.shape}")
+        if self.zero_points is not None and self.zero_points.dtype not in (np.uint8, np.float32):
+            raise ValueError(f"zero points must be uint8 or float32, not {self.zero_points.dtype}")
         if self.values.dtype != np.uint8 or int(self.values.max(initial=0)) >= 1 << self.bits:
             raise ValueError(f"values must be uint8 below {1 << self.bits}")
 
@@ -60,6 +65,9 @@ class IntWeight:
     def symmetric(self) -> bool:
         """Every zero point is the default 2**(bits - 1): MatMulNBits then needs none (its fastest CPU path)."""
         return self.zero_points is None or bool((self.zero_points == 1 << (self.bits - 1)).all())
+
+    def float_zero_points(self) -> bool:
+        return self.zero_points is not None and self.zero_points.dtype == np.float32
 
     def dequantized(self) -> np.ndarray:
         """The float32 weight [N, K] in the natural input order: scale * (q - zero point), in fp32."""

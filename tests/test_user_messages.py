@@ -58,8 +58,7 @@ def test_a_quantised_gguf_exported_to_fp32_gets_a_hint() -> None:
                 "model": {"source_gguf": {"bytes": 98_362_432, "tensor_types": {"F32": 61, "Q4_1": 210, "Q8_0": 1}}}}
     hint = dequantised_hint(manifest)
     assert hint == ("note: the GGUF's Q4_1/Q8_0 weights (98.4 MB) were dequantised to fp32 (538.0 MB); "
-                    "--quantize int4 (target ort) carries its Q8_0 blocks over as they are and re-quantises the rest "
-                    "to 4 bits (round-to-nearest)")
+                    "--quantize int4 (target ort) carries its Q4_1/Q8_0 blocks over as they are")
     assert dequantised_hint({**manifest, "quantization": {"bits": 4}}) is None
     assert dequantised_hint({**manifest, "model": {"source_gguf": {"bytes": 1, "tensor_types": {"F32": 3}}}}) is None
     assert dequantised_hint({**manifest, "model": {}}) is None

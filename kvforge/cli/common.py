@@ -118,7 +118,9 @@ def dequantised_hint(manifest: dict[str, Any]) -> str | None:
     if not quantized or manifest.get("quantization"):
         return None
     weights = sum(r["bytes"] for name, r in manifest["files"].items() if name.endswith(".weights"))
-    carried = [t for t in quantized if t in ("Q4_0", "Q8_0")]  # kvforge.models.gguf_blocks.CARRIED
+    from kvforge.models.gguf_blocks import CARRIED
+
+    carried = [t for t in quantized if t in CARRIED]
     rounded = "re-quantises them to 4 bits (round-to-nearest, blocks of 32: not the GGUF's own blocks)"
     if carried:
         rest = "" if len(carried) == len(quantized) else " and re-quantises the rest to 4 bits (round-to-nearest)"

@@ -49,7 +49,7 @@ TARGETS: dict[str, Target] = {
             support="fp32 and fp16 (CPU and CUDA), bf16 (CUDA); int4/int8 weights with `--quantize` (int4 fitted "
                     "with HQQ under 1B parameters, or calibrated with AutoRound), with fp32 activations (CPU) or `--dtype fp16`/`bf16` (ONNX "
                     "Runtime CUDA's `MatMulNBits`; run here on the CPU only) (measured on Llama, Qwen2, SmolLM2 and "
-                    "Gemma 3); GPTQ, AWQ, compressed-tensors and AutoRound checkpoints and a GGUF's Q4_0/Q8_0 blocks "
+                    "Gemma 3); GPTQ, AWQ, compressed-tensors and AutoRound checkpoints and a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks "
                     "carried over bit for bit; an int8 KV cache with `--kv-cache int8` (fp32, measured on CPU)",
             default_backend="ort-cpu",
             continue_batch=1,
