@@ -137,9 +137,12 @@ def test_rtn_is_recorded(quantized) -> None:
 
 
 def test_hqq_is_the_default_for_a_small_fp32_model_and_says_why(hf_folder, tmp_path) -> None:
-    manifest = export_model(hf_folder(RECIPE), tmp_path / "out", quantize="int4")
+    messages = []
+    manifest = export_model(hf_folder(RECIPE), tmp_path / "out", quantize="int4", progress=messages.append)
     quant = manifest["quantization"]
     assert quant["quant_method"] == "hqq" and quant["quant_method_default"].startswith("hqq: int4 fitted with HQQ")
+    assert any("HQQ, ONNX Runtime's MatMulNBits" in m and "; hqq: int4 fitted with HQQ, the default under 1B" in m
+               for m in messages)  # the console says why, not only the manifest
     assert quant["float_zero_points_as_offsets"] == 4 * LAYERS
 
 
