@@ -269,7 +269,7 @@ def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOpt
 def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, gguf_record: dict[str, Any] | None,
                      say: Callable[[str], None]) -> tuple[Path, Any]:
     """Where weights already held as integers come from: a pre-quantised checkpoint (traced from its
-    dequantised twin, its integers carried over) or, with --quantize, a GGUF's Q4_0/Q4_1/Q8_0 blocks. Returns the
+    dequantised twin, its integers carried over) or, with --quantize, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks. Returns the
     folder to trace and the integer-weight source (None: every weight is rounded)."""
     from kvforge.models.prequantized_convert import convert_prequantized, prequantized_layout
 

@@ -39,7 +39,7 @@ class ExportWork:
     model_dir: Path
     checkpoint: Any  # exporter.checkpoint.Checkpoint
     say: Callable[[str], None]
-    # Weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q8_0 blocks): carried into
+    # Weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks): carried into
     # MatMulNBits as they are (exporter/exact_blocks.py); None: every weight is rounded
     int_weights: Any = None
     method_default: str | None = None  # why --quant-method is what it is, when it was not given

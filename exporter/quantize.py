@@ -88,7 +88,7 @@ def default_method(quantize: str | None, parameters: int, gguf: bool, dtype: str
     perplexity within 0.3% of fp32 and 94 of 96 greedy tokens, where AutoRound's calibration (integer zero
     points) keeps +6.1% and 81 and round-to-nearest +13.3% and 69, in seconds, for 0.78x round-to-nearest's
     decode speed (docs/quantisation.md). HQQ takes fp32 activations only: there AutoRound. From 1B the whole
-    model would have to be held (HQQ) or calibrated for hours (AutoRound); a GGUF's Q4_0/Q4_1/Q8_0 blocks are its
+    model would have to be held (HQQ) or calibrated for hours (AutoRound); a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks are its
     model and are carried over as they are."""
     if quantize != "int4":
         return "rtn", None
@@ -295,7 +295,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
     (SmolLM2-135M: perplexity +21.8% all-int4, +13.3% with an int8 lm_head) for more bytes per token
     (84 -> 98 MB there); see benchmarks/README.md. `method` "hqq" chooses the int4 values with ONNX
     Runtime's HQQ instead of rounding (an 8-bit lm_head is still rounded); docs/quantisation.md compares them.
-    `exact`: weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q8_0 blocks), carried
+    `exact`: weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks), carried
     into MatMulNBits as they are; the others are rounded."""
     tied = _materialise_transposed_weights(model)
     # A tied embedding's lookup is left to share_tied_embedding (the lm_head's table), not quantised apart.
@@ -333,7 +333,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
         "nodes_by_bits": {str(b): n for b, n in sorted(bits_of.items())},
         "lm_head_bits": 8 if bits == 4 and lm_head_bits == 8 and vocab_nodes else bits,
     }
-    if offsets:  # HQQ's float zero points, run as offsets beside the integer kernel (exporter/float_offsets.py)
+    if offsets:  # float zero points (HQQ's, a GGUF's Q4_1/Q4_K) run as offsets beside the integer kernel
         record["float_zero_points_as_offsets"] = offsets
     if exact is not None:
         record["integer_weights"] = {"source": exact.kind, "carried_over": carried,

@@ -100,7 +100,7 @@ def test_the_default_method_is_hqq_under_1b_parameters_autoround_in_fp16_and_rtn
     assert default_method("int4", 8_000_000_000, gguf=False) == (
         "rtn", "rtn: the default from 1B parameters (8.0B here: HQQ holds the whole model, calibrating would take "
                "hours on a CPU; --quant-method hqq or autoround anyway)")
-    assert default_method("int4", 135_000_000, gguf=True)[0] == "rtn"  # its Q4_0/Q4_1/Q8_0 blocks are carried over
+    assert default_method("int4", 135_000_000, gguf=True)[0] == "rtn"  # its Q4_0/Q4_1/Q4_K/Q8_0 blocks are carried over
     assert default_method("int8", 135_000_000, gguf=False) == ("rtn", None)
 
 
