@@ -7,6 +7,7 @@ exporter/export.py checks the request and writes the result; this module makes t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ from kvforge.core.targets import Target
 from kvforge.exporter.load import load_hf_model, one_line
 from kvforge.exporter.probe import layer_shapes, probe_states
 from kvforge.exporter.targets import EXPORT_TARGETS, export_target
-from kvforge.models.adapters import adapt_for_export
 from kvforge.models.config_values import config_value
 from kvforge.models.families import Family
+from kvforge.models.families.surgery import Patches
 
 TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 
@@ -64,18 +65,20 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
     from kvforge.exporter.lazy_weights import empty_model, streaming_refusal
 
     say, lap = work.say, Clock(laps)
-    why = streaming_refusal(work.config, work.options) if work.options.stream else "--no-stream"
+    why = streaming_refusal(work.config, work.options, work.family) if work.options.stream else "--no-stream"
     empty = None
     if why is None:
-        empty, why = empty_model(work.config, work.torch_dtype, work.checkpoint)
+        empty, why = empty_model(work.config, work.torch_dtype, work.checkpoint, work.family)
     if empty is not None:
         gb = work.checkpoint.nbytes / 1e9
         say(f"streaming {gb:.2f} GB of weights from the checkpoint, tensor by tensor (the model is traced without them)")
         try:
             lap("load")
-            with empty.fake_mode:
-                layout = _prepare(empty.model, work, layout)
-            return (*build_graphs(empty.model, work, layout, lap, lower, empty), layout)
+            # Every change to the model and to transformers' modules is undone when the export is done with them.
+            with Patches() as patches:
+                with empty.fake_mode:
+                    layout = _prepare(empty.model, work, layout, patches)
+                return (*build_graphs(empty.model, work, layout, lap, lower, empty), layout)
         except KvforgeError:
             raise
         except Exception as err:  # noqa: BLE001 - a model whose code needs real weights to trace
@@ -86,8 +89,9 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
     lap.mark = time.perf_counter()
     model = load_hf_model(work.model_dir, work.options.dtype, families)
     lap("load")
-    layout = _prepare(model, work, layout)
-    return (*build_graphs(model, work, layout, lap, lower, None), layout)
+    with Patches() as patches:
+        layout = _prepare(model, work, layout, patches)
+        return (*build_graphs(model, work, layout, lap, lower, None), layout)
 
 
 def check_kernel_shapes(config, family: Family, head_dim: int, target: Target, dtype: str,
@@ -117,37 +121,50 @@ def _dtype_name(torch_dtype: Any) -> str:
     return str(torch_dtype).removeprefix("torch.")
 
 
-def _prepare(model: Any, work: ExportWork, layout: KVLayout) -> KVLayout:
+def _prepare(model: Any, work: ExportWork, layout: KVLayout, patches: Patches) -> KVLayout:
     from kvforge.core.output_folder import fault_point
 
-    layout = adapt_for_export(model, layout, work.say)  # families kvforge reaches through an adapter
-    layout = probe_model(model, work.config, work.family, layout, work.target, work.options.dtype, work.say)
+    layout = adapt_for_export(model, work.family, layout, patches, work.say)
+    layout = probe_model(model, work.config, work.family, layout, work.target, work.options.dtype, work.say, patches)
     fault_point("export:model-loaded")
     return layout
 
 
+def adapt_for_export(model: Any, family: Family, layout: KVLayout, patches: Patches,
+                     say: Callable[[str], None]) -> KVLayout:
+    """Apply the family's patch (its module's: models/families/) on `patches`, and cap the layout's capacity where
+    the family's attention is exact only over fewer positions, saying why."""
+    if family.patch is not None:
+        say(f"adapted {model.config.model_type} for export: {family.patch(model, patches)}")
+    limit = family.capacity(model.config) if family.capacity is not None else None
+    if limit is not None and limit[0] < layout.max_capacity:
+        layout = dataclasses.replace(layout, max_capacity=limit[0])
+        say(f"note: {limit[1]}")
+    return layout
+
+
 def probe_model(model: Any, config: Any, family: Family, layout: KVLayout, target: Target, dtype: str,
-                 say: Callable[[str], None]) -> KVLayout:
-    """Prepare the loaded model's experts for export and check the attention shapes HF really passes
-    against the target; the KV layout those shapes give."""
+                say: Callable[[str], None], patches: Patches) -> KVLayout:
+    """Prepare the loaded model's experts for export (on `patches`) and check the attention shapes HF really
+    passes against the target; the KV layout those shapes give."""
     passes = export_target(target.name)
     # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
     # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
     # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
     from kvforge.exporter.moe import prepare_looped_experts
 
-    looped = prepare_looped_experts(model)  # experts written as a loop over the picked ones (DBRX, LongCat)
+    looped = prepare_looped_experts(model, family, patches)  # experts written as a loop over the picked ones
     if looped:
         say(f"experts: {looped} looped MoE layers as the canonical MoE node")
     if getattr(model, "_can_set_experts_implementation", lambda: False)():
-        from kvforge.exporter.moe import prepare_experts
+        from kvforge.exporter.moe import prepare_experts, set_experts_implementation
 
-        model.set_experts_implementation("batched_mm")
-        routed = prepare_experts(model)
+        set_experts_implementation(model, "batched_mm", patches)
+        routed = prepare_experts(model, patches)
         say(f"experts: {routed['node']} MoE layers as the canonical MoE node"
             + (f", {routed['batched_mm']} in transformers' batched_mm form" if routed["batched_mm"] else ""))
     # Recurrent / linear-attention layers whose state lives in transformers' cache keep it as state buffers.
-    found = probe_states(model)
+    found = probe_states(model, family)
     states = tuple(StateSpec(layer, kind, shape, _dtype_name(torch_dtype))
                    for layer, kinds in sorted(found.items()) for kind, (shape, torch_dtype) in sorted(kinds.items()))
     if states and passes.kernel_shapes:
@@ -232,7 +249,7 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
         from kvforge.exporter.kv_quant import calibrate
 
         say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
-        kv_scales, kv_quant = calibrate(model, config, layout, work.model_dir, options.kv_cache)
+        kv_scales, kv_quant = calibrate(model, config, work.family, layout, work.model_dir, options.kv_cache)
         lap("kv_calibrate")
     # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
     if export_target(target.name).ort_fusions and options.quantize is None:

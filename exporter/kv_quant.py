@@ -53,14 +53,6 @@ def calibration_ids(model_dir: Path, max_positions: int) -> tuple[int, list[list
     return first, [ids[i : i + window] for i in range(0, len(ids), window) if len(ids[i : i + window]) >= 2]
 
 
-def rotary_dims(config: Any, head_dim: int) -> int:
-    """How many leading channels of a head RoPE rotates (0 for models with learned positions)."""
-    if getattr(config, "model_type", None) == "gpt2":
-        return 0
-    factor = getattr(config, "partial_rotary_factor", None) or 1.0
-    return int(head_dim * factor) // 2 * 2
-
-
 def channel_scales(cache: np.ndarray, qmax: int, rotary: int = 0) -> np.ndarray:
     """Per (kv head, channel) scales [1, H_kv, 1, D] of cache rows [N, H_kv, D]: max |x| / qmax, and for
     rotate-half pairs (i, i + rotary/2) the pair's largest norm / qmax for both channels."""
@@ -75,7 +67,7 @@ def channel_scales(cache: np.ndarray, qmax: int, rotary: int = 0) -> np.ndarray:
     return scale[None, :, None, :].astype(np.float32)
 
 
-def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dtype: str
+def calibrate(model: Any, config: Any, family: Any, layout: KVLayout, model_dir: Path, kv_dtype: str
               ) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, Any]]:
     """Per layer (key scales, value scales), each [1, H_kv, 1, D] float32, and the manifest record."""
     import torch
@@ -91,7 +83,7 @@ def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dty
                                     f"with one head count and head size in every layer, and this model {why}; "
                                     "export without --kv-cache")
     first, windows = calibration_ids(model_dir, int(config.max_position_embeddings))
-    wrapper = GraphWrapper(model, "prefill").eval()
+    wrapper = GraphWrapper(model, "prefill", family).eval()
     rows: list[list[list[np.ndarray]]] = [[[], []] for _ in range(layout.num_layers)]  # layer -> kind -> [S, H, D]
     dtype = next(model.parameters()).dtype
     with torch.no_grad():
@@ -102,7 +94,7 @@ def calibrate(model: Any, config: Any, layout: KVLayout, model_dir: Path, kv_dty
                               torch.tensor([[seq - 1]]), *past)
             for index, present in enumerate(outputs[1:]):
                 rows[index // 2][index % 2].append(present[0].float().numpy().transpose(1, 0, 2))  # [S, H, D]
-    rotary = rotary_dims(config, layout.head_dim)
+    rotary = family.rotary(config, layout.head_dim)
     qmax = QMAX[kv_dtype]
     scales = [(channel_scales(np.concatenate(key), qmax, rotary), channel_scales(np.concatenate(value), qmax))
               for key, value in rows]

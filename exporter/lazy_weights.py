@@ -39,10 +39,9 @@ class EmptyModel:
     sources: dict[str, str]
 
 
-def streaming_refusal(config: Any, options: Any) -> str | None:
+def streaming_refusal(config: Any, options: Any, family: Any) -> str | None:
     """Why this export cannot stream its weights, before any model is built (None: it may)."""
     from kvforge.exporter.text_model import text_of
-    from kvforge.models.adapters import ADAPTERS
 
     if options.kv_cache is not None:
         return f"--kv-cache {options.kv_cache} calibrates its scales by running the model"
@@ -50,13 +49,13 @@ def streaming_refusal(config: Any, options: Any) -> str | None:
         return f"--quant-method {options.quant_method} runs ONNX Runtime's whole-model quantiser"
     if text_of(config) is not None:
         return "a multimodal checkpoint's text model is loaded from renamed tensors"
-    # An adapter that only changes the model's code (it says so: keeps_weights) runs on the fake weights too.
-    if config.model_type in ADAPTERS and not getattr(ADAPTERS[config.model_type], "keeps_weights", False):
+    # A patch that only changes the model's code (its family says so) runs on the fake weights too.
+    if family.patch is not None and not family.patch_keeps_weights:
         return f"{config.model_type}'s export adapter rewrites weights from their values"
     return None
 
 
-def empty_model(config: Any, torch_dtype: Any, checkpoint: Any) -> tuple[EmptyModel | None, str | None]:
+def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any) -> tuple[EmptyModel | None, str | None]:
     """The model with fake parameters and real buffers, and the checkpoint tensor of each initializer;
     or None and why it cannot stream (a parameter the checkpoint does not hold by its name and shape,
     experts that the MoE preparation rebuilds from their values)."""
@@ -71,7 +70,7 @@ def empty_model(config: Any, torch_dtype: Any, checkpoint: Any) -> tuple[EmptyMo
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch_dtype)
     model.tie_weights()  # as from_pretrained does: a tied lm_head is the embedding's parameter
     model.eval()
-    if getattr(model, "_can_set_experts_implementation", lambda: False)() or looped_experts_count(model):
+    if getattr(model, "_can_set_experts_implementation", lambda: False)() or looped_experts_count(model, family):
         return None, "its experts are rebuilt from their values for the MoE node"
     names: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from kvforge.core.contract import DTYPES
 from kvforge.core.errors import InputError, KvforgeError
-from kvforge.exporter.text_model import OWN_TEXT_CONFIG, load_text_model, text_config_of, text_family, text_of
-from kvforge.models.families import Family, family_for
+from kvforge.exporter.text_model import load_text_model, text_config_of, text_family, text_of
+from kvforge.models.families import Family, family_for, own_text_type
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # What a Hugging Face Hub id looks like (`owner/name`): said as such when no such local path exists.
@@ -69,7 +69,7 @@ def load_hf_config(model_dir: str | Path, families: Mapping[str, Family] | None 
     raw_family = SimpleNamespace(model_type=raw.get("model_type"), architectures=raw.get("architectures"),
                                  is_encoder_decoder=raw.get("is_encoder_decoder", False))
     # A multimodal checkpoint is checked as its text model (once transformers has read its config).
-    multimodal = isinstance(raw.get("text_config"), dict) or raw.get("model_type") in OWN_TEXT_CONFIG
+    multimodal = isinstance(raw.get("text_config"), dict) or own_text_type(raw.get("model_type")) is not None
     if not multimodal:
         family_for(raw_family, families)
     # Only after the cheap checks: transformers (and torch) take seconds to load.

@@ -141,10 +141,18 @@ def _gate_form(module: torch.nn.Module, width: int) -> tuple[float, float, float
     return None
 
 
-def prepare_experts(model: torch.nn.Module) -> dict[str, int]:
+def set_experts_implementation(model: torch.nn.Module, implementation: str, patches: Any) -> None:
+    """The model's experts implementation, set back to the one it had when `patches` closes."""
+    previous = model.config._experts_implementation
+    model.set_experts_implementation(implementation)
+    patches.callback(model.set_experts_implementation, previous)
+
+
+def prepare_experts(model: torch.nn.Module, patches: Any) -> dict[str, int]:
     """Route the model's experts modules through the canonical node where their gate is SwiGLU-like:
     each gets its weights in the node's layout (buffers, so the graph reads them as initializers) and
-    the model's experts implementation becomes "kvforge". Returns how many modules went each way."""
+    the model's experts implementation becomes "kvforge", all on the export's `patches`. Returns how many
+    modules went each way."""
     counts = {"node": 0, "batched_mm": 0}
     for module in model.modules():
         if not hasattr(module, "has_gate") or not hasattr(module, "down_proj"):
@@ -164,46 +172,28 @@ def prepare_experts(model: torch.nn.Module) -> dict[str, int]:
         if module.is_concatenated:  # [gate; up] -> gate_0, up_0, gate_1, up_1, ...
             gate_up = torch.stack(gate_up.chunk(2, dim=1), dim=2).flatten(1, 2)
             bias = torch.stack(bias.chunk(2, dim=1), dim=2).flatten(1, 2) if bias is not None else None
-        module.register_buffer("kvforge_gate_up", gate_up.contiguous(), persistent=False)
-        module.register_buffer("kvforge_down", down.contiguous(), persistent=False)
+        patches.buffer(module, "kvforge_gate_up", gate_up.contiguous())
+        patches.buffer(module, "kvforge_down", down.contiguous())
         if bias is not None:
-            module.register_buffer("kvforge_gate_up_bias", bias.contiguous(), persistent=False)
-            module.register_buffer("kvforge_down_bias", module.down_proj_bias.detach().contiguous(), persistent=False)
-        setattr(module, _CANONICAL, form)
+            patches.buffer(module, "kvforge_gate_up_bias", bias.contiguous())
+            patches.buffer(module, "kvforge_down_bias", module.down_proj_bias.detach().contiguous())
+        patches.set(module, _CANONICAL, form)
         # The module now reads only the node's copies: drop its own, so an export holds its experts once.
         for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
             if name in module._parameters:
-                del module._parameters[name]
+                patches.delete_parameter(module, name)
         counts["node"] += 1
     if counts["node"]:
-        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        set_experts_implementation(model, EXPERTS_IMPLEMENTATION, patches)
     return counts
 
 
 # -- experts modules that loop over the experts a batch hits -----------------------------------------
 # Some families write their experts as a Python loop over the experts the batch picked (a data-dependent
-# loop torch.export cannot trace) and keep their weights in their own layout. Each entry reads a module's
-# weights as (gate [E, I, H], up [E, I, H], down [E, H, I], identity experts, activation) and says what
-# shape it returns; the module then runs the node over its routed experts, and identity experts (LongCat-
+# loop torch.export cannot trace) and keep their weights in their own layout. Their family's
+# `looped_experts` reads a module's weights into the node's layout (models/families/family.py's
+# LoopedExperts); the module then runs the node over its routed experts, and identity experts (LongCat-
 # Flash's zero-computation experts: ids from E on, output = input) add their weight times the input.
-def _dbrx_experts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any]:
-    mlp = module.mlp
-    shape = (module.num_experts, module.ffn_hidden_size, module.hidden_size)
-    # w2 is [E*I, H], applied as x @ w2: down[e] = w2[e].T.
-    return (mlp.w1.detach().view(shape), mlp.v1.detach().view(shape), mlp.w2.detach().view(shape).transpose(1, 2),
-            0, mlp.activation_fn)
-
-
-def _longcat_experts(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any]:
-    routed = module.num_routed_experts
-    # gate_up_proj holds total_experts rows, the identity experts' unused: [gate; up] per routed expert.
-    gate, up = module.gate_up_proj.detach()[:routed].chunk(2, dim=1)
-    return gate, up, module.down_proj.detach(), module.zero_expert_num, module.act_fn
-
-
-_LOOPED_EXPERTS = {"DbrxExperts": _dbrx_experts, "LongcatFlashExperts": _longcat_experts}
-
-
 def _looped_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     hidden = hidden_states.reshape(-1, module.kvforge_gate_up.shape[-1])
@@ -230,35 +220,34 @@ def _is_silu(act: Any) -> bool:
         return bool(torch.allclose(act(probe), torch.nn.functional.silu(probe), atol=1e-6))
 
 
-def looped_experts_count(model: torch.nn.Module) -> int:
+def looped_experts_count(model: torch.nn.Module, family: Any) -> int:
     """How many experts modules prepare_looped_experts would route (it rebuilds their weights from values)."""
-    return sum(type(module).__name__ in _LOOPED_EXPERTS for module in model.modules())
+    if family.looped_experts is None:
+        return 0
+    return sum(family.looped_experts(module) is not None for module in model.modules())
 
 
-def prepare_looped_experts(model: torch.nn.Module) -> int:
-    """Route experts modules written as a loop over the experts a batch hits (_LOOPED_EXPERTS) through the
-    canonical node, where their gate is SiLU: their forward becomes the node over the routed experts (plus
-    the identity experts' weighted input). Returns how many modules were routed."""
+def prepare_looped_experts(model: torch.nn.Module, family: Any, patches: Any) -> int:
+    """Route experts modules written as a loop over the experts a batch hits (the family's `looped_experts`) through
+    the canonical node, where their gate is SiLU: their forward becomes the node over the routed experts (plus
+    the identity experts' weighted input), on the export's `patches`. Returns how many modules were routed."""
     count = 0
-    for module in model.modules():
-        read = _LOOPED_EXPERTS.get(type(module).__name__)
+    for module in list(model.modules()) if family.looped_experts is not None else ():
+        read = family.looped_experts(module)
         if read is None or getattr(module, _CANONICAL, None) is not None:
             continue
-        gate, up, down, identity, act = read(module)
-        if not _is_silu(act):
+        if not _is_silu(read.activation):
             continue  # the node models SiLU gating only; the module stays as written (and fails to trace)
-        module.register_buffer("kvforge_gate_up", torch.stack((gate, up), dim=2).flatten(1, 2).contiguous(),
-                               persistent=False)  # interleaved: gate_0, up_0, gate_1, ...
-        module.register_buffer("kvforge_down", down.contiguous(), persistent=False)
-        module.kvforge_identity_experts = identity
-        module.kvforge_batch_first = type(module).__name__ == "DbrxExperts"
-        setattr(module, _CANONICAL, (1.0, 0.0, 0.0))
-        module.forward = _looped_forward.__get__(module)
-        # Drop the module's own copies, so an export holds its experts once.
-        for owner in (module, getattr(module, "mlp", None)):
-            for name in ("gate_up_proj", "down_proj", "w1", "v1", "w2"):
-                if owner is not None and name in owner._parameters:
-                    del owner._parameters[name]
+        # Interleaved: gate_0, up_0, gate_1, ...
+        patches.buffer(module, "kvforge_gate_up", torch.stack((read.gate, read.up), dim=2).flatten(1, 2).contiguous())
+        patches.buffer(module, "kvforge_down", read.down.contiguous())
+        patches.set(module, "kvforge_identity_experts", read.identity)
+        patches.set(module, "kvforge_batch_first", read.batch_first)
+        patches.set(module, _CANONICAL, (1.0, 0.0, 0.0))
+        patches.set(module, "forward", _looped_forward.__get__(module))
+        for owner, name in read.parameters:  # the module's own copies: an export holds its experts once
+            if name in owner._parameters:
+                patches.delete_parameter(owner, name)
         count += 1
     return count
 

@@ -61,16 +61,16 @@ def probe_attention(model: Any) -> dict[int, LayerShape]:
         batch, heads, seq = query.shape[:3]
         return value.new_zeros(batch, seq, heads, value.shape[-1]), None
 
-    from kvforge.exporter.backbone import backbone
+    from kvforge.models.families.surgery import backbone
 
     # An attention module with an `indexer` (DeepSeek-V3.2, GLM-MoE-DSA, MiniMax-M3's sparse layers) attends only
     # to the cached positions the indexer picks: dense attention over the cache would be another model, unless
-    # the indexer's adapter picks every position (models/adapters.py, with the capacity capped where that is exact).
+    # the indexer's patch picks every position (models/families/deepseek_sparse.py, with the capacity capped where that is exact).
     if any(getattr(module, "indexer", None) is not None and not getattr(module.indexer, "picks_all", False)
            for module in model.modules()):
-        from kvforge.models.coverage import DSA
+        from kvforge.models.families.deepseek_sparse import REFUSAL
 
-        raise UnsupportedModelError(f"{model.config.model_type}: {DSA}")
+        raise UnsupportedModelError(f"{model.config.model_type}: {REFUSAL}")
     AttentionInterface.register(PROBE_IMPLEMENTATION, record)
     config = model.config
     saved, config._attn_implementation = config._attn_implementation, PROBE_IMPLEMENTATION
@@ -115,23 +115,20 @@ def layer_shapes(model: Any, num_layers: int, stateful: frozenset[int] = frozens
     return shapes
 
 
-def probe_states(model: Any) -> dict[int, dict[str, tuple[tuple[int, ...], Any]]]:
+def probe_states(model: Any, family: Any) -> dict[int, dict[str, tuple[tuple[int, ...], Any]]]:
     """layer -> {state kind: (shape of one row, torch dtype)} for the layers whose recurrent state lives in
     transformers' cache (conv and recurrent states of its linear-attention cache layers: Mamba, Mamba 2,
     gated DeltaNet, short convolutions; {} for a layer with nothing to cache, a hybrid's MLP block), from
     one 3-token forward with a cache; a family whose state lives elsewhere (RWKV, MiniMax, RecurrentGemma, xLSTM)
-    says its own (exporter/own_state.py). Empty for a model with no such layer, or whose cache is its own
+    says its own (its family's `states`: models/families/state_binding.py). Empty for a model with no such layer, or whose cache is its own
     otherwise (then its layers are refused as attending nowhere)."""
     import torch
     from transformers import DynamicCache
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
 
-    from kvforge.exporter.backbone import backbone, cache_keyword
-    from kvforge.exporter.own_state import probe_own_states
-
-    own = probe_own_states(model)  # RWKV, MiniMax, RecurrentGemma: a state outside transformers' cache
-    if own is not None:
-        return own
+    from kvforge.models.families.surgery import backbone, cache_keyword
+    if family.states is not None:  # RWKV, MiniMax, RecurrentGemma, xLSTM: a state outside transformers' cache
+        return family.states.probe(model)
     try:
         cache = DynamicCache(config=model.config)
         with torch.no_grad():

@@ -19,11 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.errors import InputError, UnsupportedModelError
-from kvforge.models.families import Family, family_for
+from kvforge.models.families import Family, family_for, own_text_type
 
-# Types that are their own text config (no `text_config`), by the text model type they are made of:
-# Phi-4-multimodal is a Phi-3 decoder whose image / audio towers sit inside its embedding (model.embed_tokens_extend).
-OWN_TEXT_CONFIG = {"phi4_multimodal": "phi3"}
 # Where checkpoints keep the text model's backbone (its `model.` in the causal-LM class) and its lm_head: transformers
 # 5's layout, then the layouts older checkpoints were saved in, then a type that is its own text model.
 BACKBONE_PREFIXES = ("model.language_model.", "language_model.model.", "model.text_model.", "text_model.model.",
@@ -52,8 +49,8 @@ def text_config_of(config: Any) -> Any:
     model_type = getattr(config, "model_type", None)
     if not is_multimodal(model_type) or text_of(config) is not None:
         return None
-    if model_type in OWN_TEXT_CONFIG:
-        text_type = OWN_TEXT_CONFIG[model_type]
+    text_type = own_text_type(model_type)  # a type that is its own text config (its family module says of what)
+    if text_type is not None:
         fields = set(AutoConfig.for_model(text_type).to_dict()) - {"model_type", "architectures", "transformers_version"}
         text = AutoConfig.for_model(text_type, **{k: v for k, v in config.to_dict().items() if k in fields})
     elif getattr(config, "text_config", None) is not None:

@@ -14,10 +14,10 @@ import torch
 from transformers import AttentionInterface
 
 from kvforge.core.contract import KV_KINDS, STATE_KIND, AttentionAttrs, KVLayout
-from kvforge.exporter.backbone import backbone, cache_keyword, pass_through_layer
-from kvforge.exporter.own_state import bind_own_states, present_state
 from kvforge.exporter.recurrent import note_recurrent_state
 from kvforge.models.families import Family, family_for
+from kvforge.models.families.state_binding import present_state
+from kvforge.models.families.surgery import backbone, cache_keyword, pass_through_layer
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
 
 ATTN_IMPLEMENTATION = "kvforge"
@@ -73,7 +73,7 @@ def kvforge_attention(
         state.past_lens,
         # Attention sinks, one logit per query head (gpt-oss, Flint, Granite SWA; the probe refuses other forms).
         None if s_aux is None else s_aux.to(query.dtype),
-        # ALiBi slopes [H] fp32, set on the module by its family's adapter (models/adapters.py: BLOOM, MPT).
+        # ALiBi slopes [H] fp32, set on the module by its family module (models/families/alibi.py: BLOOM, MPT).
         getattr(module, "alibi_slopes", None),
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
@@ -171,8 +171,8 @@ class GraphWrapper(torch.nn.Module):
                 for layer in range(layers)]
         state = _CacheState(past, past_lens)
         states = self.layout is not None and bool(self.layout.states)
-        # A family whose recurrent state lives outside transformers' cache binds it its own way (exporter/own_state.py).
-        own = bind_own_states(self.model, named, past_lens) if states else None
+        # A family whose recurrent state lives outside transformers' cache binds it its own way (its `states`).
+        own = self.family.states.bind(self.model, named, past_lens) if states and self.family.states else None
         cache = own.kwargs if own is not None else (
             {cache_keyword(self.model): _state_cache(self.layout, named, past_lens)} if states else {})
         seq = input_ids.shape[1]

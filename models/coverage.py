@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.models.config_values import config_value  # layer 0's where the config sets it per layer
+from kvforge.models.families.deepseek_sparse import REFUSAL as SPARSE_ATTENTION_REFUSAL
 from kvforge.models.sweep_configs import HYBRID_LAYERS, SMALL, TYPE_OVERRIDES
 
 # kvforge.data in every layout (the repository's folders, an installed wheel, an editable install).
@@ -62,8 +63,7 @@ NOT_SWEPT: dict[str, str] = {
 RELATIVE_BIAS = ("a learned relative position bias (per head, bucketed query-key distance and segment pair, as T5's), "
                  "which kvforge's attention op does not model")
 # Exact as dense attention only while a row's context fits in index_topk (2048 in DeepSeek-V3.2).
-DSA = ("DeepSeek sparse attention: an indexer with its own key cache picks the top-k (index_topk) cached positions "
-       "per query, which kvforge's dense attention op and KV cache do not model")
+DSA = SPARSE_ATTENTION_REFUSAL
 MISSING_FEATURES: dict[str, str] = {
     "cpmant": RELATIVE_BIAS,
     "diffllama": "differential attention (two softmax maps subtracted), which kvforge's one-softmax op does not model",

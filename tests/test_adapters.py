@@ -1,4 +1,4 @@
-"""Export adapters (kvforge/models/adapters.py): the causal-LM families whose attention is written into their own
+"""Export adapters (the family modules of kvforge/models/families/): the causal-LM families whose attention is written into their own
 modeling code (Falcon, GPT-Neo, XGLM, ...) are routed through transformers' attention interface, and the
 families whose rotary embedding is complex-valued (Llama 4, DeepSeek-V2) get its real-valued form, so that
 kvforge's fused attention op is what the export traces. Each adapted model must equal HF eager."""
@@ -70,7 +70,7 @@ def _tiny(name: str, folder: Path):
 
 
 def test_the_real_valued_rotary_equals_the_complex_one_on_random_inputs() -> None:
-    from kvforge.models.adapters import rotate_pairs
+    from kvforge.models.families.surgery import rotate_pairs
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 4, 16, generator=generator)  # [B, S, H, D]: pairs (x[2i], x[2i+1])
@@ -135,7 +135,8 @@ def test_an_adapted_model_equals_hf_eager_through_the_attention_interface(name, 
     from transformers import AutoModelForCausalLM
 
     from kvforge.exporter.probe import probe_attention
-    from kvforge.models.adapters import ADAPTERS, adapt_for_export
+    from kvforge.models.families import family_modules
+    from kvforge.models.families.surgery import Patches
 
     config = _config(name)
     if name == "gpt_neo":
@@ -143,8 +144,9 @@ def test_an_adapted_model_equals_hf_eager_through_the_attention_interface(name, 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     adapted = copy.deepcopy(hf)
-    assert config.model_type in ADAPTERS
-    adapt_for_export(adapted)
+    family = family_modules()[config.model_type]
+    assert family.patch is not None
+    family.patch(adapted, Patches())  # never closed: the copy stays adapted
     ids = torch.randint(4, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(input_ids=ids).logits
@@ -161,11 +163,16 @@ def test_an_adapted_model_equals_hf_eager_through_the_attention_interface(name, 
 def test_a_family_without_an_adapter_is_left_as_it_is() -> None:
     from transformers import AutoModelForCausalLM
 
-    from kvforge.models.adapters import adapt_for_export
+    from kvforge.core.contract import KVLayout
+    from kvforge.exporter.graphs import adapt_for_export
+    from kvforge.models.families import families
+    from kvforge.models.families.surgery import Patches
 
     model = AutoModelForCausalLM.from_config(tiny_config("gptj")).eval()
     forwards = [module.forward for module in model.modules()]
-    adapt_for_export(model)
+    layout = KVLayout(2, 2, 16, "float32", 2048)
+    with Patches() as patches:
+        assert adapt_for_export(model, families()["gptj"], layout, patches, print) == layout
     assert [module.forward for module in model.modules()] == forwards
 
 
@@ -173,28 +180,34 @@ def test_falcon_with_alibi_is_refused_naming_alibi() -> None:
     from transformers import AutoModelForCausalLM
 
     from kvforge.core.errors import UnsupportedModelError
-    from kvforge.models.adapters import adapt_for_export
+    from kvforge.models.families import families
 
     config = tiny_config("falcon")
     config.alibi = True
-    model = AutoModelForCausalLM.from_config(config).eval()
+    AutoModelForCausalLM.from_config(config)  # a model HF builds; kvforge refuses it when checking the family
     with pytest.raises(UnsupportedModelError, match="ALiBi"):
-        adapt_for_export(model)
+        families()["falcon"].check(config)
 
 
 def test_llama4_caps_the_capacity_at_its_attention_chunk() -> None:
     from transformers import AutoModelForCausalLM
 
     from kvforge.core.contract import KVLayout
-    from kvforge.models.adapters import adapt_for_export
+    from kvforge.exporter.graphs import adapt_for_export
+    from kvforge.models.families import family_modules
+    from kvforge.models.families.surgery import Patches
 
+    family = family_modules()["llama4_text"]
     model = AutoModelForCausalLM.from_config(_config("llama4_text")).eval()
     layout = KVLayout(2, 2, 16, "float32", 2048)
     notes: list[str] = []
-    assert adapt_for_export(model, layout, notes.append).max_capacity == 64
+    with Patches() as patches:
+        assert adapt_for_export(model, family, layout, patches, notes.append).max_capacity == 64
     assert any("attention_chunk_size" in note for note in notes)
     model.config.attention_chunk_size = None  # no chunked layers: nothing to cap
-    assert adapt_for_export(AutoModelForCausalLM.from_config(model.config).eval(), layout) == layout
+    with Patches() as patches:
+        fresh = AutoModelForCausalLM.from_config(model.config).eval()
+        assert adapt_for_export(fresh, family, layout, patches, notes.append) == layout
 
 
 # -- exported on ort (and onnx), against HF eager ----------------------------------------------------------------
@@ -278,7 +291,8 @@ def test_gemma3n_sparse_mlps_equal_hf_with_the_quantile_a_constant() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvforge.models.adapters import adapt_for_export
+    from kvforge.models.families import family_modules
+    from kvforge.models.families.surgery import Patches
 
     config = tiny_config("gemma3n_text")
     assert list(config.activation_sparsity_pattern) == [0.95, 0.95, 0.0, 0.0]  # the sweep keeps it on
@@ -288,11 +302,11 @@ def test_gemma3n_sparse_mlps_equal_hf_with_the_quantile_a_constant() -> None:
     inputs = torch.randn(2, 5, config.hidden_size)
     with torch.no_grad():
         want = [mlp(inputs) for mlp in mlps]
-        said = []
-        adapt_for_export(model, say=said.append)
+        patches = Patches()
+        said = family_modules()["gemma3n_text"].patch(model, patches)
         got = [mlp(inputs) for mlp in mlps]
-    assert said == ["adapted gemma3n_text for export: activation sparsity's normal quantile computed once at export "
-                    "(erfinv has no ONNX form) (2 layers)"]
+    assert said == ("activation sparsity's normal quantile computed once at export (erfinv has no ONNX form) "
+                    "(2 layers)")
     assert mlps[0]._kvforge_z == pytest.approx(1.6448536, abs=1e-6)  # the standard normal's 95th percentile
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

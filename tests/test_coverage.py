@@ -76,8 +76,8 @@ def test_at_least_five_mixture_of_experts_types_pass() -> None:
     assert len(MOE_TYPES) >= 5, MOE_TYPES
 
 
-# dbrx and longcat_flash: experts modules written as a loop over the picked experts (exporter/moe.py's
-# _LOOPED_EXPERTS), LongCat's with zero-computation identity experts besides its routed ones. afmoe: a router HF
+# dbrx and longcat_flash: experts modules written as a loop over the picked experts (their family modules'
+# looped_experts), LongCat's with zero-computation identity experts besides its routed ones. afmoe: a router HF
 # initialises to zeros, which build_tiny randomises (all experts tied, torch and ONNX TopK once picked differently).
 @pytest.mark.parametrize("target", ["ort", "onnx"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "dbrx", "longcat_flash", "afmoe"])

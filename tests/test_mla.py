@@ -5,7 +5,7 @@ different lengths, a prefill in chunks over the cache, and serving with chunked 
 
 DeepSeek sparse attention (DeepSeek-V3.2: MLA plus an indexer that keeps the index_topk best cached positions per
 query) runs the same checks against HF's own sparse attention, with index_topk cut to 96 so that the export's
-capacity is capped there (models/adapters.py): up to index_topk positions the indexer keeps them all."""
+capacity is capped there (models/families/deepseek_sparse.py): up to index_topk positions the indexer keeps them all."""
 
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ def test_sparse_attention_exports_capped_at_index_topk_and_refuses_longer_rows(t
 
 
 def test_an_indexer_without_the_adapter_is_refused_in_one_line() -> None:
-    # A sparse-attention model reached without its adapter (a type not listed in models/adapters.py's DSA_TYPES)
+    # A sparse-attention model reached without its adapter (a type without a family module in models/families/)
     # must not be probed as dense attention.
     from transformers import AutoModelForCausalLM
 

@@ -9,6 +9,8 @@ torch = pytest.importorskip("torch")
 
 from kvforge.exporter import moe  # noqa: E402
 from kvforge.models.coverage import build_tiny  # noqa: E402
+from kvforge.models.families import family_modules  # noqa: E402
+from kvforge.models.families.surgery import Patches  # noqa: E402
 
 
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -33,7 +35,7 @@ def test_hf_experts_through_the_node_give_their_own_output(model_type: str, tmp_
                 param.normal_(0.0, 0.5, generator=generator)  # big enough for gpt-oss's clamp to bite
         model.set_experts_implementation("batched_mm")
         theirs = [module(hidden, index, weights) for module in modules]
-        counts = moe.prepare_experts(model)
+        counts = moe.prepare_experts(model, Patches())
         ours = [module(hidden, index, weights) for module in modules]
     assert counts == {"node": len(modules), "batched_mm": 0}
     # Each module now holds its experts once: the node's layout only.
@@ -51,7 +53,8 @@ def test_looped_experts_through_the_node_give_their_own_output(model_type: str, 
     # (w2 applied transposed), LongCat-Flash's [gate; up] with zero-computation identity experts past the routed
     # ones (ids >= n_routed_experts: output = input). Every token below picks one identity expert or more.
     model = build_tiny(model_type, tmp_path / "hf")
-    modules = [m for m in model.modules() if type(m).__name__ in moe._LOOPED_EXPERTS]
+    family = family_modules()[model_type]
+    modules = [m for m in model.modules() if family.looped_experts(m) is not None]
     generator = torch.Generator().manual_seed(1)
     tokens, k = 7, 2
     hidden = torch.randn(tokens, model.config.hidden_size, generator=generator) * 3.0
@@ -65,7 +68,7 @@ def test_looped_experts_through_the_node_give_their_own_output(model_type: str, 
     weights = torch.rand(tokens, k, generator=generator)
     with torch.no_grad():
         theirs = [module(hidden, index, weights) for module in modules]
-        assert moe.prepare_looped_experts(model) == len(modules) > 0
+        assert moe.prepare_looped_experts(model, family, Patches()) == len(modules) > 0
         ours = [module(hidden, index, weights) for module in modules]
     assert not any(True for module in modules for _ in module.parameters())  # the node's copies only
     for mine, reference in zip(ours, theirs, strict=True):
@@ -76,7 +79,7 @@ def test_a_gate_the_node_does_not_model_keeps_the_gather_form(tmp_path) -> None:
     model = build_tiny("qwen3_moe", tmp_path / "hf")
     for module in _experts_modules(model):
         module.act_fn = torch.nn.GELU()  # not SwiGLU
-    assert moe.prepare_experts(model) == {"node": 0, "batched_mm": len(_experts_modules(model))}
+    assert moe.prepare_experts(model, Patches()) == {"node": 0, "batched_mm": len(_experts_modules(model))}
 
 
 @pytest.mark.parametrize("lowering", ["lower_moe_to_ort", "lower_moe_to_plain"])

@@ -1,4 +1,5 @@
-"""The traced recurrences of families whose state lives outside transformers' cache (exporter/own_state.py):
+"""The traced recurrences of families whose state lives outside transformers' cache (models/families/: rwkv,
+minimax, recurrent_gemma, xlstm):
 each equals Hugging Face's own form on random inputs, from a zero state and from a given one. The exports of
 these families (parity, batches, chunked prefill, second turns, the scheduler) are checked by
 tests/test_recurrent_state.py."""
@@ -9,7 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvforge.exporter import own_state  # noqa: E402
+from kvforge.models.families import families, family_modules  # noqa: E402
+from kvforge.models.families import minimax as own_minimax  # noqa: E402
+from kvforge.models.families import recurrent_gemma as own_griffin  # noqa: E402
+from kvforge.models.families import rwkv as own_rwkv  # noqa: E402
+from kvforge.models.families import xlstm as own_xlstm  # noqa: E402
 
 
 def _close(got, want, tol: float = 1e-5) -> None:
@@ -26,7 +31,7 @@ def test_the_rwkv_scan_equals_hfs_loop() -> None:
     for state in (None, given):
         want = rwkv.rwkv_linear_attention_cpu(decay, first, key, value, state=None if state is None else
                                               [t.clone() for t in state], return_state=True)
-        got = own_state.scan_rwkv_linear_attention(decay, first, key, value, state=state, return_state=True)
+        got = own_rwkv.scan_rwkv_linear_attention(decay, first, key, value, state=state, return_state=True)
         _close(got[0], want[0])
         for a_, b_ in zip(got[1], want[1], strict=True):
             _close(a_, b_)
@@ -65,8 +70,8 @@ def test_the_lightning_attention_scan_equals_hfs_block_and_per_token_forms() -> 
                 self.state = state
 
         ours = Cache()
-        got, got_state = own_state._lightning_forward(layer, hidden, cache=ours)
-        got_more, got_more_state = own_state._lightning_forward(layer, more, cache=ours)
+        got, got_state = own_minimax._lightning_forward(layer, hidden, cache=ours)
+        got_more, got_more_state = own_minimax._lightning_forward(layer, more, cache=ours)
     for got_, want_ in ((got, want), (got_state, want_state), (got_more, want_more), (got_more_state, want_more_state)):
         _close(got_, want_, 1e-4)
 
@@ -86,13 +91,13 @@ def test_the_rglru_scan_equals_hfs_from_a_state_and_resets_at_position_zero() ->
     with torch.no_grad():
         lru.recurrent_states = state.clone()
         want = lru(x, positions)
-        got, final = own_state._rglru(lru, x, positions, state)
+        got, final = own_griffin._rglru(lru, x, positions, state)
         _close(got, want)
         _close(final, lru.recurrent_states)
         # One token from that state: HF's decode path.
         lru.recurrent_states = final.clone()
         want_one = lru(x[:, :1], positions[:, -1:] + 1)
-        got_one, _ = own_state._rglru(lru, x[:, :1], positions[:, -1:] + 1, final)
+        got_one, _ = own_griffin._rglru(lru, x[:, :1], positions[:, -1:] + 1, final)
         _close(got_one, want_one)
 
 
@@ -106,7 +111,7 @@ def test_the_mlstm_scan_equals_hfs_sequence_and_chunkwise_forms() -> None:
     given = (torch.randn(b, h, dk, dv), torch.randn(b, h, dk), torch.randn(b, h, 1))
     for state in ((None, None, None), given):
         want = xlstm.mlstm_recurrent_sequence_native(q, k, v, i, f, *state, return_last_states=True)
-        got = own_state.scan_mlstm(q, k, v, i, f, *state)
+        got = own_xlstm.scan_mlstm(q, k, v, i, f, *state)
         _close(got[0], want[0])
         for a_, b_ in zip(got[1], want[1], strict=True):
             _close(a_, b_)
@@ -114,16 +119,13 @@ def test_the_mlstm_scan_equals_hfs_sequence_and_chunkwise_forms() -> None:
     want = xlstm.wrap_chunkwise_arbitrary_sequence_length(
         xlstm.mlstm_chunkwise_native_autograd, xlstm.mlstm_recurrent_sequence_native, xlstm.mlstm_recurrent_step_native,
         q, k, v, f, i, *given, chunk_size=4, autocast_kernel_dtype=torch.float32)
-    got = own_state.scan_mlstm(q, k, v, i, f, *given)
+    got = own_xlstm.scan_mlstm(q, k, v, i, f, *given)
     _close(got[0], want[0], 1e-4)
     for a_, b_ in zip(got[1], want[1], strict=True):
         _close(a_, b_, 1e-4)
 
 
 def test_only_the_own_state_families_are_bound_their_way() -> None:
-    from types import SimpleNamespace
-
-    model = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
-    assert own_state.probe_own_states(model) is None
-    assert own_state.bind_own_states(model, {}, torch.zeros(1, dtype=torch.int32)) is None
-    assert set(own_state.FAMILIES) == {"rwkv", "minimax", "recurrent_gemma", "xlstm"}
+    assert families()["llama"].states is None and families()["mamba"].states is None
+    own = {name for name, family in family_modules().items() if family.states is not None}
+    assert own == {"rwkv", "minimax", "recurrent_gemma", "xlstm"}

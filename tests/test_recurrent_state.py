@@ -32,7 +32,7 @@ PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog. Att
 # attention block first: each keeps its own keys and values, beside its state; Zamba's Mamba state is per head).
 ATTENDS = {"bamba": [False, True], "mamba": [False, False], "zamba": [False, True, True],
            "zamba2": [False, True, True]}
-# Families whose recurrent state lives outside transformers' cache (exporter/own_state.py): RWKV (two time shifts
+# Families whose recurrent state lives outside transformers' cache (their family modules: models/families/state_binding.py): RWKV (two time shifts
 # and the WKV numerator / denominator / maximum), MiniMax (full attention, then lightning attention's K^T V),
 # RecurrentGemma (an RG-LRU block's conv and recurrent states, then local attention), xLSTM (mLSTM's C, n, m).
 ATTENDS.update({"rwkv": [False, False], "minimax": [True, False], "recurrent_gemma": [False, True],
@@ -342,4 +342,4 @@ def test_an_int8_kv_cache_refusal_says_what_the_model_keeps(shapes, why) -> None
     with pytest.raises(UnsupportedModelError, match=re.escape(f"mamba: --kv-cache int8 quantises an attention KV "
                                                               f"cache with one head count and head size in every "
                                                               f"layer, and {why}; export without --kv-cache")):
-        calibrate(None, SimpleNamespace(model_type="mamba"), layout, None, "int8")
+        calibrate(None, SimpleNamespace(model_type="mamba"), None, layout, None, "int8")

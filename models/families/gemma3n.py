@@ -11,6 +11,9 @@ import struct
 import types
 from typing import Any
 
+from kvforge.models.families.family import Family
+from kvforge.models.families.surgery import Patches
+
 SPARSITY = "activation sparsity's normal quantile computed once at export (erfinv has no ONNX form)"
 
 
@@ -25,7 +28,7 @@ def _gaussian_topk(self: Any, inputs: Any) -> Any:
     return torch.nn.functional.relu(inputs - (mean + std * z))
 
 
-def adapt_gemma3n(model: Any) -> str:
+def adapt(model: Any, patches: Patches) -> str:
     """Each sparse MLP's quantile, computed once (float32, as HF casts its own) and used by its top-k."""
     sparse = 0
     for module in model.modules():
@@ -34,11 +37,12 @@ def adapt_gemma3n(model: Any) -> str:
             # Rounded to float32 (HF's icdf runs in float32) in plain Python: a streamed export runs this under
             # torch's fake-tensor mode, where a tensor has no value to read.
             z = statistics.NormalDist().inv_cdf(sparsity)
-            module._kvforge_z = struct.unpack("f", struct.pack("f", z))[0]
-            module._gaussian_topk = types.MethodType(_gaussian_topk, module)
+            patches.set(module, "_kvforge_z", struct.unpack("f", struct.pack("f", z))[0])
+            patches.set(module, "_gaussian_topk", types.MethodType(_gaussian_topk, module))
             sparse += 1
     return f"{SPARSITY} ({sparse} layers)" if sparse else "no sparse layers"
 
 
 # It changes code, never a weight: a streamed export (lazy_weights.streaming_refusal) may run it on fake weights.
-adapt_gemma3n.keeps_weights = True  # type: ignore[attr-defined]
+FAMILIES = (Family("gemma3n_text", (), "activation sparsity's quantile a constant", patch=adapt,
+                   patch_keeps_weights=True),)

@@ -1,106 +1,24 @@
-"""One adapter per supported architecture family: what the exporter needs to know beyond HF's code.
+"""The family registry: the one table of families kvforge knows, and the lookup of a config's family.
 
-HF's own modules still compute embeddings, projections, norms, RoPE and positions; kvforge only
-replaces the attention kernel (HF hands it the per-layer scale, sliding window and softcap). So an
-adapter is small: which architectures belong to the family, what happens to the logits after
-`lm_head` (it runs outside HF's backbone, so the family says), and which of its options kvforge
-cannot export.
+The table holds the hand-written families (plain data rows, a recipe each) and every family module of this
+folder (a family that needs code: its `FAMILIES`, found here by walking the folder, so adding one is adding
+its module). The coverage sweep's passing types (kvforge/data/coverage.json) join it as swept families,
+with their module's hooks where they have one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
+import pkgutil
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from kvforge.core.errors import UnsupportedModelError
-from kvforge.models.config_values import config_value
-
-# Rotary variants whose tables HF computes from the positions alone, so they trace into the graph.
-# ("longrope" picks its short or long table from the largest position of the call, with torch.where.)
-# "dynamic" NTK scaling re-computes its frequencies in Python from the longest sequence seen so far.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
-
-
-@dataclass(frozen=True)
-class Family:
-    model_type: str
-    architectures: tuple[str, ...]
-    notes: str
-    # Post-lm_head logit transforms, read from the config (0 / 1 = off): Gemma 2/3 soft-cap the
-    # final logits, Granite divides them by `logits_scaling`.
-    final_softcap_key: str | None = None
-    logits_divisor_key: str | None = None
-    logits_multiplier_key: str | None = None  # Cohere: logits * logit_scale
-    # Registered by the coverage sweep (kvforge/data/coverage.json), not by hand with a recipe; and
-    # why its `trt` export fails there, if it does.
-    swept: bool = False
-    trt_refusal: str | None = None
-    # Decoder layers alike by construction (no sliding/full alternation, no layers without rotary, no
-    # dense-then-MoE): a streamed export traces two and stamps the rest (exporter/layer_stamping.py).
-    uniform_layers: bool = False
-
-    # First guesses from the config (the export probes the shapes each layer really has); 1 for a model
-    # without attention heads (a state-space model), which keeps no KV.
-    def head_dim(self, config: Any) -> int:  # latent attention's keys: qk_head_dim (nope + rope dims)
-        heads = config_value(config, "num_attention_heads")
-        return config_value(config, "qk_head_dim") or config_value(config, "head_dim") or (
-            config.hidden_size // heads if heads else 1)
-
-    def kv_heads(self, config: Any) -> int:  # GPT-2: plain MHA
-        return config_value(config, "num_key_value_heads") or config_value(config, "num_attention_heads") or 1
-
-    def final_softcap(self, config: Any) -> float:
-        return float(getattr(config, self.final_softcap_key, None) or 0.0) if self.final_softcap_key else 0.0
-
-    def logits_divisor(self, config: Any) -> float:
-        return float(getattr(config, self.logits_divisor_key, None) or 1.0) if self.logits_divisor_key else 1.0
-
-    def logits_multiplier(self, config: Any) -> float:
-        return float(getattr(config, self.logits_multiplier_key, None) or 1.0) if self.logits_multiplier_key else 1.0
-
-    def finish_logits(self, config: Any, logits: Any) -> Any:
-        """What the family's *ForCausalLM.forward does to lm_head's output (torch, in the graph)."""
-        multiplier = self.logits_multiplier(config)
-        if multiplier != 1.0:
-            logits = logits * multiplier
-        divisor = self.logits_divisor(config)
-        if divisor != 1.0:
-            logits = logits / divisor
-        cap = self.final_softcap(config)
-        if cap > 0.0:
-            logits = (logits / cap).tanh() * cap
-        return logits
-
-    def check(self, config: Any) -> None:
-        """Options of a supported family that kvforge cannot export: fail naming the option."""
-        for where, params in _rope_parameter_sets(config):
-            rope_type = params.get("rope_type", params.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise UnsupportedModelError(
-                    f"{self.model_type}: rope type {rope_type!r}{where} is not supported; kvforge exports "
-                    f"rope types {', '.join(SUPPORTED_ROPE_TYPES)}"
-                )
-        # "vision" (Gemma 4 unified) is bidirectional over image tokens only, which a tokens-only export never has.
-        bidirectional = getattr(config, "use_bidirectional_attention", False)
-        if bidirectional and bidirectional != "vision":
-            raise UnsupportedModelError(f"{self.model_type}: use_bidirectional_attention={bidirectional!r} is not "
-                                        "supported (kvforge exports causal decoders)")
-        if self.model_type == "gpt2" and (getattr(config, "scale_attn_by_inverse_layer_idx", False)
-                                          or getattr(config, "reorder_and_upcast_attn", False)):
-            raise UnsupportedModelError("gpt2: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are not supported")
-
-
-def _rope_parameter_sets(config: Any) -> list[tuple[str, dict[str, Any]]]:
-    """(where, parameters) for each RoPE configuration of the model: one, or one per layer type."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if not isinstance(params, dict):
-        return []
-    nested = [(f" (layer type {name})", value) for name, value in params.items() if isinstance(value, dict)]
-    return nested or [("", params)]
-
+from kvforge.models.families import gpt2
+from kvforge.models.families.family import Family
 
 # The hand-written families: plain data, no I/O at import.
 HAND_WRITTEN: dict[str, Family] = {
@@ -124,7 +42,7 @@ HAND_WRITTEN: dict[str, Family] = {
         Family("gemma3_text", ("Gemma3ForCausalLM",),
                "q/k norm, sliding/global layer pattern with their own RoPE bases (text model)",
                final_softcap_key="final_logit_softcapping"),
-        Family("gpt2", ("GPT2LMHeadModel",), "learned absolute positions, multi-head attention, biases, LayerNorm"),
+        gpt2.FAMILY,
         Family("olmo2", ("Olmo2ForCausalLM",), "post-norm blocks, q/k RMSNorm over all heads",
                uniform_layers=True),
         Family("granite", ("GraniteForCausalLM",), "embedding, residual, attention and logit multipliers",
@@ -135,14 +53,41 @@ HAND_WRITTEN: dict[str, Family] = {
 }
 
 
+# Modules of this folder that hold no family.
+_NOT_FAMILIES = {"family", "registry", "surgery", "state_binding"}
+
+
+@functools.cache
+def family_modules() -> Mapping[str, Family]:
+    """model_type -> the family of a module in this folder (its hooks; a swept one's architecture comes from the
+    coverage data): every module's FAMILIES, imported on the first call."""
+    found: dict[str, Family] = {}
+    for info in pkgutil.iter_modules(_folder()):
+        if info.name in _NOT_FAMILIES:
+            continue
+        module = importlib.import_module(f"kvforge.models.families.{info.name}")
+        for family in module.FAMILIES:
+            assert family.model_type not in found, f"{family.model_type} has two family modules"
+            found[family.model_type] = family
+    return MappingProxyType(found)
+
+
+def _folder() -> list[str]:
+    from kvforge.models import families as package
+
+    return list(package.__path__)
+
+
 def _swept_families() -> dict[str, Family]:
     """The types the coverage sweep passes on `ort` and `onnx` that have no hand-written family: the
-    sweep checked them at parity with HF eager, so they export as plain families."""
+    sweep checked them at parity with HF eager, so they export as their module's family (or a plain one)."""
     from kvforge.models.coverage import load_coverage
 
+    own = family_modules()
     return {
-        name: Family(name, (row["architecture"],), "coverage sweep", **row.get("logit_keys", {}), swept=True,
-                     trt_refusal=row.get("trt_reason"))
+        name: dataclasses.replace(own.get(name) or Family(name, (), ""), architectures=(row["architecture"],),
+                                  notes="coverage sweep", **row.get("logit_keys", {}), swept=True,
+                                  trt_refusal=row.get("trt_reason"))
         for name, row in load_coverage()["types"].items()
         if row["status"] == "pass" and name not in HAND_WRITTEN and "architecture" in row
     }
@@ -162,8 +107,16 @@ def trial_registry(model_type: str, architecture: str, config: Any = None) -> di
     not refuse the re-run that might clear it."""
     registry = dict(families())
     if model_type not in HAND_WRITTEN:
-        registry[model_type] = Family(model_type, (architecture,), "coverage sweep trial", **logit_keys(config))
+        registry[model_type] = dataclasses.replace(
+            family_modules().get(model_type) or Family(model_type, (), ""), architectures=(architecture,),
+            notes="coverage sweep trial", swept=False, trt_refusal=None, **logit_keys(config))
     return registry
+
+
+def own_text_type(model_type: Any) -> str | None:
+    """The text model type of a multimodal type that is its own text config (its family's `text_config`)."""
+    family = family_modules().get(model_type) if isinstance(model_type, str) else None
+    return family.text_config if family is not None else None
 
 
 # The config fields *ForCausalLM.forward reads to transform lm_head's output, by Family key (RecurrentGemma
