@@ -154,7 +154,7 @@ NEW_KINDS = ("gemma4_text", "deepseek_v3", "deepseek_v32", "bamba", "mamba", "rw
 def tiny_export(run: Run, model_type: str, dtype: str = "fp16") -> tuple[Path, Path]:
     """(HF folder, `ort` export) of a coverage-sweep type's tiny config, made when missing."""
     from kvforge.exporter.export import export_model
-    from kvforge.models.coverage import build_tiny
+    from kvforge.tools.coverage_fixtures import build_tiny
 
     hf = run.work / "hf" / model_type
     if not (hf / "config.json").is_file():

@@ -4,7 +4,7 @@ pages at build time, so the site cannot drift from the code.
 A page asks for a table with an HTML comment on a line of its own:
 
     <!-- kvforge:support-table -->    kvforge.models.families.support_table(): families x targets, dtypes
-    <!-- kvforge:coverage-table -->   kvforge.models.coverage.coverage_table(): the architecture sweep
+    <!-- kvforge:coverage-table -->   kvforge.tools.coverage_table.coverage_table(): the architecture sweep
     <!-- kvforge:commands -->         kvforge.cli.help.markdown_overview(): the commands as --help groups them
 
 README.md carries the support table as text (tests/test_families.py keeps it equal to the registry).
@@ -25,7 +25,7 @@ def _support_table() -> str:
 
 
 def _coverage_table() -> str:
-    from kvforge.models.coverage import coverage_table
+    from kvforge.tools.coverage_table import coverage_table
 
     return coverage_table()
 

@@ -34,10 +34,10 @@ def is_multimodal(model_type: Any) -> bool:
     a multimodal LM class; the types that need their non-text inputs are out of scope)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
 
-    from kvforge.models.coverage import OUT_OF_SCOPE
+    from kvforge.models.coverage_data import out_of_scope
 
     return isinstance(model_type, str) and model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES \
-        and model_type not in OUT_OF_SCOPE
+        and not out_of_scope(model_type)
 
 
 def text_config_of(config: Any) -> Any:
@@ -114,7 +114,7 @@ def text_family(config: Any, registry: Mapping[str, Family] | None = None) -> Fa
     try:
         return family_for(config, registry)
     except UnsupportedModelError as err:
-        from kvforge.models.coverage import load_coverage
+        from kvforge.models.coverage_data import load_coverage
 
         row = load_coverage()["types"].get(text_type if own_type or text_type in registry else wrapper) or {}
         reason = row.get("reason") or " ".join(str(err).split())

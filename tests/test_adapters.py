@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvforge.models import coverage  # noqa: E402
-from kvforge.models.coverage import ATOL, PROMPTS, tiny_config  # noqa: E402
+from kvforge.tools.coverage_fixtures import ATOL, PROMPTS, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("adapters")
 

@@ -1,4 +1,4 @@
-"""The architecture coverage sweep (kvforge/tools/coverage_sweep.py, its data in kvforge/models/coverage.py): its table covers every causal-LM type
+"""The architecture coverage sweep (kvforge/tools/coverage_sweep.py, its fixtures in kvforge/tools/coverage_fixtures.py): its table covers every causal-LM type
 of the installed transformers, the documentation site shows it (README its summary), the registry is its passing set, a type it does not
 pass is refused at export with its recorded reason, and a re-run of a sample reproduces the table."""
 
@@ -13,16 +13,16 @@ import pytest
 pytest.importorskip("torch")
 
 from kvforge.core.errors import UnsupportedModelError  # noqa: E402
-from kvforge.models.coverage import (  # noqa: E402
+from kvforge.models.coverage_data import load_coverage  # noqa: E402
+from kvforge.models.families import HAND_WRITTEN, families, family_for, trial_registry  # noqa: E402
+from kvforge.tools.coverage_fixtures import (  # noqa: E402
     ATOL,
     OUT_OF_SCOPE,
     REQUIRED_TARGETS,
     build_tiny,
     causal_lm_types,
-    coverage_table,
-    load_coverage,
 )
-from kvforge.models.families import HAND_WRITTEN, families, family_for, trial_registry  # noqa: E402
+from kvforge.tools.coverage_table import coverage_table  # noqa: E402
 
 FAMILIES = families()
 from kvforge.tools.coverage_sweep import check_target, sweep_one  # noqa: E402
@@ -190,7 +190,7 @@ def test_a_rerun_tries_a_swept_type_afresh_so_its_trt_refusal_can_clear() -> Non
 def test_real_shape_configs_keep_the_default_layer_shapes() -> None:
     from transformers import AutoConfig
 
-    from kvforge.models.coverage import tiny_config
+    from kvforge.tools.coverage_fixtures import tiny_config
 
     for model_type in ("qwen3_moe", "starcoder2", "gemma3_text"):
         default, real = AutoConfig.for_model(model_type), tiny_config(model_type, real=True)
@@ -203,7 +203,7 @@ def test_real_shape_configs_keep_the_default_layer_shapes() -> None:
 
 
 def test_a_real_shape_row_tells_memory_from_failure() -> None:
-    from kvforge.models.coverage import real_summary
+    from kvforge.tools.coverage_fixtures import real_summary
 
     ok = {"status": "pass", "max_abs_err": 2e-6}
     assert real_summary("opt", {"targets": {"ort": ok, "onnx": ok}})["status"] == "pass"

@@ -82,8 +82,8 @@ def test_every_kvforge_option_the_docs_use_exists(page: str) -> None:
 
 
 def test_the_hook_writes_the_registrys_tables_into_the_pages() -> None:
-    from kvforge.models.coverage import coverage_table
     from kvforge.models.families import support_table
+    from kvforge.tools.coverage_table import coverage_table
 
     hooks = _hooks()
     page = (DOCS / "models.md").read_text()
@@ -95,8 +95,9 @@ def test_the_hook_writes_the_registrys_tables_into_the_pages() -> None:
 
 
 def test_readmes_coverage_summary_is_the_sweeps() -> None:
-    from kvforge.models.coverage import coverage_table, load_coverage
+    from kvforge.models.coverage_data import load_coverage
     from kvforge.models.families import HAND_WRITTEN
+    from kvforge.tools.coverage_table import coverage_table
 
     assert coverage_table().splitlines()[0] in README, "README's coverage summary drifted: paste its first line"
     passing = {name for name, row in load_coverage()["types"].items() if row["status"] == "pass"}

@@ -10,16 +10,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvforge.models.coverage import build_tiny  # noqa: E402
+from kvforge.tools.coverage_fixtures import build_tiny  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.xdist_group("family_homes")
 
-# Generic code: every module outside a family module. The sweep's fixtures (tiny configs per type) are data about
-# families by nature and are listed apart.
+# Generic code: every module outside a family module (the sweep's tiny configs per type are kvforge/tools/ fixtures).
 GENERIC = ["exporter", "runtime", "plugins", "kvforge/core", "kvforge/engines", "kvforge/serve", "models"]
 FAMILY_MODULE_HELPERS = {"__init__.py", "family.py", "registry.py", "surgery.py", "state_binding.py"}
-SWEEP_FIXTURES = {"models/coverage.py", "models/sweep_configs.py", "models/recipes.py"}
+SWEEP_FIXTURES: set[str] = set()  # the sweep's fixtures live in kvforge/tools/, outside the generic layers
 NAME_TEST = re.compile(r"model_type\s*(==|!=|(not )?in)\s*[\"'(\[{]|__name__\s*(==|!=|(not )?in)\s*[\"'(\[{]")
 
 

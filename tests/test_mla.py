@@ -32,7 +32,7 @@ TOPK = 96  # DeepSeek-V3.2's index_topk in these tests (2048 in its real config)
 
 def _build(model_type: str, folder):
     """The type's tiny model (build_tiny), DeepSeek-V3.2's with index_topk = TOPK, saved to `folder`."""
-    from kvforge.models.coverage import build_tiny
+    from kvforge.tools.coverage_fixtures import build_tiny
 
     model = build_tiny(model_type, folder)
     if model_type == "deepseek_v32":
@@ -169,7 +169,7 @@ def test_an_indexer_without_the_adapter_is_refused_in_one_line() -> None:
     from transformers import AutoModelForCausalLM
 
     from kvforge.exporter.probe import probe_attention
-    from kvforge.models.coverage import DSA, tiny_config
+    from kvforge.tools.coverage_fixtures import DSA, tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("glm_moe_dsa"))
     with pytest.raises(UnsupportedModelError, match="DeepSeek sparse attention") as refused:

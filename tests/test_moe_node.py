@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvforge.exporter import moe  # noqa: E402
-from kvforge.models.coverage import build_tiny  # noqa: E402
 from kvforge.models.families import family_modules  # noqa: E402
 from kvforge.models.families.surgery import Patches  # noqa: E402
+from kvforge.tools.coverage_fixtures import build_tiny  # noqa: E402
 
 
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

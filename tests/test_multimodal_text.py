@@ -12,7 +12,8 @@ pytest.importorskip("torch")
 from kvforge.core.errors import UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.exporter.load import load_hf_config, load_hf_model  # noqa: E402
-from kvforge.models.coverage import build_tiny, load_coverage  # noqa: E402
+from kvforge.models.coverage_data import load_coverage  # noqa: E402
+from kvforge.tools.coverage_fixtures import build_tiny  # noqa: E402
 
 IDS = [[1, 5, 9, 42, 7, 3, 200, 17]]
 

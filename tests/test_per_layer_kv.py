@@ -69,7 +69,7 @@ def gemma4(tmp_path_factory):
     """gemma4_text's tiny config (sliding layers of head size 16, a full-attention layer of 512), exported on
     `ort` and `onnx`, with its HF folder and model."""
     from kvforge.exporter.export import export_model
-    from kvforge.models.coverage import build_tiny
+    from kvforge.tools.coverage_fixtures import build_tiny
 
     root = tmp_path_factory.mktemp("gemma4")
     model = build_tiny("gemma4_text", root / "hf")

@@ -103,8 +103,8 @@ def test_a_stored_state_is_reused_only_where_the_prompt_continues_all_of_it() ->
 @pytest.fixture(scope="module", params=TYPES)
 def exported(request, tmp_path_factory):
     from kvforge.exporter.export import export_model
-    from kvforge.models.coverage import build_tiny
     from kvforge.models.families import trial_registry
+    from kvforge.tools.coverage_fixtures import build_tiny
 
     root = tmp_path_factory.mktemp(request.param)
     model = build_tiny(request.param, root / "hf")

@@ -1,6 +1,6 @@
 """The architecture coverage sweep's runner: exports every causal-LM model type of the installed
 transformers on every target and checks it against Hugging Face eager (the types, their tiny configs,
-the reasons and the table: kvforge/models/coverage.py).
+the reasons: kvforge/tools/coverage_fixtures.py; the table: coverage_table.py).
 
     python -m kvforge.tools.coverage_sweep --write [TYPE ...] [--targets ort,onnx,trt] [--part K/N]
 
@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from kvforge.models.coverage import (
+from kvforge.tools.coverage_fixtures import (
     ATOL,
     COVERAGE_FILE,
     KERNEL_SHAPES,
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _rtx_sweep(args: Any, coverage: dict[str, Any]) -> int:
     """--rtx: each type's `rtx` entry (rtx_one), into `coverage` (a type's other entries are kept)."""
-    from kvforge.models.coverage import load_coverage
+    from kvforge.models.coverage_data import load_coverage
 
     passing = sorted(t for t, row in load_coverage()["types"].items() if row["status"] == "pass")
     part, parts = (int(x) for x in args.part.split("/"))

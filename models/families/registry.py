@@ -81,7 +81,7 @@ def _folder() -> list[str]:
 def _swept_families() -> dict[str, Family]:
     """The types the coverage sweep passes on `ort` and `onnx` that have no hand-written family: the
     sweep checked them at parity with HF eager, so they export as their module's family (or a plain one)."""
-    from kvforge.models.coverage import load_coverage
+    from kvforge.models.coverage_data import load_coverage
 
     own = family_modules()
     return {
@@ -180,7 +180,7 @@ def family_for(config: Any, registry: Mapping[str, Family] | None = None) -> Fam
 
 def _why_not(model_type: Any) -> str:
     """": the reason" the coverage sweep recorded for a type it does not pass (kvforge/data/coverage.json)."""
-    from kvforge.models.coverage import load_coverage
+    from kvforge.models.coverage_data import load_coverage
 
     row = load_coverage()["types"].get(model_type) if isinstance(model_type, str) else None
     return f": {row['reason']}" if row and row.get("reason") else ""

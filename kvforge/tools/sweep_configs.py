@@ -1,6 +1,6 @@
 """The coverage sweep's tiny configs: the fields it shrinks (SMALL) and what some types need besides (sizes tied
 to other fields, defaults that do not build, one layer of each kind where the kinds follow from other fields).
-Plain data, read by models/coverage.py's tiny_config."""
+Plain data, read by kvforge/tools/coverage_fixtures.py's tiny_config."""
 
 from __future__ import annotations
 
