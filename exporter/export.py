@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout
-from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
+from kvforge.core.errors import ExportError, InputError, KvforgeError
 from kvforge.core.manifest import MANIFEST_NAME, write_manifest
 from kvforge.core.output_folder import (
     StagedFolder,
@@ -30,13 +30,12 @@ from kvforge.core.output_folder import (
     fault_point,
     require_free_space,
 )
-from kvforge.core.targets import Target, get_target
 from kvforge.exporter.checkpoint import open_checkpoint
 from kvforge.exporter.export_manifest import WEIGHTS_NAME, export_manifest
-from kvforge.exporter.graphs import ExportWork, check_kernel_shapes, make_graphs
+from kvforge.exporter.graphs import ExportWork, MadeGraphs, make_graphs
 from kvforge.exporter.load import check_model_path, check_weight_files, load_hf_config, one_line
 from kvforge.exporter.quantize import check_options as check_quantize
-from kvforge.exporter.targets import EXPORT_TARGETS, export_target
+from kvforge.exporter.targets import ExportTarget, export_target
 from kvforge.exporter.text_model import text_family
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.models.config_values import config_value
@@ -76,9 +75,9 @@ class ExportOptions:
     # trace every layer (the Python API's switch, for tests that compare the two)
     stamp: bool = True
 
-    def resolve(self) -> Target:
-        """The target's registry entry, after checking every option against it."""
-        target = get_target(self.target)
+    def resolve(self) -> ExportTarget:
+        """The target, resolved once, after checking every option against it."""
+        target = export_target(self.target)
         if self.dtype not in DTYPES:
             raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits, self.quant_method,
@@ -89,20 +88,7 @@ class ExportOptions:
             from kvforge.exporter.calibrate import read_calibration
 
             read_calibration(self.calibration)  # an empty or binary file is said before any work
-        passes = export_target(target.name)
-        if self.quantize is not None and not passes.quantize:
-            raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {target.name}")
-        if self.kv_cache is not None:
-            if self.kv_cache not in KV_CACHE_DTYPES:
-                raise InputError(f"--kv-cache takes {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache!r}")
-            if self.kv_cache not in passes.kv_cache_dtypes:
-                able = [t.name for t in EXPORT_TARGETS.values() if self.kv_cache in t.kv_cache_dtypes]
-                raise InputError(
-                    f"--kv-cache {self.kv_cache}: the {target.name} target's attention ({target.summary}) has no "
-                    f"quantised cache; use --target {' or '.join(able)}"
-                )
-            if self.dtype != "fp32":
-                raise InputError(f"--kv-cache {self.kv_cache} is measured with fp32 activations only; drop --dtype {self.dtype}")
+        target.check_options(self)
         return target
 
 
@@ -144,12 +130,7 @@ def export_model(
     config = load_hf_config(model_dir, families)
     family = text_family(config, families)  # a multimodal checkpoint's text model: its text type's family
     family.check(config)
-    passes = export_target(target.name)
-    if passes.kernel_shapes and family.trt_refusal:
-        raise UnsupportedModelError(f"--target {target.name} cannot export {config.model_type} (the coverage sweep: "
-                                    f"{family.trt_refusal}); use --target ort or --target onnx")
-    if passes.kernel_shapes:
-        check_kernel_shapes(config, family, family.head_dim(config), target, dtype)
+    target.check_model(config, family, dtype)
 
     import torch
 
@@ -167,14 +148,13 @@ def export_model(
         clock: dict[str, float] = {}
         int_weights = int_weights or _calibrated(options, model_dir, calibration_work, clock, say)
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
-                          int_weights, method_default)
+                          int_weights, method_default, gguf_record)
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
-            graphs, quantization, kv_quant, layout = make_graphs(work, layout, clock, lower, families)
+            made = make_graphs(work, layout, clock, lower, families)
             fault_point("export:graphs-built")
-            manifest = _write(staged.path, graphs, config, model_dir, target, dtype, layout, gguf_record,
-                              quantization, kv_quant, clock, started, say)
+            manifest = _write(staged.path, work, made, clock, started)
             staged.publish()
         except KvforgeError:
             raise
@@ -303,11 +283,9 @@ def max_context(config: Any) -> int:
     return DEFAULT_CONTEXT
 
 
-def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, target: Target, dtype: str,
-           layout: KVLayout, gguf_record: dict[str, Any] | None, quantization: dict[str, Any] | None,
-           kv_quant: dict[str, Any] | None, clock: dict[str, float], started: float,
-           say: Callable[[str], None]) -> dict[str, Any]:
+def _write(staging: Path, work: ExportWork, made: MadeGraphs, clock: dict[str, float], started: float) -> dict[str, Any]:
     """The graphs with their one weights file, the model's tokenizer and config files, and the manifest."""
+    graphs, config, model_dir, say, layout = made.graphs, work.config, work.model_dir, work.say, made.layout
     say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
     writing = time.perf_counter()
     sizes = save_with_shared_weights(graphs, staging, WEIGHTS_NAME, _write_progress(say))
@@ -319,14 +297,15 @@ def _write(staging: Path, graphs: dict[str, Any], config: Any, model_dir: Path, 
     if not (staging / "tokenizer.json").is_file():
         say("warning: no tokenizer.json in the model folder; generate will take token ids only")
     extra: dict[str, Any] = {}
-    if quantization is not None:
-        extra["quantization"] = {**quantization, "weights_bytes": sizes["weights_bytes"]}
-    if kv_quant is not None:  # the cache the runtime allocates is int8; how its scales were made
-        extra["kv_cache_quantization"] = kv_quant
-        layout = dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[kv_quant["dtype"]])
+    if made.quantization is not None:
+        extra["quantization"] = {**made.quantization, "weights_bytes": sizes["weights_bytes"]}
+    if made.kv_quant is not None:  # the cache the runtime allocates is int8; how its scales were made
+        extra["kv_cache_quantization"] = made.kv_quant
+        layout = dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[made.kv_quant["dtype"]])
     clock["total"] = time.perf_counter() - started
     extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
-    manifest = export_manifest(config, model_dir, target, dtype, layout, graphs, staging, sizes, gguf_record, extra)
+    manifest = export_manifest(config, model_dir, work.target.core, work.options.dtype, layout, graphs, staging, sizes,
+                               work.gguf_record, extra)
     for field, ids in manifest["model"].get("dropped_token_ids", {}).items():
         say(f"note: {field} {ids} left out: at or beyond the vocabulary ({config.vocab_size} tokens), the model "
             "cannot emit it")

@@ -15,26 +15,22 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.contract import KVLayout, StateSpec
-from kvforge.core.errors import KvforgeError, UnsupportedModelError
-from kvforge.core.targets import Target
+from kvforge.core.errors import KvforgeError
 from kvforge.exporter.load import load_hf_model, one_line
 from kvforge.exporter.probe import layer_shapes, probe_states
-from kvforge.exporter.targets import EXPORT_TARGETS, export_target
-from kvforge.models.config_values import config_value
+from kvforge.exporter.targets import ExportTarget
 from kvforge.models.families import Family
 from kvforge.models.families.surgery import Patches
-
-TRT_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 
 
 @dataclass
 class ExportWork:
-    """What every stage of one export reads: the model's config and family, the target and options, the
-    activations' torch dtype, the source folder and its checkpoint, and where progress goes."""
+    """The plan of one export, what every stage reads: the model's config and family, the target (resolved once)
+    and options, the activations' torch dtype, the source folder and its checkpoint, and where progress goes."""
 
     config: Any
     family: Family
-    target: Target
+    target: ExportTarget
     options: Any  # exporter.export.ExportOptions
     torch_dtype: Any
     model_dir: Path
@@ -44,6 +40,18 @@ class ExportWork:
     # MatMulNBits as they are (exporter/exact_blocks.py); None: every weight is rounded
     int_weights: Any = None
     method_default: str | None = None  # why --quant-method is what it is, when it was not given
+    gguf_record: dict[str, Any] | None = None  # the GGUF the model folder was converted from, if it was
+
+
+@dataclass
+class MadeGraphs:
+    """What make_graphs gives the writer: the two lowered graphs, the weight quantisation's and the quantised KV
+    cache's records (None when not asked for), and the KV layout the probe found."""
+
+    graphs: dict[str, Any]
+    quantization: dict[str, Any] | None
+    kv_quant: dict[str, Any] | None
+    layout: KVLayout
 
 
 class Clock:
@@ -59,7 +67,7 @@ class Clock:
 
 
 def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lower: Callable[..., Any],
-                families: Mapping[str, Family] | None) -> tuple[dict[str, Any], Any, Any, KVLayout]:
+                families: Mapping[str, Family] | None) -> MadeGraphs:
     """The two graphs, the quantisation and KV-cache records and the KV layout; streamed where the model
     allows it, else (and where tracing with fake weights fails) from the whole model, saying why."""
     from kvforge.exporter.lazy_weights import empty_model, streaming_refusal
@@ -78,7 +86,7 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
             with Patches() as patches:
                 with empty.fake_mode:
                     layout = _prepare(empty.model, work, layout, patches)
-                return (*build_graphs(empty.model, work, layout, lap, lower, empty), layout)
+                return MadeGraphs(*build_graphs(empty.model, work, layout, lap, lower, empty), layout)
         except KvforgeError:
             raise
         except Exception as err:  # noqa: BLE001 - a model whose code needs real weights to trace
@@ -91,29 +99,7 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
     lap("load")
     with Patches() as patches:
         layout = _prepare(model, work, layout, patches)
-        return (*build_graphs(model, work, layout, lap, lower, None), layout)
-
-
-def check_kernel_shapes(config, family: Family, head_dim: int, target: Target, dtype: str,
-                         kv_heads: int | None = None) -> None:
-    """The `trt` target runs kvforge's own kernel: refuse at export what it cannot compute."""
-    from kvforge.plugins import attention_launch
-
-    others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items() if not t.kernel_shapes)
-    kv_heads = kv_heads or family.kv_heads(config)
-    heads = config_value(config, "num_attention_heads")
-    if heads is None:  # no attention (a state-space model): nothing for the kernel; its states are refused later
-        return
-    try:
-        attention_launch.check_shapes(heads, kv_heads, head_dim)
-    except ValueError as err:
-        raise UnsupportedModelError(
-            f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
-            f"head_dim {', '.join(map(str, TRT_HEAD_DIMS))}, query heads a multiple of the KV heads, and "
-            f"dtype {', '.join(target.dtypes)}; use {others} for this model"
-        ) from err
-    if dtype not in target.dtypes:
-        raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.dtypes)}, not {dtype!r}")
+        return MadeGraphs(*build_graphs(model, work, layout, lap, lower, None), layout)
 
 
 def _dtype_name(torch_dtype: Any) -> str:
@@ -125,7 +111,7 @@ def _prepare(model: Any, work: ExportWork, layout: KVLayout, patches: Patches) -
     from kvforge.core.output_folder import fault_point
 
     layout = adapt_for_export(model, work.family, layout, patches, work.say)
-    layout = probe_model(model, work.config, work.family, layout, work.target, work.options.dtype, work.say, patches)
+    layout = probe_model(model, work, layout, patches)
     fault_point("export:model-loaded")
     return layout
 
@@ -143,11 +129,10 @@ def adapt_for_export(model: Any, family: Family, layout: KVLayout, patches: Patc
     return layout
 
 
-def probe_model(model: Any, config: Any, family: Family, layout: KVLayout, target: Target, dtype: str,
-                say: Callable[[str], None], patches: Patches) -> KVLayout:
+def probe_model(model: Any, work: ExportWork, layout: KVLayout, patches: Patches) -> KVLayout:
     """Prepare the loaded model's experts for export (on `patches`) and check the attention shapes HF really
     passes against the target; the KV layout those shapes give."""
-    passes = export_target(target.name)
+    config, family, say = work.config, work.family, work.say
     # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
     # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
     # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
@@ -167,36 +152,17 @@ def probe_model(model: Any, config: Any, family: Family, layout: KVLayout, targe
     found = probe_states(model, family)
     states = tuple(StateSpec(layer, kind, shape, _dtype_name(torch_dtype))
                    for layer, kinds in sorted(found.items()) for kind, (shape, torch_dtype) in sorted(kinds.items()))
-    if states and passes.kernel_shapes:
-        stateful = sorted({spec.layer for spec in states})
-        raise UnsupportedModelError(f"{config.model_type}: its layers {stateful[:8]} keep a recurrent state, which "
-                                    f"--target {target.name}'s TensorRT engines do not carry yet; use --target ort or "
-                                    "--target onnx")
     if states:
         say(f"recurrent state: {len({spec.layer for spec in states})} layers keep {len(states)} state buffers "
             f"({', '.join(sorted({spec.kind for spec in states}))})")
     # The head counts HF's attention really receives (a config's own convention can differ:
     # multi_query, num_kv_heads, ...), per layer: the KV cache follows them.
     shapes = layer_shapes(model, layout.num_layers, frozenset(found))
-    for head_dim in sorted({shape.cache_dim for shape in shapes if shape is not None}):
-        if head_dim % passes.head_dim_multiple:
-            others = " or ".join(f"--target {name}" for name, t in EXPORT_TARGETS.items()
-                                 if head_dim % t.head_dim_multiple == 0 and not t.kernel_shapes)
-            raise UnsupportedModelError(f"{config.model_type}: its head size {head_dim} is not a multiple of "
-                                        f"{passes.head_dim_multiple}, which --target {target.name}'s attention "
-                                        f"({target.summary.split(' (')[0]}) needs; use {others}")
-    if passes.kernel_shapes and any(shape.sinks for shape in shapes if shape is not None):
-        # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check before
-        # loading raises; this one catches a model outside the registry's rows).
-        raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
-                                    f"kernel (--target {target.name}) does not implement")
     probed = KVLayout.per_layer([None if shape is None else (shape.kv_heads, shape.cache_dim) for shape in shapes],
                                 layout.dtype, layout.max_capacity, states)
-    if probed != layout:
-        layout = probed
-        if passes.kernel_shapes:
-            for heads, head_dim in sorted(set(layout.layer_shapes())):
-                check_kernel_shapes(config, family, head_dim, target, dtype, kv_heads=heads)
+    layout = probed
+    sinks = any(shape.sinks for shape in shapes if shape is not None)
+    work.target.check_probed(config, family, work.options.dtype, layout, sinks)
     return layout
 
 
@@ -252,7 +218,7 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
         kv_scales, kv_quant = calibrate(model, config, work.family, layout, work.model_dir, options.kv_cache)
         lap("kv_calibrate")
     # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
-    if export_target(target.name).ort_fusions and options.quantize is None:
+    if target.ort_fusions and options.quantize is None:
         from kvforge.exporter.fusions import pretranspose_tied_lm_head
 
         pretranspose_tied_lm_head(prefill)
@@ -272,10 +238,10 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
             quantization["moe_experts"] = INT8_EXPERTS
             say(f"note: {INT8_EXPERTS}")
     rotary = rotary_caches(model, layout.max_capacity, layout.dtype) \
-        if export_target(target.name).ort_fusions else None
+        if target.ort_fusions else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target.name, rotary, kv_scales, moe_quantize, attends=bool(layout.layer_shapes()))
+        lower(graph, target, rotary, kv_scales, moe_quantize, attends=bool(layout.layer_shapes()))
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, quantization, kv_quant

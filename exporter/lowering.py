@@ -13,10 +13,10 @@ import onnx_ir as ir
 
 from kvforge.core.errors import ExportError
 from kvforge.exporter.graph_edit import DOMAIN, canonical_nodes
-from kvforge.exporter.targets import export_target
+from kvforge.exporter.targets import ExportTarget
 
 
-def lower(model: ir.Model, target: str, rotary: tuple[np.ndarray, np.ndarray] | None = None,
+def lower(model: ir.Model, target: ExportTarget, rotary: tuple[np.ndarray, np.ndarray] | None = None,
           kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
           moe_quantize: tuple[int, int] | None = None, attends: bool = True) -> ir.Model:
     """Rewrite every canonical node of `model` in place with `target`'s passes. `rotary`: the model's
@@ -24,7 +24,7 @@ def lower(model: ir.Model, target: str, rotary: tuple[np.ndarray, np.ndarray] | 
     a quantised cache's scales per layer (targets whose `kv_cache_dtypes` name one); `moe_quantize`:
     (bits, block_size) for the experts' weights (targets that `quantize`); `attends`: whether some layer
     attends (not in a pure state-space model)."""
-    passes = export_target(target)
+    passes = target
     graph = model.graph
     canonical = canonical_nodes(graph)
     if not canonical and attends:

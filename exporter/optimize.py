@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.core.targets import Target
+from kvforge.exporter.targets import ExportTarget
 
 
 def optimize_graph(model: Any) -> None:
@@ -84,7 +84,7 @@ def exact_no_op_rules() -> list[Any]:
             pattern.RewriteRule(mul, identity, exactly(1.0)), pattern.RewriteRule(div, identity, exactly(1.0))]
 
 
-def fuse_graph(model: Any, target: Target, quantized: bool = False, dtype: str = "fp32",
+def fuse_graph(model: Any, target: ExportTarget, quantized: bool = False, dtype: str = "fp32",
                merge_pairs: bool | None = None) -> dict[str, int]:
     """The fusions of exporter/fusions.py that suit `target`: ONNX Runtime's normalization and rotary
     contrib ops where the target runs on ONNX Runtime's contrib ops; merged parallel MatMuls (q/k/v)
@@ -93,12 +93,11 @@ def fuse_graph(model: Any, target: Target, quantized: bool = False, dtype: str =
     kernel on an H100, so one merged GEMM and a Split beat two GEMMs; benchmarks/README.md).
     `merge_pairs`: that choice forced either way (benchmarks compare the two)."""
     from kvforge.exporter.fusions import drop_reshape_round_trips, fuse_for_ort, fuse_parallel_matmuls
-    from kvforge.exporter.targets import export_target
 
-    counts = fuse_for_ort(model) if export_target(target.name).ort_fusions else {}
+    counts = fuse_for_ort(model) if target.ort_fusions else {}
     counts["parallel_matmuls"] = fuse_parallel_matmuls(model)
     if merge_pairs is None:
-        merge_pairs = quantized or (target.name == "ort" and dtype in ("fp16", "bf16"))
+        merge_pairs = quantized or dtype in target.merge_pairs_dtypes
     if merge_pairs:
         counts["paired_matmuls"] = fuse_parallel_matmuls(model, group_size=2)
     counts["reshape_round_trips"] = drop_reshape_round_trips(model)

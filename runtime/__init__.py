@@ -18,6 +18,7 @@ _LAZY = {
     "GenerationStream": "kvforge.runtime.decode_loop",
     "Generator": "kvforge.runtime.generator",
     "Grammar": "kvforge.runtime.constraint",
+    "LoadedExport": "kvforge.runtime.loaded_export",
     "SamplingConfig": "kvforge.runtime.sampling",
     "Speculation": "kvforge.runtime.request",
     "StepEvent": "kvforge.runtime.decode_loop",

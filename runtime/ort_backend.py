@@ -48,6 +48,7 @@ from kvforge.runtime.device_pick import PICK_DTYPES, DevicePicker, PickBinding
 from kvforge.runtime.kv_cache import KVCache
 from kvforge.runtime.ort_sessions import (
     _QUIET_RUN,
+    check_device,
     check_options,
     check_session_io,
     logits_dtype,
@@ -127,7 +128,7 @@ class OrtBackend:
         self.num_layers = self.kv.num_layers
         self.on_device = device != "cpu" or self.simulate_device
         sessions = sessions if sessions is not None else ("separate" if self.on_device else "single")
-        self._check_device(cuda_graphs, sessions)
+        check_device(self.folder, self.manifest, self.kv, self.device, self.device_id, cuda_graphs, sessions)
         check_options(threads, spinning, sessions, max_capacity)
         providers = providers_for(device, device_id)
         self.cuda_graphs = device != "cpu" and sessions != "single" and cuda_graphs is not False
@@ -168,31 +169,6 @@ class OrtBackend:
                                        cuda_graphs=self.cuda_graphs)
         self.device_greedy = self.picker is not None
         self.device_greedy_refused: str | None = None  # why the pick graph stopped running, where it did
-
-    def _check_device(self, cuda_graphs: bool | None, sessions: str) -> None:
-        """What the device itself rules out: bf16 on the CPU, an fp32 `ort` export on CUDA, CUDA graphs
-        without a GPU or without decode.onnx's own session."""
-        folder, device = self.folder, self.device
-        if self.kv.dtype == "bfloat16" and device == "cpu":
-            raise InputError(
-                f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
-                "use --backend ort-cuda, or export with --dtype fp16 or fp32"
-            )
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise InputError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
-        if cuda_graphs and device == "cpu":
-            raise InputError("cuda_graphs is an option of backend 'ort-cuda' (CUDA graphs need a GPU)")
-        if cuda_graphs and sessions == "single":
-            raise InputError("cuda_graphs needs decode.onnx in its own session: use sessions='separate' "
-                             "('single' runs decode steps through the prefill graph, which cannot be captured)")
-        if device == "cuda":
-            providers_for(device, self.device_id)  # no CUDA provider: say so before anything else
-            if self.manifest["target"] == "ort" and self.manifest.get("dtype") == "fp32":
-                raise InputError(
-                    f"{folder} is an fp32 export of the ort target: ONNX Runtime's CUDA GroupQueryAttention has "
-                    "fp16 and bf16 kernels only (fp32 would run attention on the CPU, copying the cache every step); "
-                    "export with --dtype fp16 (or bf16) for --backend ort-cuda"
-                )
 
     def _open(self, phase: str, providers: list[Any], cuda_graphs: bool | None,
               opening: dict[str, Any]) -> ort.InferenceSession:

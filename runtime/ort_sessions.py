@@ -13,6 +13,7 @@ import onnxruntime as ort
 from kvforge.core.contract import KV_KINDS, LOGITS, GraphIO, KVLayout, ModelSpec, parse_cache_name
 from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError
 from kvforge.core.manifest import io_entry, io_names, read_graph
+from kvforge.core.targets import get_target
 
 DEVICES = ("cpu", "cuda")
 # "single": the prefill graph serves decode steps too (one session, one weight copy, prepacked);
@@ -87,6 +88,33 @@ def check_options(threads: Any, spinning: Any, sessions: Any, max_capacity: Any)
     if max_capacity is not None and (isinstance(max_capacity, bool) or not isinstance(max_capacity, int)
                                      or max_capacity < 1):
         raise InputError(f"max_capacity must be a positive integer, got {max_capacity!r}")
+
+
+def check_device(folder: Path, manifest: dict[str, Any], kv: KVLayout, device: str, device_id: int,
+                 cuda_graphs: bool | None, sessions: str) -> None:
+    """What the device itself rules out: bf16 on the CPU, an fp32 `ort` export on CUDA, CUDA graphs
+    without a GPU or without decode.onnx's own session."""
+    if kv.dtype == "bfloat16" and device == "cpu":
+        raise InputError(
+            f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
+            "use --backend ort-cuda, or export with --dtype fp16 or fp32"
+        )
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise InputError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if cuda_graphs and device == "cpu":
+        raise InputError("cuda_graphs is an option of backend 'ort-cuda' (CUDA graphs need a GPU)")
+    if cuda_graphs and sessions == "single":
+        raise InputError("cuda_graphs needs decode.onnx in its own session: use sessions='separate' "
+                         "('single' runs decode steps through the prefill graph, which cannot be captured)")
+    if device == "cuda":
+        providers_for(device, device_id)  # no CUDA provider: say so before anything else
+        target, dtype = get_target(manifest["target"]), manifest.get("dtype")
+        if dtype not in target.cuda_dtypes:
+            raise InputError(
+                f"{folder} is an {dtype} export of the {target.name} target: {target.cuda_dtypes_why}; export "
+                f"with --dtype {' (or '.join(target.cuda_dtypes)}{')' * (len(target.cuda_dtypes) - 1)} for "
+                "--backend ort-cuda"
+            )
 
 
 def check_session_io(manifest: dict[str, Any], kv: KVLayout, phase: str, session: ort.InferenceSession) -> None:

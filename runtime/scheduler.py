@@ -33,6 +33,10 @@ single row would stall the others, and the `ort` target verifies one row per cal
 A request with n > 1 choices is prefilled once, then its KV rows are copied into n free rows (it
 waits until n are free); each choice has its own sampler (seed + i), Stopper, penalties / grammar
 matcher (runtime/logit_controls.py) and `index` in its Delta and Done events.
+
+Prompt log-probabilities (OpenAI's echo with logprobs: `score`) are a prefill-only job of this thread, run on
+the staging cache between prefill jobs, so in serving only the scheduler touches the backend, and a prompt
+scored is held to the same max_seq_len as one generated.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -55,9 +60,11 @@ from kvforge.core.errors import (
 )
 from kvforge.runtime.backend import supports_rows
 from kvforge.runtime.engine import Accepted, StepEngine
-from kvforge.runtime.generator import Generator
 from kvforge.runtime.handles import Delta, Done, Event, RequestHandle
+from kvforge.runtime.loaded_export import LoadedExport
+from kvforge.runtime.logprobs import MAX_LOGPROBS, token_logprobs
 from kvforge.runtime.prefix_store import PrefixStore
+from kvforge.runtime.prompts import is_int
 from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
 from kvforge.runtime.rows import Picker, Row
 from kvforge.runtime.sampling import choice_seed
@@ -85,19 +92,19 @@ class _Request:
 
 
 class Scheduler:
-    """Continuous batching over `generator`'s backend (see the module docstring). Start it with
+    """Continuous batching over a loaded export's backend (see the module docstring). Start it with
     `start()` (a daemon thread) and stop it with `close()`."""
 
-    def __init__(self, generator: Generator, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
+    def __init__(self, export: LoadedExport | Any, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
                  max_queue: int = 64, prefix_cache_bytes: int = 256 << 20, keep_cancelled: bool = False) -> None:
-        """`keep_cancelled`: a cancelled request's KV rows are kept for reuse, as a finished one's are
-        (`kvforge chat`, whose interrupted answer stays in the conversation; a server's cancelled
-        request is gone with its client)."""
+        """`export`: a LoadedExport (a Generator is taken for its `export`). `keep_cancelled`: a cancelled
+        request's KV rows are kept for reuse, as a finished one's are (`kvforge chat`, whose interrupted answer
+        stays in the conversation; a server's cancelled request is gone with its client)."""
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        self.generator = generator
-        self.backend = generator.backend
+        self.export: LoadedExport = getattr(export, "export", export)
+        self.backend = self.export.backend
         limits = self.backend.limits
         if limits.max_batch is not None and max_batch > limits.max_batch:
             raise InputError(f"max_batch {max_batch} exceeds what backend {self.backend.name} runs ({limits.max_batch})")
@@ -115,16 +122,17 @@ class Scheduler:
                                           f"write_rows, view_rows); backend {self.backend.name!r} has none")
         self.slot = self.backend.allocate(max_batch, self.capacity)
         self.stage = self.backend.allocate(1, self.capacity)
-        self.engine = StepEngine(self.backend, self.slot, generator.pad_token_id, generator.check_logits)
+        self.engine = StepEngine(self.backend, self.slot, self.export.pad_token_id, self.export.check_logits)
         # Decode slots by batch bucket, each over the first rows of self.slot's buffers (same memory);
         # a backend that cannot view rows runs the whole batch for every bucket.
         buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         self._decode_slots = {k: self.slot if k == max_batch else (self.backend.view_rows(self.slot, k) or self.slot)
                               for k in buckets}
         self.prefixes = PrefixStore(prefix_cache_bytes, exact_only=not limits.rollback)
-        self.eos = generator.eos_token_ids
+        self.eos = self.export.eos_token_ids
         self._waiting: collections.deque[_Request] = collections.deque()
         self._prefilling: _Request | None = None
+        self._scoring: collections.deque[tuple[list[int], int, Future]] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
         self._cut: str | None = None  # cut(): the message every request now ends with
@@ -166,7 +174,7 @@ class Scheduler:
             raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
                              "max_seq_len positions per request)")
         self.backend.limits.check_speculation(request.speculation)
-        rows, _ = self.generator.prompt_ids(request)
+        rows, _ = self.export.prompt_ids(request)
         if len(rows) != 1:
             raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")
         if request.n > self.max_batch:
@@ -180,10 +188,10 @@ class Scheduler:
         handle = RequestHandle(request, next(self._ids), on_event)
         # Text is always decoded (the server sends it, whatever form the prompt came in); each choice draws
         # from its own stream (seed + i).
-        tokenizer = self.generator.tokenizer
+        tokenizer = self.export.tokenizer
         sampling = request.sampling
         choices = [Row(prompt, Stopper(request, self.eos, tokenizer.incremental() if tokenizer is not None else None),
-                       self.generator.row_controls(request, prompt), index=index) for index in range(request.n)]
+                       self.export.row_controls(request, prompt), index=index) for index in range(request.n)]
         pickers = [Picker(sampling.with_overrides(seed=choice_seed(sampling.seed, index)), logprobs=request.logprobs)
                    for index in range(request.n)]
         job = _Request(handle, prompt, choices, pickers)
@@ -197,6 +205,26 @@ class Scheduler:
             self.stats["requests"] += 1
             self._cond.notify_all()
         return handle
+
+    def score(self, ids: list[int], top: int = 0) -> Future:
+        """The log-probabilities of a prompt's tokens (Generator.prompt_logprobs' values: None for the first, then
+        each token's with the `top` most likely), computed by the scheduler's thread: a Future of the list."""
+        if not is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise InputError(f"top must be an integer in 0..{MAX_LOGPROBS}, got {top!r}")
+        ids = self.export.checked_ids(ids)
+        if len(ids) > self.capacity:
+            raise CapacityError(f"the prompt ({len(ids)} tokens) needs {len(ids)} positions; this server holds "
+                                f"{self.capacity} per request")
+        done: Future = Future()
+        if len(ids) == 1:  # nothing predicts the first token: no graph run
+            done.set_result([None])
+            return done
+        with self._cond:
+            if self._closed or self._cut is not None:
+                raise KvforgeError(self._cut or "the scheduler is closed")
+            self._scoring.append((ids, int(top), done))
+            self._cond.notify_all()
+        return done
 
     def snapshot(self) -> dict[str, Any]:
         """Gauges and counters for /metrics."""
@@ -213,7 +241,7 @@ class Scheduler:
         while True:
             with self._cond:
                 while not self._closed and not self._waiting and self._prefilling is None and \
-                        not any(self.engine.rows):
+                        not self._scoring and not any(self.engine.rows):
                     self._cond.wait()
                 if self._closed:
                     break
@@ -222,12 +250,32 @@ class Scheduler:
                 self._fail_all(cut, reason=FinishReason.CANCELLED)
                 continue
             try:
+                self._score_one()
                 self._prefill_chunk()
                 self._decode_step()
             except Exception as err:  # a backend failure ends every request in flight, not the server
                 message = str(err) if isinstance(err, KvforgeError) else f"{type(err).__name__}: {err}"
                 self._fail_all(message)
         self._fail_all(self._cut or "the server is shutting down", reason=FinishReason.CANCELLED)
+
+    def _score_one(self) -> None:
+        """One scoring job, on the staging cache while no request is being prefilled there."""
+        if self._prefilling is not None:
+            return
+        with self._cond:
+            if not self._scoring:
+                return
+            ids, top, done = self._scoring.popleft()
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            self.stage.cache.past_lens[0] = 0
+            positions = np.arange(len(ids) - 1, dtype=np.int64)[None]
+            logits = self.export.check_logits(self.backend.prefill(self.stage, np.array([ids], np.int64), positions), 0)
+            scored = token_logprobs(np.array(logits[0]), np.asarray(ids[1:]), top, range(len(ids) - 1))
+            done.set_result([None, *(scored[i] for i in range(len(ids) - 1))])
+        except Exception as err:  # noqa: BLE001 - the caller's error, not the batch's
+            done.set_exception(err)
 
     def _fail_all(self, message: str, reason: FinishReason = FinishReason.ERROR) -> None:
         with self._cond:
@@ -237,6 +285,11 @@ class Scheduler:
                 waiting += self._prefilling.rows
             self._waiting.clear()
             self._prefilling = None
+            scoring = list(self._scoring)
+            self._scoring.clear()
+        for _ids, _top, done in scoring:
+            if done.set_running_or_notify_cancel():
+                done.set_exception(KvforgeError(message))
         for at, row in rows:
             self.engine.release(at)
             self._finish(row, -1, reason, error=message, keep=False)
@@ -267,7 +320,7 @@ class Scheduler:
             return
         prompt = job.prompt_ids
         chunk = prompt[job.prefilled: job.prefilled + self.prefill_chunk]
-        logits = self.generator.check_logits(
+        logits = self.export.check_logits(
             self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64)), 0)
         job.prefilled += len(chunk)
         self.stage.cache.past_lens[0] = job.prefilled

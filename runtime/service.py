@@ -25,8 +25,8 @@ from kvforge.runtime.chat import ChatTemplate, chat_template_override
 from kvforge.runtime.chat_tokens import conversation_ids
 from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
 from kvforge.runtime.constraint import compiler_for
-from kvforge.runtime.generator import Generator
 from kvforge.runtime.handles import Event, RequestHandle
+from kvforge.runtime.loaded_export import LoadedExport
 from kvforge.runtime.logprobs import TokenLogprob
 from kvforge.runtime.messages import check_messages
 from kvforge.runtime.request import GenerationRequest
@@ -43,23 +43,23 @@ class TemplateError(InputError):
 
 
 class GenerationService:
-    def __init__(self, generator: Generator, *, max_batch: int = 8, max_seq_len: int | None = None,
+    def __init__(self, export: LoadedExport | Any, *, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 128, max_queue: int = 64, chat_template: str | Path | None = None,
                  template_seconds: float | None = None, special_tokens_in_content: bool = False) -> None:
-        """`chat_template`: a Jinja file (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used
+        """`export`: a LoadedExport (a Generator is taken for its `export`). `chat_template`: a Jinja file (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used
         instead of the export's; `template_seconds`: the time one rendering may take;
         `special_tokens_in_content`: special-token text in messages becomes control tokens (trusted
         clients only; by default it stays text, runtime/chat_tokens.py)."""
-        self.generator = generator
+        self.export: LoadedExport = getattr(export, "export", export)
         self.special_tokens_in_content = special_tokens_in_content
         # A template given in place of the export's: one that cannot be read fails the start.
-        override = (chat_template_override(chat_template, generator.folder, generator.manifest)
+        override = (chat_template_override(chat_template, self.export.folder, self.export.manifest)
                     if chat_template is not None else None)
-        self.scheduler = Scheduler(generator, max_batch=max_batch, max_seq_len=max_seq_len,
+        self.scheduler = Scheduler(self.export, max_batch=max_batch, max_seq_len=max_seq_len,
                                    prefill_chunk=prefill_chunk, max_queue=max_queue).start()
         self.capacity = self.scheduler.capacity
         self.max_queue = self.scheduler.max_queue
-        self.tokenizer = generator.tokenizer
+        self.tokenizer = self.export.tokenizer
         # No prompt of more characters than this can fit: a token never covers more characters than its
         # vocabulary string (x2 for normalizers that drop characters). Longer ones are refused untokenized.
         longest = self.tokenizer.longest_token_chars if self.tokenizer is not None else 1
@@ -67,7 +67,7 @@ class GenerationService:
         self.template: ChatTemplate | None = None
         self.template_error: KvforgeError | None = None
         try:
-            self.template = generator.chat_template if override is None or self.tokenizer is None else override
+            self.template = self.export.chat_template if override is None or self.tokenizer is None else override
         except KvforgeError as err:  # no template (or a broken one): chat requests get this message
             self.template_error = err
         self.pieces = TokenPieces(self.tokenizer)  # token texts and bytes for log-probabilities
@@ -84,7 +84,7 @@ class GenerationService:
     @property
     def default_greedy(self) -> bool:
         """Whether the export's generation config decodes greedily when a request says nothing."""
-        return self.generator.default_sampling.greedy
+        return self.export.default_sampling.greedy
 
     # -- prompts ----------------------------------------------------------------------------------
     def encode(self, text: str, special: bool, what: str = "the prompt") -> list[int]:
@@ -129,7 +129,7 @@ class GenerationService:
 
     def check_ids(self, ids: Sequence[int]) -> None:
         """InputError for a token id outside the vocabulary, before the request is queued."""
-        vocab = self.generator.vocab_size
+        vocab = self.export.vocab_size
         outside = next((pos for pos, token in enumerate(ids) if not 0 <= token < vocab), None)
         if outside is not None:
             raise InputError(f"the prompt's position {outside} has token id {ids[outside]}, outside the vocabulary "
@@ -188,17 +188,18 @@ class GenerationService:
                              "be ignored; leave 'name' out (or put the name in the content)")
 
     def prompt_logprobs(self, ids: list[int], top: int) -> list[TokenLogprob | None]:
-        return self.generator.prompt_logprobs(ids, top)
+        """The prompt's log-probabilities, scored by the scheduler's thread (its staging cache, its max_seq_len)."""
+        return self.scheduler.score(ids, top).result()
 
     # -- requests ---------------------------------------------------------------------------------
     def check_grammar(self, grammar: Any) -> None:
         """Compile `grammar` now (cached; the scheduler's rows copy the result): a grammar that cannot be
         compiled is an InputError at admission, not a failure mid-generation."""
-        compiler_for(self.generator.vocabulary).compile(grammar)
+        compiler_for(self.export.vocabulary).compile(grammar)
 
     def request(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> GenerationRequest:
         """The GenerationRequest (Generator.request's keywords, resolved against the export's sampling)."""
-        return self.generator.request(prompt_ids, max_new_tokens, **options)
+        return self.export.request(prompt_ids, max_new_tokens, **options)
 
     def submit(self, requests: Sequence[GenerationRequest | None],
                on_event: Callable[[int, Event], None]) -> list[RequestHandle]:

@@ -78,8 +78,9 @@ def canonical_model(seq: int | None, slopes: np.ndarray) -> ir.Model:
 
 def run_lowered(target: str, seq: int | None, feeds: dict, slopes: np.ndarray) -> list[np.ndarray]:
     from kvforge.exporter.lowering import lower
+    from kvforge.exporter.targets import export_target
 
-    model = lower(canonical_model(seq, slopes), target)
+    model = lower(canonical_model(seq, slopes), export_target(target))
     proto = ir.to_proto(model)
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     names = {value.name for value in session.get_inputs()}
@@ -135,8 +136,9 @@ def test_the_torch_reference_adds_the_same_alibi() -> None:
 def test_the_trt_target_refuses_alibi_in_one_line() -> None:
     from kvforge.core.errors import UnsupportedModelError
     from kvforge.exporter.lowering import lower
+    from kvforge.exporter.targets import export_target
 
     with pytest.raises(UnsupportedModelError, match=r"^the model's attention uses ALiBi position biases, which "
                                                     r"kvforge's TensorRT kernel does not implement; use --target ort "
                                                     r"or --target onnx$"):
-        lower(canonical_model(None, bloom_slopes(HEADS)), "trt")
+        lower(canonical_model(None, bloom_slopes(HEADS)), export_target("trt"))

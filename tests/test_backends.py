@@ -78,7 +78,7 @@ def test_no_spin_reaches_the_sessions_of_generate_and_serve(exported) -> None:
 
     app = create_app(folder, spinning=False)
     try:
-        options = app.state.generator.backend.sessions["decode"].get_session_options()
+        options = app.state.export.backend.sessions["decode"].get_session_options()
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     finally:
         app.state.scheduler.close()

@@ -191,7 +191,7 @@ def test_an_interrupted_answer_keeps_its_kv_rows(chat_export, reference) -> None
     scheduler = chat_scheduler(Generator(chat_export), 2048).start()
     try:
         # An answer that runs to the end of the context unless stopped: it is stopped after 6 pieces.
-        session = ChatSession(scheduler.generator, scheduler, "Be brief.", 1900, greedy=True, ignore_eos=True)
+        session = ChatSession(scheduler.export, scheduler, "Be brief.", 1900, greedy=True, ignore_eos=True)
         shown: list[str] = []
         first = session.ask("Tell me a long story", shown.append, stop=lambda: len(shown) >= 6)
         assert first.interrupted and first.done.finish_reason == "cancelled" and len(shown) == 6

@@ -136,6 +136,11 @@ def test_logprobs_are_the_models_log_softmax(served) -> None:
     handle = scheduler.submit(GenerationRequest.create(PROMPT, 6, greedy=True, ignore_eos=True, logprobs=2))
     events = [e for e in handle if not isinstance(e, Done)]
     assert [e.logprobs[0] for e in events] == result.logprobs[0]
+    # Generator.stream: each row's events carry its logprobs, the ones of the result.
+    stream = generator.stream([PROMPT, OTHERS[0]], max_new_tokens=3, greedy=True, logprobs=1)
+    events = list(stream)
+    assert [[e.logprobs[b] for e in events] for b in range(2)] == stream.result.logprobs
+    assert all(len(entry.top) == 1 for row in stream.result.logprobs for entry in row)
 
 
 def test_n_choices_share_one_prefill_and_draw_like_solo_seeds(served) -> None:
@@ -146,9 +151,15 @@ def test_n_choices_share_one_prefill_and_draw_like_solo_seeds(served) -> None:
     assert len({tuple(s) for s in solos}) == 3  # different seeds, different samples: the checks below can fail
     assert generator.generate([fresh], max_new_tokens=8, n=3, **options).tokens == solos
     before = scheduler.snapshot()["prefilled_tokens"]
-    handle = scheduler.submit(GenerationRequest.create(fresh, 8, n=3, **options))
-    assert [tokens for tokens, _, _ in handle.results()] == solos
+    handle = scheduler.submit(GenerationRequest.create(fresh, 8, n=3, logprobs=0, **options))
+    events = list(handle)
+    assert sorted(e.index for e in events if isinstance(e, Done)) == [0, 1, 2]
+    assert isinstance(events[-1], Done) and handle.done is events[-1]
+    results = handle.results()
+    assert [tokens for tokens, _, _ in results] == solos
     assert scheduler.snapshot()["prefilled_tokens"] - before == len(fresh)  # one prefill for the three
+    assert all((done.prompt_tokens, done.prefilled_tokens, done.cached_tokens, done.completion_tokens)
+               == (len(fresh), len(fresh), 0, 8) for _, _, done in results)
     with pytest.raises(InputError, match=r"^this request has n=3 choices: use results\(\)$"):
         handle.result()
     with pytest.raises(InputError, match=r"^n=4 choices need 4 batch rows at once; this server runs 3 \(max_batch\)$"):

@@ -151,13 +151,19 @@ def test_speculation_gives_plain_greedy_tokens_with_fewer_steps(generator) -> No
 
 def test_speculation_stopping_inside_an_accepted_run(generator) -> None:
     model = generator.backend.model
-    want = model.greedy(REPEATING[0], 40)
-    stop = want[25]
-    stream = generator.stream([REPEATING[0]], max_new_tokens=40, ignore_eos=True, stop_token_ids=[stop],
+    stop = model.greedy(REPEATING[0], 40)[25]
+    # A stop token from the middle of row 0's output ends each row that emits it there, drafts or not.
+    want = [model.greedy(p, 40, stop={stop}) for p in REPEATING]
+    stream = generator.stream(REPEATING, max_new_tokens=40, ignore_eos=True, stop_token_ids=[stop],
                               speculate="prompt-lookup", draft_len=7)
-    streamed = [event.token_ids[0] for event in stream if event.token_ids[0] is not None]
-    assert streamed == stream.result.tokens[0] == want[: want.index(stop) + 1]
-    assert stream.result.finish_reason == ["stop"]
+    streamed: list[list[int]] = [[] for _ in REPEATING]
+    for event in stream:
+        for b, token in enumerate(event.token_ids):
+            if token is not None:
+                streamed[b].append(token)
+    assert streamed == stream.result.tokens == want
+    assert stream.result.finish_reason == ["stop" if tokens[-1] == stop else "length" for tokens in want]
+    assert stream.result.finish_reason[0] == "stop" and len(want[0]) < 40
 
 
 def test_speculation_on_a_model_that_always_repeats(folder) -> None:
@@ -180,6 +186,12 @@ def test_speculation_refusals(folder, tmp_path) -> None:
         recurrent.generate([REPEATING[0]], speculate="prompt-lookup")
     with pytest.raises(InputError, match=r"^draft_len must be an integer in 1\.\.15, got 0$"):
         ort.generate([REPEATING[0]], speculate="prompt-lookup", draft_len=0)
+    with pytest.raises(InputError, match="unknown speculation method 'medusa'; choose one of prompt-lookup"):
+        ort.generate([REPEATING[0]], speculate="medusa")
+    with pytest.raises(InputError, match="needs greedy decoding"):
+        ort.generate([REPEATING[0]], speculate="prompt-lookup", temperature=0.7)
+    with pytest.raises(InputError, match="keep_logits is not available"):
+        ort.generate([REPEATING[0]], speculate="prompt-lookup", keep_logits=True)
 
 
 def test_slots_are_reused_and_stale_rows_never_read(generator) -> None:

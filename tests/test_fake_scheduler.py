@@ -13,7 +13,7 @@ import pytest
 from fake_backend import FakeModel, make_generator, without_rows, write_export
 
 from kvforge.core.errors import BackendUnavailableError, CapacityError, InputError, QueueFullError
-from kvforge.runtime import FinishReason, GenerationRequest, Speculation
+from kvforge.runtime import FinishReason, GenerationRequest, LoadedExport, Speculation
 from kvforge.runtime.sampling import SamplingConfig
 from kvforge.runtime.scheduler import Delta, Done, Scheduler
 
@@ -143,7 +143,7 @@ def test_stop_token_stop_string_and_cancel(recorded) -> None:
     solo = model.greedy(PROMPTS[0], 20)
     tokens, _, done = scheduler.submit(_request(PROMPTS[0], 20, stop_token_ids=frozenset({solo[5]}))).result()
     assert tokens == solo[: solo.index(solo[5]) + 1] and done.finish_reason == "stop"
-    text = scheduler.generator.tokenizer.decode(solo)
+    text = scheduler.export.tokenizer.decode(solo)
     stop = text[len(text) // 2: len(text) // 2 + 2]
     _, got, done = scheduler.submit(_request(PROMPTS[0], 20, stop=(stop,))).result()
     assert got == text[: text.index(stop)] and done.finish_reason == "stop"
@@ -166,6 +166,8 @@ def test_bad_requests_and_a_full_queue(folder) -> None:
         scheduler.submit(_request([], 4))
     with pytest.raises(InputError, match=r"token id 99999, outside the vocabulary \[0, 300\)"):
         scheduler.submit(_request([5, 99999], 4))
+    with pytest.raises(InputError, match="^max_new_tokens must be an integer >= 1, got 0$"):
+        scheduler.submit(_request([5], 0))
     with pytest.raises(InputError, match="^the scheduler runs one prompt per request, got 2$"):
         scheduler.submit(_request([[5], [6]], 4))
     with pytest.raises(InputError, match="^the scheduler does not take capacity, keep_logits "):
@@ -178,9 +180,9 @@ def test_bad_requests_and_a_full_queue(folder) -> None:
         Scheduler(generator, max_seq_len=10**9)
     with pytest.raises(InputError, match="^max_batch 4 exceeds what backend fake runs .2.$"):
         Scheduler(make_generator(folder, max_batch=2), max_batch=4)
-    generator.backend = without_rows(generator.backend)
+    bare = LoadedExport(folder, backend=without_rows(generator.backend))
     with pytest.raises(BackendUnavailableError, match=r"^serving needs a backend with row operations .* has none$"):
-        Scheduler(generator, max_batch=2, max_seq_len=64)
+        Scheduler(bare, max_batch=2, max_seq_len=64)
     scheduler.close()
 
 
@@ -193,7 +195,7 @@ def test_an_internal_error_in_one_row_ends_that_request_alone(recorded) -> None:
         if isinstance(event, Delta) and len(seen) == 3:
             raise RuntimeError("the client's queue is gone")
 
-    scheduler.submit(_request(PROMPTS[0], 12), on_event=consumer_that_breaks)
+    broken = scheduler.submit(_request(PROMPTS[0], 12), on_event=consumer_that_breaks)
     others = [scheduler.submit(_request(p, 12)) for p in PROMPTS[1:3]]
     scheduler.start()
     for handle, prompt in zip(others, PROMPTS[1:3], strict=True):
@@ -202,10 +204,11 @@ def test_an_internal_error_in_one_row_ends_that_request_alone(recorded) -> None:
     done = [e for e in seen if isinstance(e, Done)]
     assert len(done) == 1 and done[0].finish_reason == FinishReason.ERROR
     assert done[0].error == "internal error delivering a token: RuntimeError: the client's queue is gone"
+    assert broken.done is done[0]
     scheduler.prefixes.store = lambda *a, **k: (_ for _ in ()).throw(MemoryError("no room"))
     tokens, _, done = scheduler.submit(_request(PROMPTS[3], 8)).result()
     assert tokens == model.greedy(PROMPTS[3], 8) and done.error is None
-    assert scheduler.snapshot()["prefix_store_errors"] == 1
+    assert (scheduler.snapshot()["prefix_store_errors"], scheduler.snapshot()["running"]) == (1, 0)
 
 
 def test_a_backend_failure_ends_every_request_in_flight_not_the_server(recorded) -> None:
@@ -251,7 +254,9 @@ def test_speculation_ending_inside_an_accepted_run_keeps_every_token(folder) -> 
             queued = [scheduler.submit(_request([1, 5, 6], 3)) for _ in range(2)]
             tokens, _, done = fast.result()
             assert (tokens, done.completion_tokens, done.finish_reason) == ([0] * n, n, "length"), n
-            assert [h.result()[0] for h in queued] == [[0] * 3] * 2
+            for handle in queued:
+                got, _, after = handle.result()
+                assert (got, after.error, after.finish_reason) == ([0] * 3, None, "length"), n
         assert scheduler.snapshot()["accepted_tokens"] > 2 * len(range(2, 16))
     finally:
         scheduler.close()

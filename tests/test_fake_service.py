@@ -42,14 +42,14 @@ def _answer(service: GenerationService, ids: list[int], n: int) -> list[int]:
 
 
 def test_a_text_prompt_is_answered_like_the_model(service) -> None:
-    model = service.generator.backend.model
+    model = service.export.backend.model
     ids = service.encode("Once upon a time", special=True)
     assert ids == service.tokenizer.encode("Once upon a time") and ids[0] == 1
     assert _answer(service, ids, 12) == model.greedy(ids, 12)
 
 
 def test_a_conversation_is_rendered_by_the_template_and_answered(service) -> None:
-    model = service.generator.backend.model
+    model = service.export.backend.model
     messages = [{"role": "user", "content": "Hello, world!"}]
     ids = service.conversation(messages, None)
     assert service.decode(ids) == "user: Hello, world!\nassistant:"
@@ -73,7 +73,7 @@ def test_prompts_that_cannot_fit_or_are_not_in_the_vocabulary(service) -> None:
 
 
 def test_requests_are_queued_all_or_none(service) -> None:
-    model = service.generator.backend.model
+    model = service.export.backend.model
     good = service.request([1, 2, 3], 100, greedy=True, ignore_eos=True)
     with pytest.raises(InputError, match="^max_new_tokens must be an integer >= 1, got 0$"):
         service.request([4, 5], 0)
@@ -103,3 +103,42 @@ def test_a_service_without_a_template_refuses_conversations(tmp_path) -> None:
             service.conversation([{"role": "user", "content": "hi"}], None)
     finally:
         service.close()
+
+
+def test_prompt_logprobs_are_a_job_of_the_scheduler_thread(service) -> None:
+    # Echo with logprobs: the scheduler's thread scores the prompt (its staging cache, its max_seq_len), so in
+    # serving only that thread touches the backend. The values equal a plain log_softmax of the fake model's
+    # own logits at each position, and the Generator's prompt_logprobs.
+    import numpy as np
+
+    from kvforge.runtime import Generator
+
+    backend = service.export.backend
+    threads: list[str] = []
+    prefill = backend.prefill
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return prefill(*args, **kwargs)
+
+    backend.prefill = recording
+    try:
+        ids = [1, 17, 42, 9, 250, 3]
+        got = service.prompt_logprobs(ids, 3)
+    finally:
+        del backend.prefill
+    assert threads == ["kvforge-scheduler"]
+    assert got[0] is None and len(got) == len(ids)
+    every = np.asarray(backend.model.logits(ids), np.float64)  # row t predicts the token after ids[:t + 1]
+    for position, entry in enumerate(got[1:], start=1):
+        logits = every[position - 1]
+        want = logits - (np.log(np.exp(logits - logits.max()).sum()) + logits.max())
+        assert entry.token == ids[position] and entry.logprob == pytest.approx(want[ids[position]], abs=1e-5)
+        assert [token for token, _ in entry.top] == list(np.argsort(-want, kind="stable")[:3])
+    alone = Generator(service.export).prompt_logprobs(ids, 3)
+    assert alone == got
+    assert service.prompt_logprobs([7], 0) == [None]
+    with pytest.raises(CapacityError, match="^the prompt .129 tokens. needs 129 positions; this server holds 128"):
+        service.prompt_logprobs([5] * 129, 0)
+    with pytest.raises(InputError, match=r"^top must be an integer in 0\.\.20, got 21$"):
+        service.prompt_logprobs(ids, 21)

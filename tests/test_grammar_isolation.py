@@ -48,8 +48,8 @@ class _FailsOnApply:
 def test_a_failing_grammar_ends_its_request_alone_in_the_scheduler(generator, monkeypatch) -> None:
     lark = late_failing_grammar(generator, FAILING)
     stand_in = Grammar.regex("[a-z]+")
-    real_matcher = generator.grammar_matcher
-    monkeypatch.setattr(generator, "grammar_matcher",
+    real_matcher = generator.export.grammar_matcher
+    monkeypatch.setattr(generator.export, "grammar_matcher",
                         lambda grammar: _FailsOnApply() if grammar == stand_in else real_matcher(grammar))
     want = [_solo(generator, p, 16) for p in GOOD]
     scheduler = Scheduler(generator, max_batch=8, max_seq_len=128, prefill_chunk=8)
@@ -73,12 +73,6 @@ def test_a_failing_grammar_ends_its_request_alone_in_the_scheduler(generator, mo
         assert again.result()[0] == want[0]
     finally:
         scheduler.close()
-
-
-def test_the_generator_raises_the_grammar_error(generator) -> None:
-    lark = late_failing_grammar(generator, FAILING)
-    with pytest.raises(GrammarError, match="^the grammar failed.*too many expressions"):
-        generator.generate(FAILING, max_new_tokens=16, greedy=True, grammar=Grammar.lark(lark))
 
 
 def test_the_server_answers_the_failing_client_400_and_the_others_their_answers(generator, exported) -> None:

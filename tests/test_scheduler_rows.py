@@ -1,6 +1,7 @@
 """The scheduler runs only the rows in use (runtime/scheduler.py): running requests stay packed at
 the front of the batch cache, a decode step binds the smallest batch bucket holding them, and
-requests that join, leave, are moved or cancelled still give their solo greedy tokens."""
+requests that join, leave or are moved still give their solo greedy tokens. Cancelling a row mid-batch
+and refusing a backend without row operations are checked on the fake backend (tests/test_fake_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import numpy as np
 import pytest
 
 from kvforge.core.errors import InputError
-from kvforge.runtime import FinishReason, GenerationRequest, Generator
+from kvforge.runtime import GenerationRequest, Generator
 from kvforge.runtime.kv_cache import KVCache
 from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Delta, Scheduler
+from kvforge.runtime.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 300, 12, 12, 8, 90], [1, 2, 3], [44] * 9]
 
@@ -88,28 +89,6 @@ def test_multi_turn_reuse_after_the_row_moved(recorded) -> None:
     _check_packed_buckets(steps)
 
 
-def test_cancel_mid_batch(recorded) -> None:
-    generator, scheduler, steps = recorded
-    expected = {i: _solo(generator, PROMPTS[i], 14) for i in (0, 2)}
-    middle: list = []
-
-    def cancel_at_third_token(event) -> None:  # on the scheduler thread, so the step it stops at is fixed
-        middle.append(event)
-        if sum(isinstance(e, Delta) for e in middle) == 3:
-            handles[1].cancel()
-
-    handles = [scheduler.submit(_request(PROMPTS[0], 14)), scheduler.submit(_request(PROMPTS[1], 100), cancel_at_third_token),
-               scheduler.submit(_request(PROMPTS[2], 14))]
-    scheduler.start()
-    for i in (0, 2):
-        assert handles[i].result()[0] == expected[i]
-    assert handles[1].done is not None and handles[1].done.finish_reason == FinishReason.CANCELLED
-    assert handles[1].done.completion_tokens == 3
-    # Rows 0-2 ran together once; then the middle row was cancelled and the last one moved into it.
-    assert [int(r.sum()) for _, r in steps] == [1, 1, 1, 2, 3] + [2] * 8 + [1] * 4
-    _check_packed_buckets(steps)
-
-
 def test_first_rows_share_the_cache_memory() -> None:
     cache = KVCache(num_layers=2, batch=4, num_kv_heads=2, capacity=8, head_dim=4)
     view = cache.first_rows(2)
@@ -121,21 +100,3 @@ def test_first_rows_share_the_cache_memory() -> None:
     with pytest.raises(InputError, match="rows must be between 1 and the cache's 4, got 5"):
         cache.first_rows(5)
 
-
-def test_a_backend_without_row_operations_is_refused_in_one_line(exported) -> None:
-    from kvforge.core.errors import BackendUnavailableError
-
-    generator = Generator(exported("llama-tiny", "ort"))
-
-    class NoRows:  # a backend that runs graphs but cannot move cache rows
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            if name in ("copy_rows", "read_rows", "write_rows", "view_rows"):
-                raise AttributeError(name)
-            return getattr(self._inner, name)
-
-    generator.backend = NoRows(generator.backend)
-    with pytest.raises(BackendUnavailableError, match=r"^serving needs a backend with row operations .* has none$"):
-        Scheduler(generator, max_batch=2, max_seq_len=64)

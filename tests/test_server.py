@@ -46,7 +46,7 @@ def server(served):
     backend, folder = served
     app = create_app(folder, max_batch=4, max_seq_len=256, api_key=KEY, model_name="tiny", prefill_chunk=16,
                      backend=backend)
-    assert app.state.generator.backend_name == backend
+    assert app.state.export.backend_name == backend
     with serving(app) as base:
         yield base, app
 

@@ -139,7 +139,7 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server) -> None:
 
 
 def test_a_prompt_longer_than_the_context_is_refused_before_it_is_tokenized(server, monkeypatch) -> None:
-    tokenizer = server.app.state.generator.tokenizer
+    tokenizer = server.app.state.export.tokenizer
     calls = []
     original = tokenizer.encode
     monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **k: calls.append(len(text)) or original(text, *a, **k))
@@ -149,7 +149,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_it_is_tokenized(serv
 
 
 def test_tokenizing_does_not_block_the_event_loop(server, monkeypatch) -> None:
-    tokenizer = server.app.state.generator.tokenizer
+    tokenizer = server.app.state.export.tokenizer
     original = tokenizer.encode
 
     def slow(text, *args, **kwargs):
@@ -229,7 +229,7 @@ def test_a_bug_is_a_500_in_openai_shape_and_unknown_paths_are_json(server, monke
 def test_a_template_swapped_after_loading_is_not_rendered(server, reference, tmp_path) -> None:
     messages = [{"role": "user", "content": "hi"}]
     want = len(reference.chat_ids(messages))
-    folder = server.app.state.generator.folder
+    folder = server.app.state.export.folder
     outside = tmp_path / "outside.jinja"
     outside.write_text("{% for i in range(50) %}leaked {% endfor %}")
     target = folder / "chat_template.jinja"

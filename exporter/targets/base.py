@@ -1,5 +1,7 @@
-"""What the exporter needs to know of a target beyond kvforge/core/targets.py (the runtime's and the build's
-part): its passes and what its attention op takes. One instance per target module."""
+"""A target as the exporter sees it, resolved once (ExportOptions.resolve): its registry entry of
+kvforge/core/targets.py (the runtime's and the build's part), its passes, what its attention op takes, and the
+refusals it owns (`check_options`, `check_model` before loading, `check_probed` after the attention shapes are
+probed). One instance per target module; a target with a kernel of its own adds its refusals as hooks."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.core.contract import ATTENTION_INPUTS, ATTENTION_OPTIONAL_INPUTS
+from kvforge.core.contract import ATTENTION_INPUTS, ATTENTION_OPTIONAL_INPUTS, KV_CACHE_DTYPES, KVLayout
+from kvforge.core.errors import InputError, UnsupportedModelError
+from kvforge.core.targets import Target
 
 
 @dataclass(frozen=True)
 class ExportTarget:
-    name: str
+    core: Target  # the runtime's and the build's part
     # (graph, canonical attention nodes, rotary cos/sin caches or None, per-layer KV scales or None): rewrites
     # every canonical node in place. A target whose fusions it does not run ignores `rotary`.
     lower_attention: Callable[..., Any]
@@ -26,10 +30,62 @@ class ExportTarget:
     quantize: bool = False  # `--quantize` (MatMulNBits, an ONNX Runtime contrib op)
     # `--kv-cache` dtypes its attention op reads and writes.
     kv_cache_dtypes: tuple[str, ...] = ()
-    # The export checks the model's attention shapes against kvforge's own kernel.
-    kernel_shapes: bool = False
     # The head sizes its attention op takes are multiples of this.
     head_dim_multiple: int = 1
+    # Dtypes where a gate/up pair merged into one MatMul pays even unquantised (ONNX Runtime CUDA's: at batch 1
+    # each MatMul is one ~3.5 us cuBLAS kernel on an H100; benchmarks/README.md).
+    merge_pairs_dtypes: tuple[str, ...] = ()
+    # The target's own refusals of a model, where it runs a kernel of its own: (target, config, family, dtype)
+    # before anything is loaded; (target, config, family, dtype, probed layout, sinks) after the probe.
+    refuse_model: Callable[..., None] | None = None
+    refuse_probed: Callable[..., None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.core.name
+
+    def check_options(self, options: Any) -> None:
+        """The export options this target cannot honour, refused in one line naming another that can."""
+        if options.quantize is not None and not self.quantize:
+            raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {self.name}")
+        if options.kv_cache is None:
+            return
+        if options.kv_cache not in KV_CACHE_DTYPES:
+            raise InputError(f"--kv-cache takes {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache!r}")
+        if options.kv_cache not in self.kv_cache_dtypes:
+            from kvforge.exporter.targets import EXPORT_TARGETS
+
+            able = [t.name for t in EXPORT_TARGETS.values() if options.kv_cache in t.kv_cache_dtypes]
+            raise InputError(
+                f"--kv-cache {options.kv_cache}: the {self.name} target's attention ({self.core.summary}) has no "
+                f"quantised cache; use --target {' or '.join(able)}"
+            )
+        if options.dtype != "fp32":
+            raise InputError(f"--kv-cache {options.kv_cache} is measured with fp32 activations only; drop --dtype "
+                             f"{options.dtype}")
+
+    def check_model(self, config: Any, family: Any, dtype: str) -> None:
+        """Before anything is loaded: what the target refuses of this model (its config and family)."""
+        if self.refuse_model is not None:
+            self.refuse_model(self, config, family, dtype)
+
+    def check_probed(self, config: Any, family: Any, dtype: str, layout: KVLayout, sinks: bool) -> None:
+        """After the probe: the head sizes the target's attention op takes, and the target's own refusals."""
+        for head_dim in sorted({dim for _, dim in layout.layer_shapes()}):
+            if head_dim % self.head_dim_multiple:
+                raise UnsupportedModelError(
+                    f"{config.model_type}: its head size {head_dim} is not a multiple of {self.head_dim_multiple}, "
+                    f"which --target {self.name}'s attention ({self.core.summary.split(' (')[0]}) needs; use "
+                    f"{others(lambda t, dim=head_dim: dim % t.head_dim_multiple == 0)}")
+        if self.refuse_probed is not None:
+            self.refuse_probed(self, config, family, dtype, layout, sinks)
+
+
+def others(takes: Callable[[ExportTarget], bool]) -> str:
+    """"--target a or --target b": the targets without a kernel of their own that `takes` accepts."""
+    from kvforge.exporter.targets import EXPORT_TARGETS
+
+    return " or ".join(f"--target {t.name}" for t in EXPORT_TARGETS.values() if t.refuse_model is None and takes(t))
 
 
 def alibi_input(node: ir.Node) -> ir.Value | None:

@@ -7,6 +7,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kvforge.core.errors import ExportError
+from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, constant, node_attributes, replace_node
 from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
 
@@ -125,4 +126,4 @@ def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
     return moe.lower_moe_to_plain(graph, quantize)
 
 
-TARGET = ExportTarget("onnx", lower_to_onnx, lower_moe)
+TARGET = ExportTarget(TARGETS["onnx"], lower_to_onnx, lower_moe)

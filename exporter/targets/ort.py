@@ -9,6 +9,7 @@ import onnx_ir as ir
 
 from kvforge.core.contract import INPUT_IDS, LOGITS_INDEX, parse_cache_name
 from kvforge.core.errors import ExportError
+from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import (
     attention_inputs,
     constant,
@@ -160,5 +161,6 @@ def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
     return moe.lower_moe_to_ort(graph, quantize)
 
 
-TARGET = ExportTarget("ort", lower_to_ort, lower_moe, ort_fusions=True, quantize=True, kv_cache_dtypes=("int8",),
-                      head_dim_multiple=8)  # GroupQueryAttention's head sizes are multiples of 8
+TARGET = ExportTarget(TARGETS["ort"], lower_to_ort, lower_moe, ort_fusions=True, quantize=True,
+                      kv_cache_dtypes=("int8",), head_dim_multiple=8,  # GroupQueryAttention's head sizes
+                      merge_pairs_dtypes=("fp16", "bf16"))

@@ -1,15 +1,23 @@
 """The `trt` target: kvforge's TensorRT plugin node per layer (kvforge.core.contract.PLUGIN: its op type,
 plugin_namespace and plugin_version), implemented by the Triton kernel (plugins/trt_plugin.py), with the
-canonical node's inputs, outputs and attributes; the export checks the model against the kernel's shapes."""
+canonical node's inputs, outputs and attributes. The target owns its refusals: the kernel's head shapes and
+dtypes, recurrent states (the engines carry no state), sinks and ALiBi (the kernel has neither), and the coverage
+sweep's recorded `trt` failure of a type."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import onnx_ir as ir
 
-from kvforge.core.contract import ATTENTION_OUTPUTS, PLUGIN, AttentionAttrs
+from kvforge.core.contract import ATTENTION_OUTPUTS, PLUGIN, AttentionAttrs, KVLayout
 from kvforge.core.errors import UnsupportedModelError
+from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, node_attributes, replace_node
-from kvforge.exporter.targets.base import ExportTarget, alibi_input
+from kvforge.exporter.targets.base import ExportTarget, alibi_input, others
+from kvforge.models.config_values import config_value
+
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
 
 
 def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = None, kv_scales: object = None) -> None:
@@ -44,4 +52,49 @@ def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
     return moe.lower_moe_to_plain(graph, quantize)
 
 
-TARGET = ExportTarget("trt", lower_to_trt, lower_moe, kernel_shapes=True)
+def check_kernel_shapes(target: ExportTarget, config: Any, family: Any, head_dim: int, dtype: str,
+                        kv_heads: int | None = None) -> None:
+    """kvforge's own kernel: refuse at export the head shapes and dtypes it cannot compute."""
+    from kvforge.plugins import attention_launch
+
+    kv_heads = kv_heads or family.kv_heads(config)
+    heads = config_value(config, "num_attention_heads")
+    if heads is None:  # no attention (a state-space model): nothing for the kernel; its states are refused later
+        return
+    try:
+        attention_launch.check_shapes(heads, kv_heads, head_dim)
+    except ValueError as err:
+        raise UnsupportedModelError(
+            f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
+            f"head_dim {', '.join(map(str, HEAD_DIMS))}, query heads a multiple of the KV heads, and "
+            f"dtype {', '.join(target.core.dtypes)}; use {others(lambda _t: True)} for this model"
+        ) from err
+    if dtype not in target.core.dtypes:
+        raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.core.dtypes)}, not "
+                                    f"{dtype!r}")
+
+
+def _refuse_model(target: ExportTarget, config: Any, family: Any, dtype: str) -> None:
+    if family.trt_refusal:
+        raise UnsupportedModelError(f"--target {target.name} cannot export {config.model_type} (the coverage sweep: "
+                                    f"{family.trt_refusal}); use --target ort or --target onnx")
+    check_kernel_shapes(target, config, family, family.head_dim(config), dtype)
+
+
+def _refuse_probed(target: ExportTarget, config: Any, family: Any, dtype: str, layout: KVLayout, sinks: bool) -> None:
+    if layout.states:
+        stateful = sorted({spec.layer for spec in layout.states})
+        raise UnsupportedModelError(f"{config.model_type}: its layers {stateful[:8]} keep a recurrent state, which "
+                                    f"--target {target.name}'s TensorRT engines do not carry yet; use --target ort or "
+                                    "--target onnx")
+    if sinks:
+        # Worded as a reason (the sweep records it as the type's `trt` refusal, which the check before
+        # loading raises; this one catches a model outside the registry's rows).
+        raise UnsupportedModelError(f"{config.model_type}: its attention has sinks, which kvforge's TensorRT "
+                                    f"kernel (--target {target.name}) does not implement")
+    for heads, head_dim in sorted(set(layout.layer_shapes())):
+        check_kernel_shapes(target, config, family, head_dim, dtype, kv_heads=heads)
+
+
+TARGET = ExportTarget(TARGETS["trt"], lower_to_trt, lower_moe, refuse_model=_refuse_model,
+                      refuse_probed=_refuse_probed)

@@ -38,7 +38,7 @@ from kvforge.cli.common import (
 from kvforge.core.errors import InputError, KvforgeError
 
 if TYPE_CHECKING:  # the runtime is imported when the command runs (startup time)
-    from kvforge.runtime import Generator
+    from kvforge.runtime import LoadedExport
     from kvforge.runtime.scheduler import Done, Scheduler
 
 PROMPT = "> "
@@ -67,21 +67,21 @@ class Turn:
 
 
 class ChatSession:
-    """A conversation with `generator` through `scheduler` (one row): `ask` answers a user message
+    """A conversation with `export` through `scheduler` (one row): `ask` answers a user message
     and keeps both in `messages`; `reset` starts over."""
 
-    def __init__(self, generator: Generator, scheduler: Scheduler, system: str | None, max_new_tokens: int,
+    def __init__(self, export: LoadedExport, scheduler: Scheduler, system: str | None, max_new_tokens: int,
                  special_tokens_in_content: bool = False, **request_options: Any) -> None:
-        self.generator = generator
-        self.special_tokens_in_content = special_tokens_in_content  # Generator.chat_ids' option
+        self.export = export
+        self.special_tokens_in_content = special_tokens_in_content  # LoadedExport.chat_ids' option
         self.scheduler = scheduler
         self.system = system
         self.max_new_tokens = max_new_tokens
-        self.request_options = request_options  # generator.request()'s sampling keywords and ignore_eos
+        self.request_options = request_options  # export.request()'s sampling keywords and ignore_eos
         self.messages: list[dict[str, str]] = []
         self.reset()
         # A template that refuses the system role (or any message) says so now, not at the first turn.
-        generator.chat_ids([*self.messages, {"role": "user", "content": "Hi"}])
+        export.chat_ids([*self.messages, {"role": "user", "content": "Hi"}])
 
     def reset(self) -> None:
         """Forget the conversation and the KV rows kept of it: the next turn prefills from scratch."""
@@ -101,13 +101,13 @@ class ChatSession:
         from kvforge.runtime.scheduler import Done
 
         question = {"role": "user", "content": text}
-        ids = self.generator.chat_ids([*self.messages, question],
+        ids = self.export.chat_ids([*self.messages, question],
                                       special_tokens_in_content=self.special_tokens_in_content)
         room = self.scheduler.capacity - len(ids) + 1  # the last generated token is never fed back
         if room < 1:
             raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "
                              "positions of --max-seq-len; /reset starts over")
-        request = self.generator.request(RenderedChat(ids), min(self.max_new_tokens, room), **self.request_options)
+        request = self.export.request(RenderedChat(ids), min(self.max_new_tokens, room), **self.request_options)
         events: queue.Queue = queue.Queue()
         started = time.perf_counter()
         handle = self.scheduler.submit(request, on_event=events.put)
@@ -176,27 +176,27 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
     /reset forgets the conversation, /exit or Ctrl-D quits; Ctrl-C stops the answer being written
     (what was written stays in the conversation) and clears the line at the prompt. With piped
     input each line is a turn."""
-    from kvforge.runtime import Generator
+    from kvforge.runtime import LoadedExport
 
     check_utf8("--system", system_text)
-    generator = Generator(export_dir, backend=backend, verify_hashes=verify,
+    export = LoadedExport(export_dir, backend=backend, verify_hashes=verify,
                           **backend_options(threads=threads, emulation=emulation,
                                             spinning=False if no_spin else None))
     try:
-        generator.chat_template  # noqa: B018  (raises when the export has none)
+        export.chat_template  # noqa: B018  (raises when the export has none)
     except InputError as err:
         raise InputError(f"{err} (kvforge chat renders every turn with the export's chat template; "
                          f"`kvforge generate {export_dir} --prompt TEXT` takes plain prompts)") from None
-    scheduler = chat_scheduler(generator, max_seq_len).start()
+    scheduler = chat_scheduler(export, max_seq_len).start()
     try:
-        _loop(ChatSession(generator, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,
+        _loop(ChatSession(export, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,
                           special_tokens_in_content=special_tokens_in_content, **sampling_keywords(sampling)),
-              generator, quiet, as_json)
+              export, quiet, as_json)
     finally:
         scheduler.close()
 
 
-def chat_scheduler(generator: Generator, max_seq_len: int | None) -> Scheduler:
+def chat_scheduler(export: LoadedExport, max_seq_len: int | None) -> Scheduler:
     """The one-row Scheduler a chat runs on (not started). Unlike the server's, it keeps the KV rows
     of a cancelled (Ctrl-C) answer, as of a finished one: that answer stays in the conversation, so
     the next turn copies them instead of prefilling the whole conversation again."""
@@ -206,13 +206,13 @@ def chat_scheduler(generator: Generator, max_seq_len: int | None) -> Scheduler:
     # The rows kept of a cancelled answer hold every token generated but the last, those generated after
     # Ctrl-C too (the chat drops their text): harmless, as the next turn's lookup copies only the
     # positions whose tokens its prompt shares, i.e. as far as the answer was shown.
-    scheduler = Scheduler(generator, max_batch=1, max_seq_len=max_seq_len, keep_cancelled=True)
+    scheduler = Scheduler(export, max_batch=1, max_seq_len=max_seq_len, keep_cancelled=True)
     # One conversation at a time: room for all of its KV rows is all the prefix store needs.
-    scheduler.prefixes.budget_bytes = KVLayout.from_manifest(generator.manifest).bytes(1, scheduler.capacity)
+    scheduler.prefixes.budget_bytes = KVLayout.from_manifest(export.manifest).bytes(1, scheduler.capacity)
     return scheduler
 
 
-def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool) -> None:
+def _loop(session: ChatSession, export: LoadedExport, quiet: bool, as_json: bool) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: an error for that line, not a crash
@@ -222,7 +222,7 @@ def _loop(session: ChatSession, generator: Generator, quiet: bool, as_json: bool
         except ImportError:
             pass
         if not quiet:
-            click.echo(click.style(f"kvforge chat: {generator.folder} on {generator.backend_name}; {COMMANDS}",
+            click.echo(click.style(f"kvforge chat: {export.folder} on {export.backend_name}; {COMMANDS}",
                                    dim=True), err=True)
 
     def emit(piece: str) -> None:

@@ -33,6 +33,9 @@ class Target:
     static_engine_capacity: bool = False
     plugin: PluginIdentity | None = None  # the TensorRT plugin the target's graphs need
     needs_standard_tensorrt: bool = False  # TensorRT-RTX has no tensorrt.plugin to register it with
+    # Export dtypes ONNX Runtime's CUDA provider runs the target's attention in, and why not the others.
+    cuda_dtypes: tuple[str, ...] = tuple(DTYPES)
+    cuda_dtypes_why: str = ""
 
     @property
     def buildable(self) -> bool:
@@ -53,6 +56,9 @@ TARGETS: dict[str, Target] = {
                     "carried over bit for bit; an int8 KV cache with `--kv-cache int8` (fp32, measured on CPU)",
             default_backend="ort-cpu",
             continue_batch=1,
+            cuda_dtypes=("fp16", "bf16"),
+            cuda_dtypes_why="ONNX Runtime's CUDA GroupQueryAttention has fp16 and bf16 kernels only (fp32 would run "
+                            "attention on the CPU, copying the cache every step)",
             build_refusal="its attention is ONNX Runtime's GroupQueryAttention, which TensorRT does not import: "
                           "export with --target trt or --target onnx",
         ),

@@ -22,12 +22,8 @@ fused attempt runs with fd 2 captured, and what it printed is shown only if the 
 from __future__ import annotations
 
 import json
-import os
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -54,6 +50,7 @@ from kvforge.core.manifest import file_record, load_manifest, read_graph
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
 from kvforge.core.targets import get_target
 from kvforge.core.tensorrt_flavor import RTX_PORTABLE, TensorRT, gpu_refusal, load_tensorrt
+from kvforge.engines.native_stderr import fd2_captured, write_stderr
 from kvforge.engines.trt_graph import tensorrt_graph
 
 # TensorRT's builder says this when an attention layer has no dedicated kernel for its shape and dtype.
@@ -120,7 +117,7 @@ def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] 
 def _check_plugin_arch(manifest: dict[str, Any], arch: str) -> str:
     from kvforge.plugins import trt_plugin
 
-    if manifest["target"] != "trt":
+    if get_target(manifest["target"]).plugin is None:
         raise InputError(f"--arch picks the attention plugin's GPU architecture; an export for the "
                          f"{manifest['target']} target does not use the plugin")
     try:
@@ -158,12 +155,7 @@ def build_engines(
                                     plugin_shared_kib)
     if plugin_arch is not None:
         plugin_arch = _check_plugin_arch(manifest, plugin_arch)
-    engine_dir = Path(engine_dir) if engine_dir is not None else export_dir / ENGINE_DIR_NAME
-    if engine_dir.resolve() == export_dir.resolve() or engine_dir.resolve() in export_dir.resolve().parents:
-        raise InputError(
-            f"the engine folder {engine_dir} must not be the export folder or contain it (default "
-            f"{export_dir / ENGINE_DIR_NAME})"
-        )
+    engine_dir = _engine_folder(export_dir, engine_dir)
     check_output(engine_dir, [], force=True, marker=ENGINES_MANIFEST, what="kvforge engine folder")
     trt = load_tensorrt(tensorrt)
     plugin = _plugin_identity(trt, manifest)
@@ -188,23 +180,13 @@ def build_engines(
         trt_plugin.register(max_shared_kib=options.plugin_shared_kib, arch=plugin_arch)
     started = time.perf_counter()
     timing = (engine_dir / TIMING_CACHE).read_bytes() if (engine_dir / TIMING_CACHE).is_file() else b""
-    builds: dict[str, dict[str, Any]] = {}
+    builds: dict[str, dict[str, Any]] = {}  # engine file -> seconds, bytes, attention
     # A full disk names the engine folder (the OSError would name a hidden staging file).
     with (naming_a_full_disk(engine_dir, "choose another --engine-dir"),
           StagedFolder(engine_dir, ENGINES_MANIFEST, what="kvforge engine folder", say=say) as staged):
         staging = staged.path
         assert staging is not None
-        for entry in engine_layout(options).values():
-            if entry["file"] in builds:
-                continue
-            say(f"building {entry['file']} from {entry['graph']}.onnx for {gpu['name']} ({trt.label})")
-            one = time.perf_counter()
-            data, timing, attention = _build_one(trt, export_dir, manifest, options, entry["graph"], timing, say)
-            (staging / entry["file"]).write_bytes(data)
-            builds[entry["file"]] = {"seconds": round(time.perf_counter() - one, 2), "bytes": len(data),
-                                     "attention": attention}
-            say(f"built {entry['file']}: {len(data) / 1e6:.1f} MB in {builds[entry['file']]['seconds']:.1f}s "
-                f"(attention: {attention})")
+        timing = _build_all(trt, export_dir, manifest, options, staging, gpu, timing, builds, say)
         if timing:
             (staging / TIMING_CACHE).write_bytes(timing)
         files = {name: file_record(staging / name) for name in sorted(builds)}
@@ -216,6 +198,35 @@ def build_engines(
     if replaced is not None:  # reported (`build --json`), not recorded: engines.json describes these engines
         return {**record, "replaced": {"options": {name: list(pair) for name, pair in replaced.items()}}}
     return record
+
+
+def _engine_folder(export_dir: Path, engine_dir: str | Path | None) -> Path:
+    """The engine folder (default: the export's `engines/`), never the export folder or one holding it."""
+    folder = Path(engine_dir) if engine_dir is not None else export_dir / ENGINE_DIR_NAME
+    if folder.resolve() == export_dir.resolve() or folder.resolve() in export_dir.resolve().parents:
+        raise InputError(
+            f"the engine folder {folder} must not be the export folder or contain it (default "
+            f"{export_dir / ENGINE_DIR_NAME})"
+        )
+    return folder
+
+
+def _build_all(trt: Any, export_dir: Path, manifest: dict[str, Any], options: BuildOptions, staging: Path,
+               gpu: dict[str, Any], timing: bytes, builds: dict[str, dict[str, Any]],
+               say: Callable[[str], None]) -> bytes:
+    """Build each engine of the layout once into `staging`, recording it in `builds`; the timing cache after."""
+    for entry in engine_layout(options).values():
+        if entry["file"] in builds:
+            continue
+        say(f"building {entry['file']} from {entry['graph']}.onnx for {gpu['name']} ({trt.label})")
+        one = time.perf_counter()
+        data, timing, attention = _build_one(trt, export_dir, manifest, options, entry["graph"], timing, say)
+        (staging / entry["file"]).write_bytes(data)
+        builds[entry["file"]] = {"seconds": round(time.perf_counter() - one, 2), "bytes": len(data),
+                                 "attention": attention}
+        say(f"built {entry['file']}: {len(data) / 1e6:.1f} MB in {builds[entry['file']]['seconds']:.1f}s "
+            f"(attention: {attention})")
+    return timing
 
 
 def _other_options(engine_dir: Path, options: BuildOptions) -> dict[str, tuple[Any, Any]] | None:
@@ -333,7 +344,7 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
             # dedicated kernel, though the decomposed attempt then builds: kept unless the build fails.
             # Progress said meanwhile would land in the capture too: held, and said after it.
             held: list[str] = []
-            with _fd2_captured() as captured:
+            with fd2_captured() as captured:
                 config = _config(trt, builder, manifest, options, graph, timing, held.append)
                 serialized = builder.build_serialized_network(network, config)
             fused_output = captured.text
@@ -350,57 +361,10 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
         if attempt == "decomposed" or not needs_decomposable or not _attention_layers(trt, network):
             break
     if fused_output.strip():
-        _write_stderr(f"{trt.label}'s own output while building the {graph} engine with fused attention:\n"
+        write_stderr(f"{trt.label}'s own output while building the {graph} engine with fused attention:\n"
                       f"{fused_output.rstrip()}\n")
     detail = log.errors[-1] if log.errors else "see TensorRT's log above"
     raise ExportError(f"{trt.label} failed to build the {graph} engine: {detail}")
-
-
-class _Captured:
-    text = ""
-
-
-def _write_stderr(text: str) -> None:
-    if sys.stderr is not None:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-
-
-def _flush_stderr() -> None:
-    try:
-        if sys.stderr is not None:
-            sys.stderr.flush()
-    except (OSError, ValueError):  # closed or detached: nothing buffered to keep in order
-        pass
-
-
-@contextmanager
-def _fd2_captured() -> Iterator[_Captured]:
-    """File descriptor 2 redirected into a temporary file for the block (a native library writes there
-    directly, past Python's sys.stderr); `.text` holds what was written, once the block ends. Without a
-    temporary file or an open fd 2, nothing is captured (the build goes on all the same)."""
-    captured = _Captured()
-    try:
-        sink = tempfile.TemporaryFile()
-    except OSError:
-        yield captured
-        return
-    with sink:
-        try:
-            saved = os.dup(2)
-        except OSError:
-            yield captured
-            return
-        _flush_stderr()
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            _flush_stderr()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            captured.text = sink.read().decode(errors="replace")
 
 
 def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: BuildOptions, graph: str,

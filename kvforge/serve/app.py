@@ -12,14 +12,15 @@ of that shape): 400 invalid or unsupported parameters or malformed JSON, 401 mis
 a client that goes away (streaming or not) cancels its request.
 
 Hostile clients and files: the body is read up to `max_body_bytes` before anything else; parsing,
-tokenizing and chat-template rendering run off the event loop (so /health keeps answering); the
+validating, tokenizing and chat-template rendering run off the event loop (so /health keeps answering); the
 template is read once at load and rendered in a killable child process with time and size limits
 (runtime/chat_worker.py); the Host header is checked when `allowed_hosts` is given (`kvforge serve`
 always gives it), against DNS rebinding; a POST must be `application/json`, so a web page cannot
 send one without a CORS preflight.
 
 The layers of a request: this module wires FastAPI (routes, the Guard middleware of
-kvforge/serve/guard.py, OpenAI-shaped errors); kvforge/serve/handlers.py turns OpenAI's parameters into
+kvforge/serve/guard.py, OpenAI-shaped errors); kvforge/serve/protocol.py's pydantic models validate
+each body once; kvforge/serve/handlers.py turns OpenAI's parameters into
 GenerationRequests and answers (choices, log-probabilities, echo, prompt batches, n and tool calls:
 kvforge/serve/choices.py); runtime/service.py holds the export's side (tokenizing within the context,
 the chat template in its child process, tools, grammars, the Scheduler).
@@ -33,26 +34,20 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from kvforge.core.errors import (
     BackendUnavailableError,
     InputError,
 )
 from kvforge.serve.guard import (  # noqa: F401  (re-exported: kvforge.serve.app's API)
-    COMMON_FIELDS,
     DEFAULT_MAX_BODY_BYTES,
     DRAIN_BYTES,
-    FIELDS,
     LOOPBACK_HOSTS,
     ApiError,
     Guard,
     allowed_hosts_for,
     check_api_key,
-    check_fields,
-    number_field,
-    response_format_grammar,
-    valid_text,
 )
 
 
@@ -74,7 +69,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                backend: str | None = None, engine_dir: str | Path | None = None,
                special_tokens_in_content: bool = False):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps): the export's
-    Generator in a GenerationService (runtime/service.py), the OpenAI handlers over it
+    LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it
     (kvforge/serve/handlers.py), the Guard middleware and the metrics.
     `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
@@ -83,10 +78,10 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
     clients only; by default it stays text)."""
     _require()
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import Response
 
-    from kvforge.runtime import Generator
+    from kvforge.runtime import LoadedExport
     from kvforge.runtime.service import GenerationService
     from kvforge.serve.handlers import GENERATION_PATHS, OpenAIHandlers
     from kvforge.serve.metrics import ServerMetrics
@@ -97,7 +92,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     options = {key: value for key, value in (("threads", threads), ("engine_dir", engine_dir)) if value is not None}
     if not spinning:  # only given when asked: backends other than ONNX Runtime's take no such option
         options["spinning"] = False
-    service = GenerationService(Generator(export_dir, backend=backend, **options), max_batch=max_batch,
+    service = GenerationService(LoadedExport(export_dir, backend=backend, **options), max_batch=max_batch,
                                 max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
                                 chat_template=chat_template, template_seconds=template_seconds,
                                 special_tokens_in_content=special_tokens_in_content)
@@ -112,7 +107,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
 
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.service, app.state.metrics, app.state.handlers = service, metrics, handlers
-    app.state.scheduler, app.state.generator, app.state.renderer = service.scheduler, service.generator, service.renderer
+    app.state.scheduler, app.state.export, app.state.renderer = service.scheduler, service.export, service.renderer
 
     def guard_refused(path: str, status: int, message: str) -> None:  # 401/413/415/421 before routing
         if path in GENERATION_PATHS:
@@ -122,14 +117,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                        allowed_hosts=None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts))
 
     _answer_errors_as_json(app)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handlers.serve(request, "text")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handlers.serve(request, "chat")
+    app.include_router(_generation_routes(handlers))
 
     @app.get("/v1/models")
     async def models():
@@ -147,9 +135,78 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     return app
 
 
+def _generation_routes(handlers: Any) -> Any:
+    """POST /v1/completions and /v1/chat/completions. Each endpoint takes its pydantic model
+    (kvforge/serve/protocol.py), validated once before the endpoint runs by a FastAPI dependency, on
+    the prepare pool: pydantic takes 50-250 ms on the largest hostile bodies (2 MiB of token-id
+    lists), which must not stall /health; the OpenAPI description shows the model as the body.
+    Around FastAPI's own handler, the route (handlers.traced) gives the request its id and log line and
+    decodes the body off the event loop (what FastAPI then reads as request.json()); another model's
+    name is a 404 before the parameters are validated; a refused parameter is protocol.api_error's."""
+    import asyncio
+
+    from fastapi import APIRouter, Depends, Request
+    from fastapi.routing import APIRoute
+    from pydantic import ValidationError
+
+    from kvforge.serve.handlers import GENERATION_PATHS
+    from kvforge.serve.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest, api_error
+
+    class Decoded(Request):
+        """The request as FastAPI reads it: the body already read and decoded."""
+
+        def __init__(self, request: Request, raw: bytes, body: dict[str, Any]) -> None:
+            super().__init__(request.scope, request.receive)
+            self._raw, self._decoded = raw, body
+
+        async def body(self) -> bytes:
+            return self._raw
+
+        async def json(self) -> Any:
+            return self._decoded
+
+    class GenerationRoute(APIRoute):
+        def get_route_handler(self) -> Callable:
+            handle, kind = super().get_route_handler(), "chat" if self.path == GENERATION_PATHS[1] else "text"
+
+            async def route(request: Request) -> Any:
+                return await handlers.traced(request, kind, lambda raw, body: handle(Decoded(request, raw, body)))
+
+            return route
+
+    def validated(model: type[OpenAIRequest], kind: str) -> Any:
+        async def dependency(request: Request) -> OpenAIRequest:
+            body = await request.json()
+            handlers.check_model(body)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(handlers.pools[kind], model.model_validate,
+                                                                        body)
+            except ValidationError as err:
+                raise api_error(err.errors(), model, body) from None
+
+        return Depends(dependency)
+
+    def described(model: type[OpenAIRequest]) -> dict[str, Any]:  # the body's schema in /openapi.json
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+    router = APIRouter(route_class=GenerationRoute)
+
+    @router.post(GENERATION_PATHS[0], openapi_extra=described(CompletionRequest))
+    async def completions(request: Request, body: Annotated[CompletionRequest, validated(CompletionRequest, "text")]):
+        return await handlers.serve(request, body)
+
+    @router.post(GENERATION_PATHS[1], openapi_extra=described(ChatCompletionRequest))
+    async def chat_completions(request: Request,
+                               body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest, "chat")]):
+        return await handlers.serve(request, body)
+
+    return router
+
+
 def _answer_errors_as_json(app: Any) -> None:
     """Every error in OpenAI's JSON shape: ours (ApiError), routing's (404 / 405), and a bug's (500)."""
     from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
@@ -157,6 +214,13 @@ def _answer_errors_as_json(app: Any) -> None:
     async def _api_error(request: Request, err: ApiError):
         rid = getattr(request.state, "request_id", None)  # the log line's id, for a body that carries none
         return JSONResponse(err.body(), status_code=err.status, headers={"x-request-id": rid} if rid else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, err: RequestValidationError):  # a route's own are api_error's
+        first = err.errors()[0] if err.errors() else {}
+        param = next((str(p) for p in first.get("loc", ()) if p != "body"), None)
+        error = ApiError(400, f"{param or 'the request'}: {first.get('msg', 'invalid')}", param=param)
+        return JSONResponse(error.body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, err: HTTPException):

@@ -1,7 +1,7 @@
 """OpenAI's generation parameters in, choices with log-probabilities out (kvforge/serve/app.py).
 
-`sampling_options` turns a request body's sampling fields into `Generator.request` keywords;
-`completion_prompts` reads /v1/completions' prompt forms; `Choice` gathers one choice's text,
+`sampling_options` turns a validated body's (kvforge/serve/protocol.py) sampling fields into
+`Generator.request` keywords; `Choice` gathers one choice's text,
 tokens and log-probabilities and writes them in the chat shape
 (`logprobs.content = [{token, logprob, bytes, top_logprobs}]`) or the legacy completions shape
 (`logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`), each token's text and bytes from
@@ -13,34 +13,32 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob
-from kvforge.runtime.request import MAX_CHOICES, FinishReason, GenerationRequest, openai_finish_reason
+from kvforge.runtime.logprobs import TokenLogprob
+from kvforge.runtime.request import FinishReason, GenerationRequest, openai_finish_reason
 from kvforge.runtime.scheduler import Delta, Done
 from kvforge.runtime.tokenizer import TokenPieces
 from kvforge.runtime.tool_calls import DeltaStream, ToolRequest, answer_message
-from kvforge.serve.guard import ApiError, number_field, valid_text
+from kvforge.serve.guard import ApiError
+
+if TYPE_CHECKING:  # the validated body; pydantic is only needed by the server itself
+    from kvforge.serve.protocol import OpenAIRequest
 
 
-def sampling_options(body: dict[str, Any], kind: str, default_greedy: bool) -> dict[str, Any]:
-    """`Generator.request` keywords for the body's temperature, top_p, top_k, min_p, seed, the
-    penalties, n and logprobs. OpenAI's temperature 0 is greedy decoding: top_p, top_k, min_p and
+def sampling_options(body: OpenAIRequest, default_greedy: bool) -> dict[str, Any]:
+    """`Generator.request` keywords for the (validated) body's temperature, top_p, top_k, min_p, seed,
+    the penalties, n and logprobs. OpenAI's temperature 0 is greedy decoding: top_p, top_k, min_p and
     seed then do nothing, the penalties still apply (they change the argmax). Without a
     temperature, a filter asks to sample (as in the Python API), but one set to its "off" value
     (top_k 0 or -1, top_p 1, min_p 0) keeps the export's own choice (`default_greedy`)."""
-    temperature = number_field(body, "temperature", None, float, 0.0, 2.0)
-    top_k = number_field(body, "top_k", None, int, -1, None)
-    filters = {"top_p": number_field(body, "top_p", None, float, 0.0, 1.0),
-               "top_k": None if top_k is None else max(top_k, 0),  # vLLM's -1 means off, as our 0
-               "min_p": number_field(body, "min_p", None, float, 0.0, 1.0),
-               "seed": number_field(body, "seed", None, int, 0, 2**63 - 1)}
+    temperature = body.temperature
+    filters = {"top_p": body.top_p,
+               "top_k": None if body.top_k is None else max(body.top_k, 0),  # vLLM's -1 means off, as our 0
+               "min_p": body.min_p, "seed": body.seed}
     options: dict[str, Any] = {
-        "presence_penalty": number_field(body, "presence_penalty", None, float, -2.0, 2.0),
-        "frequency_penalty": number_field(body, "frequency_penalty", None, float, -2.0, 2.0),
-        "repetition_penalty": number_field(body, "repetition_penalty", None, float, 0.01, 10.0),
-        "n": number_field(body, "n", 1, int, 1, MAX_CHOICES),
-        "logprobs": logprobs_option(body, kind),
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "n": body.choices, "logprobs": body.alternatives(),
     }
     if temperature == 0.0:
         return {**options, "greedy": True}
@@ -49,16 +47,14 @@ def sampling_options(body: dict[str, Any], kind: str, default_greedy: bool) -> d
     return {**options, **filters, "temperature": temperature}
 
 
-def speculate_option(body: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def speculate_option(body: OpenAIRequest, options: dict[str, Any]) -> dict[str, Any]:
     """`Generator.request` keywords for kvforge's `"speculate": {"method": "prompt-lookup",
     "draft_len": N}` extension ({} without it). Speculation is greedy: without sampling fields the
-    request decodes greedily whatever the export's default; with sampling asked for it is a 400."""
-    spec = body.get("speculate")
+    request decodes greedily whatever the export's default; with sampling asked for it is a 400.
+    (The shape was validated with the body; greedy or not depends on the export's default.)"""
+    spec = body.speculate
     if spec is None:
         return {}
-    if not isinstance(spec, dict) or set(spec) - {"method", "draft_len"} or not isinstance(spec.get("method"), str):
-        raise ApiError(400, "'speculate' must be an object {\"method\": \"prompt-lookup\", \"draft_len\": N} "
-                            f"(draft_len optional), got {spec!r}"[:300], param="speculate")
     if options.get("temperature") is None and "greedy" in options:
         options["greedy"] = True  # no sampling field: the export's sampling default does not apply
     elif not options.get("greedy"):
@@ -68,44 +64,6 @@ def speculate_option(body: dict[str, Any], options: dict[str, Any]) -> dict[str,
     if spec.get("draft_len") is not None:
         out["draft_len"] = spec["draft_len"]
     return out
-
-
-def logprobs_option(body: dict[str, Any], kind: str) -> int | None:
-    """Alternatives per step wanted (0..20), or None for no log-probabilities. Chat: `logprobs`
-    true/false and `top_logprobs`; completions: `logprobs` an integer (false/null: off)."""
-    want = body.get("logprobs")
-    if kind == "chat":
-        if want is not None and not isinstance(want, bool):
-            raise ApiError(400, f"'logprobs' must be true or false, got {want!r}", param="logprobs")
-        top = number_field(body, "top_logprobs", None, int, 0, MAX_LOGPROBS)
-        if top and not want:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        return (top or 0) if want else None
-    if want is False:
-        return None
-    return number_field(body, "logprobs", None, int, 0, MAX_LOGPROBS)
-
-
-def completion_prompts(prompt: Any, max_prompts: int) -> list[str | list[int]]:
-    """/v1/completions' `prompt`: a string, a list of token ids, or a batch (a list of strings or
-    of token-id lists), as a list of prompts in order."""
-    if isinstance(prompt, str) or _ids(prompt):
-        return [prompt]
-    if (isinstance(prompt, list) and prompt
-            and (all(isinstance(p, str) for p in prompt) or all(_ids(p) for p in prompt))):
-        if len(prompt) > max_prompts:
-            raise ApiError(400, f"'prompt' holds {len(prompt)} prompts; this server takes at most {max_prompts} per "
-                                "request (its queue length): split the batch", param="prompt")
-        for p in prompt:
-            if isinstance(p, str):
-                valid_text(p, "'prompt'", "prompt")
-        return list(prompt)
-    raise ApiError(400, "'prompt' must be a non-empty string, a list of token ids, or a batch: a non-empty list of "
-                        "strings or of token-id lists (not a mix)", param="prompt")
-
-
-def _ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 class Choice:

@@ -1,10 +1,12 @@
 """What every request to `kvforge serve` passes before its route (kvforge/serve/app.py): the ASGI guard
-(body size, Host, Content-Type, API key), the OpenAI-shaped error, and the checks of a body's fields
-and texts."""
+(body size, Host, Content-Type, API key), the OpenAI-shaped error, the decoding of a body (JSON, an
+object, valid Unicode text) and the limits of the loaded export. The parameters themselves are
+validated once, by the pydantic models of kvforge/serve/protocol.py."""
 
 import contextlib
 import hmac
 import ipaddress
+import json
 import re
 import socket
 from collections.abc import Callable, Iterable
@@ -30,102 +32,37 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-
 DEFAULT_MAX_BODY_BYTES = 2 << 20  # a 2 MiB JSON body holds far more text than any context window
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
 
-# OpenAI parameters this server implements (README, "Serving"); `user` is only an identifier.
-# top_k, min_p, repetition_penalty and ignore_eos are extensions (vLLM's names; llama-server takes
-# ignore_eos too); so is kvforge's `speculate`.
-COMMON_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream", "n",
-                 "user", "stream_options", "logprobs", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                 "repetition_penalty", "response_format", "speculate", "ignore_eos"}
-FIELDS = {"text": COMMON_FIELDS | {"prompt", "echo"},
-          "chat": COMMON_FIELDS | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}}
-# Parameters it does not implement, accepted only with the value that changes nothing (or null),
-# so that a client asking for them learns that it does not get them.
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (False,),
-}
 
-
-def number_field(body: dict, name: str, default: Any, kind: type, low: float | None = None, high: float | None = None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ApiError(400, f"'{name}' must be {'a number' if kind is float else 'an integer'}, got {value!r}", param=name)
-    if value != value or value in (float("inf"), float("-inf")):  # JSON's NaN and Infinity, which Python reads
-        raise ApiError(400, f"'{name}' must be a finite number, got {value!r}", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value!r}", param=name)
-    return kind(value)
-
-
-def check_fields(body: dict[str, Any], kind: str) -> None:
-    """400 for a parameter the server would otherwise ignore (honest API: README lists them)."""
-    for key, value in body.items():
-        if key in FIELDS[kind] or value is None:
-            continue
-        if key in NEUTRAL:
-            if any(type(value) is type(n) and value == n for n in NEUTRAL[key]):
-                continue
-            raise ApiError(400, f"'{key}' is not supported by this server (it would be ignored); leave it out or "
-                                f"set it to {NEUTRAL[key][0]!r}", param=key, code="unsupported_parameter")
-        raise ApiError(400, f"unknown or unsupported parameter {key!r}; this server takes "
-                            f"{', '.join(sorted(FIELDS[kind]))}", param=key, code="unsupported_parameter")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise ApiError(400, "'stream_options' may only hold 'include_usage' (true or false); the usage is sent "
-                            "on the last chunk", param="stream_options")
-
-
-def response_format_grammar(value: Any) -> Any:
-    """The Grammar (runtime/constraint.py) a `response_format` asks for, or None for plain text.
-    OpenAI's {"type": "text"}, {"type": "json_object"} and {"type": "json_schema", "json_schema":
-    {"name", "schema", "strict", "description"}}, and kvforge's {"type": "regex", "regex": ...} and
-    {"type": "lark", "grammar": ...}. Only the shape is checked here; compiling it is the caller's."""
-    from kvforge.runtime.constraint import Grammar
-
-    def bad(message: str) -> ApiError:
-        return ApiError(400, f"'response_format' {message}", param="response_format")
-
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise bad(f"must be an object with a 'type', got {value!r}"[:300])
-    kind = value["type"]
-    fields = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("regex",), "lark": ("grammar",)}
-    if kind not in fields:
-        raise bad(f"type must be one of {', '.join(fields)}; got {kind!r}")
-    extra = set(value) - {"type", *fields[kind]}
-    if extra:
-        raise bad(f"of type {kind!r} takes {['type', *fields[kind]]}, not {sorted(extra)}")
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object of Unicode text, or a 400 saying why. Run before FastAPI reads the
+    body (off the event loop: a 2 MiB body takes tens of ms), with this server's words for JSON that
+    is nested too deeply, malformed or not an object, and for lone surrogates, which pydantic cannot
+    name the place of."""
     try:
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return Grammar.json_object()
-        if kind == "json_schema":
-            spec = value.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise bad('of type "json_schema" needs "json_schema": {"name": ..., "schema": {...}}')
-            extra = set(spec) - {"name", "schema", "strict", "description"}
-            if extra:
-                raise bad(f"json_schema takes name, schema, strict and description, not {sorted(extra)}")
-            return Grammar.json_schema(spec["schema"])
-        text = value.get(fields[kind][0])
-        if not isinstance(text, str):
-            raise bad(f'of type "{kind}" needs "{fields[kind][0]}" as a string')
-        return Grammar.regex(text) if kind == "regex" else Grammar.lark(text)
-    except InputError as err:
-        raise bad(f"is not usable: {err}") from None
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to parse; send a flatter JSON object") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    check_unicode(body)
+    return body
 
 
-def valid_text(text: str, where: str, param: str) -> str:
+def within(name: str, value: int, low: int, high: int) -> int:
+    """`value` of parameter `name`, or a 400 when it is outside [low, high]: for the bounds pydantic
+    cannot know, those of the loaded export (max_tokens and the context)."""
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value!r}", param=name)
+    return value
+
+
+def _valid_text(text: str, where: str, param: str) -> str:
     """`text`, or a 400 for a lone surrogate (JSON's "\\udce9" escape alone), which is not Unicode text
     and which the tokenizer cannot take."""
     try:
@@ -146,10 +83,10 @@ def check_unicode(body: Any) -> None:
         where, value = stack.pop()
         param = where.split(".")[0].split("[")[0] or None
         if isinstance(value, str):
-            valid_text(value, f"'{where}'" if where else "the body", param)
+            _valid_text(value, f"'{where}'" if where else "the body", param)
         elif isinstance(value, dict):
             for key, item in value.items():
-                valid_text(key, f"a key of '{where}'" if where else "a key of the body", param)
+                _valid_text(key, f"a key of '{where}'" if where else "a key of the body", param)
                 stack.append((f"{where}.{key}" if where else key, item))
         elif isinstance(value, list):
             stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))

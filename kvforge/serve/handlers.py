@@ -1,7 +1,8 @@
-"""The OpenAI-compatible endpoints over a GenerationService (runtime/service.py): a request body is parsed
-and checked, turned into GenerationRequests (the OpenAI -> request mapping lives here, once), run on the
-scheduler and answered as JSON or server-sent events. kvforge/serve/app.py wires them into FastAPI;
-the preparation steps take and return plain data, so they are tested without HTTP.
+"""The OpenAI-compatible endpoints over a GenerationService (runtime/service.py): a request body, decoded
+here and validated by FastAPI against its model (kvforge/serve/protocol.py), is checked against the
+loaded export, turned into GenerationRequests (the OpenAI -> request mapping lives here, once), run on
+the scheduler and answered as JSON or server-sent events. kvforge/serve/app.py wires them into FastAPI;
+the preparation steps take a validated model and return plain data, so they are tested without HTTP.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route functions' annotations at runtime.
@@ -9,36 +10,20 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvforge.core.errors import CapacityError, InputError, KvforgeError, QueueFullError
 from kvforge.runtime.handles import Delta, Done
-from kvforge.runtime.messages import MessageKeyError, check_messages
 from kvforge.runtime.request import FinishReason, GenerationRequest
 from kvforge.runtime.service import GenerationService, TemplateError
 from kvforge.runtime.tool_calls import ToolRequest
-from kvforge.serve.choices import (
-    Job,
-    Reply,
-    Tally,
-    completion_prompts,
-    logprobs_option,
-    sampling_options,
-    speculate_option,
-)
-from kvforge.serve.guard import (
-    FIELDS,
-    ApiError,
-    check_fields,
-    check_unicode,
-    number_field,
-    response_format_grammar,
-    valid_text,
-)
+from kvforge.serve.choices import Job, Reply, Tally, sampling_options, speculate_option
+from kvforge.serve.guard import ApiError, decode_body, within
 from kvforge.serve.metrics import RequestTrace, ServerMetrics
+from kvforge.serve.protocol import PARAMETERS, ChatCompletionRequest, CompletionRequest, OpenAIRequest
 
 # Requests are prepared (parsed, tokenized, chats rendered) on bounded pools, never on the event loop:
 # large prompts cannot take every core from /health, and completions never queue behind chats waiting
@@ -50,11 +35,11 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests l
 
 @dataclass
 class Prepared:
-    """A checked request: one Job per prompt (chat: one), the stream flag, the body, its tools."""
+    """A prepared request: one Job per prompt (chat: one), the stream flag, the body, its tools."""
 
     jobs: list[Job]
     stream: bool
-    body: dict
+    body: OpenAIRequest
     tools: ToolRequest | None = None
 
 
@@ -74,76 +59,55 @@ class OpenAIHandlers:
             pool.shutdown(wait=False, cancel_futures=True)
 
     # -- preparation (in a worker thread, off the event loop) --------------------------------------
-    def parse(self, raw: bytes) -> dict[str, Any]:
-        try:
-            body = json.loads(raw)
-        except RecursionError:
-            raise ApiError(400, "the request body is nested too deeply to parse; send a flatter JSON object") from None
-        except (ValueError, UnicodeDecodeError) as err:
-            raise ApiError(400, f"the request body is not valid JSON: {err}") from err
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        check_unicode(body)
+    # The body was validated by FastAPI against its model (kvforge/serve/protocol.py); what is checked
+    # here needs the loaded export: the served name, the context, the vocabulary, the queue, the template.
+    def check_model(self, body: dict[str, Any]) -> None:
+        """A 404 for a body naming another model (before its parameters are validated, as OpenAI does)."""
         model = body.get("model")
         if model is not None and model != self.name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.name!r}", param="model",
                            code="model_not_found")
-        return body
 
-    def prepare_completion(self, raw: bytes) -> Prepared:
-        """Parse, check and tokenize a completion request, and score the prompts that `echo` asks
+    def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        """Tokenize and check a completion request's prompts, and score the prompts that `echo` asks
         log-probabilities for. One Job per prompt."""
-        body = self.parse(raw)
-        check_fields(body, "text")
-        stream, echo = _flag(body, "stream"), _flag(body, "echo")
+        prompts = body.prompts()
+        if len(prompts) > self.service.max_queue:
+            raise ApiError(400, f"'prompt' holds {len(prompts)} prompts; this server takes at most "
+                                f"{self.service.max_queue} per request (its queue length): split the batch",
+                           param="prompt")
         jobs = []
-        for prompt in completion_prompts(body.get("prompt"), self.service.max_queue):
+        for prompt in prompts:
             if isinstance(prompt, str):
-                ids = self._encode(valid_text(prompt, "'prompt'", "prompt"), True, "the prompt", "prompt")
+                ids = self._encode(prompt, True, "the prompt", "prompt")
             else:
                 ids = self._fits(list(prompt), "the prompt", "prompt")
                 try:
                     self.service.check_ids(ids)
                 except InputError as err:
                     raise ApiError(400, str(err), param="prompt") from err
-            job = Job(ids, self.generation_request(body, ids, 16, "text"))  # OpenAI's completions default: 16
-            if echo:
+            job = Job(ids, self.generation_request(body, ids, 16))  # OpenAI's completions default: 16
+            if body.echo:
                 job.echo = prompt if isinstance(prompt, str) else self.service.decode(ids)
-                top = logprobs_option(body, "text")
+                top = body.alternatives()
                 if top is not None:
                     try:
                         job.prompt_logprobs = self.service.prompt_logprobs(ids, top)
                     except InputError as err:
                         raise ApiError(400, str(err), param="prompt") from err
             jobs.append(job)
-        return Prepared(jobs, stream, body)
+        return Prepared(jobs, body.stream, body)
 
-    def prepare_chat(self, raw: bytes) -> Prepared:
-        """Parse, check, render (in the template's child process) and tokenize a chat request."""
-        body = self.parse(raw)
-        check_fields(body, "chat")
-        stream = _flag(body, "stream")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-        try:
-            checked = check_messages(messages)
-        except MessageKeyError as err:
-            raise ApiError(400, str(err), param="messages", code="unsupported_parameter") from err
-        except InputError as err:
-            raise ApiError(400, str(err), param="messages") from err
+    def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        """Render (in the template's child process) and tokenize a chat request's messages."""
         if self.service.renderer is None:
             raise ApiError(400, str(self.service.template_error), param="messages")
         try:
-            tools = self.service.tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"),
-                                       checked)
+            tools = self.service.tools(body.tools, body.tool_choice, body.parallel_tool_calls, body.messages)
         except InputError as err:
             raise ApiError(400, str(err), param="tools") from err
-        for i, message in enumerate(checked):
-            for key in ("role", "content"):
-                valid_text(message[key], f"messages[{i}].{key}", "messages")
         try:
-            ids = self.service.conversation(checked, tools)
+            ids = self.service.conversation(body.messages, tools)
         except TemplateError as err:
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
         except CapacityError as err:
@@ -156,30 +120,23 @@ class OpenAIHandlers:
                            "--chat-template FILE", kind="server_error", code="chat_template_error")
         constraint = self._tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        generation = self.generation_request(body, ids, max(1, self.service.capacity - len(ids) + 1), "chat", constraint)
-        return Prepared([Job(ids, generation)], stream, body, tools)
+        generation = self.generation_request(body, ids, max(1, self.service.capacity - len(ids) + 1), constraint)
+        return Prepared([Job(ids, generation)], body.stream, body, tools)
 
-    def generation_request(self, body: dict, prompt_ids: list[int], default_max: int, kind: str,
+    def generation_request(self, body: OpenAIRequest, prompt_ids: list[int], default_max: int,
                            constraint: Any = None) -> GenerationRequest | None:
         """The one request type from OpenAI's parameters (the Generator resolves the sampling); None for
         completions' max_tokens 0 (the prompt is only scored, after it is checked the same).
         `constraint`: the grammar of a forced tool call."""
-        capacity = self.service.capacity
-        low = 0 if kind == "text" else 1
-        max_tokens = number_field(body, "max_tokens", None, int, low, capacity)
-        if max_tokens is None:
-            max_tokens = number_field(body, "max_completion_tokens", default_max, int, low, capacity)
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
-        if isinstance(stop, list):  # OpenAI's own limit; the request checks the strings themselves
-            if len(stop) > 4:
-                raise ApiError(400, "'stop' takes at most 4 strings", param="stop")
-            for s in stop:
-                if isinstance(s, str):
-                    valid_text(s, "'stop'", "stop")
-        options = sampling_options(body, kind, self.service.default_greedy)
+        low = 0 if isinstance(body, CompletionRequest) else 1
+        max_tokens = default_max
+        for name in ("max_tokens", "max_completion_tokens"):  # the first one given
+            if getattr(body, name) is not None:
+                max_tokens = within(name, getattr(body, name), low, self.service.capacity)
+                break
+        options = sampling_options(body, self.service.default_greedy)
         options.update(speculate_option(body, options))
-        grammar = response_format_grammar(body.get("response_format"))
+        grammar = body.response_format  # validated into a Grammar; compiling it needs the vocabulary
         if grammar is not None:
             try:
                 self.service.check_grammar(grammar)
@@ -191,8 +148,8 @@ class OpenAIHandlers:
                                     "'required' or a named function): the answer is the call", param="response_format")
             grammar = constraint
         try:
-            request = self.service.request(prompt_ids, max(max_tokens, 1), stop=stop, grammar=grammar,
-                                           ignore_eos=body.get("ignore_eos", False), **options)
+            request = self.service.request(prompt_ids, max(max_tokens, 1), stop=body.stop, grammar=grammar,
+                                           ignore_eos=body.ignore_eos, **options)
         except InputError as err:
             raise ApiError(400, str(err), param=_param_of(err)) from err
         return request if max_tokens else None
@@ -224,24 +181,33 @@ class OpenAIHandlers:
         return constraint
 
     # -- running --------------------------------------------------------------------------------------
-    async def serve(self, request: Any, kind: str) -> Any:
-        """Prepare and run one request, with its log line and metrics (refusals included)."""
-        from fastapi.responses import JSONResponse, Response
-
+    async def traced(self, request: Any, kind: str,
+                     respond: Callable[[bytes, dict[str, Any]], Awaitable[Any]]) -> Any:
+        """One generation request from its arrival, with its id, its log line and its metrics (refusals
+        included): the body read and decoded (on the prepare pool: parsing is not free), then
+        `respond(raw, body)`: FastAPI's route, whose dependency validates the body, then serve()."""
         path, prefix = GENERATION_PATHS[kind == "chat"], "chatcmpl" if kind == "chat" else "cmpl"
         trace = self.metrics.trace(path, f"{prefix}-{uuid.uuid4().hex}")
-        request.state.request_id = trace.id
-        prepare = self.prepare_chat if kind == "chat" else self.prepare_completion
+        request.state.request_id, request.state.trace = trace.id, trace
         try:
             raw = await request.body()
-            prepared = await asyncio.get_running_loop().run_in_executor(self.pools[kind], prepare, raw)
-            response = await self.run(request, prepared, kind, trace)
+            body = await asyncio.get_running_loop().run_in_executor(self.pools[kind], decode_body, raw)
+            return await respond(raw, body)
         except ApiError as err:
             trace.refuse(err.status, err.message)  # a no-op when the request ran (500: already logged)
             raise
         except Exception as err:
             trace.refuse(500, f"internal error: {type(err).__name__}: {err}")
             raise
+
+    async def serve(self, request: Any, body: OpenAIRequest) -> Any:
+        """Prepare (on the prepare pool) and run one validated request."""
+        from fastapi.responses import JSONResponse, Response
+
+        kind, trace = "chat" if isinstance(body, ChatCompletionRequest) else "text", request.state.trace
+        prepare = self.prepare_chat if kind == "chat" else self.prepare_completion
+        prepared = await asyncio.get_running_loop().run_in_executor(self.pools[kind], prepare, body)
+        response = await self.run(request, prepared, kind, trace)
         if not isinstance(response, Response):
             response = JSONResponse(response, headers={"x-request-id": trace.id})
         return response
@@ -252,7 +218,7 @@ class OpenAIHandlers:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         trace.stream = prepared.stream
-        n = number_field(prepared.body, "n", 1, int)
+        n = prepared.body.choices
         tally = Tally(prepared.jobs, n)  # the one Done the log line and metrics take
 
         def on_event(p: int, event: Delta | Done) -> None:  # in the scheduler thread
@@ -267,7 +233,7 @@ class OpenAIHandlers:
         if not handles:  # nothing to generate (max_tokens 0): the request has ended already
             trace.on_event(tally.done)
         reply = Reply(kind, trace.id, self.name, prepared.jobs, self.service.pieces, n,
-                      logprobs_option(prepared.body, kind), prepared.tools)
+                      prepared.body.alternatives(), prepared.tools)
 
         def cancel_all() -> None:
             for handle in handles:
@@ -353,18 +319,10 @@ async def _answer(request: Any, reply: Reply, events: asyncio.Queue, cancel_all:
     return reply.body()
 
 
-def _flag(body: dict, key: str) -> bool:
-    value = body.get(key, False)
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{key}' must be true or false, got {value!r}", param=key)
-    return value
-
-
 def _param_of(err: InputError) -> str | None:
     """The OpenAI parameter a request's own check names ("stop must be ...", "ignore_eos ...")."""
     word = str(err).split(" ", 1)[0].strip("'")
-    known = FIELDS["text"] | FIELDS["chat"] | {"draft_len"}
-    return word if word in known else None
+    return word if word in PARAMETERS | {"draft_len"} else None
 
 
 def _failed(event: Delta | Done) -> bool:
