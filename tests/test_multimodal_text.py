@@ -120,6 +120,22 @@ def test_the_text_model_exports_at_parity_and_the_manifest_says_where_it_came_fr
     assert whole.passed, whole.failure_reason()
 
 
+def test_a_type_that_is_its_own_text_config_passes_parity_against_its_folder(tmp_path) -> None:
+    # Phi-4-multimodal has no text_config: its export records its text type (phi3) and where it came from, and
+    # `kvforge parity FOLDER EXPORT` takes the folder as the model the export was made from.
+    from kvforge.core.manifest import load_manifest
+    from kvforge.models.families import trial_registry
+    from kvforge.tools.parity import run_parity
+
+    model = build_tiny("phi4_multimodal", tmp_path / "hf")
+    registry = trial_registry("phi4_multimodal", model.config.architectures[0], model.config)
+    export_model(tmp_path / "hf", tmp_path / "out", target="ort", families=registry)
+    recorded = load_manifest(tmp_path / "out")["model"]
+    assert (recorded["model_type"], recorded["text_of"]["model_type"]) == ("phi3", "phi4_multimodal")
+    report = run_parity(tmp_path / "hf", tmp_path / "out", new_tokens=8, perplexity_tokens=0)
+    assert report.passed and report.max_abs_err < 1e-3, report.failure_reason()
+
+
 def test_a_checkpoint_whose_text_model_kvforge_refuses_is_refused_naming_it(tmp_path) -> None:
     # Inkling 2's text model (inkling2_text) adds a position bias to its attention scores: refused before any
     # weight is read (its default config, saved without weights).

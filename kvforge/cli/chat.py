@@ -102,7 +102,7 @@ class ChatSession:
 
         question = {"role": "user", "content": text}
         ids = self.export.chat_ids([*self.messages, question],
-                                      special_tokens_in_content=self.special_tokens_in_content)
+                                   special_tokens_in_content=self.special_tokens_in_content)
         room = self.scheduler.capacity - len(ids) + 1  # the last generated token is never fed back
         if room < 1:
             raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "

@@ -213,7 +213,10 @@ def _check_same_model(model_dir: Path, manifest: dict[str, Any], export_dir: Pat
     except Exception:  # noqa: BLE001 - an unreadable config: load_hf_model says so in its words
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    recorded = manifest["model"]
+    recorded = dict(manifest["model"])
+    if (recorded.get("text_of") or {}).get("model_type") == config.model_type:
+        # A multimodal checkpoint that is its own text config (Phi-4-multimodal): the export records its text type.
+        recorded.pop("model_type", None)
     theirs = {"model_type": {config.model_type, text.model_type}, "vocab_size": config_value(text, "vocab_size"),
               "hidden_size": config_value(text, "hidden_size"), "num_heads": config_value(text, "num_attention_heads")}
     differ = [f"{name} {recorded[name]} in the export, {value if name != 'model_type' else text.model_type} in "
