@@ -25,8 +25,8 @@ PROMPT_LEN, NEW_TOKENS, SERVED, REPEAT = 128, 64, 4, 5  # REPEAT: runs per proce
 def _measure(export_dir: str, threads: int) -> dict[str, float]:
     import kvforge
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
 
     prompt = [1 + (i * 37) % 500 for i in range(PROMPT_LEN)]
     gen = Generator(export_dir, threads=threads)

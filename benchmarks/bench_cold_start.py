@@ -30,8 +30,8 @@ from kvforge.runtime import Generator  # (the command's own import)
 t1 = time.perf_counter()
 from pathlib import Path
 from kvforge.core.manifest import load_manifest, read_graph
-from kvforge.runtime.backend import create_backend
-from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.backends.backend import create_backend
+from kvforge.runtime.text.tokenizer import Tokenizer
 folder, threads = Path(sys.argv[1]), int(sys.argv[2])
 manifest = load_manifest(folder)
 t2 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The per-step cost of a grammar's token mask (runtime/constraint.py) next to one decode step.
+"""The per-step cost of a grammar's token mask (runtime/controls/constraint.py) next to one decode step.
 
 On the real SmolLM2-135M-Instruct export (49152-token vocabulary) a JSON schema is compiled once,
 then a valid document of it is replayed token by token: each step computes the next-token bitmask
@@ -52,7 +52,7 @@ def replay(compiled, tokens: list[int], vocab: int, rows: int) -> dict[str, floa
     llguidance.numpy's apply; with rows > 1, of apply_batch over `rows` matchers."""
     import llguidance.numpy as llnp
 
-    from kvforge.runtime.constraint import apply_batch, mask_logits
+    from kvforge.runtime.controls.constraint import apply_batch, mask_logits
 
     matchers = [compiled.matcher() for _ in range(rows)]
     base = np.random.default_rng(0).standard_normal((rows, vocab)).astype(np.float32)
@@ -96,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvforge.runtime import Generator
-    from kvforge.runtime.constraint import Grammar, compiler_for
+    from kvforge.runtime.controls.constraint import Grammar, compiler_for
 
     export = args.export
     if export is None:

@@ -33,8 +33,8 @@ from pathlib import Path
 import httpx
 
 from kvforge.runtime import GenerationRequest, Generator
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Delta, Scheduler
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.scheduler import Delta, Scheduler
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "a dragon who bakes bread", "two rival chess players",
           "a city under the sea", "a time-travelling cat", "the last library on Mars", "a haunted violin"]
@@ -97,7 +97,7 @@ def _one_at_a_time(run, prompts: list[list[int]]) -> float:
 
 # The *_all_rows server: only the max_batch bucket, so every step runs every row (before buckets).
 ALL_ROWS = """
-import kvforge.runtime.scheduler as scheduler
+import kvforge.runtime.drivers.scheduler as scheduler
 init = scheduler.Scheduler.__init__
 def all_rows(self, *args, **kwargs):
     init(self, *args, **kwargs)

@@ -60,7 +60,7 @@ def fill_worker(path: str, position: int, new: int, threads: int) -> dict:
     backend = gen.backend
     capacity = next(b for b in backend.limits.capacity_buckets if b >= max(position + new, PREFILL_LEN))
     slot = backend.allocate(1, capacity)
-    lens = slot.cache.past_lens  # the caller advances past_lens (runtime/ort_backend.py)
+    lens = slot.cache.past_lens  # the caller advances past_lens (runtime/backends/ort_backend.py)
     chunk = np.array([prompt_ids(FILL_CHUNK, 0, gen.vocab_size)], np.int64)
 
     def decode(start: int, steps: int) -> tuple[float, list[int]]:

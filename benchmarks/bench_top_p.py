@@ -1,4 +1,4 @@
-"""Per-row cost of top-p filtering (runtime/sampling.py): the candidate path against a full stable
+"""Per-row cost of top-p filtering (runtime/controls/sampling.py): the candidate path against a full stable
 argsort of the row (the implementation before it), temperature 0.7 + top_p 0.9 as `sample` does it,
 on 49152-token rows. Rows: standard normal logits scaled by 1, 3 and 5, and with --export, the
 logits of real decode steps (greedy, keep_logits) of that export. Both results are checked equal.
@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from kvforge.runtime import sampling
-from kvforge.runtime.sampling import SamplingConfig, _top_p_full, filter_logits
+from kvforge.runtime.controls import sampling
+from kvforge.runtime.controls.sampling import SamplingConfig, _top_p_full, filter_logits
 
 VOCAB = 49152
 

@@ -241,7 +241,8 @@ def decode(run: Run) -> dict[str, Any]:
     three ways: CUDA graphs (the default), no CUDA graphs, one session for both phases. Their tokens must
     be the same; the cache is written in place; ONNX Runtime adds no Memcpy node to the decode graph."""
     _need_cuda()
-    from kvforge.runtime import Generator, inspection
+    from kvforge.runtime import Generator
+    from kvforge.runtime.drivers import inspection
     from kvforge.tools.parity import run_parity
 
     folder = export(run, "llama-tiny")
@@ -351,8 +352,8 @@ def batch(run: Run) -> dict[str, Any]:
 def serving(run: Run) -> dict[str, Any]:
     _need_cuda()
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
 
     folder = export(run, "llama-tiny")
     gen = Generator(folder, backend=BACKEND)
@@ -380,8 +381,8 @@ def serving(run: Run) -> dict[str, Any]:
 def new_kinds(run: Run) -> dict[str, Any]:
     _need_cuda()
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
     from kvforge.tools.parity import run_parity
 
     out: dict[str, Any] = {}

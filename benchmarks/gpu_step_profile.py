@@ -94,7 +94,7 @@ def profile_batch(folder: str, batch: int, steps: int) -> dict[str, Any]:
 
     if os.environ.get("KVFORGE_PROFILE_SIMULATE"):  # the script's own test on the CPU (tests/test_device_path.py's way)
         from kvforge.core.manifest import load_manifest
-        from kvforge.runtime.ort_backend import OrtBackend
+        from kvforge.runtime.backends.ort_backend import OrtBackend
 
         class Simulated(OrtBackend):
             simulate_device = True

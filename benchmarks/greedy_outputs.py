@@ -55,8 +55,8 @@ def _exports(work: Path) -> dict[str, Path]:
 
 def _outputs(folder: Path) -> dict[str, Any]:
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
 
     gen = Generator(folder)
     vocab = gen.vocab_size

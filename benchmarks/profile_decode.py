@@ -66,7 +66,10 @@ class _Clock:
 def work_kvforge(path: str, prompt_len: int, new: int, threads: int, out: str, entries: dict[str, str]) -> dict:
     import onnxruntime as ort
 
-    from kvforge.runtime import GenerationRequest, Generator, decode_loop, ort_backend, sampling
+    from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime.backends import ort_backend
+    from kvforge.runtime.controls import sampling
+    from kvforge.runtime.drivers import decode_loop
 
     # Profiling on (and any extra config entries) for every session the backend creates.
     plain = ort.SessionOptions

@@ -85,7 +85,7 @@ def good_jobs(export: Path, seed: int) -> tuple[list[dict[str, Any]], str]:
         want = generator.chat(messages, max_new_tokens=max_tokens, greedy=True).text[0]
         jobs.append({"kind": "chat", "body": {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
                      "want": want})
-    from kvforge.runtime.constraint import Grammar
+    from kvforge.runtime.controls.constraint import Grammar
 
     for i, pattern in enumerate(("[a-z ]{1,20}", "(yes|no)[.!]", "[0-9]{2,6}")):  # good constrained answers
         prompt = f"answer {i}:"

@@ -2,7 +2,7 @@
 
 Stands alone: imports neither torch, transformers nor onnx (only numpy, onnxruntime, tokenizers,
 llguidance).
-The names below are imported when first used, so `kvforge.runtime.backend` (the backend registry)
+The names below are imported when first used, so `kvforge.runtime.backends.backend` (the backend registry)
 can be read without loading ONNX Runtime.
 """
 
@@ -12,16 +12,16 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "FinishReason": "kvforge.runtime.request",
-    "GenerationRequest": "kvforge.runtime.request",
-    "GenerationResult": "kvforge.runtime.decode_loop",
-    "GenerationStream": "kvforge.runtime.decode_loop",
-    "Generator": "kvforge.runtime.generator",
-    "Grammar": "kvforge.runtime.constraint",
-    "LoadedExport": "kvforge.runtime.loaded_export",
-    "SamplingConfig": "kvforge.runtime.sampling",
-    "Speculation": "kvforge.runtime.request",
-    "StepEvent": "kvforge.runtime.decode_loop",
+    "FinishReason": "kvforge.runtime.controls.request",
+    "GenerationRequest": "kvforge.runtime.controls.request",
+    "GenerationResult": "kvforge.runtime.drivers.decode_loop",
+    "GenerationStream": "kvforge.runtime.drivers.decode_loop",
+    "Generator": "kvforge.runtime.drivers.generator",
+    "Grammar": "kvforge.runtime.controls.constraint",
+    "LoadedExport": "kvforge.runtime.drivers.loaded_export",
+    "SamplingConfig": "kvforge.runtime.controls.sampling",
+    "Speculation": "kvforge.runtime.controls.request",
+    "StepEvent": "kvforge.runtime.drivers.decode_loop",
 }
 __all__ = sorted(_LAZY)
 

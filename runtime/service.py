@@ -8,9 +8,9 @@
     request = service.request(ids, max_tokens=16, stop=["\\n"], **sampling)
     handles = service.submit([request], on_event)                      # all queued, or none
 
-Chat templates render in a killable child process with time and size limits (runtime/chat_worker.py);
-grammars are compiled once per export and grammar (runtime/constraint.py); tool-call formats and
-forcing grammars come from runtime/tool_calls.py. Errors are the runtime's (InputError, CapacityError,
+Chat templates render in a killable child process with time and size limits (runtime/text/chat_worker.py);
+grammars are compiled once per export and grammar (runtime/controls/constraint.py); tool-call formats and
+forcing grammars come from runtime/controls/tool_calls.py. Errors are the runtime's (InputError, CapacityError,
 QueueFullError, KvforgeError); a front end maps them to its own answers.
 """
 
@@ -21,18 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.errors import CapacityError, InputError, KvforgeError
-from kvforge.runtime.chat import ChatTemplate, chat_template_override
-from kvforge.runtime.chat_tokens import conversation_ids
-from kvforge.runtime.chat_worker import RENDER_SECONDS, IsolatedRenderer
-from kvforge.runtime.constraint import compiler_for
-from kvforge.runtime.handles import Event, RequestHandle
-from kvforge.runtime.loaded_export import LoadedExport
-from kvforge.runtime.logprobs import TokenLogprob
-from kvforge.runtime.messages import check_messages
-from kvforge.runtime.request import GenerationRequest
-from kvforge.runtime.scheduler import Scheduler
-from kvforge.runtime.tokenizer import TokenPieces
-from kvforge.runtime.tool_calls import ToolRequest, check_tool_support, detect_format, tool_request
+from kvforge.runtime.controls.constraint import compiler_for
+from kvforge.runtime.controls.logprobs import TokenLogprob
+from kvforge.runtime.controls.request import GenerationRequest
+from kvforge.runtime.controls.tool_calls import ToolRequest, check_tool_support, detect_format, tool_request
+from kvforge.runtime.drivers.handles import Event, RequestHandle
+from kvforge.runtime.drivers.loaded_export import LoadedExport
+from kvforge.runtime.drivers.scheduler import Scheduler
+from kvforge.runtime.text.chat import ChatTemplate, chat_template_override
+from kvforge.runtime.text.chat_tokens import conversation_ids
+from kvforge.runtime.text.chat_worker import RENDER_SECONDS, IsolatedRenderer
+from kvforge.runtime.text.messages import check_messages
+from kvforge.runtime.text.tokenizer import TokenPieces
 
 PREFIX_CHARS_PER_TOKEN = 8  # a long text's prefix tokenized first: this many characters per context token
 PREFIX_MARGIN_TOKENS = 64
@@ -46,10 +46,10 @@ class GenerationService:
     def __init__(self, export: LoadedExport | Any, *, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 128, max_queue: int = 64, chat_template: str | Path | None = None,
                  template_seconds: float | None = None, special_tokens_in_content: bool = False) -> None:
-        """`export`: a LoadedExport (a Generator is taken for its `export`). `chat_template`: a Jinja file (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used
+        """`export`: a LoadedExport (a Generator is taken for its `export`). `chat_template`: a Jinja file (or a built-in name, runtime/text/chat.py's BUILTIN_TEMPLATES) used
         instead of the export's; `template_seconds`: the time one rendering may take;
         `special_tokens_in_content`: special-token text in messages becomes control tokens (trusted
-        clients only; by default it stays text, runtime/chat_tokens.py)."""
+        clients only; by default it stays text, runtime/text/chat_tokens.py)."""
         self.export: LoadedExport = getattr(export, "export", export)
         self.special_tokens_in_content = special_tokens_in_content
         # A template given in place of the export's: one that cannot be read fails the start.

@@ -1,5 +1,5 @@
 """A fake backend for runtime tests: a tiny deterministic numpy language model behind the `Backend`
-protocol of runtime/backend.py, over a real per-row KV cache, so that the Generator, StepEngine,
+protocol of runtime/backends/backend.py, over a real per-row KV cache, so that the Generator, StepEngine,
 Scheduler and GenerationService run in milliseconds without an export (issue 45).
 
     folder = write_export(tmp_path)                    # kvforge.json, tokenizer.json, placeholder graphs
@@ -32,8 +32,8 @@ from kvforge.core.contract import KVLayout, ModelSpec, capacity_buckets
 from kvforge.core.errors import InputError, KvforgeError
 from kvforge.core.manifest import compose, io_spec, load_manifest, write_manifest
 from kvforge.core.targets import get_target
-from kvforge.runtime.backend import Limits
-from kvforge.runtime.kv_cache import CacheState, check_row_arrays
+from kvforge.runtime.backends.backend import Limits
+from kvforge.runtime.backends.kv_cache import CacheState, check_row_arrays
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -256,7 +256,7 @@ def build_tokenizer(size: int = 300) -> HFTokenizer:
 
 
 def _graph(phase: str, layout: KVLayout, vocab: int) -> dict[str, Any]:
-    """A manifest graph entry naming the contract's IO (runtime/backend.py's graphs, never opened here)."""
+    """A manifest graph entry naming the contract's IO (runtime/backends/backend.py's graphs, never opened here)."""
     inputs = [io_spec("input_ids", "int64", ["batch", "seq"]), io_spec("past_lens", "int32", ["batch"])]
     if phase == "prefill":
         inputs.append(io_spec("logits_index", "int64", ["batch", "positions"]))

@@ -64,7 +64,7 @@ def late_failing_grammar(generator: Any, prompt: str) -> str:
     """A Lark grammar that passes admission and fails while `generator` (greedy) answers `prompt`: two
     branches, a safe one behind the letter with the lower token id (the admission trial walks the lowest
     ids) and BOMB behind the letter this model picks, found by asking it to pick between two letters."""
-    from kvforge.runtime.constraint import Grammar
+    from kvforge.runtime.controls.constraint import Grammar
 
     ids = {c: generator.tokenizer.encode(c, add_special_tokens=False)[0] for c in "bcdefghijklmnopqrstuvwxyz"}
     for low in ids:
@@ -89,7 +89,7 @@ def check_two_turns(scheduler: Any, solo: Any, prompts: list[list[int]], lengths
     prompts[1]'s whole answer: each answer must be `solo`'s greedy answer alone, and the second turn must
     take the first turn's rows from the prefix store. Returns the first turn's answers."""
     from kvforge.runtime import GenerationRequest
-    from kvforge.runtime.sampling import SamplingConfig
+    from kvforge.runtime.controls.sampling import SamplingConfig
 
     handles = [scheduler.submit(GenerationRequest(p, n, SamplingConfig(greedy=True), ignore_eos=True))
                for p, n in zip(prompts, lengths, strict=True)]

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvforge.models import coverage  # noqa: E402
+from kvforge.tools import coverage_fixtures as coverage  # noqa: E402
 from kvforge.tools.coverage_fixtures import ATOL, PROMPTS, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("adapters")
@@ -273,7 +273,7 @@ def test_served_with_chunked_prefill_and_a_second_turn_equals_each_alone(exporte
     from serving import check_two_turns
 
     from kvforge.runtime import Generator
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.drivers.scheduler import Scheduler
 
     root, _ = exported(name, target)
     solo = Generator(root / target)

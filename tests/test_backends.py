@@ -1,4 +1,4 @@
-"""The backend seam (runtime/backend.py): the registry, capacity buckets that reuse buffers, the in-place
+"""The backend seam (runtime/backends/backend.py): the registry, capacity buckets that reuse buffers, the in-place
 proof for every backend that runs here in every session mode, and parity per backend."""
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ pytest.importorskip("torch")
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError  # noqa: E402
-from kvforge.runtime import (
-    Generator,  # noqa: E402
-    inspection,
-)
-from kvforge.runtime.backend import create_backend  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.backends.backend import create_backend  # noqa: E402
+from kvforge.runtime.drivers import inspection  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
 
 # Backends that run on this machine, with the export target each runs.
@@ -27,7 +25,7 @@ HERE = [("ort-cpu", "ort"), ("ort-cpu", "onnx"), ("emulate", "trt")]
 
 @pytest.fixture(autouse=True)
 def _reference_emulation(monkeypatch):
-    from kvforge.runtime import emulate
+    from kvforge.runtime.backends import emulate
 
     # The emulate backend's default emulation, for the backends made here without the option: the numpy
     # reference is fast; the Triton path is tested in test_trt_target.
@@ -186,7 +184,7 @@ def test_trt_backend_without_engines_or_tensorrt_says_what_to_do(exported, tmp_p
 
 def test_batch_limits_of_a_backend_are_enforced(exported) -> None:
     from kvforge.core.errors import CapacityError
-    from kvforge.runtime.backend import Limits
+    from kvforge.runtime.backends.backend import Limits
 
     gen = Generator(exported("llama-tiny", "ort"))
     gen.backend.limits = Limits(2, gen.backend.limits.max_capacity, gen.backend.limits.capacity_buckets)

@@ -213,7 +213,9 @@ def test_no_spin_reaches_the_backend_from_generate_and_chat(command, tmp_path, m
         given.append(options)
         raise InputError("stopped by the test")
 
+    # generate loads through a Generator, chat through a LoadedExport (its Scheduler's).
     monkeypatch.setattr(kvforge.runtime, "Generator", fake_generator)
+    monkeypatch.setattr(kvforge.runtime, "LoadedExport", fake_generator)
     for flag in (["--no-spin"], []):
         code, _, err = run(command, str(tmp_path), "--prompt", "hi", *flag) if command == "generate" else \
             run(command, str(tmp_path), *flag)

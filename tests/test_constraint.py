@@ -1,4 +1,4 @@
-"""Constrained decoding (runtime/constraint.py): random logits masked by a grammar must still give
+"""Constrained decoding (runtime/controls/constraint.py): random logits masked by a grammar must still give
 text the grammar accepts; grammars that cannot compile are InputErrors with llguidance's message."""
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import pytest
 
 from kvforge.core.errors import InputError
 from kvforge.models.tokenizer import EOS_ID, build_tokenizer
-from kvforge.runtime.constraint import Grammar, GrammarCompiler, apply_batch, compiler_for, mask_logits
+from kvforge.runtime.controls.constraint import (
+    Grammar,
+    GrammarCompiler,
+    apply_batch,
+    compiler_for,
+    mask_logits,
+)
 
 VOCAB = 512
 SCHEMA = {

@@ -106,7 +106,7 @@ def test_every_target_has_its_exporter_module() -> None:
 
 
 def test_backend_and_target_names_never_meet() -> None:
-    from kvforge.runtime.backend import REGISTRY, create_backend
+    from kvforge.runtime.backends.backend import REGISTRY, create_backend
 
     assert not set(REGISTRY) & set(TARGETS)
     for target in TARGETS.values():
@@ -178,9 +178,9 @@ def test_layering_no_module_imports_upward() -> None:
 
 
 @pytest.mark.parametrize(("layer", "source"), [
-    ("core", "import kvforge.runtime.generator"),  # a plain import
+    ("core", "import kvforge.runtime.drivers.generator"),  # a plain import
     ("runtime", "from kvforge import exporter"),  # a layer's package taken from kvforge's face
-    ("exporter", "def later():\n    from kvforge.runtime.generator import Generator\n"),  # inside a function
+    ("exporter", "def later():\n    from kvforge.runtime.drivers.generator import Generator\n"),  # inside a function
     ("core", "import importlib\nimportlib.import_module('kvforge.exporter.lowering')"),  # importlib
     ("core", "LOWERING = 'kvforge.exporter.lowering:lower_to_ort'"),  # a registry's importlib string
     ("serve", "from kvforge.tools.bench import run_bench"),  # an app folder no list names
@@ -196,9 +196,9 @@ def test_every_written_out_attention_op_is_checked_at_import() -> None:
     # Each implementation that spells the op's parameters out calls check_attention_parameters at import.
     root = Path(__file__).resolve().parents[1]
     sites = {path.relative_to(root).as_posix() for folder in ("plugins", "runtime")
-             for path in (root / folder).glob("*.py") if "check_attention_parameters(" in path.read_text()}
+             for path in (root / folder).rglob("*.py") if "check_attention_parameters(" in path.read_text()}
     assert sites == {"plugins/torch_op.py", "plugins/trt_plugin.py", "plugins/reference.py",
-                     "plugins/numpy_reference.py", "plugins/triton_attention.py", "runtime/emulate.py"}
+                     "plugins/numpy_reference.py", "plugins/triton_attention.py", "runtime/backends/emulate.py"}
 
 
 def test_an_attention_op_out_of_contract_order_is_refused() -> None:
@@ -213,3 +213,45 @@ def test_an_attention_op_out_of_contract_order_is_refused() -> None:
         contract.check_attention_parameters(swapped, contract.attention_parameters(spelled=False))
     spelled = contract.attention_parameters(sinks=True)
     assert spelled == contract.ATTENTION_INPUTS + ("sinks", "alibi_slopes") + contract.AttentionAttrs.names()
+
+
+# Inside the runtime, by role folder (runtime/<role>/): what each may import of the runtime besides itself. The
+# package face and runtime/service.py (the server's side, above them all) are imported by none of them.
+RUNTIME_ROLES = {"text": set(), "controls": {"text"}, "backends": set(), "drivers": {"backends", "controls", "text"}}
+
+
+def runtime_role_violations(role: str, source: str, where: str = "") -> list[str]:
+    wrong = []
+    for line, module, layer in imported_layers(source):
+        parts = module.split(".")
+        into = parts[2] if layer == "runtime" and len(parts) > 2 else role
+        if into != role and into not in RUNTIME_ROLES[role]:
+            wrong.append(f"{where}:{line} (runtime/{role}) imports {module}")
+    return wrong
+
+
+def test_the_runtime_roles_import_only_downward() -> None:
+    """Backends never import the drivers (or controls or text), text never imports backends (or anything else of the
+    runtime), controls only text; only __init__.py and service.py sit in runtime/ itself."""
+    runtime = ROOT / "runtime"
+    assert sorted(p.name for p in runtime.glob("*.py")) == ["__init__.py", "service.py"]
+    assert {p.name for p in runtime.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(RUNTIME_ROLES)
+    wrong = []
+    for role in RUNTIME_ROLES:
+        for path in sorted((runtime / role).rglob("*.py")):
+            wrong += runtime_role_violations(role, path.read_text(), str(path.relative_to(ROOT)))
+    assert not wrong, "imports against the runtime's roles:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(("role", "source"), [
+    ("backends", "from kvforge.runtime.drivers.scheduler import Scheduler"),  # a backend reaching for a driver
+    ("backends", "from kvforge.runtime.controls.sampling import SamplingConfig"),
+    ("text", "from kvforge.runtime.backends.backend import create_backend"),  # text reaching for a backend
+    ("text", "from kvforge.runtime.controls.request import GenerationRequest"),
+    ("controls", "import kvforge.runtime.drivers.engine"),
+    ("drivers", "from kvforge.runtime.service import GenerationService"),  # the service sits above the drivers
+    ("drivers", "from kvforge.runtime import Generator"),  # the package face, from inside
+])
+def test_the_runtime_role_check_sees_each_rule(role: str, source: str) -> None:
+    assert runtime_role_violations(role, source), source
+    assert not runtime_role_violations(role, "from kvforge.core.errors import InputError\nimport numpy")

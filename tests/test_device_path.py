@@ -21,9 +21,9 @@ from kvforge.core import cuda
 from kvforge.core.errors import InputError
 from kvforge.core.manifest import load_manifest
 from kvforge.runtime import GenerationRequest, Generator
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.backends.ort_backend import OrtBackend
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 300, 12, 12, 8, 90]]
 
@@ -143,7 +143,7 @@ def test_row_views_bind_the_same_memory(pair, cudart) -> None:
     assert key.shape[0] == 2 and (key[1, :, :3] == 1).all()
 
 
-# -- greedy picks on the device (runtime/device_pick.py) ---------------------------------------------
+# -- greedy picks on the device (runtime/backends/device_pick.py) ---------------------------------------------
 def _count_picks(backend: OrtBackend, monkeypatch) -> list[int]:
     picks = [0]
     run = backend.picker.run
@@ -214,7 +214,7 @@ def pick_model(dtype) -> bytes:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_stored_pick_graphs_are_the_argmax_and_sum_graph(dtype) -> None:
-    from kvforge.runtime.device_pick import pick_model_bytes
+    from kvforge.runtime.backends.device_pick import pick_model_bytes
 
     # To change them: write pick_model(dtype) to kvforge/data/device_pick_{float16,float32}.onnx.
     assert pick_model_bytes(np.dtype(dtype)) == pick_model(dtype)
@@ -224,7 +224,7 @@ def test_the_stored_pick_graphs_are_the_argmax_and_sum_graph(dtype) -> None:
 def test_the_pick_graph_is_numpys_argmax_and_flags_nan_rows(dtype) -> None:
     import onnxruntime as ort
 
-    from kvforge.runtime.device_pick import DevicePicker
+    from kvforge.runtime.backends.device_pick import DevicePicker
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((4, 300)).astype(dtype)

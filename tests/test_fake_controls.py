@@ -15,8 +15,8 @@ from serving import late_failing_grammar
 
 from kvforge.core.errors import GrammarError, InputError
 from kvforge.runtime import FinishReason, GenerationRequest, Generator
-from kvforge.runtime.constraint import Grammar, compiler_for
-from kvforge.runtime.scheduler import Done, Scheduler
+from kvforge.runtime.controls.constraint import Grammar, compiler_for
+from kvforge.runtime.drivers.scheduler import Done, Scheduler
 
 PROMPT = [1, 40, 41, 42, 43]
 OTHERS = [[1, 90, 91], [1, 7, 8, 9, 10, 11, 12]]

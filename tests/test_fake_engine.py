@@ -13,10 +13,10 @@ from fake_backend import make_generator, write_export
 
 from kvforge.core.errors import CapacityError, InputError, NumericalError
 from kvforge.runtime import GenerationRequest, Generator
-from kvforge.runtime.engine import StepEngine
-from kvforge.runtime.request import Stopper
-from kvforge.runtime.rows import Picker, Row
-from kvforge.runtime.sampling import SamplingConfig
+from kvforge.runtime.controls.request import Stopper
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.engine import StepEngine
+from kvforge.runtime.drivers.rows import Picker, Row
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 250, 12, 12, 8, 90], [1, 2, 3]]
 # Prompts that repeat themselves, so prompt lookup drafts from the first step.

@@ -1,4 +1,4 @@
-"""Continuous batching (runtime/scheduler.py) on the fake backend (tests/fake_backend.py): requests joining
+"""Continuous batching (runtime/drivers/scheduler.py) on the fake backend (tests/fake_backend.py): requests joining
 and leaving one batch, packed rows and batch buckets, chunked prefill, multi-turn prefix reuse through
 row reads / writes, cancellation, stops, limits and speculation, each answer checked against the fake
 model's own greedy loop (FakeModel.greedy), which never touches the runtime."""
@@ -14,8 +14,8 @@ from fake_backend import FakeModel, make_generator, without_rows, write_export
 
 from kvforge.core.errors import BackendUnavailableError, CapacityError, InputError, QueueFullError
 from kvforge.runtime import FinishReason, GenerationRequest, LoadedExport, Speculation
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Delta, Done, Scheduler
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.scheduler import Delta, Done, Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 250, 12, 12, 8, 90], [1, 2, 3], list(range(100, 140)),
            [44] * 9, [9, 8, 7, 6, 5, 4, 3, 2]]

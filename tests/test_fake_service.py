@@ -12,8 +12,8 @@ from conftest import CHAT_TEMPLATE
 from fake_backend import make_generator, write_export
 
 from kvforge.core.errors import CapacityError, InputError
-from kvforge.runtime.constraint import Grammar
-from kvforge.runtime.scheduler import Done
+from kvforge.runtime.controls.constraint import Grammar
+from kvforge.runtime.drivers.scheduler import Done
 from kvforge.runtime.service import GenerationService
 
 

@@ -552,7 +552,8 @@ def test_disk_full_while_exporting_names_the_output(failure, free_bytes, says_fu
         raise failure(model)
 
     # The graphs are not built (seconds saved): the failure is in writing them.
-    monkeypatch.setattr(export_module, "make_graphs", lambda work, layout, *args, **kwargs: ({}, None, None, layout))
+    monkeypatch.setattr(export_module, "make_graphs",
+                        lambda work, layout, *args, **kwargs: export_module.MadeGraphs({}, None, None, layout))
     monkeypatch.setattr(export_module, "require_free_space", lambda *args: None)  # the check before writing: below
     monkeypatch.setattr(export_module, "save_with_shared_weights", write)
     if free_bytes is not None:
@@ -573,7 +574,7 @@ def _chained(outer: BaseException, cause: BaseException) -> BaseException:
 
 
 def test_a_native_library_panic_is_one_line(sources, monkeypatch) -> None:
-    from kvforge.runtime.tokenizer import Tokenizer
+    from kvforge.runtime.text.tokenizer import Tokenizer
 
     class PanicException(BaseException):  # pyo3_runtime.PanicException's base: not an Exception
         pass
@@ -589,7 +590,7 @@ def test_a_native_library_panic_is_one_line(sources, monkeypatch) -> None:
 def test_text_that_is_not_utf8_is_refused_by_the_tokenizer(sources) -> None:
     """The library path (and the server's): the tokenizer itself refuses lone surrogates in one line."""
     from kvforge.core.errors import InputError
-    from kvforge.runtime.tokenizer import Tokenizer
+    from kvforge.runtime.text.tokenizer import Tokenizer
 
     with pytest.raises(InputError, match="not valid UTF-8 .undecodable bytes at character 3."):
         Tokenizer(sources[1]).encode("caf\udce9")
@@ -646,13 +647,13 @@ def test_external_data_locations_match_onnx(sources) -> None:
 
 
 def test_an_empty_rendered_prompt_is_refused_before_the_graph_runs(sources) -> None:
-    """Both the Generator and the serving Scheduler parse prompts in runtime/prompts.py: a chat
+    """Both the Generator and the serving Scheduler parse prompts in runtime/text/prompts.py: a chat
     template that renders to "" is an InputError there, not an ONNX Runtime failure mid-run."""
     from kvforge.core.errors import InputError
     from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.prompts import RenderedChat
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
+    from kvforge.runtime.text.prompts import RenderedChat
 
     generator = Generator(sources[1])
     with pytest.raises(InputError, match="the prompt is empty"):

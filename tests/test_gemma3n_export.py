@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvforge.models import coverage  # noqa: E402
+from kvforge.tools import coverage_fixtures as coverage  # noqa: E402
 
 
 def test_gemma3n_with_activation_sparsity_exports_streamed_and_matches_hf(tmp_path, monkeypatch) -> None:

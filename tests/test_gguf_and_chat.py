@@ -15,8 +15,8 @@ pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 
 from kvforge.cli import main  # noqa: E402
-from kvforge.runtime.chat import read_chat_template, render  # noqa: E402
-from kvforge.runtime.tokenizer import Tokenizer  # noqa: E402
+from kvforge.runtime.text.chat import read_chat_template, render  # noqa: E402
+from kvforge.runtime.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def _write_gguf(path, arch: str) -> None:
@@ -166,7 +166,7 @@ def test_chat_rendering_equals_transformers_on_smollm2(tmp_path) -> None:
 
 def test_bad_messages_are_refused(tmp_path) -> None:
     from kvforge.core.errors import InputError
-    from kvforge.runtime.messages import check_messages
+    from kvforge.runtime.text.messages import check_messages
 
     with pytest.raises(InputError, match="message 0 has role 'wizard'"):
         check_messages([{"role": "wizard", "content": "x"}])

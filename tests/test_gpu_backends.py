@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("torch")
 
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402
-from kvforge.runtime import Generator, inspection  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.drivers import inspection  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
 
 PROMPTS = [[1, 50, 60, 70, 80, 90], [1, 33, 44]]
@@ -72,8 +73,8 @@ def test_ort_cuda_updates_in_place_and_continues_prefills(options, hf_folder, ex
 def test_serving_on_ort_cuda_gives_solo_answers(exported) -> None:
     _need_ort_cuda()
     from kvforge.runtime import GenerationRequest
-    from kvforge.runtime.sampling import SamplingConfig
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
 
     gen = Generator(exported("llama-tiny", "ort", "fp16"), backend="ort-cuda")
     prompts = [PROMPTS[i % 2] + [40 + i] * i for i in range(6)]

@@ -1,4 +1,4 @@
-"""One request's grammar failing mid-generation ends that request alone (runtime/rows.py Row.fail):
+"""One request's grammar failing mid-generation ends that request alone (runtime/drivers/rows.py Row.fail):
 the other rows of the batch, other requests', still give their solo greedy answers, in the Scheduler
 and through the server (a 400 for the failing client, streamed or not). Found by a hostile probe: a
 regex that compiled but failed at its first step ended every running request with a 500."""
@@ -13,9 +13,9 @@ from serving import late_failing_grammar
 
 from kvforge.core.errors import GrammarError
 from kvforge.runtime import FinishReason, GenerationRequest, Generator
-from kvforge.runtime.constraint import Grammar
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.controls.constraint import Grammar
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 GOOD = ["The quick brown fox", "Once upon a time", "hello there"]
 FAILING = "A list:"

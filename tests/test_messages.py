@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.messages import MessageKeyError, check_messages
+from kvforge.runtime.text.messages import MessageKeyError, check_messages
 
 CALL = {"role": "assistant", "content": None,
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}

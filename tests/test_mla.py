@@ -18,7 +18,7 @@ from kvforge.core.contract import KVLayout, cache_input  # noqa: E402
 from kvforge.core.errors import UnsupportedModelError  # noqa: E402
 from kvforge.core.manifest import load_manifest  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.runtime.scheduler import Scheduler  # noqa: E402
+from kvforge.runtime.drivers.scheduler import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("mla")
 

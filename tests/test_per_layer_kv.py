@@ -12,9 +12,9 @@ from kvforge.core.contract import KVLayout
 from kvforge.core.errors import InputError, ManifestError
 from kvforge.core.manifest import load_manifest
 from kvforge.runtime import Generator
-from kvforge.runtime.kv_cache import KVCache
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.backends.kv_cache import KVCache
+from kvforge.runtime.backends.ort_backend import OrtBackend
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 pytestmark = pytest.mark.xdist_group("per-layer-kv")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvforge.runtime.prefix_store import PrefixStore
+from kvforge.runtime.drivers.prefix_store import PrefixStore
 
 
 def _kv(tokens: list[int]) -> list[tuple[np.ndarray, ...]]:

@@ -63,7 +63,7 @@ def test_real_model_answers_through_its_chat_template(real) -> None:
 
 
 def test_real_model_answers_a_pydantic_schema_every_time(real) -> None:
-    # Constrained decoding (runtime/constraint.py): greedy and sampled answers all parse as the model.
+    # Constrained decoding (runtime/controls/constraint.py): greedy and sampled answers all parse as the model.
     from typing import Literal
 
     import pydantic

@@ -16,12 +16,12 @@ from kvforge.core.contract import KVLayout, StateSpec
 from kvforge.core.errors import InputError, ManifestError, UnsupportedModelError
 from kvforge.core.manifest import load_manifest
 from kvforge.runtime import GenerationRequest, Generator
-from kvforge.runtime.kv_cache import KVCache
-from kvforge.runtime.ort_backend import OrtBackend
-from kvforge.runtime.prefix_store import PrefixStore
-from kvforge.runtime.request import Speculation
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.backends.kv_cache import KVCache
+from kvforge.runtime.backends.ort_backend import OrtBackend
+from kvforge.runtime.controls.request import Speculation
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.prefix_store import PrefixStore
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 pytestmark = pytest.mark.xdist_group("recurrent-state")
 

@@ -1,4 +1,4 @@
-"""The request type shared by Generator, Scheduler, CLI and server (runtime/request.py): keywords
+"""The request type shared by Generator, Scheduler, CLI and server (runtime/controls/request.py): keywords
 resolved in one place, validation, one finish-reason vocabulary, and the stop handling both the
 Generator's loop and the Scheduler use."""
 
@@ -10,8 +10,8 @@ import pytest
 
 from kvforge.core.errors import InputError
 from kvforge.runtime import FinishReason, GenerationRequest, Generator, SamplingConfig, Speculation
-from kvforge.runtime.request import Stopper, openai_finish_reason
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.controls.request import Stopper, openai_finish_reason
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 
 def test_create_resolves_sampling_keywords_against_the_defaults() -> None:

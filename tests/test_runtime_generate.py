@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvforge.core.errors import CapacityError, InputError  # noqa: E402
-from kvforge.runtime import Generator, inspection  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.drivers import inspection  # noqa: E402
 
 RECIPE = "llama-tiny"
 NEW_TOKENS = 32

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvforge.core.errors import CapacityError, InputError, ManifestError
-from kvforge.runtime.kv_cache import KVCache, choose_capacity, needed_positions
+from kvforge.runtime.backends.kv_cache import KVCache, choose_capacity, needed_positions
 
 
 def test_needed_positions_excludes_the_last_generated_token() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.sampling import Sampler, SamplingConfig, filter_logits, greedy, sample
+from kvforge.runtime.controls.sampling import Sampler, SamplingConfig, filter_logits, greedy, sample
 
 
 def log_probs(*probs: float) -> np.ndarray:
@@ -252,7 +252,7 @@ def test_top_p_rows_of_all_minus_inf_or_nan_are_left_as_the_full_sort_leaves_the
 
 
 def test_top_p_takes_the_cheap_ways_when_they_are_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvforge.runtime import sampling
+    from kvforge.runtime.controls import sampling
 
     calls: list[str] = []
     for name in ("_top_p_sorted_values", "_top_p_full"):
@@ -283,7 +283,7 @@ def test_top_p_takes_the_cheap_ways_when_they_are_exact(monkeypatch: pytest.Monk
 )
 def test_sample_with_top_p_draws_the_tokens_of_the_full_sort(config: SamplingConfig,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvforge.runtime import sampling
+    from kvforge.runtime.controls import sampling
 
     rng = np.random.default_rng(config.seed)
     logits = np.concatenate([_rows(kind, rng, 2, 5000) for kind in ("flat", "peaked", "ties", "zipf")])

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from kvforge.core.errors import ManifestError
-from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.text.tokenizer import Tokenizer
 
 CORPUS = ["hello world, the cache holds keys and values. héllo wörld — naïve café ünïcode"] * 4
 

@@ -20,7 +20,8 @@ from tokenizers import models, pre_tokenizers, processors
 
 from kvforge.core.errors import BackendUnavailableError, CapacityError, InputError, ManifestError
 from kvforge.core.manifest import FORMAT, file_record, write_manifest
-from kvforge.runtime import Generator, SamplingConfig, inspection
+from kvforge.runtime import Generator, SamplingConfig
+from kvforge.runtime.drivers import inspection
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, MAX_POS = 61, 32, 4, 2, 8, 2, 64
 PAD, BOS, EOS = 0, 1, 2

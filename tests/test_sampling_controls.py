@@ -10,9 +10,9 @@ import pytest
 
 from kvforge.core.errors import InputError
 from kvforge.runtime import GenerationRequest, Generator
-from kvforge.runtime.request import resolve_sampling
-from kvforge.runtime.sampling import SamplingConfig, filter_logits
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.controls.request import resolve_sampling
+from kvforge.runtime.controls.sampling import SamplingConfig, filter_logits
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 PROMPT = [5, 17, 99, 3, 42, 7]
 OTHER = [[20, 21, 22, 23], [300, 12, 12, 8, 90]]

@@ -1,4 +1,4 @@
-"""Continuous batching (runtime/scheduler.py) on real exports: requests that join and leave one running
+"""Continuous batching (runtime/drivers/scheduler.py) on real exports: requests that join and leave one running
 batch give the tokens they give alone (Generator.generate, greedy); stops and cancellation. One real
 export per test: the rest (multi-turn reuse, limits, a full queue, one row's internal error, and these
 again) runs on the fake backend (tests/test_fake_scheduler.py), and tests/test_scheduler_rows.py runs
@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from kvforge.runtime import FinishReason, GenerationRequest, Generator
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Delta, Done, Scheduler
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.scheduler import Delta, Done, Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 300, 12, 12, 8, 90], [1, 2, 3], list(range(100, 140)),
            [44] * 9, [9, 8, 7, 6, 5, 4, 3, 2]]

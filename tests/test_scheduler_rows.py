@@ -1,4 +1,4 @@
-"""The scheduler runs only the rows in use (runtime/scheduler.py): running requests stay packed at
+"""The scheduler runs only the rows in use (runtime/drivers/scheduler.py): running requests stay packed at
 the front of the batch cache, a decode step binds the smallest batch bucket holding them, and
 requests that join, leave or are moved still give their solo greedy tokens. Cancelling a row mid-batch
 and refusing a backend without row operations are checked on the fake backend (tests/test_fake_scheduler.py)."""
@@ -10,9 +10,9 @@ import pytest
 
 from kvforge.core.errors import InputError
 from kvforge.runtime import GenerationRequest, Generator
-from kvforge.runtime.kv_cache import KVCache
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.scheduler import Scheduler
+from kvforge.runtime.backends.kv_cache import KVCache
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 99, 3, 42], list(range(20, 41)), [7, 300, 12, 12, 8, 90], [1, 2, 3], [44] * 9]
 
@@ -30,7 +30,7 @@ def recorded(request, exported, monkeypatch):
     """A generator on each backend that runs on the CPU, a 4-row scheduler on it (not started: tests
     submit first, so that the steps do not depend on thread timing), and the (bound batch, running
     mask) of its every decode step."""
-    from kvforge.runtime import emulate
+    from kvforge.runtime.backends import emulate
 
     monkeypatch.setattr(emulate, "DEFAULT_MODE", "reference")  # the numpy reference serves the plugin node
     target, backend = request.param

@@ -33,7 +33,7 @@ def served(request, chat_export, exported, tmp_path_factory):
     from conftest import CHAT_TEMPLATE
     from serving import with_template
 
-    from kvforge.runtime import emulate
+    from kvforge.runtime.backends import emulate
 
     folder = with_template(exported("llama-tiny", "trt"), tmp_path_factory.mktemp("emulate") / "chat", CHAT_TEMPLATE)
     with pytest.MonkeyPatch.context() as patch:
@@ -178,7 +178,7 @@ def test_the_bearer_scheme_is_case_insensitive_and_developer_is_system(server) -
         response = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"{scheme} {KEY}"},
                               json={"prompt": [5, 6], "max_tokens": 2}, timeout=30)
         assert response.status_code == 200, (scheme, response.text)
-    from kvforge.runtime.messages import check_messages
+    from kvforge.runtime.text.messages import check_messages
 
     assert check_messages([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])[0] == \
         {"role": "system", "content": "Be brief."}

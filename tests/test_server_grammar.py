@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 import pydantic  # noqa: E402
 
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.runtime.constraint import Grammar  # noqa: E402
+from kvforge.runtime.controls.constraint import Grammar  # noqa: E402
 from kvforge.serve.app import create_app  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

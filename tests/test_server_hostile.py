@@ -247,7 +247,7 @@ def test_a_template_swapped_after_loading_is_not_rendered(server, reference, tmp
 
 def test_a_template_linked_out_of_the_folder_is_refused(chat_export, tmp_path) -> None:
     from kvforge.core.errors import ManifestError
-    from kvforge.runtime.chat import read_chat_template
+    from kvforge.runtime.text.chat import read_chat_template
 
     folder = tmp_path / "linked"
     shutil.copytree(chat_export, folder)

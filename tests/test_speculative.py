@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from kvforge.core.errors import InputError  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
-from kvforge.runtime.speculate import prompt_lookup  # noqa: E402
+from kvforge.runtime.controls.speculate import prompt_lookup  # noqa: E402
 
 # Prompts that repeat themselves, so that drafts exist from the first step; different lengths.
 PROMPTS = [
@@ -88,14 +88,14 @@ def test_cli_generate_speculate_json(exported, tmp_path) -> None:
 # -- serving: the Scheduler speculates for a lone request, decodes it in the batch beside others ----
 def _scheduled(prompt: list[int], n: int, **options):
     from kvforge.runtime import GenerationRequest
-    from kvforge.runtime.sampling import SamplingConfig
+    from kvforge.runtime.controls.sampling import SamplingConfig
 
     return GenerationRequest(prompt, n, SamplingConfig(greedy=True), ignore_eos=True, **options)
 
 
 def test_scheduler_speculation_alone_and_beside_other_requests(exported) -> None:
     from kvforge.runtime import Speculation
-    from kvforge.runtime.scheduler import Delta, Scheduler
+    from kvforge.runtime.drivers.scheduler import Delta, Scheduler
 
     generator = Generator(exported("llama-tiny", "ort"))
     plain = {i: generator.generate([p], max_new_tokens=40, ignore_eos=True).tokens[0] for i, p in enumerate(PROMPTS)}

@@ -15,9 +15,7 @@ import pytest
 from serving import serving
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.chat import ChatTemplate
-from kvforge.runtime.messages import check_messages
-from kvforge.runtime.tool_calls import (
+from kvforge.runtime.controls.tool_calls import (
     ToolCall,
     call_grammar,
     check_tool_choice,
@@ -26,6 +24,8 @@ from kvforge.runtime.tool_calls import (
     parser_for,
     tool_request,
 )
+from kvforge.runtime.text.chat import ChatTemplate
+from kvforge.runtime.text.messages import check_messages
 
 TOOL_TEMPLATE = (Path(__file__).parents[1] / "kvforge" / "data" / "chatml-tools.jinja").read_text()
 PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -216,7 +216,7 @@ def _matches(compiled, tokenizer, text: str) -> bool:
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
 def test_call_grammar_takes_exactly_the_allowed_calls(exported, fmt) -> None:
     from kvforge.runtime import Generator
-    from kvforge.runtime.constraint import compiler_for
+    from kvforge.runtime.controls.constraint import compiler_for
 
     generator = Generator(exported("llama-tiny"))
     compiler = compiler_for(generator.vocabulary)
@@ -279,7 +279,7 @@ def _client(base: str):
 
 def _rendered(reference, messages, tools):
     """The conversation as the server renders it, as a prompt for Generator."""
-    from kvforge.runtime.prompts import RenderedChat
+    from kvforge.runtime.text.prompts import RenderedChat
 
     text = ChatTemplate(TOOL_TEMPLATE).render(check_messages(messages), True, tools)
     return RenderedChat(reference.tokenizer.encode(text, add_special_tokens=False))

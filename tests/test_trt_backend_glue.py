@@ -1,4 +1,4 @@
-"""The TensorRT backend's CUDA discipline, on the CPU: runtime/trt_backend.py and kvforge/core/cuda.py over a
+"""The TensorRT backend's CUDA discipline, on the CPU: runtime/backends/trt_backend.py and kvforge/core/cuda.py over a
 stand-in of cuda-python's runtime API and of TensorRT's runtime that record what reaches each stream.
 
 What the stand-ins flag (as `FakeCuda.violations`), each a way the real pair goes wrong:
@@ -298,7 +298,7 @@ def make_backend(monkeypatch, tmp_path):
         record = engines_manifest(folder, manifest, options, "key", {"flavor": "tensorrt", "version": TRT_VERSION},
                                   {"name": "Fake GPU", "compute_capability": "9.0"}, files, 0.0, "test")
         (engine_dir / ENGINES_MANIFEST).write_text(json.dumps(record))
-        from kvforge.runtime.trt_backend import TrtBackend
+        from kvforge.runtime.backends.trt_backend import TrtBackend
 
         return TrtBackend(folder, manifest, device_id=device_id), fake
 
@@ -472,7 +472,7 @@ def test_rtx_engines_on_a_gpu_they_cannot_run_are_refused_before_loading(make_ba
     assert backend.name == "tensorrt"
     from kvforge.core import tensorrt_flavor
     from kvforge.core.errors import BackendUnavailableError
-    from kvforge.runtime.trt_backend import TrtBackend
+    from kvforge.runtime.backends.trt_backend import TrtBackend
 
     record_path = backend.engine_dir / ENGINES_MANIFEST
     record = json.loads(record_path.read_text())
@@ -492,7 +492,7 @@ def test_rtx_engines_on_a_gpu_they_cannot_run_are_refused_before_loading(make_ba
 
 
 def _reload(backend):
-    from kvforge.runtime.trt_backend import TrtBackend
+    from kvforge.runtime.backends.trt_backend import TrtBackend
 
     return TrtBackend(backend.folder, backend.manifest, engine_dir=backend.engine_dir)
 

@@ -1,4 +1,4 @@
-"""The `trt` export target, run end to end on the CPU emulation (runtime/emulate.py).
+"""The `trt` export target, run end to end on the CPU emulation (runtime/backends/emulate.py).
 
 The plugin node is served by the numpy reference (the emulate backend's option emulation="reference")
 for every family and by the Triton kernel under the interpreter (the default) for two; both against
@@ -24,7 +24,9 @@ from kvforge.core.contract import PLUGIN  # noqa: E402
 from kvforge.core.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402  (every family, through the numpy reference)
-from kvforge.runtime import Generator, emulate, inspection  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.backends import emulate  # noqa: E402
+from kvforge.runtime.drivers import inspection  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
 
 ATOL_FP32 = 1e-3

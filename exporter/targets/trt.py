@@ -23,7 +23,7 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles f
 def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = None, kv_scales: object = None) -> None:
     """The plugin node per layer. TensorRT's ONNX parser ignores node domains and finds a plugin by op
     type plus the node attributes plugin_namespace / plugin_version; the node's domain is the one
-    onnxruntime-extensions' Python ops use, so the CPU emulation (runtime/emulate.py) serves the very
+    onnxruntime-extensions' Python ops use, so the CPU emulation (runtime/backends/emulate.py) serves the very
     same node."""
     for node in canonical:
         if attention_inputs(node)[1] is not None:

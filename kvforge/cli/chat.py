@@ -1,7 +1,7 @@
 """`kvforge chat EXPORT_DIR`: an interactive terminal chat (registered on the group in kvforge/cli/__init__.py).
 
 Each turn re-renders the whole conversation with the export's chat template and submits it to a
-one-row continuous-batching Scheduler (runtime/scheduler.py), the server's engine: its PrefixStore
+one-row continuous-batching Scheduler (runtime/drivers/scheduler.py), the server's engine: its PrefixStore
 keeps the KV rows of the finished (or interrupted) turn, so the next turn prefills only what the
 conversation added.
 
@@ -39,7 +39,7 @@ from kvforge.core.errors import InputError, KvforgeError
 
 if TYPE_CHECKING:  # the runtime is imported when the command runs (startup time)
     from kvforge.runtime import LoadedExport
-    from kvforge.runtime.scheduler import Done, Scheduler
+    from kvforge.runtime.drivers.scheduler import Done, Scheduler
 
 PROMPT = "> "
 COMMANDS = "/reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer"
@@ -85,7 +85,7 @@ class ChatSession:
 
     def reset(self) -> None:
         """Forget the conversation and the KV rows kept of it: the next turn prefills from scratch."""
-        from kvforge.runtime.scheduler import PrefixStore
+        from kvforge.runtime.drivers.scheduler import PrefixStore
 
         self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
         # Between turns the scheduler thread does not touch its prefix store (a turn's rows are stored
@@ -96,9 +96,9 @@ class ChatSession:
         """Answer `text`, passing the answer's text to `emit` as it is generated. Once `stop()` is
         true the answer is cancelled (Turn.interrupted) and nothing more is emitted. Errors raise
         KvforgeError and leave the conversation as it was."""
-        from kvforge.runtime.prompts import RenderedChat
-        from kvforge.runtime.request import FinishReason
-        from kvforge.runtime.scheduler import Done
+        from kvforge.runtime.controls.request import FinishReason
+        from kvforge.runtime.drivers.scheduler import Done
+        from kvforge.runtime.text.prompts import RenderedChat
 
         question = {"role": "user", "content": text}
         ids = self.export.chat_ids([*self.messages, question],
@@ -201,7 +201,7 @@ def chat_scheduler(export: LoadedExport, max_seq_len: int | None) -> Scheduler:
     of a cancelled (Ctrl-C) answer, as of a finished one: that answer stays in the conversation, so
     the next turn copies them instead of prefilling the whole conversation again."""
     from kvforge.core.contract import KVLayout
-    from kvforge.runtime.scheduler import Scheduler
+    from kvforge.runtime.drivers.scheduler import Scheduler
 
     # The rows kept of a cancelled answer hold every token generated but the last, those generated after
     # Ctrl-C too (the chat drops their text): harmless, as the next turn's lookup copies only the

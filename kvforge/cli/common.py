@@ -15,7 +15,7 @@ import click
 
 from kvforge.core.errors import BackendUnavailableError, InputError
 from kvforge.core.progress import StepProgress
-from kvforge.runtime.backend import REGISTRY as BACKENDS
+from kvforge.runtime.backends.backend import REGISTRY as BACKENDS
 
 
 def one_line(text: str) -> str:

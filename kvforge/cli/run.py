@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> None:
     """Generate from an export folder."""
     from kvforge.runtime import Generator
-    from kvforge.runtime.prompts import RenderedChat
+    from kvforge.runtime.text.prompts import RenderedChat
 
     refuse_unused("speculate", options["speculate"] is not None, "draft_len")
     if sum(map(bool, (options["prompts"], options["prompt_ids"], options["chat_text"] is not None))) != 1:
@@ -129,7 +129,7 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
 def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:
     """The GenerationRequest of `kvforge generate`'s options: the prompts (`batch`) or the chat,
     sampling, limits, speculation."""
-    from kvforge.runtime.prompts import RenderedChat
+    from kvforge.runtime.text.prompts import RenderedChat
 
     if options["chat_text"] is not None:
         messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None

@@ -1,6 +1,6 @@
 """TensorRT engines as plain data: build options, optimization profiles, the engine folder's manifest,
 binding plans and CUDA-graph keys. No TensorRT or CUDA import here, so all of it is tested on the CPU;
-the build (kvforge/engines/trt_build.py) and the TensorRT backend (runtime/trt_backend.py) only act on it.
+the build (kvforge/engines/trt_build.py) and the TensorRT backend (runtime/backends/trt_backend.py) only act on it.
 
 Engine folder (default EXPORT_DIR/engines), written atomically by `kvforge build`:
 

@@ -4,7 +4,7 @@ it. The exporter's side of a target (its lowering passes, fusions and checks) is
 exporter/targets/. Nobody compares a target's name: they read these fields.
 
 Adding a target: an entry here, a module in exporter/targets/ (registered there), and its name in the
-entries of runtime/backend.py's REGISTRY that run it.
+entries of runtime/backends/backend.py's REGISTRY that run it.
 Plain Python, so the runtime and the CLI can read it without the exporter's stack.
 """
 

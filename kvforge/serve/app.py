@@ -14,7 +14,7 @@ a client that goes away (streaming or not) cancels its request.
 Hostile clients and files: the body is read up to `max_body_bytes` before anything else; parsing,
 validating, tokenizing and chat-template rendering run off the event loop (so /health keeps answering); the
 template is read once at load and rendered in a killable child process with time and size limits
-(runtime/chat_worker.py); the Host header is checked when `allowed_hosts` is given (`kvforge serve`
+(runtime/text/chat_worker.py); the Host header is checked when `allowed_hosts` is given (`kvforge serve`
 always gives it), against DNS rebinding; a POST must be `application/json`, so a web page cannot
 send one without a CORS preflight.
 
@@ -74,7 +74,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
     `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
-    (or a built-in name, runtime/chat.py's BUILTIN_TEMPLATES) used instead of the export's;
+    (or a built-in name, runtime/text/chat.py's BUILTIN_TEMPLATES) used instead of the export's;
     `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
     clients only; by default it stays text)."""
     _require()

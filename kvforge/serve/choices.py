@@ -5,7 +5,7 @@
 tokens and log-probabilities and writes them in the chat shape
 (`logprobs.content = [{token, logprob, bytes, top_logprobs}]`) or the legacy completions shape
 (`logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`), each token's text and bytes from
-runtime/tokenizer.py's `TokenPieces`. With tools (runtime/tool_calls.py), a chat choice's text goes through a
+runtime/text/tokenizer.py's `TokenPieces`. With tools (runtime/controls/tool_calls.py), a chat choice's text goes through a
 `DeltaStream` (content, and each tool call whole once it closes) and its message through `answer_message`.
 """
 
@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvforge.runtime.logprobs import TokenLogprob
-from kvforge.runtime.request import FinishReason, GenerationRequest, openai_finish_reason
-from kvforge.runtime.scheduler import Delta, Done
-from kvforge.runtime.tokenizer import TokenPieces
-from kvforge.runtime.tool_calls import DeltaStream, ToolRequest, answer_message
+from kvforge.runtime.controls.logprobs import TokenLogprob
+from kvforge.runtime.controls.request import FinishReason, GenerationRequest, openai_finish_reason
+from kvforge.runtime.controls.tool_calls import DeltaStream, ToolRequest, answer_message
+from kvforge.runtime.drivers.scheduler import Delta, Done
+from kvforge.runtime.text.tokenizer import TokenPieces
 from kvforge.serve.guard import ApiError
 
 if TYPE_CHECKING:  # the validated body; pydantic is only needed by the server itself

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvforge.core.errors import CapacityError, InputError, KvforgeError, QueueFullError
-from kvforge.runtime.handles import Delta, Done
-from kvforge.runtime.request import FinishReason, GenerationRequest
+from kvforge.runtime.controls.request import FinishReason, GenerationRequest
+from kvforge.runtime.controls.tool_calls import ToolRequest
+from kvforge.runtime.drivers.handles import Delta, Done
 from kvforge.runtime.service import GenerationService, TemplateError
-from kvforge.runtime.tool_calls import ToolRequest
 from kvforge.serve.choices import Job, Reply, Tally, sampling_options, speculate_option
 from kvforge.serve.guard import ApiError, decode_body, within
 from kvforge.serve.metrics import RequestTrace, ServerMetrics

@@ -27,9 +27,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.logprobs import MAX_LOGPROBS
-from kvforge.runtime.messages import MessageKeyError, check_messages
-from kvforge.runtime.request import MAX_CHOICES
+from kvforge.runtime.controls.logprobs import MAX_LOGPROBS
+from kvforge.runtime.controls.request import MAX_CHOICES
+from kvforge.runtime.text.messages import MessageKeyError, check_messages
 from kvforge.serve.guard import ApiError
 
 REFUSED = "kvforge"  # the pydantic error type of a `refusal`: its message is the client's, as written
@@ -97,11 +97,11 @@ RESPONSE_FORMATS = {"text": (), "json_object": (), "json_schema": ("json_schema"
 
 
 def _response_format(value: Any) -> Any:
-    """The Grammar (runtime/constraint.py) a `response_format` asks for, or None for plain text.
+    """The Grammar (runtime/controls/constraint.py) a `response_format` asks for, or None for plain text.
     OpenAI's {"type": "text"}, {"type": "json_object"} and {"type": "json_schema", "json_schema":
     {"name", "schema", "strict", "description"}}, and kvforge's {"type": "regex", "regex": ...} and
     {"type": "lark", "grammar": ...}. Compiling it needs the export's vocabulary: the handler's."""
-    from kvforge.runtime.constraint import Grammar  # llguidance: only when a grammar is asked for
+    from kvforge.runtime.controls.constraint import Grammar  # llguidance: only when a grammar is asked for
 
     def bad(message: str) -> PydanticCustomError:
         return refusal(f"'response_format' {message}", "response_format")
@@ -146,7 +146,7 @@ def _prompt(value: Any, typed: Any) -> Any:
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
-    """The messages as the template gets them (runtime/messages.py checks every key of every message)."""
+    """The messages as the template gets them (runtime/text/messages.py checks every key of every message)."""
     if not isinstance(value, list) or not value:
         raise refusal("'messages' must be a non-empty list of {role, content} objects", "messages")
     try:

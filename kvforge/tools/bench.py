@@ -146,7 +146,7 @@ def _checked(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, rep
              compare: tuple[str, ...], speculate: str | None, draft_len: int) -> dict[str, Any]:
     """The export's manifest, once the options are checked against it (InputError names a bad one)."""
     from kvforge.core.targets import get_target
-    from kvforge.runtime.speculate import check_speculation
+    from kvforge.runtime.controls.speculate import check_speculation
 
     for name, value, low in (("--prompt-len", prompt_len, 4), ("--new-tokens", new_tokens, 2), ("--batch", batch, 1),
                              ("--repeat", repeat, 1), ("--threads", threads, 1)):

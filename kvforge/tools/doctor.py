@@ -167,7 +167,7 @@ def tensorrt_info(gpu: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
 
 def backend_verdicts(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """For every registered backend: runs here (True) or the one-line reason it does not."""
-    from kvforge.runtime.backend import REGISTRY
+    from kvforge.runtime.backends.backend import REGISTRY
 
     have = {name: importlib.util.find_spec(name) is not None
             for name in ("onnxruntime_extensions", "torch", "triton", "cuda")}

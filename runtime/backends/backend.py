@@ -35,7 +35,7 @@ from kvforge.core.errors import InputError
 from kvforge.core.targets import TARGETS, get_target
 
 if TYPE_CHECKING:  # the registry is read by the CLI without loading ONNX Runtime
-    from kvforge.runtime.kv_cache import CacheState
+    from kvforge.runtime.backends.kv_cache import CacheState
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Backend(Protocol):
 
     def decode(self, slot: Slot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray: ...
 
-    # Row operations (serving: runtime/scheduler.py). A row's positions 0..positions-1, every layer.
+    # Row operations (serving: runtime/drivers/scheduler.py). A row's positions 0..positions-1, every layer.
     def copy_rows(self, src: Slot, row: int, dst: Slot, dst_row: int, positions: int) -> None: ...
 
     def read_rows(self, slot: Slot, row: int, positions: int) -> list[tuple[np.ndarray, ...]]: ...
@@ -118,10 +118,10 @@ class BackendEntry:
 
 
 REGISTRY: dict[str, BackendEntry] = {
-    "ort-cpu": BackendEntry("kvforge.runtime.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cpu"}),
-    "ort-cuda": BackendEntry("kvforge.runtime.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cuda"}),
-    "emulate": BackendEntry("kvforge.runtime.emulate:EmulateBackend", ("trt",)),
-    "tensorrt": BackendEntry("kvforge.runtime.trt_backend:TrtBackend", ("trt", "onnx")),
+    "ort-cpu": BackendEntry("kvforge.runtime.backends.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cpu"}),
+    "ort-cuda": BackendEntry("kvforge.runtime.backends.ort_backend:OrtBackend", ("ort", "onnx"), {"device": "cuda"}),
+    "emulate": BackendEntry("kvforge.runtime.backends.emulate:EmulateBackend", ("trt",)),
+    "tensorrt": BackendEntry("kvforge.runtime.backends.trt_backend:TrtBackend", ("trt", "onnx")),
 }
 # Earlier names, refused with the new one (a backend's name never equals a target's).
 RENAMED = {"trt": "tensorrt"}

@@ -4,7 +4,7 @@ A Jinja template is code from the model folder: `{% for i in range(100000) %}{% 
 range(100000) %}{% endfor %}{% endfor %}` loops for hours in pure Python, and no thread can be
 stopped from outside (nor does such a loop let signal handlers run promptly). So the server renders
 in a long-lived child process with a memory limit, waits for the answer at most `seconds`, and kills
-and replaces the child when it is late. The child only imports Jinja (and kvforge.runtime.chat):
+and replaces the child when it is late. The child only imports Jinja (and kvforge.runtime.text.chat):
 it starts in a fraction of a second and costs one round trip per chat request.
 
 Protocol (JSON lines on stdin/stdout): first the template {"template", "specials", "name",
@@ -35,9 +35,9 @@ class IsolatedRenderer:
 
     def __init__(self, template: Any, seconds: float = RENDER_SECONDS, memory_bytes: int = CHILD_MEMORY_BYTES,
                  max_chars: int | None = None) -> None:
-        from kvforge.runtime.chat import MAX_RENDERED_CHARS
+        from kvforge.runtime.text.chat import MAX_RENDERED_CHARS
 
-        self.template = template  # a kvforge.runtime.chat.ChatTemplate
+        self.template = template  # a kvforge.runtime.text.chat.ChatTemplate
         self.seconds = seconds
         self._setup = {"template": template.text, "specials": template.specials, "name": template.source,
                        "max_chars": max_chars or MAX_RENDERED_CHARS, "memory_bytes": memory_bytes}
@@ -52,7 +52,7 @@ class IsolatedRenderer:
                 self._ensure()
             except (OSError, EOFError) as err:
                 self._kill()
-                raise InputError(f"the chat template renderer (python -m kvforge.runtime.chat_worker) did not "
+                raise InputError(f"the chat template renderer (python -m kvforge.runtime.text.chat_worker) did not "
                                  f"start: {err or type(err).__name__}; is Jinja2 installed?") from err
         return self
 
@@ -64,7 +64,7 @@ class IsolatedRenderer:
             # -P: do not put the working folder first on the child's sys.path (3.11+).
             flags = ["-P"] if sys.version_info >= (3, 11) else []
             self._proc = subprocess.Popen(
-                [sys.executable, *flags, "-m", "kvforge.runtime.chat_worker"], stdin=subprocess.PIPE,
+                [sys.executable, *flags, "-m", "kvforge.runtime.text.chat_worker"], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                 start_new_session=True)  # Ctrl-C in the terminal goes to the server, which stops the child
             self._buffer = bytearray()
@@ -141,7 +141,7 @@ def _child() -> None:
     import resource
 
     from kvforge.core.errors import KvforgeError
-    from kvforge.runtime.chat import _compile, render
+    from kvforge.runtime.text.chat import _compile, render
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     line = stdin.readline()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
+from kvforge.runtime.text.tokenizer import TOKENIZER_FILE, Tokenizer
 
 
 class RenderedChat:

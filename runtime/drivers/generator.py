@@ -7,9 +7,9 @@ threads or open streams at once).
     gen.stream(...), gen.chat(messages, ...), gen.chat_stream(messages, ...), gen.score(ids)
     gen.prompt_logprobs(ids, top=5)                                       # score() with top-k, per token
 
-The pieces: runtime/request.py (the request, finish reasons, stop handling), runtime/prompts.py
-(prompt forms and their checks), runtime/slot_pool.py (KV-cache slots per request),
-runtime/decode_loop.py (the step loop, speculation, the result types).
+The pieces: runtime/controls/request.py (the request, finish reasons, stop handling), runtime/text/prompts.py
+(prompt forms and their checks), runtime/drivers/slot_pool.py (KV-cache slots per request),
+runtime/drivers/decode_loop.py (the step loop, speculation, the result types).
 """
 
 from __future__ import annotations
@@ -21,17 +21,23 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import CapacityError, InputError
-from kvforge.runtime.backend import Backend, Slot
-from kvforge.runtime.decode_loop import GenerationResult, GenerationStream, StepEvent, Steps, run_steps
-from kvforge.runtime.engine import StepEngine
-from kvforge.runtime.kv_cache import CacheState, choose_capacity, needed_positions
-from kvforge.runtime.loaded_export import LoadedExport
-from kvforge.runtime.logprobs import MAX_LOGPROBS, TokenLogprob, token_logprobs
-from kvforge.runtime.prompts import Prompts, RenderedChat, is_int, parse_prompts
-from kvforge.runtime.request import GenerationRequest, Stopper
-from kvforge.runtime.rows import Picker, Row
-from kvforge.runtime.sampling import choice_seed
-from kvforge.runtime.slot_pool import SlotPool
+from kvforge.runtime.backends.backend import Backend, Slot
+from kvforge.runtime.backends.kv_cache import CacheState, choose_capacity, needed_positions
+from kvforge.runtime.controls.logprobs import MAX_LOGPROBS, TokenLogprob, token_logprobs
+from kvforge.runtime.controls.request import GenerationRequest, Stopper
+from kvforge.runtime.controls.sampling import choice_seed
+from kvforge.runtime.drivers.decode_loop import (
+    GenerationResult,
+    GenerationStream,
+    StepEvent,
+    Steps,
+    run_steps,
+)
+from kvforge.runtime.drivers.engine import StepEngine
+from kvforge.runtime.drivers.loaded_export import LoadedExport
+from kvforge.runtime.drivers.rows import Picker, Row
+from kvforge.runtime.drivers.slot_pool import SlotPool
+from kvforge.runtime.text.prompts import Prompts, RenderedChat, is_int, parse_prompts
 
 # Re-exported: these lived here before the split.
 __all__ = ["GenerationRequest", "GenerationResult", "GenerationStream", "Generator", "Prompts", "RenderedChat",
@@ -39,7 +45,7 @@ __all__ = ["GenerationRequest", "GenerationResult", "GenerationStream", "Generat
 
 
 class Generator:
-    """Runs a loaded export (runtime/loaded_export.py) one request at a time per slot; the export's attributes
+    """Runs a loaded export (runtime/drivers/loaded_export.py) one request at a time per slot; the export's attributes
     and helpers (folder, manifest, tokenizer, backend, request(), chat_ids(), ...) read through it."""
 
     def __init__(
@@ -60,7 +66,7 @@ class Generator:
         else:
             self.export = LoadedExport(export, backend, verify_hashes=verify_hashes, **backend_options)
         # Thread safety: the backend's sessions / engines are shared, each request runs on its own
-        # slot (KV cache + bindings) from this pool (runtime/slot_pool.py).
+        # slot (KV cache + bindings) from this pool (runtime/drivers/slot_pool.py).
         self.slots = SlotPool(self.export.backend)
 
     def __getattr__(self, name: str) -> Any:

@@ -6,7 +6,7 @@ row holds; nothing may write past the capacity C, so every run is checked first.
 
 `CacheState` is the host-side part every backend shares (fill levels, capacity rules); `KVCache`
 adds ONNX Runtime OrtValues on the CPU or a CUDA device. The TensorRT backend has its own device
-buffers (runtime/trt_backend.py).
+buffers (runtime/backends/trt_backend.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.text.tokenizer import Tokenizer
 
 
 def conversation_ids(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvforge.core.errors import GrammarError
-from kvforge.runtime.engine import Accepted, StepEngine
-from kvforge.runtime.logprobs import TokenLogprob
-from kvforge.runtime.request import FinishReason, GenerationRequest
-from kvforge.runtime.rows import Row
-from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.controls.logprobs import TokenLogprob
+from kvforge.runtime.controls.request import FinishReason, GenerationRequest
+from kvforge.runtime.drivers.engine import Accepted, StepEngine
+from kvforge.runtime.drivers.rows import Row
+from kvforge.runtime.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -42,7 +42,7 @@ class GenerationResult:
     # keep_logits=True: one float32 [B, V] array per step (step 0 = prefill); rows that had
     # finished hold logits of their pad-token feed, not meaningful
     logits: list[np.ndarray] | None = None
-    # logprobs=k: per row, one TokenLogprob per generated token (runtime/logprobs.py)
+    # logprobs=k: per row, one TokenLogprob per generated token (runtime/controls/logprobs.py)
     logprobs: list[list[TokenLogprob]] | None = None
 
 

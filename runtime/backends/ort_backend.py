@@ -43,10 +43,10 @@ from kvforge.core.contract import (
     cache_output,
 )
 from kvforge.core.errors import InputError, KvforgeError, ManifestError
-from kvforge.runtime.backend import Limits
-from kvforge.runtime.device_pick import PICK_DTYPES, DevicePicker, PickBinding
-from kvforge.runtime.kv_cache import KVCache
-from kvforge.runtime.ort_sessions import (
+from kvforge.runtime.backends.backend import Limits
+from kvforge.runtime.backends.device_pick import PICK_DTYPES, DevicePicker, PickBinding
+from kvforge.runtime.backends.kv_cache import KVCache
+from kvforge.runtime.backends.ort_sessions import (
     _QUIET_RUN,
     check_device,
     check_options,
@@ -84,7 +84,7 @@ class OrtSlot:
     device_values: dict[str, ort.OrtValue] = field(default_factory=dict)
     decode_options: ort.RunOptions | None = None
     # ort-cuda with device greedy: the pick graph's binding over the decode logits and the device buffer
-    # it fills (each row's argmax, and its logits' sum: the NaN check), runtime/device_pick.py
+    # it fills (each row's argmax, and its logits' sum: the NaN check), runtime/backends/device_pick.py
     pick: PickBinding | None = None
 
 
@@ -196,7 +196,7 @@ class OrtBackend:
             options["sdpa_kernel"] = str(SDPA_FLASH_FIRST)
         return [("CUDAExecutionProvider", options), "CPUExecutionProvider"]
 
-    # -- the backend protocol (runtime/backend.py) -----------------------------------------------
+    # -- the backend protocol (runtime/backends/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> OrtSlot:
         """A KV cache of this shape on the backend's device, bound to both phases in place."""
         cache = KVCache.from_manifest(self.manifest, batch, capacity, device=self.device, device_id=self.device_id,
@@ -312,7 +312,7 @@ class OrtBackend:
             raise InputError("a bf16 cache on the GPU has no row views (numpy has no bfloat16 to bind them with)")
         return self.bind(slot.cache.first_rows(rows))
 
-    # -- row operations (runtime/backend.py) -----------------------------------------------------
+    # -- row operations (runtime/backends/backend.py) -----------------------------------------------------
     def view_rows(self, slot: OrtSlot, rows: int) -> OrtSlot | None:
         """bind_rows, or None where the cache cannot be viewed (then callers run the whole batch)."""
         if self.on_device and slot.cache.dtype == "bfloat16" and rows < slot.cache.batch:

@@ -66,8 +66,8 @@ from kvforge.core.errors import (
 )
 from kvforge.core.targets import get_target
 from kvforge.core.tensorrt_flavor import gpu_refusal, load_tensorrt
-from kvforge.runtime.backend import Limits
-from kvforge.runtime.kv_cache import (
+from kvforge.runtime.backends.backend import Limits
+from kvforge.runtime.backends.kv_cache import (
     CacheState,
     check_row_arrays,
     device_copy_rows,
@@ -179,7 +179,7 @@ class TrtBackend:
             cuda.set_device(self.device_id)
             yield
 
-    # -- the backend protocol (runtime/backend.py) -----------------------------------------------
+    # -- the backend protocol (runtime/backends/backend.py) -----------------------------------------------
     def allocate(self, batch: int, capacity: int) -> TrtSlot:
         if batch > self.limits.max_batch:
             raise CapacityError(f"{batch} rows but the engines were built for --max-batch {self.limits.max_batch}")

@@ -1,5 +1,5 @@
 """What a served request gives back: its events (Delta: new tokens and text; Done: how it ended) and the
-RequestHandle a caller iterates, or whose events go to its callback (runtime/scheduler.py)."""
+RequestHandle a caller iterates, or whose events go to its callback (runtime/drivers/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.logprobs import TokenLogprob
-from kvforge.runtime.request import FinishReason, GenerationRequest
+from kvforge.runtime.controls.logprobs import TokenLogprob
+from kvforge.runtime.controls.request import FinishReason, GenerationRequest
 
 
 @dataclass

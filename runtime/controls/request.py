@@ -1,5 +1,5 @@
 """One generation request, its finish reasons and its stop handling, shared by the Generator
-(runtime/generator.py), the continuous-batching Scheduler (runtime/scheduler.py), the CLI and the server.
+(runtime/drivers/generator.py), the continuous-batching Scheduler (runtime/drivers/scheduler.py), the CLI and the server.
 
     request = GenerationRequest.create("Once upon a time", max_new_tokens=16, temperature=0.7, stop=["\\n"])
     generator.generate(request)            # or generator.generate("Once upon a time", max_new_tokens=16, ...)
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.logprobs import MAX_LOGPROBS
-from kvforge.runtime.prompts import Prompts, as_id_list, is_int
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.speculate import DEFAULT_DRAFT_LEN, check_speculation
-from kvforge.runtime.tokenizer import IncrementalDetokenizer
+from kvforge.runtime.controls.logprobs import MAX_LOGPROBS
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.controls.speculate import DEFAULT_DRAFT_LEN, check_speculation
+from kvforge.runtime.text.prompts import Prompts, as_id_list, is_int
+from kvforge.runtime.text.tokenizer import IncrementalDetokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_CHOICES = 16  # n at most
@@ -56,7 +56,7 @@ def openai_finish_reason(reason: str) -> str:
 
 @dataclass(frozen=True)
 class Speculation:
-    """Speculative decoding: `method` drafts up to `draft_len` tokens per step (runtime/speculate.py)."""
+    """Speculative decoding: `method` drafts up to `draft_len` tokens per step (runtime/controls/speculate.py)."""
 
     method: str = "prompt-lookup"
     draft_len: int = DEFAULT_DRAFT_LEN
@@ -73,7 +73,7 @@ class Speculation:
 @dataclass(frozen=True)
 class GenerationRequest:
     """What to generate. `prompts`: one text, a batch of texts, one prompt of token ids, a batch of
-    token-id rows, or a rendered chat (runtime/prompts.py; the scheduler takes one prompt).
+    token-id rows, or a rendered chat (runtime/text/prompts.py; the scheduler takes one prompt).
     `sampling` is used as given (default greedy); `Generator.request` / `create` resolve keyword
     overrides against the export's generation config instead. Generation of a row ends at an EOS
     token (unless `ignore_eos`), a `stop_token_ids` token, a `stop` string (the text ends before it)
@@ -81,12 +81,12 @@ class GenerationRequest:
     `keep_logits` keeps every step's logits (parity).
 
     `logprobs`: None (off) or k in 0..20: each step's chosen token's log-probability and the k
-    most likely tokens (runtime/logprobs.py; log_softmax of the raw logits, before penalties,
+    most likely tokens (runtime/controls/logprobs.py; log_softmax of the raw logits, before penalties,
     grammar and temperature). `n`: choices per prompt (1..16), each with its own random stream
     (seed + i, see sampling.choice_seed); the Scheduler prefills the prompt once and copies its KV
     rows, the Generator repeats each prompt row n times (result rows prompt-major: p0c0, p0c1, ...).
     `grammar`: a constraint spec whose `matcher(vocabulary)` gives each row a matcher that masks
-    the logits (runtime/logit_controls.py; runtime/constraint.py builds them)."""
+    the logits (runtime/controls/logit_controls.py; runtime/controls/constraint.py builds them)."""
 
     prompts: Prompts
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS

@@ -41,7 +41,7 @@ from kvforge.core.contract import (
     check_attention_parameters,
 )
 from kvforge.core.errors import BackendUnavailableError, InputError, KvforgeError
-from kvforge.runtime.ort_backend import OrtBackend, OrtSlot
+from kvforge.runtime.backends.ort_backend import OrtBackend, OrtSlot
 
 MODES = ("triton", "reference")
 DEFAULT_MODE = "triton"
@@ -154,7 +154,7 @@ def custom_ops_library(mode: str) -> str:
 
 class EmulateBackend(OrtBackend):
     """The `trt` target's graphs on ONNX Runtime CPU, kvforge's plugin node served in Python
-    (runtime/emulate.py). Same options as ort-cpu, plus `emulation`: "triton" (the Triton kernel under
+    (runtime/backends/emulate.py). Same options as ort-cpu, plus `emulation`: "triton" (the Triton kernel under
     its interpreter; default) or "reference" (the numpy reference, torch-free). Fixed per backend."""
 
     def __init__(

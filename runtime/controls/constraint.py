@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvforge.core.errors import GrammarError, InputError
 
 if TYPE_CHECKING:
-    from kvforge.runtime.vocabulary import Vocabulary
+    from kvforge.runtime.text.vocabulary import Vocabulary
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 

@@ -1,10 +1,10 @@
 """The step engine: one batch KV cache (a backend slot) and the rows in it, advanced by prefill, decode
 and draft-verification steps. The Generator (one request, its rows placed at once) and the Scheduler
 (requests joining and leaving a running batch) both drive it, so the token protocol, speculation and
-the cache bookkeeping are written once, here and in runtime/rows.py.
+the cache bookkeeping are written once, here and in runtime/drivers/rows.py.
 
     engine = StepEngine(backend, slot, pad_token_id, check_logits)
-    engine.place(0, row, picker)                       # a Row (runtime/rows.py) at batch row 0
+    engine.place(0, row, picker)                       # a Row (runtime/drivers/rows.py) at batch row 0
     step = engine.prefill([prompt])                    # every placed row from position 0
     step = engine.decode()                             # one token for every running row
     step = engine.verify(draft_len, max_new_tokens)    # prompt-lookup drafts, or None when there are none
@@ -24,10 +24,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvforge.core.errors import BackendUnavailableError
-from kvforge.runtime.backend import Backend, Slot, supports_rows
-from kvforge.runtime.logprobs import TokenLogprob
-from kvforge.runtime.rows import Picker, Row
-from kvforge.runtime.sampling import greedy as greedy_tokens
+from kvforge.runtime.backends.backend import Backend, Slot, supports_rows
+from kvforge.runtime.controls.logprobs import TokenLogprob
+from kvforge.runtime.controls.sampling import greedy as greedy_tokens
+from kvforge.runtime.drivers.rows import Picker, Row
 
 # check(logits, step, greedy_picks=None) -> logits, raising NumericalError on NaN (Generator.check_logits)
 Check = Callable[..., np.ndarray]
@@ -74,7 +74,7 @@ class StepEngine:
         # none, a step is an argmax (the common greedy case, kept cheap: it runs once per token).
         self._picking = 0
         self._feed: dict[int, np.ndarray] = {}  # a decode step's token ids, one buffer per batch size
-        # ort-cuda's greedy picks on the device (runtime/device_pick.py): used while no row needs its
+        # ort-cuda's greedy picks on the device (runtime/backends/device_pick.py): used while no row needs its
         # Picker and the caller keeps no logits; B token ids come back instead of [B, V] logits.
         self._device_greedy = bool(getattr(backend, "device_greedy", False))
         self._staging: Slot | None = None  # a one-row slot, for prompts prefilled alone (_prefill_alone)

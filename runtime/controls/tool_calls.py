@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from kvforge.core.errors import InputError
 
 if TYPE_CHECKING:
-    from kvforge.runtime.constraint import Grammar
+    from kvforge.runtime.controls.constraint import Grammar
 
 FORMATS = ("hermes", "llama3_json")
 TOOL_CHOICES = ("none", "auto", "required")
@@ -37,7 +37,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (a
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 # The grammar's JSON is written the way json.dumps writes it: flexible whitespace would let a weak
-# model pad forever (runtime/constraint.py's JSON_OPTIONS).
+# model pad forever (runtime/controls/constraint.py's JSON_OPTIONS).
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -434,7 +434,7 @@ def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
 def call_grammar(fmt: str, tools: list[dict[str, Any]], choice: str, parallel: bool = True) -> Grammar:
     """The grammar of an answer that is tool calls only: one call of the named function (`choice` a
     name), or of any tool ("required"; several in a row when `parallel`, Hermes only)."""
-    from kvforge.runtime.constraint import Grammar
+    from kvforge.runtime.controls.constraint import Grammar
 
     chosen = [t for t in tools if choice == "required" or t["function"]["name"] == choice]
     key = "arguments" if fmt == "hermes" else "parameters"

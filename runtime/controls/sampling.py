@@ -5,7 +5,7 @@ generation_config.json means the same thing here: top-k keeps every token tied w
 top-p keeps the smallest set of most likely tokens whose mass reaches top_p (at least one),
 min-p keeps the tokens whose probability is at least min_p times the most likely one's.
 The penalties (presence / frequency / repetition) need each row's token history and are applied
-before this, per row, by runtime/logit_controls.py.
+before this, per row, by runtime/controls/logit_controls.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ONNX Runtime sessions for an export folder: the providers of a device, the options each backend option
 becomes, the sessions of each phase (opened from the bytes the manifest's hashes were checked on), and the
-checks that each session's IO is what the manifest says. runtime/ort_backend.py runs them."""
+checks that each session's IO is what the manifest says. runtime/backends/ort_backend.py runs them."""
 
 from __future__ import annotations
 

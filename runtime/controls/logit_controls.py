@@ -4,7 +4,7 @@ grammar's mask. Only rows that need it get a RowControls; the plain path stays v
 The grammar hook is duck-typed: `Generator.grammar_matcher(spec)` returns a per-row matcher with
     apply(logits_row: np.ndarray[V] float32) -> None   # sets the disallowed tokens to -inf, in place
     advance(token: int) -> None                        # the token the row took
-(runtime/constraint.py builds them with llguidance).
+(runtime/controls/constraint.py builds them with llguidance).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import GrammarError
-from kvforge.runtime.sampling import SamplingConfig
+from kvforge.runtime.controls.sampling import SamplingConfig
 
 
 class RowControls:

@@ -18,13 +18,13 @@ used first out). A later prompt that starts with the same tokens, as the next tu
 copies those rows and prefills only what follows: the KV of position t depends only on tokens
 0..t, so the result is the same as prefilling everything.
 
-Requests are GenerationRequests (runtime/request.py) with one prompt; they end with the same
+Requests are GenerationRequests (runtime/controls/request.py) with one prompt; they end with the same
 FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free. The scheduler never
-touches a buffer: rows move through the backend's row operations (runtime/backend.py: copy_rows,
+touches a buffer: rows move through the backend's row operations (runtime/backends/backend.py: copy_rows,
 read_rows / write_rows, view_rows), on the backend's device, so it serves on every backend that has them.
 
 Speculation (a request with `speculation`, greedy only): while it is the only running request,
-each step drafts up to draft_len tokens by prompt lookup (runtime/speculate.py) and verifies them in
+each step drafts up to draft_len tokens by prompt lookup (runtime/controls/speculate.py) and verifies them in
 one prefill call on the one-row bucket at its past_lens, as `Generator.generate` does; it keeps the
 matching prefix plus the token after it, so the tokens are those of plain greedy decoding. While
 other requests run, it is decoded in the batch like any other (one token per step): verifying a
@@ -32,7 +32,7 @@ single row would stall the others, and the `ort` target verifies one row per cal
 
 A request with n > 1 choices is prefilled once, then its KV rows are copied into n free rows (it
 waits until n are free); each choice has its own sampler (seed + i), Stopper, penalties / grammar
-matcher (runtime/logit_controls.py) and `index` in its Delta and Done events.
+matcher (runtime/controls/logit_controls.py) and `index` in its Delta and Done events.
 
 Prompt log-probabilities (OpenAI's echo with logprobs: `score`) are a prefill-only job of this thread, run on
 the staging cache between prefill jobs, so in serving only the scheduler touches the backend, and a prompt
@@ -58,16 +58,16 @@ from kvforge.core.errors import (
     KvforgeError,
     QueueFullError,
 )
-from kvforge.runtime.backend import supports_rows
-from kvforge.runtime.engine import Accepted, StepEngine
-from kvforge.runtime.handles import Delta, Done, Event, RequestHandle
-from kvforge.runtime.loaded_export import LoadedExport
-from kvforge.runtime.logprobs import MAX_LOGPROBS, token_logprobs
-from kvforge.runtime.prefix_store import PrefixStore
-from kvforge.runtime.prompts import is_int
-from kvforge.runtime.request import FinishReason, GenerationRequest, Stopper
-from kvforge.runtime.rows import Picker, Row
-from kvforge.runtime.sampling import choice_seed
+from kvforge.runtime.backends.backend import supports_rows
+from kvforge.runtime.controls.logprobs import MAX_LOGPROBS, token_logprobs
+from kvforge.runtime.controls.request import FinishReason, GenerationRequest, Stopper
+from kvforge.runtime.controls.sampling import choice_seed
+from kvforge.runtime.drivers.engine import Accepted, StepEngine
+from kvforge.runtime.drivers.handles import Delta, Done, Event, RequestHandle
+from kvforge.runtime.drivers.loaded_export import LoadedExport
+from kvforge.runtime.drivers.prefix_store import PrefixStore
+from kvforge.runtime.drivers.rows import Picker, Row
+from kvforge.runtime.text.prompts import is_int
 
 DEFAULT_MAX_SEQ_LEN = 4096
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "Delta", "Done", "Event", "PrefixStore", "RequestHandle", "Scheduler"]

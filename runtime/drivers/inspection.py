@@ -18,7 +18,7 @@ import numpy as np
 from kvforge.core.errors import InputError
 
 if TYPE_CHECKING:
-    from kvforge.runtime.generator import Generator
+    from kvforge.runtime.drivers.generator import Generator
 
 
 class Inspectable(Protocol):

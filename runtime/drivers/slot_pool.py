@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from kvforge.runtime.backend import Backend, Slot
+from kvforge.runtime.backends.backend import Backend, Slot
 
 DEFAULT_MAX_IDLE = 4
 

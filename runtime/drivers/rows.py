@@ -7,7 +7,7 @@ rows of one request pick their next tokens.
     delta = row.accept(int(picked[i]), logprobs[i] if logprobs else None)   # text it lets out; row.finished
 
 A row's logit controls (penalties, a grammar's mask) apply to a copy of the raw logits before the
-sampler; log-probabilities describe the raw logits (runtime/logprobs.py). A row whose controls fail
+sampler; log-probabilities describe the raw logits (runtime/controls/logprobs.py). A row whose controls fail
 (its grammar meets llguidance's limits, or allows no token) ends alone with FinishReason.ERROR and
 `row.error`: the other rows of the batch, other requests' included, go on. A picker samples the block of
 all its rows, finished ones included: with one random stream for a batch, a finished row still takes
@@ -21,11 +21,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvforge.core.errors import GrammarError
-from kvforge.runtime.logit_controls import RowControls
-from kvforge.runtime.logprobs import TokenLogprob, token_logprobs
-from kvforge.runtime.request import FinishReason, Stopper
-from kvforge.runtime.sampling import Sampler, SamplingConfig
-from kvforge.runtime.speculate import prompt_lookup
+from kvforge.runtime.controls.logit_controls import RowControls
+from kvforge.runtime.controls.logprobs import TokenLogprob, token_logprobs
+from kvforge.runtime.controls.request import FinishReason, Stopper
+from kvforge.runtime.controls.sampling import Sampler, SamplingConfig
+from kvforge.runtime.controls.speculate import prompt_lookup
 
 
 class Row:
@@ -48,8 +48,8 @@ class Row:
         self.error = str(error)
         self.stopper.reason = FinishReason.ERROR
         # A grammar fails by outgrowing llguidance's limits: give the memory it grew back to the system
-        # (runtime/constraint.py), or the process keeps it for good.
-        from kvforge.runtime.constraint import release_free_memory
+        # (runtime/controls/constraint.py), or the process keeps it for good.
+        from kvforge.runtime.controls.constraint import release_free_memory
 
         release_free_memory()
 

@@ -74,7 +74,7 @@ class Tokenizer:
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def to_json(self) -> str:
-        """The tokenizer as tokenizer.json text (for llguidance's token masks, runtime/constraint.py)."""
+        """The tokenizer as tokenizer.json text (for llguidance's token masks, runtime/controls/constraint.py)."""
         return self._tok.to_str()
 
     def incremental(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvforge.runtime.tokenizer import Tokenizer
+from kvforge.runtime.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, eq=False)  # identity: a grammar compiler is kept per vocabulary (weakly)

@@ -19,14 +19,14 @@ import numpy as np
 from kvforge.core.contract import ModelSpec
 from kvforge.core.errors import InputError, KvforgeError, NumericalError
 from kvforge.core.manifest import load_manifest
-from kvforge.runtime.backend import Backend, create_backend, default_backend
-from kvforge.runtime.chat import ChatTemplate, read_chat_template
-from kvforge.runtime.logit_controls import RowControls
-from kvforge.runtime.prompts import Prompts, as_id_list, parse_prompts
-from kvforge.runtime.request import GenerationRequest
-from kvforge.runtime.sampling import SamplingConfig
-from kvforge.runtime.tokenizer import TOKENIZER_FILE, Tokenizer
-from kvforge.runtime.vocabulary import Vocabulary
+from kvforge.runtime.backends.backend import Backend, create_backend, default_backend
+from kvforge.runtime.controls.logit_controls import RowControls
+from kvforge.runtime.controls.request import GenerationRequest
+from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.text.chat import ChatTemplate, read_chat_template
+from kvforge.runtime.text.prompts import Prompts, as_id_list, parse_prompts
+from kvforge.runtime.text.tokenizer import TOKENIZER_FILE, Tokenizer
+from kvforge.runtime.text.vocabulary import Vocabulary
 
 # Backends loaded in a thread beside the tokenizer (ONNX Runtime on the CPU; a CUDA or TensorRT
 # context belongs to the thread that makes it, so those load on the caller's thread).
@@ -34,7 +34,7 @@ THREADED_LOAD = ("ort-cpu",)
 
 
 class LoadedExport:
-    """An export folder (`kvforge export` output) on a backend (runtime/backend.py)."""
+    """An export folder (`kvforge export` output) on a backend (runtime/backends/backend.py)."""
 
     def __init__(
         self,
@@ -111,12 +111,12 @@ class LoadedExport:
         """Token ids of a conversation rendered with the export's chat template, as transformers'
         apply_chat_template(..., tokenize=True) gives them, except that special-token text inside a
         message's content ("<|im_end|>" typed by a user) stays text rather than becoming the control
-        token (runtime/chat_tokens.py; `special_tokens_in_content=True`: parsed, as transformers does).
+        token (runtime/text/chat_tokens.py; `special_tokens_in_content=True`: parsed, as transformers does).
         `messages`: [{"role", "content"}, ...] or one user message as a str; `tools`: OpenAI's tool
-        list, for templates that take one (kvforge.runtime.tool_calls parses the calls out of the answer)."""
-        from kvforge.runtime.chat_tokens import conversation_ids
-        from kvforge.runtime.messages import check_messages
-        from kvforge.runtime.tool_calls import check_tools, template_takes_tools
+        list, for templates that take one (kvforge.runtime.controls.tool_calls parses the calls out of the answer)."""
+        from kvforge.runtime.controls.tool_calls import check_tools, template_takes_tools
+        from kvforge.runtime.text.chat_tokens import conversation_ids
+        from kvforge.runtime.text.messages import check_messages
 
         template = self.chat_template
         if tools is not None and not template_takes_tools(template.text):
@@ -157,11 +157,11 @@ class LoadedExport:
     def grammar_matcher(self, grammar: Any) -> Any:
         """A fresh per-row matcher for the constraint spec `grammar` (request.grammar): the spec's
         `matcher(vocabulary)` (this export's Vocabulary); the matcher's `apply(logits_row)` masks,
-        `advance(token)` moves on (runtime/logit_controls.py)."""
+        `advance(token)` moves on (runtime/controls/logit_controls.py)."""
         make = getattr(grammar, "matcher", None)
         if not callable(make):
             raise InputError(f"constrained decoding needs a grammar spec with a matcher(vocabulary) method (see "
-                             f"kvforge.runtime.constraint), got {type(grammar).__name__}")
+                             f"kvforge.runtime.controls.constraint), got {type(grammar).__name__}")
         return make(self.vocabulary)
 
     def row_controls(self, request: GenerationRequest, prompt: list[int]) -> RowControls | None:

@@ -8,7 +8,7 @@ non-ASCII text, and the `raise_exception` / `strftime_now` helpers templates cal
 read (and hashed against the manifest) once, when the export is loaded; `render` bounds the output
 size and turns any failure of the template into an InputError that names it. A template can still
 loop forever in pure Python: the server renders in a separate process it can kill
-(runtime/chat_worker.py).
+(runtime/text/chat_worker.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""kvforge.runtime.text: text: the tokenizer, the vocabulary, chat templates and messages, prompt forms."""
