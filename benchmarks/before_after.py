@@ -24,9 +24,12 @@ PROMPT_LEN, NEW_TOKENS, SERVED, REPEAT = 128, 64, 4, 5  # REPEAT: runs per proce
 
 def _measure(export_dir: str, threads: int) -> dict[str, float]:
     import kvforge
-    from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.controls.sampling import SamplingConfig
-    from kvforge.runtime.drivers.scheduler import Scheduler
+    from kvforge.runtime import GenerationRequest, Generator, SamplingConfig
+
+    try:  # code from before runtime/ was grouped by role (the "before" of a comparison)
+        from kvforge.runtime.scheduler import Scheduler
+    except ImportError:
+        from kvforge.runtime.drivers.scheduler import Scheduler
 
     prompt = [1 + (i * 37) % 500 for i in range(PROMPT_LEN)]
     gen = Generator(export_dir, threads=threads)

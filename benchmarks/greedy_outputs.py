@@ -54,9 +54,12 @@ def _exports(work: Path) -> dict[str, Path]:
 
 
 def _outputs(folder: Path) -> dict[str, Any]:
-    from kvforge.runtime import GenerationRequest, Generator
-    from kvforge.runtime.controls.sampling import SamplingConfig
-    from kvforge.runtime.drivers.scheduler import Scheduler
+    from kvforge.runtime import GenerationRequest, Generator, SamplingConfig
+
+    try:  # code from before runtime/ was grouped by role (the "before" of a comparison)
+        from kvforge.runtime.scheduler import Scheduler
+    except ImportError:
+        from kvforge.runtime.drivers.scheduler import Scheduler
 
     gen = Generator(folder)
     vocab = gen.vocab_size

@@ -1,6 +1,6 @@
 """Prompt-lookup speculative decoding on real exports: drafts, verification in one prefill call, unchanged
-greedy output. Streams with stops, request refusals, and a request ending inside an accepted run (a model
-that always repeats) run on the fake backend (tests/test_fake_engine.py, tests/test_fake_scheduler.py)."""
+greedy output, a stream with stops, a request ending inside an accepted run. Request refusals and the same
+behaviours in more shapes run on the fake backend (tests/test_fake_engine.py, tests/test_fake_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,23 @@ def test_speculative_greedy_equals_plain_greedy_batch(exported) -> None:
     runs = {phase: generator.runs[phase] - runs_before[phase] for phase in ("prefill", "decode")}
     assert runs["prefill"] + runs["decode"] == 1 + fast.steps
     assert runs["prefill"] > 1
+
+
+def test_speculative_stream_and_stops(exported) -> None:
+    generator = Generator(exported("llama-tiny", "onnx"))
+    plain = generator.generate(PROMPTS, max_new_tokens=25, ignore_eos=True)
+    # A stop token taken from the middle of a row's output ends that row there, drafts or not.
+    stop = plain.tokens[0][10]
+    expected = generator.generate(PROMPTS, max_new_tokens=25, ignore_eos=True, stop_token_ids=[stop])
+    stream = generator.stream(PROMPTS, max_new_tokens=25, ignore_eos=True, stop_token_ids=[stop],
+                              speculate="prompt-lookup", draft_len=7)
+    streamed: list[list[int]] = [[] for _ in PROMPTS]
+    for event in stream:
+        for b, token in enumerate(event.token_ids):
+            if token is not None:
+                streamed[b].append(token)
+    assert streamed == stream.result.tokens == expected.tokens
+    assert stream.result.finish_reason == expected.finish_reason
 
 
 def test_cli_generate_speculate_json(exported, tmp_path) -> None:
@@ -156,3 +173,48 @@ def test_server_speculate_extension(chat_export) -> None:
             extra.setdefault("extra_body", {"speculate": {"method": "prompt-lookup"}})
             with pytest.raises(openai.BadRequestError, match=message):
                 client.completions.create(model="tiny", prompt=prompt, max_tokens=4, **extra)
+
+
+def _always_zero_export(hf_folder, tmp_path):
+    """llama-tiny with every weight zero: all logits tie, greedy picks token 0 at every step, so every
+    prompt-lookup draft of zeros is accepted whole (runs of several tokens in each verification)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvforge.exporter.export import export_model
+
+    folder = shutil.copytree(hf_folder("llama-tiny"), tmp_path / "zero")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+    model.save_pretrained(folder)
+    export_model(folder, tmp_path / "export")
+    return tmp_path / "export"
+
+
+def test_scheduler_speculation_ending_inside_an_accepted_run_keeps_every_token(hf_folder, tmp_path) -> None:
+    """A request that reaches max_new_tokens (or a stop) inside a verification step that accepted several
+    tokens gets them all, its count matches them, and the requests queued behind it are unharmed."""
+    from kvforge.runtime import Speculation
+    from kvforge.runtime.drivers.scheduler import Scheduler
+
+    generator = Generator(_always_zero_export(hf_folder, tmp_path))
+    prompt = [1, 0, 0, 0]
+    assert generator.generate([prompt], max_new_tokens=8, ignore_eos=True).tokens[0] == [0] * 8
+    scheduler = Scheduler(generator, max_batch=1, max_seq_len=128, prefill_chunk=8).start()
+    try:
+        for n in range(2, 20):
+            fast = scheduler.submit(_scheduled(prompt, n, speculation=Speculation("prompt-lookup", 6)))
+            queued = [scheduler.submit(_scheduled([1, 5, 6], 3)) for _ in range(3)]
+            tokens, _, done = fast.result()
+            assert (tokens, done.completion_tokens, done.finish_reason) == ([0] * n, n, "length"), n
+            for handle in queued:
+                got, _, after = handle.result()
+                assert (got, after.error, after.finish_reason) == ([0] * 3, None, "length"), n
+        # More accepted draft tokens than requests: verification steps accepted runs of several tokens.
+        assert scheduler.snapshot()["accepted_tokens"] > 2 * len(range(2, 20))
+    finally:
+        scheduler.close()
