@@ -7,12 +7,11 @@ from typing import Any
 
 from kvforge.models.families.family import Family
 from kvforge.models.families.surgery import (
-    REAL_ROTARY,
     Patches,
     RotaryTables,
     helpers,
     interface,
-    real_rotary,
+    real_rotary_attention,
     rotate_pairs,
 )
 
@@ -47,13 +46,7 @@ def _attention(self: Any, hidden_states: Any, attention_mask: Any = None, cache:
 
 
 def adapt(model: Any, patches: Patches) -> str:
-    import types
-
-    backbone = model.model
-    real_rotary(backbone.rotary_emb, patches)
-    for layer in backbone.layers:
-        patches.set(layer.self_attn, "forward", types.MethodType(_attention, layer.self_attn))
-    return REAL_ROTARY
+    return real_rotary_attention(model, _attention, patches)
 
 
 FAMILIES = (Family("deepseek_v2", (), "latent attention, complex rotary as real tables", patch=adapt),)

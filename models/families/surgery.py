@@ -186,3 +186,13 @@ def real_rotary(rotary: Any, patches: Patches) -> None:
         return RotaryTables(freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling, position_ids)
 
     patches.set(rotary, "forward", types.MethodType(forward, rotary))
+
+
+def real_rotary_attention(model: Any, attention: Callable, patches: Patches) -> str:
+    """A complex-rotary family (Llama 4, DeepSeek-V2): its rotary module made to return real tables and every
+    layer's attention replaced by `attention`, which rotates pairs in real arithmetic."""
+    backbone = model.model
+    real_rotary(backbone.rotary_emb, patches)
+    for layer in backbone.layers:
+        patches.set(layer.self_attn, "forward", types.MethodType(attention, layer.self_attn))
+    return REAL_ROTARY
