@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout
-from kvforge.core.errors import ExportError, InputError, KvforgeError
+from kvforge.core.errors import ExportError, InputError, KvforgeError, UnsupportedModelError
 from kvforge.core.manifest import MANIFEST_NAME, write_manifest
 from kvforge.core.output_folder import (
     StagedFolder,
@@ -74,6 +74,9 @@ class ExportOptions:
     # Streamed, trace two of a model's alike layers and stamp the rest (exporter/layer_stamping.py); False:
     # trace every layer (the Python API's switch, for tests that compare the two)
     stamp: bool = True
+    # A vision-language checkpoint (models/vision_families.py) is exported whole, vision.onnx included; True: its
+    # text model alone, as exports did before vision.onnx
+    text_only: bool = False
 
     def resolve(self) -> ExportTarget:
         """The target, resolved once, after checking every option against it."""
@@ -131,6 +134,7 @@ def export_model(
     family = text_family(config, families)  # a multimodal checkpoint's text model: its text type's family
     family.check(config)
     target.check_model(config, family, dtype)
+    vision = _vision_family(config, options, target)
 
     import torch
 
@@ -148,7 +152,7 @@ def export_model(
         clock: dict[str, float] = {}
         int_weights = int_weights or _calibrated(options, model_dir, calibration_work, clock, say)
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
-                          int_weights, method_default, gguf_record)
+                          int_weights, method_default, gguf_record, vision)
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
@@ -165,6 +169,23 @@ def export_model(
     before = f"; converting the GGUF before it took {seconds['gguf_convert']:.1f} s" if "gguf_convert" in seconds else ""
     say(f"exported to {out_dir}: load, trace, optimise and write took {seconds['total']:.1f} s{before}")
     return manifest
+
+
+def _vision_family(config: Any, options: ExportOptions, target: ExportTarget) -> Any:
+    """The vision-language row (models/vision_families.py) of a checkpoint exported whole, or None (text only)."""
+    from kvforge.exporter.text_model import text_of
+    from kvforge.models.vision_families import vision_family
+
+    source = text_of(config) or {}
+    vision = None if options.text_only else vision_family(source.get("model_type"))
+    if vision is None:
+        return None
+    if not target.images:
+        raise UnsupportedModelError(
+            f"{vision.model_type}: a vision-language model, and --target {target.name} takes no images yet (its "
+            "attention plugin has no image path); export with --target ort or --target onnx, or with --text-only "
+            "for its text model alone")
+    return vision
 
 
 def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
@@ -304,6 +325,8 @@ def _write(staging: Path, work: ExportWork, made: MadeGraphs, clock: dict[str, f
         layout = dataclasses.replace(layout, dtype=KV_CACHE_DTYPES[made.kv_quant["dtype"]])
     clock["total"] = time.perf_counter() - started
     extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
+    if made.vision is not None:
+        extra["vision"] = made.vision
     manifest = export_manifest(config, model_dir, work.target.core, work.options.dtype, layout, graphs, staging, sizes,
                                work.gguf_record, extra)
     for field, ids in manifest["model"].get("dropped_token_ids", {}).items():

@@ -41,6 +41,8 @@ class ExportWork:
     int_weights: Any = None
     method_default: str | None = None  # why --quant-method is what it is, when it was not given
     gguf_record: dict[str, Any] | None = None  # the GGUF the model folder was converted from, if it was
+    # A vision-language checkpoint exported whole (models/vision_families.py): its row; None: text only
+    vision: Any = None
 
 
 @dataclass
@@ -52,6 +54,7 @@ class MadeGraphs:
     quantization: dict[str, Any] | None
     kv_quant: dict[str, Any] | None
     layout: KVLayout
+    vision: dict[str, Any] | None = None  # a vision-language export's manifest record (exporter/vision.py)
 
 
 class Clock:
@@ -68,11 +71,23 @@ class Clock:
 
 def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lower: Callable[..., Any],
                 families: Mapping[str, Family] | None) -> MadeGraphs:
-    """The two graphs, the quantisation and KV-cache records and the KV layout; streamed where the model
-    allows it, else (and where tracing with fake weights fails) from the whole model, saying why."""
+    """The graphs (a vision-language export's vision.onnx too), the quantisation and KV-cache records and the KV
+    layout."""
+    lap = Clock(laps)
+    made = _text_graphs(work, layout, laps, lap, lower, families)
+    if work.vision is not None:
+        made.vision = add_vision_graph(made.graphs, work)
+        lap("vision")
+    return made
+
+
+def _text_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lap: Clock, lower: Callable[..., Any],
+                 families: Mapping[str, Family] | None) -> MadeGraphs:
+    """Prefill and decode; streamed where the model allows it, else (and where tracing with fake weights fails)
+    from the whole model, saying why."""
     from kvforge.exporter.lazy_weights import empty_model, streaming_refusal
 
-    say, lap = work.say, Clock(laps)
+    say = work.say
     why = streaming_refusal(work.config, work.options, work.family) if work.options.stream else "--no-stream"
     empty = None
     if why is None:
@@ -100,6 +115,25 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
     with Patches() as patches:
         layout = _prepare(model, work, layout, patches)
         return MadeGraphs(*build_graphs(model, work, layout, lap, lower, None), layout)
+
+
+def add_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[str, Any]:
+    """vision.onnx beside the text graphs (exporter/vision.py), traced from the whole checkpoint; its record."""
+    from kvforge.core.contract import VISION
+    from kvforge.exporter.vision import (
+        image_shape,
+        load_vision_language_model,
+        processor_record,
+        trace_vision,
+        vision_record,
+    )
+
+    processor = processor_record(work.model_dir)
+    work.say(f"tracing the image tower and projector of {work.vision.model_type} (vision.onnx)")
+    model = load_vision_language_model(work.model_dir, work.options.dtype)
+    shape = image_shape(processor, model.config)
+    graphs[VISION], tokens = trace_vision(model, work.vision, shape, work.torch_dtype)
+    return vision_record(model, work.vision, processor, shape, tokens)
 
 
 def _dtype_name(torch_dtype: Any) -> str:
@@ -247,6 +281,15 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
     return graphs, quantization, kv_quant
 
 
+def _image_token(work: ExportWork) -> int | None:
+    """The image token id a vision-language export's prefill graph merges image features at (None: text only)."""
+    if work.vision is None:
+        return None
+    from kvforge.exporter.vision import checkpoint_image_token
+
+    return checkpoint_image_token(work.model_dir)
+
+
 def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     """The canonical prefill graph. Streamed, a model of alike layers is traced with two and the rest
     stamped (exporter/layer_stamping.py); then every fake weight gets its lazy checkpoint read."""
@@ -254,7 +297,7 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
 
     if empty is None:
         work.say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
-        return trace_prefill(model, layout, work.torch_dtype, work.family)
+        return trace_prefill(model, layout, work.torch_dtype, work.family, image_token_id=_image_token(work))
     from kvforge.exporter.layer_stamping import StampRefused, stamp_layers, stamp_plan, traced_prefix
     from kvforge.exporter.lazy_weights import attach_weights
 

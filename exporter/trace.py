@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.contract import (
+    IMAGE_FEATURES,
     INPUT_IDS,
     KV_KINDS,
     LOGITS,
@@ -42,9 +43,11 @@ def quiet_logger(name: str, level: int = logging.ERROR):
         logger.setLevel(before)
 
 
-def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None, fake_mode: Any = None) -> Any:
+def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None, fake_mode: Any = None,
+                  image_token_id: int | None = None) -> Any:
     """The canonical prefill graph (an onnx_ir model): attention as one kvforge node per layer, every
-    batch, sequence, position and capacity dimension dynamic, IO named by the contract."""
+    batch, sequence, position and capacity dimension dynamic, IO named by the contract. `image_token_id`: a
+    vision-language export's, whose prefill also takes the image tokens' features (contract.IMAGE_FEATURES)."""
     import torch
     from torch.export import Dim
 
@@ -63,7 +66,11 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
     # KV buffers: batch and capacity dynamic; a recurrent state's size per row is fixed.
     rest_shapes: list[dict] = [{0: batch_dim, 1: k_dim}] + [
         {0: batch_dim, 2: capacity_dim} if kind in KV_KINDS else {0: batch_dim} for _, kind in layout.buffers()]
-    io = GraphIO.of("prefill", layout)
+    if image_token_id is not None:
+        hidden = model.get_input_embeddings().weight.shape[-1]
+        args.append(torch.zeros(3, hidden, dtype=torch_dtype))
+        rest_shapes.insert(1, {0: Dim("image_tokens")})
+    io = GraphIO.of("prefill", layout, images=image_token_id is not None)
     if fake_mode is not None:  # the model's weights are fake tensors of this mode: the inputs must be too
         args, cache = [fake_mode.from_tensor(a) for a in args], [fake_mode.from_tensor(c) for c in cache]
     # torch.onnx prints its steps to stdout and warns about torchvision; keep stdout for --json.
@@ -71,7 +78,7 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
             traceable_recurrences(model):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            GraphWrapper(model, "prefill", family, layout),
+            GraphWrapper(model, "prefill", family, layout, image_token_id),
             tuple(args + cache),
             dynamo=True,
             input_names=list(io.inputs),
@@ -103,6 +110,8 @@ def derive_decode_graph(prefill: Any) -> Any:
     model = prefill.clone()
     graph = model.graph
     by_name = {value.name: value for value in graph.inputs}
+    if IMAGE_FEATURES in by_name:
+        _drop_image_features(graph, by_name[IMAGE_FEATURES])
     index, ids = by_name[LOGITS_INDEX], by_name[INPUT_IDS]
     gather = _positions_gather(index)
     gather.outputs[0].replace_all_uses_with(gather.inputs[0])
@@ -119,6 +128,25 @@ def derive_decode_graph(prefill: Any) -> Any:
     logits.dtype, logits.shape = per_position.dtype, ir.Shape([per_position.shape[0], per_position.shape[2]])
     graph.outputs[position] = logits
     return model
+
+
+def _drop_image_features(graph: Any, features: Any) -> None:
+    """Decode takes no images: the Where that writes the image features over the image tokens' embeddings
+    (wrapper.merge_image_features) passes the text embeddings on, and the features input goes (its nodes go with
+    the unused-node pass that follows)."""
+    frontier, seen = [features], set()
+    while frontier:
+        value = frontier.pop()
+        for node, slot in value.uses():
+            if node.op_type == "Where" and slot == 1:
+                node.outputs[0].replace_all_uses_with(node.inputs[2])
+                graph.remove(node, safe=True)
+                graph.inputs.remove(features)
+                return
+            if id(node) not in seen:
+                seen.add(id(node))
+                frontier.extend(node.outputs)
+    raise RuntimeError("the prefill graph has no Where fed by image_features: wrapper.merge_image_features changed")
 
 
 def _positions_gather(index: Any) -> Any:

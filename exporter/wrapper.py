@@ -138,6 +138,21 @@ def _state_cache(layout: KVLayout, past: dict[tuple[int, str], torch.Tensor], pa
     return TraceCache(layers=layers)
 
 
+def merge_image_features(input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,
+                         image_token_id: int) -> torch.Tensor:
+    """The token embeddings with the image tokens' replaced by `features`, taken in row-major order of the image
+    tokens (the contract's IMAGE_FEATURES), as HF's masked_scatter does. An image token beyond the features given
+    keeps its own embedding, as in HF's decode: a call with none ([0, hidden]; a decode step through the prefill
+    graph, a generated image token) is the text model's. A gather from the features behind one row of zeros."""
+    mask = input_ids == image_token_id  # [B, S]
+    flat = mask.reshape(-1).to(torch.int64)
+    rank = torch.cumsum(flat, 0) * flat  # the k-th image token: k; any other token: 0
+    given = (rank > 0) & (rank <= features.shape[0])
+    table = torch.cat([features.new_zeros(1, features.shape[-1]), features], 0).to(embeds.dtype)
+    picked = table[torch.where(given, rank, torch.zeros_like(rank))].reshape(embeds.shape)
+    return torch.where(given.reshape(mask.shape).unsqueeze(-1), picked, embeds)
+
+
 class GraphWrapper(torch.nn.Module):
     """forward(input_ids, past_lens, [logits_index,] *past) -> (logits, *present)
 
@@ -148,8 +163,9 @@ class GraphWrapper(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, phase: str, family: Family | None = None,
-                 layout: KVLayout | None = None) -> None:
-        """`layout`: the cache's buffers, in graph order (default: a key and a value per layer)."""
+                 layout: KVLayout | None = None, image_token_id: int | None = None) -> None:
+        """`layout`: the cache's buffers, in graph order (default: a key and a value per layer). `image_token_id`:
+        a vision-language export's prefill, which takes IMAGE_FEATURES after logits_index (merge_image_features)."""
         super().__init__()
         if phase not in ("prefill", "decode"):
             raise ValueError(phase)
@@ -157,10 +173,14 @@ class GraphWrapper(torch.nn.Module):
         self.phase = phase
         self.family = family if family is not None else family_for(model.config)
         self.layout = layout
+        self.image_token_id = image_token_id
 
     def forward(self, input_ids: torch.Tensor, past_lens: torch.Tensor, *rest: torch.Tensor):
+        features = None
         if self.phase == "prefill":
             logits_index, past_flat = rest[0], rest[1:]
+            if self.image_token_id is not None:
+                features, past_flat = past_flat[0], past_flat[1:]
         else:
             logits_index, past_flat = None, rest
         layers = self.layout.num_layers if self.layout is not None else len(past_flat) // 2
@@ -182,10 +202,14 @@ class GraphWrapper(torch.nn.Module):
         config = self.model.config
         saved, config._attn_implementation = config._attn_implementation, ATTN_IMPLEMENTATION
         _TRACING["state"] = state
+        tokens: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        if features is not None:
+            embeds = self.model.get_input_embeddings()(input_ids)
+            tokens = {"inputs_embeds": merge_image_features(input_ids, embeds, features, self.image_token_id)}
         try:
             with own if own is not None else contextlib.nullcontext():
                 hidden = backbone(self.model)(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=own.use_cache if own is not None else bool(cache), **cache
+                    **tokens, position_ids=position_ids, use_cache=own.use_cache if own is not None else bool(cache), **cache
                 ).last_hidden_state
         finally:
             config._attn_implementation = saved

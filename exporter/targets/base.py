@@ -39,6 +39,7 @@ class ExportTarget:
     # before anything is loaded; (target, config, family, dtype, probed layout, sinks) after the probe.
     refuse_model: Callable[..., None] | None = None
     refuse_probed: Callable[..., None] | None = None
+    images: bool = True  # a vision-language export (vision.onnx, image features into prefill)
 
     @property
     def name(self) -> str:

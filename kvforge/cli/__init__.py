@@ -174,11 +174,13 @@ def main(ctx: click.Context, debug: bool) -> None:
               "fp32 model (default: where it fits in half the free memory).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Stream weights tensor by tensor "
               "where the model allows (--no-stream: load it whole).")
+@click.option("--text-only", is_flag=True, help="A vision-language checkpoint: export its text model alone (no "
+              "vision.onnx; by default it is exported whole, docs/vision.md).")
 @json_option("the manifest")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str | None,
            accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool,
-           calibration: Path | None) -> None:
+           calibration: Path | None, text_only: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
     --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
@@ -197,7 +199,8 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
 
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
-                            accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream, calibration=calibration)
+                            accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream, calibration=calibration,
+                            text_only=text_only)
     if accuracy_check is not None and quantize is None and kv_cache is None:
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built

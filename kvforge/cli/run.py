@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--prompt-ids", "prompt_ids", multiple=True, help="Comma-separated token ids (repeat for a batch).")
 @click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
 @click.option("--system", "system_text", help="With --chat: a system message first.")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="A vision-language export: "
+              "an image file for the one prompt (repeatable), at each '<image>' in it, else before its text.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Most tokens generated per prompt.")
 @sampling_options
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
@@ -70,6 +72,8 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     for option in ("chat_text", "system_text"):  # (--prompt texts are checked with the prompts)
         check_utf8(f"--{option.removesuffix('_text')}", options[option])
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
+    if options["images"] and len(batch) > 1:
+        raise InputError("--image goes with one prompt (one --prompt, --prompt-ids or --chat)")
     generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
                           **backend_options(threads=options["threads"], sessions=options["sessions"],
                                             engine_dir=options["engine_dir"], emulation=options["emulation"],
@@ -137,14 +141,14 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
         messages.append({"role": "user", "content": options["chat_text"]})
         prompts: Any = RenderedChat(generator.chat_ids(messages))
     else:
-        prompts = batch
+        prompts = batch[0] if options["images"] else batch
     sampling = sampling_keywords(options)
     if options["speculate"] is not None and sampling["greedy"] is None \
             and not any(options[key] for key in ("temperature", "top_k", "top_p")):
         sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
     return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
                              ignore_eos=options["ignore_eos"], speculate=options["speculate"],
-                             draft_len=options["draft_len"], **sampling)
+                             draft_len=options["draft_len"], images=list(options["images"]) or None, **sampling)
 
 
 @click.command()

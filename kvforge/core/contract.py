@@ -37,6 +37,13 @@ PHASES = ("prefill", "decode")
 INPUT_IDS = "input_ids"  # [B, S] int64 (decode: S = 1)
 PAST_LENS = "past_lens"  # [B] int32: cached tokens per row before this call
 LOGITS_INDEX = "logits_index"  # prefill only, [B, K] int64: the positions of S to return logits for
+# A vision-language export: its prefill graph (never decode) also takes the image embeddings of the image tokens among
+# its input_ids, row-major (row 0's image tokens in order, then row 1's...), one row of IMAGE_FEATURES per token
+# equal to the image token id; [0, hidden] when there are none. The graph writes them over those tokens' embeddings.
+IMAGE_FEATURES = "image_features"  # [N, hidden] float (the export's dtype)
+# The third graph of a vision-language export, `vision.onnx`: images in, the image tokens' embeddings out.
+VISION = "vision"
+PIXEL_VALUES = "pixel_values"  # [images, channels, height, width] float: preprocessed (runtime/media/)
 LOGITS = "logits"  # prefill [B, K, V], decode [B, V]
 # Inside the decode graph: the prefill graph's per-position logits [B, 1, V] before the squeeze.
 # Bindable on ONNX Runtime, so a session of the prefill graph can serve decode steps.
@@ -273,11 +280,19 @@ class GraphIO:
     outputs: tuple[str, ...]
 
     @classmethod
-    def of(cls, phase: str, layout: KVLayout) -> GraphIO:
+    def of(cls, phase: str, layout: KVLayout, images: bool = False) -> GraphIO:
+        """A phase's IO; `images`: the prefill graph of a vision-language export (it takes IMAGE_FEATURES)."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
         head = (INPUT_IDS, PAST_LENS) + ((LOGITS_INDEX,) if phase == "prefill" else ())
+        head += (IMAGE_FEATURES,) if images and phase == "prefill" else ()
         return cls(phase, head + tuple(layout.cache_inputs()), (LOGITS, *layout.cache_outputs()))
+
+    @classmethod
+    def vision(cls) -> GraphIO:
+        """The vision graph's IO: preprocessed images in, their image tokens' embeddings out ([images * tokens,
+        hidden], image by image)."""
+        return cls(VISION, (PIXEL_VALUES,), (IMAGE_FEATURES,))
 
     def check(self, inputs: list[str], outputs: list[str], where: str) -> None:
         """ManifestError unless `inputs` / `outputs` (any order) are exactly this graph's."""

@@ -31,6 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from kvforge.core.contract import (
+    IMAGE_FEATURES,
     INPUT_IDS,
     LOGITS,
     LOGITS_INDEX,
@@ -51,6 +52,7 @@ from kvforge.runtime.backends.ort_sessions import (
     check_device,
     check_options,
     check_session_io,
+    feature_dtype,
     logits_dtype,
     one_line,
     open_session,
@@ -153,6 +155,9 @@ class OrtBackend:
             check_session_io(manifest, self.kv, phase, self.sessions[phase])
         self.logits_dtype = logits_dtype(manifest)
         self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
+        # A vision-language export's prefill graph takes image features: none ([0, hidden]) unless a prefill has some.
+        vision = manifest.get("vision")
+        self.no_features = None if vision is None else np.zeros((0, vision["hidden_size"]), feature_dtype(manifest))
         self.runs = {"prefill": 0, "decode": 0}
         self.allocations = 0
         self._runs_lock = threading.Lock()
@@ -206,8 +211,9 @@ class OrtBackend:
             self.allocations += 1
         return self.bind(cache)
 
-    def prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        return self.run_prefill(slot, input_ids, logits_index)
+    def prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray,
+                image_features: np.ndarray | None = None) -> np.ndarray:
+        return self.run_prefill(slot, input_ids, logits_index, image_features)
 
     def decode(self, slot: OrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         return self.run_decode(slot, token_ids, running)
@@ -263,6 +269,8 @@ class OrtBackend:
                 if self.session_mode == "single":
                     binding.bind_ortvalue_input(LOGITS_INDEX, inputs["decode_index"])
             per_position = phase == "prefill" or self.session_mode == "single"  # the prefill graph runs
+            if per_position and self.no_features is not None:
+                binding.bind_cpu_input(IMAGE_FEATURES, self.no_features)
             if self.on_device and phase == "decode":
                 binding.bind_ortvalue_output(LOGITS, slot.device_values[LOGITS])
             else:  # prefill: into the host buffer (ONNX Runtime copies device outputs there after the run)
@@ -332,10 +340,12 @@ class OrtBackend:
             slot.cache.write_rows(row, layers, positions)
 
     # -- running --------------------------------------------------------------------------------
-    def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+    def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray,
+                    image_features: np.ndarray | None = None) -> np.ndarray:
         """input_ids [B, S] int64 (right-padded); logits_index [B] -> logits [B, V] float32, or
         [B, K] (K positions per row, e.g. to verify speculative drafts) -> logits [B, K, V].
-        Writes positions past_lens[b] + 0..S-1 of every row; the caller advances past_lens."""
+        Writes positions past_lens[b] + 0..S-1 of every row; the caller advances past_lens. `image_features`: a
+        vision-language export's, one row per image token of `input_ids`, row-major (contract.IMAGE_FEATURES)."""
         slot.cache.check_fits(input_ids.shape[1])
         binding = slot.bindings["prefill"]
         index = np.ascontiguousarray(logits_index, dtype=np.int64)
@@ -345,6 +355,11 @@ class OrtBackend:
         slot.prefill_inputs = (np.ascontiguousarray(input_ids, dtype=np.int64), index)
         binding.bind_cpu_input(INPUT_IDS, slot.prefill_inputs[0])
         binding.bind_cpu_input(LOGITS_INDEX, index)
+        if self.no_features is not None:
+            features = self.no_features if image_features is None else \
+                np.ascontiguousarray(image_features, dtype=self.no_features.dtype)
+            slot.prefill_inputs += (features,)
+            binding.bind_cpu_input(IMAGE_FEATURES, features)
         if index.shape[1] == 1:
             binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS])
             logits = self._run(slot, "prefill")

@@ -117,9 +117,14 @@ def check_device(folder: Path, manifest: dict[str, Any], kv: KVLayout, device: s
             )
 
 
+def feature_dtype(manifest: dict[str, Any]) -> Any:
+    """The numpy dtype of a vision-language export's image features (its activations')."""
+    return np.float16 if manifest.get("dtype") == "fp16" else np.float32
+
+
 def check_session_io(manifest: dict[str, Any], kv: KVLayout, phase: str, session: ort.InferenceSession) -> None:
     """The session's IO names, dtypes and fixed dimensions are the manifest's (ManifestError otherwise)."""
-    want = GraphIO.of(phase, kv)
+    want = GraphIO.of(phase, kv, images=manifest.get("vision") is not None)
     file = manifest["graphs"][phase]["file"]
     have_in = [node.name for node in session.get_inputs()]
     have_out = [node.name for node in session.get_outputs()]

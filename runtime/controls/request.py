@@ -86,7 +86,9 @@ class GenerationRequest:
     (seed + i, see sampling.choice_seed); the Scheduler prefills the prompt once and copies its KV
     rows, the Generator repeats each prompt row n times (result rows prompt-major: p0c0, p0c1, ...).
     `grammar`: a constraint spec whose `matcher(vocabulary)` gives each row a matcher that masks
-    the logits (runtime/controls/logit_controls.py; runtime/controls/constraint.py builds them)."""
+    the logits (runtime/controls/logit_controls.py; runtime/controls/constraint.py builds them).
+    `images` (a vision-language export): one prompt's images, or for a batch of prompts a list per prompt; each a
+    file path, bytes, a data: URL, a PIL image or a uint8 array, its place marked in the prompt (runtime/media/)."""
 
     prompts: Prompts
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -100,6 +102,7 @@ class GenerationRequest:
     logprobs: int | None = None
     n: int = 1
     grammar: Any | None = None
+    images: tuple[Any, ...] | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -122,6 +125,11 @@ class GenerationRequest:
         if not is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
             raise InputError(f"n must be an integer in 1..{MAX_CHOICES} (choices per prompt), got {self.n!r}")
         object.__setattr__(self, "n", int(self.n))
+        if self.images is not None:
+            if not isinstance(self.images, list | tuple):
+                raise InputError(f"images must be a list (of images, or of a list per prompt), got "
+                                 f"{type(self.images).__name__}")
+            object.__setattr__(self, "images", tuple(tuple(i) if isinstance(i, list) else i for i in self.images))
         if self.speculation is not None:
             if not isinstance(self.speculation, Speculation):
                 raise InputError(f"speculation must be a Speculation, got {type(self.speculation).__name__}")
@@ -164,6 +172,7 @@ class GenerationRequest:
         logprobs: int | None = None,
         n: int = 1,
         grammar: Any | None = None,
+        images: Any = None,
     ) -> GenerationRequest:
         """A request from keyword options. The sampling keywords override `defaults` (the export's
         generation config; greedy when None); giving temperature/top_k/top_p/min_p without `greedy`
@@ -183,7 +192,7 @@ class GenerationRequest:
             prompts, max_new_tokens, config, stop_token_ids=stop_token_ids or frozenset(), stop=stop or (),
             capacity=capacity, ignore_eos=ignore_eos, keep_logits=keep_logits,
             speculation=Speculation(speculate, int(draft_len)) if speculate is not None else None,
-            logprobs=logprobs, n=n, grammar=grammar,
+            logprobs=logprobs, n=n, grammar=grammar, images=images,
         )
 
     def replace(self, **changes: Any) -> GenerationRequest:

@@ -99,7 +99,12 @@ class Generator:
         chat_ids), generated as text; `options` are request()'s."""
         if "stream" in options:
             raise InputError("chat() returns a GenerationResult; use chat_stream() for a GenerationStream")
-        return self.request(RenderedChat(self.chat_ids(messages)), **options)
+        ids, images = self.chat_inputs(messages)
+        if images:
+            if options.get("images") is not None:
+                raise InputError("give a conversation's images as image parts of its messages, not also as images=")
+            options["images"] = images
+        return self.request(RenderedChat(ids), **options)
 
     def chat(self, messages: Any, **options: Any) -> GenerationResult:
         """Answer a conversation: the chat template renders `messages`, the model generates the
@@ -174,8 +179,9 @@ class Generator:
     def _run(self, request: GenerationRequest, stream_text: bool) -> Steps:
         # Checked and given a slot eagerly (not inside the generator body) so that stream() raises at the call.
         start = time.perf_counter()
-        ids, text_mode = self.prompt_ids(request)
+        ids, text_mode, images = self.prompt_inputs(request)
         ids = [row for row in ids for _ in range(request.n)]  # n choices: each prompt row n times, prompt-major
+        images = [row for row in images for _ in range(request.n)] if images is not None else None
         needed = needed_positions([len(row) for row in ids], request.max_new_tokens)
         limits = self.backend.limits
         if limits.max_batch is not None and len(ids) > limits.max_batch:
@@ -200,6 +206,8 @@ class Generator:
         rows = [Row(prompt, Stopper(request, self.eos_token_ids, self.tokenizer.incremental() if incremental else None),
                     self.row_controls(request, prompt), keep_logprobs=request.logprobs is not None)
                 for prompt in ids]  # a grammar that fails, fails here, before a slot is taken
+        for row, row_images in zip(rows, images or (), strict=False):
+            row.image_features = row_images.features if row_images is not None else None
         # n choices: each its own stream, as its own Scheduler choice draws (seed + i); else one for the batch.
         n = request.n
         picker = Picker(request.sampling, [choice_seed(request.sampling.seed, b % n) for b in range(len(ids))]

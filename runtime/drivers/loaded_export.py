@@ -23,8 +23,9 @@ from kvforge.runtime.backends.backend import Backend, create_backend, default_ba
 from kvforge.runtime.controls.logit_controls import RowControls
 from kvforge.runtime.controls.request import GenerationRequest
 from kvforge.runtime.controls.sampling import SamplingConfig
+from kvforge.runtime.drivers.images import Images, RowImages
 from kvforge.runtime.text.chat import ChatTemplate, read_chat_template
-from kvforge.runtime.text.prompts import Prompts, as_id_list, parse_prompts
+from kvforge.runtime.text.prompts import Prompts, RenderedChat, as_id_list, is_int, parse_prompts
 from kvforge.runtime.text.tokenizer import TOKENIZER_FILE, Tokenizer
 from kvforge.runtime.text.vocabulary import Vocabulary
 
@@ -81,6 +82,8 @@ class LoadedExport:
             self.backend = backend
         self.backend_name = self.backend.name
         self.max_capacity = self.backend.limits.max_capacity
+        # A vision-language export's image path (runtime/drivers/images.py); None: the export takes no images.
+        self.images = Images(self.folder, self.manifest, model.bos_token_id) if self.manifest.get("vision") else None
 
     def _load_text(self) -> None:
         """The tokenizer and the chat template."""
@@ -127,6 +130,25 @@ class LoadedExport:
                                 check_messages(messages), self.tokenizer,
                                 special_tokens_in_content=special_tokens_in_content)
 
+    def chat_inputs(self, messages: Any, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> tuple[list[int], list[Any]]:
+        """chat_ids(), and a conversation's images: image content parts (OpenAI's image_url, or {"type": "image",
+        "image": ...}) become the family's placeholder where they stand, the rendered text is tokenized piece by
+        piece around them (runtime/media/image_prompt.py), and the images are returned in order."""
+        from kvforge.runtime.media.image_prompt import take_image_parts, text_with_images
+        from kvforge.runtime.text.messages import check_messages
+
+        if self.images is None:
+            return self.chat_ids(messages, add_generation_prompt, tools), []
+        messages, images = take_image_parts(messages, self.images.vision["placeholder"])
+        if not images:
+            return self.chat_ids(messages, add_generation_prompt, tools), []
+        template = self.chat_template
+        text = template.render(check_messages(messages), add_generation_prompt, tools)
+        tokenizer = self.tokenizer
+        assert tokenizer is not None  # checked by chat_template
+        return text_with_images(text, self.images.vision, lambda piece, _: tokenizer.encode(piece, False)), images
+
     @property
     def chat_template(self) -> ChatTemplate:
         """The chat template read at load, or the InputError/ManifestError saying why there is none."""
@@ -148,6 +170,21 @@ class LoadedExport:
         if outside:  # the model can never emit them: such a stop would never stop anything
             raise InputError(f"stop_token_ids {outside[:8]} are not token ids of this model (0..{self.vocab_size - 1})")
         return parse_prompts(request.prompts, self.tokenizer, self.vocab_size, self.folder)
+
+    def prompt_inputs(self, request: GenerationRequest) -> tuple[list[list[int]], bool, list[RowImages | None] | None]:
+        """prompt_ids(), and with `request.images` each row's images (its places expanded among its ids)."""
+        if request.images is None:
+            return (*self.prompt_ids(request), None)
+        if self.images is None:
+            raise InputError(f"{self.folder} takes no images: it was exported from a text model, or with --text-only")
+        prompts, images = _image_rows(request.prompts, request.images)
+        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
+            raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so prompts must be token ids, not text")
+        tokenizer = self.tokenizer
+        rows = self.images.prompt_rows(prompts, images, lambda text, special: tokenizer.encode(text, special))
+        rows, _ = parse_prompts(rows, self.tokenizer, self.vocab_size, self.folder)  # the ids checked
+        text_mode = isinstance(request.prompts, RenderedChat) or any(isinstance(p, str) for p in prompts)
+        return rows, text_mode, self.images.encode_rows(images)
 
     def checked_ids(self, ids: list[int]) -> list[int]:
         """One row of token ids, checked against the vocabulary (parse_prompts' messages)."""
@@ -191,3 +228,18 @@ class LoadedExport:
             )
         return logits
 
+
+
+def _image_rows(prompts: Any, images: tuple[Any, ...]) -> tuple[list[Any], list[list[Any]]]:
+    """Prompts as a list (text or token ids per row) and each row's images: one prompt takes `images` as its list,
+    a batch takes a list per prompt."""
+    if isinstance(prompts, RenderedChat):
+        return [list(prompts.ids)], [list(images)]
+    if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts and is_int(prompts[0])):
+        return [prompts], [list(images)]
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise InputError("images go with a text prompt, a token-id prompt or a batch of them")
+    if len(images) != len(prompts) or not all(isinstance(row, tuple | list) for row in images):
+        raise InputError(f"a batch of {len(prompts)} prompts takes images as a list per prompt ({len(prompts)} "
+                         "lists, [] for a prompt without)")
+    return list(prompts), [list(row) for row in images]

@@ -42,6 +42,8 @@ class Row:
         self.index = index  # the choice of its request (n > 1)
         self.owner: object = None  # the driver's own record of the row (the Scheduler's request)
         self.error: str | None = None  # why the row failed (FinishReason.ERROR), a client's grammar
+        # A vision-language export's prompt images: their features, one row per image token (contract.IMAGE_FEATURES)
+        self.image_features: np.ndarray | None = None
 
     def fail(self, error: GrammarError) -> None:
         """End this row alone: its controls failed (the request's own grammar)."""

@@ -1,0 +1,139 @@
+"""The third graph of a vision-language export, `vision.onnx`: one preprocessed image in, its image tokens'
+embeddings out (the family's tower, feature selection and projector, traced from transformers' own modules).
+
+The prefill graph takes those embeddings at the image tokens' positions (contract.IMAGE_FEATURES,
+exporter/wrapper.py merge_image_features); decode is unchanged. What the runtime needs to make an image's input
+and prompt without torch (the processor's pipeline as transformers resolved it, the image token, its count, the
+ids around an image) is the manifest's `vision` record, made here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io as io_module
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.contract import IMAGE_FEATURES, PIXEL_VALUES
+from kvforge.core.errors import InputError, UnsupportedModelError
+from kvforge.models.vision_families import VisionFamily, image_token_id
+
+# The image processor fields the runtime replays (runtime/media/preprocess.py), as transformers resolved them.
+PROCESSOR_FIELDS = ("do_convert_rgb", "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
+                    "rescale_factor", "do_normalize", "image_mean", "image_std", "do_pad")
+
+
+def load_vision_language_model(model_dir: Path, dtype: str) -> Any:
+    """The whole checkpoint (`...ForConditionalGeneration`) with eager attention, in eval mode: its tower and
+    projector are traced into vision.onnx and it is the parity reference of the image path."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+
+    from kvforge.core.contract import DTYPES
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    cls = getattr(transformers, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[config.model_type])
+    model = cls.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager",
+                                local_files_only=True, use_safetensors=True, trust_remote_code=False)
+    return model.eval()
+
+
+def checkpoint_image_token(model_dir: Path) -> int:
+    """The image token id of a checkpoint folder's config (what its prefill graph merges image features at)."""
+    from transformers import AutoConfig
+
+    return image_token_id(AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False))
+
+
+def processor_record(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's image processor as transformers resolves it (preprocessor_config.json with its class's
+    defaults): its class name and PROCESSOR_FIELDS, JSON-ready."""
+    from transformers import AutoImageProcessor
+
+    if not (model_dir / "preprocessor_config.json").is_file():
+        raise InputError(f"{model_dir} has no preprocessor_config.json: a vision-language export needs the image "
+                         "processor's settings; pass the complete checkpoint folder, or export with --text-only")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, backend="pil")
+    record: dict[str, Any] = {"class": type(processor).__name__.removesuffix("Pil").removesuffix("Fast")}
+    for field in PROCESSOR_FIELDS:
+        value = getattr(processor, field, None)
+        if dataclasses.is_dataclass(value):  # transformers' SizeDict
+            value = dataclasses.asdict(value)
+        elif hasattr(value, "to_dict"):
+            value = value.to_dict()
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None}
+        elif hasattr(value, "value"):  # an enum (resample)
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        record[field] = value
+    return record
+
+
+def image_shape(record: dict[str, Any], config: Any) -> tuple[int, int]:
+    """(height, width) of the processor's output: its crop, else its fixed size, else the tower's image size."""
+    for on, field in (("do_center_crop", "crop_size"), ("do_resize", "size")):
+        size = record.get(field) or {}
+        if record.get(on) and "height" in size and "width" in size:
+            return int(size["height"]), int(size["width"])
+    side = getattr(getattr(config, "vision_config", None), "image_size", None)
+    if not isinstance(side, int):
+        raise UnsupportedModelError(f"{config.model_type}: its image processor gives no fixed image size, which "
+                                    "vision.onnx needs")
+    return side, side
+
+
+def _features_module(model: Any, family: VisionFamily) -> Any:
+    """A module: forward(pixel_values [1, C, H, W]) -> image features [tokens, hidden] (the family's `features`)."""
+    import torch
+
+    class Features(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixel_values: Any) -> Any:
+            return family.features(self.model, pixel_values)
+
+    return Features()
+
+
+def trace_vision(model: Any, family: VisionFamily, shape: tuple[int, int], torch_dtype: Any) -> tuple[Any, int]:
+    """vision.onnx (an onnx_ir model, one image per call) and the number of image tokens an image gives."""
+    import torch
+
+    from kvforge.exporter.trace import OPSET, quiet_logger
+
+    channels = getattr(model.config.vision_config, "num_channels", 3)
+    example = torch.zeros(1, channels, *shape, dtype=torch_dtype)
+    wrapper = _features_module(model, family)
+    with torch.no_grad():
+        tokens = int(wrapper(example).shape[0])
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io_module.StringIO()), quiet_logger("torch.onnx"):
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(wrapper, (example,), dynamo=True, input_names=[PIXEL_VALUES],
+                                    output_names=[IMAGE_FEATURES], opset_version=OPSET, optimize=True, verbose=False)
+    graph = program.model
+    graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
+    return graph, tokens
+
+
+def vision_record(model: Any, family: VisionFamily, processor: dict[str, Any], shape: tuple[int, int],
+                  tokens: int) -> dict[str, Any]:
+    """The manifest's `vision` section: what the runtime needs to turn an image and a prompt into the graphs'
+    inputs (runtime/media/)."""
+    config = model.config
+    before, after = family.around(config)
+    return {
+        "family": family.model_type, "file": "vision.onnx", "image_token_id": image_token_id(config),
+        "tokens_per_image": tokens, "hidden_size": int(model.get_input_embeddings().weight.shape[-1]),
+        "image_size": list(shape), "channels": getattr(config.vision_config, "num_channels", 3),
+        "placeholder": family.placeholder, "before_ids": list(before), "after_ids": list(after),
+        "processor": processor,
+    }

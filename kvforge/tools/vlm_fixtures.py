@@ -1,0 +1,69 @@
+"""Tiny seeded vision-language checkpoints (no hub): a family's whole model at test sizes, its image processor's
+config and kvforge's built-in tokenizer, written as a Hugging Face folder. Test fixtures of the image path.
+
+The text vocabulary is the tokenizer's 512 tokens plus IMAGE_TOKENS ids that the tokenizer never produces, so the
+image token (and a family's tokens around an image) cannot be typed as text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TEXT_VOCAB = 512  # the built-in tokenizer's size
+IMAGE_TOKEN_ID = TEXT_VOCAB + 8  # the image token of every tiny checkpoint
+VOCAB_SIZE = TEXT_VOCAB + 16
+SIDE = 56  # the images' side after preprocessing: 16 patches of 14 pixels
+
+# Per family: the config's own fields, its sub-configs' overrides, and the image processor it is saved with.
+_CLIP_PROCESSOR = ("CLIPImageProcessor", {"size": {"shortest_edge": SIDE}, "crop_size": {"height": SIDE, "width": SIDE}})
+TINY_VLMS: dict[str, dict[str, Any]] = {
+    "llava": {"config": {"image_token_id": IMAGE_TOKEN_ID, "image_seq_length": 16},
+              "vision_config": {"num_hidden_layers": 2, "image_size": SIDE, "patch_size": 14},
+              "processor": _CLIP_PROCESSOR},
+}
+
+
+def tiny_vlm_config(model_type: str) -> Any:
+    """The family's config at test sizes (the text model as the coverage sweep's tiny config of its type)."""
+    from transformers import AutoConfig
+
+    from kvforge.tools.coverage_fixtures import tiny_multimodal_config
+
+    recipe = TINY_VLMS[model_type]
+    values = tiny_multimodal_config(model_type).to_dict()
+    values["text_config"] = {**values["text_config"], "vocab_size": VOCAB_SIZE}
+    for name in ("vision_config", "text_config"):
+        values[name] = {**values[name], **recipe.get(name, {})}
+    values.update(recipe["config"])
+    values.pop("model_type", None)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def build_tiny_vlm(model_type: str, folder: Path, seed: int = 0) -> Any:
+    """Write the family's tiny seeded checkpoint, its preprocessor_config.json and the built-in tokenizer to
+    `folder`; the model (eager attention, eval mode)."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+
+    from kvforge.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+
+    folder = Path(folder)
+    config = tiny_vlm_config(model_type)
+    torch.manual_seed(seed)
+    cls = getattr(transformers, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[model_type])
+    model = cls._from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # every layer matters for the logits; the projector's output is no near-zero whisper
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")) or "multi_modal_projector" in name:
+                param.mul_(2.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    processor_class, fields = TINY_VLMS[model_type]["processor"]
+    getattr(transformers, processor_class)(**fields).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(TEXT_VOCAB), bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token=None).save_pretrained(folder)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                     do_sample=False).save_pretrained(folder)
+    return model

@@ -1,0 +1,62 @@
+"""The vision-language families kvforge exports whole: the image tower and projector as `vision.onnx` beside the
+text model's prefill and decode graphs.
+
+A row per checkpoint type (LLaVA, ...): how its image features are computed (transformers' own
+`get_image_features`, traced), which token id stands for an image feature in the prompt, and what surrounds an
+image's run of those tokens. The image processor's pipeline is recorded in the manifest as transformers resolved it
+and replayed without torch by the runtime (runtime/media/preprocess.py), which says which processors it reproduces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# The text that stands for one image in a prompt, as Hugging Face's processors spell it for these families.
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def image_features(model: Any, pixel_values: Any) -> Any:
+    """[tokens, hidden]: transformers' own image features of one image (the family's get_image_features: tower,
+    feature layer and projector), image tokens in prompt order."""
+    import torch
+
+    out = model.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+    if isinstance(out, list | tuple):
+        return torch.cat(list(out), 0)
+    return out.reshape(-1, out.shape[-1])
+
+
+def image_token_id(config: Any) -> int:
+    """The id that marks an image feature's position among the input ids (its two spellings in transformers)."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise ValueError(f"{config.model_type}: the config names no image token id")
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """What exporting one vision-language type whole needs. `features(model, pixel_values [1, C, H, W])` gives the
+    image's token embeddings [tokens, hidden]; `around(config)` the token ids before and after an image's run of
+    image tokens (none for LLaVA), as the family's processor writes them."""
+
+    model_type: str
+    features: Callable[[Any, Any], Any] = image_features
+    around: Callable[[Any], tuple[list[int], list[int]]] = lambda config: ([], [])
+    placeholder: str = IMAGE_PLACEHOLDER
+
+
+VISION_FAMILIES: dict[str, VisionFamily] = {
+    family.model_type: family for family in (
+        VisionFamily("llava"),
+    )
+}
+
+
+def vision_family(model_type: Any) -> VisionFamily | None:
+    """The row of a vision-language type kvforge exports whole, or None (a text model, or a multimodal checkpoint
+    whose text model alone is exported)."""
+    return VISION_FAMILIES.get(model_type) if isinstance(model_type, str) else None

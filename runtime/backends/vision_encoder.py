@@ -1,0 +1,46 @@
+"""A vision-language export's `vision.onnx` on ONNX Runtime CPU: one preprocessed image in, its image tokens'
+embeddings out (contract.GraphIO.vision()). Its graph is read from the bytes the manifest's sha256 checks, its
+weights from the export's shared weights file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from kvforge.core.contract import IMAGE_FEATURES, PIXEL_VALUES, VISION, GraphIO
+from kvforge.core.errors import ManifestError
+from kvforge.core.manifest import read_graph
+from kvforge.runtime.backends.ort_sessions import feature_dtype
+
+
+class VisionEncoder:
+    """encode(pixels [C, H, W] float32) -> features [tokens_per_image, hidden] in the export's dtype."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
+        options = ort.SessionOptions()
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        self.session = ort.InferenceSession(read_graph(folder, manifest, VISION), sess_options=options,
+                                            providers=["CPUExecutionProvider"])
+        have = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
+        want = GraphIO.vision()
+        if tuple(have[0]) != want.inputs or tuple(have[1]) != want.outputs:
+            raise ManifestError(f"{folder}/vision.onnx has IO {have}, not {want.inputs} -> {want.outputs}; the "
+                                "folder was modified, re-run the export")
+        vision = manifest["vision"]
+        self.shape = (vision["channels"], *vision["image_size"])
+        self.tokens, self.hidden = vision["tokens_per_image"], vision["hidden_size"]
+        self.dtype = feature_dtype(manifest)
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        if pixels.shape != self.shape:
+            raise ValueError(f"pixels of shape {pixels.shape}, the vision graph takes {self.shape}")
+        out = self.session.run([IMAGE_FEATURES], {PIXEL_VALUES: pixels[None].astype(self.dtype)})[0]
+        if out.shape != (self.tokens, self.hidden):
+            raise ManifestError(f"vision.onnx gave features of shape {out.shape}, its manifest says "
+                                f"{(self.tokens, self.hidden)}; re-run the export")
+        return out

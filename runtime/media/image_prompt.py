@@ -1,0 +1,96 @@
+"""Where an image's features go among a prompt's token ids (the manifest's `vision` record, exporter/vision.py).
+
+A caller marks each image's place with the family's placeholder text ("<image>") in a text prompt, or with one
+image token id in a token-id prompt. Each mark becomes the family's ids before an image, one image token per image
+feature (`tokens_per_image`) and the ids after it, as the family's Hugging Face processor expands it; the prefill
+graph writes the image's features over those image tokens (contract.IMAGE_FEATURES).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvforge.core.errors import InputError
+
+
+def text_with_images(text: str, vision: dict[str, Any], encode: Callable[[str, bool], list[int]]) -> list[int]:
+    """A text prompt's ids with one image token id at each placeholder (the text between placeholders tokenized
+    piece by piece, the first with the tokenizer's special tokens, as a processor's added image token splits it).
+    (expand_images puts the images of a prompt without a placeholder before its text.)"""
+    pieces = text.split(vision["placeholder"])
+    ids = encode(pieces[0], True)
+    for piece in pieces[1:]:
+        ids.append(vision["image_token_id"])
+        if piece:
+            ids.extend(encode(piece, False))
+    return ids
+
+
+def expand_images(ids: list[int], images: int, vision: dict[str, Any], where: str) -> list[int]:
+    """`ids` with each image token replaced by an image's run (before_ids, tokens_per_image image tokens,
+    after_ids). A prompt with no image token and images gets them at its start (after a leading BOS)."""
+    token = vision["image_token_id"]
+    marks = ids.count(token)
+    if marks == 0 and images:
+        start = 1 if ids and ids[0] == vision.get("bos_token_id") else 0
+        ids, marks = ids[:start] + [token] * images + ids[start:], images
+    if marks != images:
+        raise InputError(f"{where} marks {marks} image place(s) ({vision['placeholder']!r}) but comes with {images} "
+                         "image(s): give one image per place")
+    run = [*vision["before_ids"], *[token] * vision["tokens_per_image"], *vision["after_ids"]]
+    out: list[int] = []
+    for i in ids:
+        out.extend(run if i == token else (i,))
+    return out
+
+
+def image_key(ids: list[int], digests: list[str], vision: dict[str, Any]) -> list[int]:
+    """Expanded `ids` as a cached prefix's key: the k-th image token replaced by an id drawn from its image's
+    digest (negative, so never a real token), so two prompts share a prefix only where their images are the same
+    image."""
+    token, per_image = vision["image_token_id"], vision["tokens_per_image"]
+    key, seen = [], 0
+    for i in ids:
+        if i == token and digests:
+            key.append(-1 - int(digests[min(seen // per_image, len(digests) - 1)][:15], 16))
+            seen += 1
+        else:
+            key.append(i)
+    return key
+
+
+IMAGE_PARTS = ("image_url", "image")
+
+
+def take_image_parts(messages: Any, placeholder: str) -> tuple[Any, list[Any]]:
+    """Messages with each image content part ({"type": "image_url", "image_url": {"url": ...}}, OpenAI's; or
+    {"type": "image", "image": source}) replaced by a text part holding `placeholder`, and the images in order.
+    Messages without image parts come back as they were, with no images."""
+    if not isinstance(messages, list):
+        return messages, []
+    images: list[Any] = []
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+                                                    for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in IMAGE_PARTS:
+                parts.append(part)
+                continue
+            source = part.get("image_url") if kind == "image_url" else part.get("image")
+            if kind == "image_url":
+                source = source.get("url") if isinstance(source, dict) else source
+                if not isinstance(source, str):
+                    raise InputError(f"messages[{i}].content[{j}].image_url must hold a 'url' string")
+            if source is None:
+                raise InputError(f"messages[{i}].content[{j}] is an image part without an image")
+            images.append(source)
+            parts.append({"type": "text", "text": placeholder})
+        out.append({**message, "content": parts})
+    return out, images

@@ -1,0 +1,121 @@
+"""Vision-language exports, per family (kvforge/tools/vlm_fixtures.py TINY_VLMS): vision.onnx against Hugging Face's
+image features, prefill with an image against HF's logits at every step, 32 greedy tokens, a batch of two prompts
+with different images and lengths, a second turn about the same image, and text-only requests unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvforge.tools.vlm_fixtures import TINY_VLMS, build_tiny_vlm  # noqa: E402
+
+FAMILIES = sorted(TINY_VLMS)
+NEW_TOKENS = 32
+
+
+def _image(seed: int, height: int, width: int, mode: str = "RGB"):
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(height, width, 4) * 255).astype(np.uint8), "RGBA").convert(mode)
+
+
+class Exported:
+    """A family's tiny checkpoint, its fp32 export, the HF model and processor, and a Generator over it."""
+
+    def __init__(self, family: str, root: Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        from kvforge.exporter.export import export_model
+        from kvforge.runtime import Generator
+
+        self.family, self.hf_dir, self.out = family, root / family, root / f"{family}.export"
+        self.model = build_tiny_vlm(family, self.hf_dir)
+        self.manifest = export_model(self.hf_dir, self.out)
+        self.vision = self.manifest["vision"]
+        self.processor = AutoImageProcessor.from_pretrained(self.hf_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        self.gen = Generator(self.out)
+
+    def hf_ids(self, before: str, after: str, images: int = 1) -> list[int]:
+        """The ids HF's processor makes of `before<image>after` (the image's run as the family expands it)."""
+        run = [*self.vision["before_ids"], *[self.vision["image_token_id"]] * self.vision["tokens_per_image"],
+               *self.vision["after_ids"]]
+        ids = self.tokenizer(before)["input_ids"] + run * images
+        return ids + (self.tokenizer(after, add_special_tokens=False)["input_ids"] if after else [])
+
+    def pixels(self, *images) -> torch.Tensor:
+        return torch.from_numpy(self.processor(images=list(images), return_tensors="np")["pixel_values"])
+
+    def hf_greedy(self, ids: list[int], pixels: torch.Tensor | None, new: int = NEW_TOKENS) -> list[int]:
+        images = {} if pixels is None else {"pixel_values": pixels}
+        with torch.no_grad():
+            out = self.model.generate(input_ids=torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False, **images)
+        return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def exported(request, tmp_path_factory) -> Exported:
+    return Exported(request.param, tmp_path_factory.mktemp("vlm"))
+
+
+def test_vision_graph_matches_hf_image_features(exported):
+    from kvforge.models.vision_families import VISION_FAMILIES
+    from kvforge.runtime.backends.vision_encoder import VisionEncoder
+
+    encoder = VisionEncoder(exported.out, exported.manifest)
+    for seed, (height, width) in enumerate(((70, 90), (120, 60), (56, 56))):
+        pixels = exported.pixels(_image(seed, height, width))
+        with torch.no_grad():
+            want = VISION_FAMILIES[exported.family].features(exported.model, pixels).numpy()
+        got = encoder.encode(pixels[0].numpy())
+        assert got.shape == want.shape == (exported.vision["tokens_per_image"], exported.vision["hidden_size"])
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_prefill_with_an_image_matches_hf_logits_at_every_step_and_greedy_tokens(exported):
+    image = _image(3, 80, 100)
+    result = exported.gen.generate("Describe <image> in a few words", images=[image], max_new_tokens=NEW_TOKENS,
+                                   greedy=True, ignore_eos=True, keep_logits=True)
+    ids = exported.hf_ids("Describe ", " in a few words")
+    pixels = exported.pixels(image)
+    assert result.tokens[0] == exported.hf_greedy(ids, pixels)
+    with torch.no_grad():  # HF's logits over the prompt and the generated tokens, teacher-forced
+        full = exported.model(input_ids=torch.tensor([ids + result.tokens[0]]), pixel_values=pixels).logits[0].numpy()
+    steps = np.stack([np.asarray(step)[0] for step in result.logits])
+    want = full[len(ids) - 1: len(ids) - 1 + len(steps)]
+    np.testing.assert_allclose(steps, want, atol=1e-3, rtol=0)
+
+
+def test_a_batch_of_two_prompts_with_different_images_gives_each_its_own_tokens(exported):
+    images = [_image(5, 64, 128), _image(6, 140, 70, "L")]
+    prompts = ["<image> What is this?", "Look at it: <image> and tell me what the picture shows, please"]
+    batch = exported.gen.generate(prompts, images=[[images[0]], [images[1]]], max_new_tokens=16, greedy=True,
+                                  ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        alone = exported.gen.generate(prompt, images=[images[i]], max_new_tokens=16, greedy=True, ignore_eos=True)
+        assert batch.tokens[i] == alone.tokens[0]
+        before, after = prompt.split("<image>")
+        assert batch.tokens[i] == exported.hf_greedy(exported.hf_ids(before, after), exported.pixels(images[i]), 16)
+    assert batch.tokens[0] != batch.tokens[1]
+
+
+def test_text_only_requests_to_a_vision_export_are_the_text_model(exported):
+    ids = exported.tokenizer("Once upon a time")["input_ids"]
+    result = exported.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True)
+    assert result.tokens[0] == exported.hf_greedy(ids, None, 16)
+    text = Exported.__new__(Exported)  # the same checkpoint exported --text-only: the same tokens
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import Generator
+
+    out = exported.out.parent / f"{exported.family}.text"
+    manifest = export_model(exported.hf_dir, out, text_only=True)
+    assert "vision" not in manifest and "vision" not in manifest["graphs"]
+    text.gen = Generator(out)
+    assert text.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens == result.tokens
