@@ -133,7 +133,7 @@ def add_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[str, Any]
     model = load_vision_language_model(work.model_dir, work.options.dtype)
     shape = image_shape(processor, model.config)
     graphs[VISION], tokens = trace_vision(model, work.vision, shape, work.torch_dtype)
-    return vision_record(model, work.vision, processor, shape, tokens)
+    return vision_record(model, work.vision, processor, shape, tokens, work.model_dir)
 
 
 def _dtype_name(torch_dtype: Any) -> str:

@@ -35,9 +35,10 @@ def is_multimodal(model_type: Any) -> bool:
     from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
 
     from kvforge.models.coverage_data import out_of_scope
+    from kvforge.models.vision_families import vision_family
 
     return isinstance(model_type, str) and model_type in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES \
-        and not out_of_scope(model_type)
+        and (not out_of_scope(model_type) or vision_family(model_type) is not None)
 
 
 def text_config_of(config: Any) -> Any:

@@ -22,7 +22,8 @@ from kvforge.models.vision_families import VisionFamily, image_token_id
 
 # The image processor fields the runtime replays (runtime/media/preprocess.py), as transformers resolved them.
 PROCESSOR_FIELDS = ("do_convert_rgb", "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
-                    "rescale_factor", "do_normalize", "image_mean", "image_std", "do_pad")
+                    "rescale_factor", "do_normalize", "image_mean", "image_std", "do_pad", "min_size",
+                    "background_color", "crop_to_patches")
 
 
 def load_vision_language_model(model_dir: Path, dtype: str) -> Any:
@@ -124,12 +125,28 @@ def trace_vision(model: Any, family: VisionFamily, shape: tuple[int, int], torch
     return graph, tokens
 
 
+def _token_ids(model_dir: Path, tokens: tuple[str, ...]) -> list[int]:
+    """The ids of the family's tokens around an image in the checkpoint's tokenizer.json."""
+    if not tokens:
+        return []
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(path)) if path.is_file() else None
+    ids = [tokenizer.token_to_id(token) if tokenizer is not None else None for token in tokens]
+    missing = [token for token, i in zip(tokens, ids, strict=True) if i is None]
+    if missing:
+        raise InputError(f"{model_dir}'s tokenizer.json lacks {', '.join(missing)}, which its processor writes around "
+                         "an image; pass the checkpoint's own tokenizer")
+    return [int(i) for i in ids]
+
+
 def vision_record(model: Any, family: VisionFamily, processor: dict[str, Any], shape: tuple[int, int],
-                  tokens: int) -> dict[str, Any]:
+                  tokens: int, model_dir: Path) -> dict[str, Any]:
     """The manifest's `vision` section: what the runtime needs to turn an image and a prompt into the graphs'
     inputs (runtime/media/)."""
     config = model.config
-    before, after = family.around(config)
+    before, after = _token_ids(model_dir, family.before), _token_ids(model_dir, family.after)
     return {
         "family": family.model_type, "file": "vision.onnx", "image_token_id": image_token_id(config),
         "tokens_per_image": tokens, "hidden_size": int(model.get_input_embeddings().weight.shape[-1]),

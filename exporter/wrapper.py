@@ -202,10 +202,10 @@ class GraphWrapper(torch.nn.Module):
         config = self.model.config
         saved, config._attn_implementation = config._attn_implementation, ATTN_IMPLEMENTATION
         _TRACING["state"] = state
-        tokens: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        tokens: dict[str, torch.Tensor] = dict(input_ids=input_ids)  # HF's keyword (a vision export: the embeddings)
         if features is not None:
             embeds = self.model.get_input_embeddings()(input_ids)
-            tokens = {"inputs_embeds": merge_image_features(input_ids, embeds, features, self.image_token_id)}
+            tokens = dict(inputs_embeds=merge_image_features(input_ids, embeds, features, self.image_token_id))
         try:
             with own if own is not None else contextlib.nullcontext():
                 hidden = backbone(self.model)(

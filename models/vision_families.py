@@ -40,18 +40,31 @@ def image_token_id(config: Any) -> int:
 @dataclass(frozen=True)
 class VisionFamily:
     """What exporting one vision-language type whole needs. `features(model, pixel_values [1, C, H, W])` gives the
-    image's token embeddings [tokens, hidden]; `around(config)` the token ids before and after an image's run of
-    image tokens (none for LLaVA), as the family's processor writes them."""
+    image's token embeddings [tokens, hidden]; `before` / `after` the tokenizer's tokens around an image's run of
+    image tokens, as the family's processor writes them (none for LLaVA)."""
 
     model_type: str
     features: Callable[[Any, Any], Any] = image_features
-    around: Callable[[Any], tuple[list[int], list[int]]] = lambda config: ([], [])
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
     placeholder: str = IMAGE_PLACEHOLDER
+    # The whole model's logits are its head's alone, without its text model's scaling (Aya Vision's class applies
+    # no Cohere 2 logit_scale): the export follows the whole model.
+    head_logits_only: bool = False
 
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
     family.model_type: family for family in (
         VisionFamily("llava"),
+        VisionFamily("vipllava"),
+        VisionFamily("video_llava"),
+        VisionFamily("internvl", before=("<img>",), after=("</img>",)),
+        VisionFamily("got_ocr2", before=("<img>",), after=("</img>",)),
+        # One tile (the processor's crop_to_patches off): the global tile's marker, its patches, the end.
+        VisionFamily("aya_vision", before=("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>"), after=("<|END_OF_IMG|>",),
+                     head_logits_only=True),
+        VisionFamily("deepseek_vl"),
+        VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",)),
     )
 }
 

@@ -217,7 +217,8 @@ def test_an_attention_op_out_of_contract_order_is_refused() -> None:
 
 # Inside the runtime, by role folder (runtime/<role>/): what each may import of the runtime besides itself. The
 # package face and runtime/service.py (the server's side, above them all) are imported by none of them.
-RUNTIME_ROLES = {"text": set(), "controls": {"text"}, "backends": set(), "drivers": {"backends", "controls", "text"}}
+RUNTIME_ROLES = {"text": set(), "media": set(), "controls": {"text"}, "backends": set(),
+                 "drivers": {"backends", "controls", "media", "text"}}
 
 
 def runtime_role_violations(role: str, source: str, where: str = "") -> list[str]:

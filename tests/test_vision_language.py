@@ -50,7 +50,8 @@ class Exported:
         return ids + (self.tokenizer(after, add_special_tokens=False)["input_ids"] if after else [])
 
     def pixels(self, *images) -> torch.Tensor:
-        return torch.from_numpy(self.processor(images=list(images), return_tensors="np")["pixel_values"])
+        out = self.processor(images=list(images), return_tensors="np")
+        return torch.from_numpy(out["pixel_values"] if "pixel_values" in out else out["pixel_values_images"])
 
     def hf_greedy(self, ids: list[int], pixels: torch.Tensor | None, new: int = NEW_TOKENS) -> list[int]:
         images = {} if pixels is None else {"pixel_values": pixels}
@@ -94,7 +95,7 @@ def test_prefill_with_an_image_matches_hf_logits_at_every_step_and_greedy_tokens
 
 
 def test_a_batch_of_two_prompts_with_different_images_gives_each_its_own_tokens(exported):
-    images = [_image(5, 64, 128), _image(6, 140, 70, "L")]
+    images = [_image(5, 64, 128), _image(6, 140, 70)]
     prompts = ["<image> What is this?", "Look at it: <image> and tell me what the picture shows, please"]
     batch = exported.gen.generate(prompts, images=[[images[0]], [images[1]]], max_new_tokens=16, greedy=True,
                                   ignore_eos=True)

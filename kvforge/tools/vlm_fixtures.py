@@ -15,12 +15,37 @@ IMAGE_TOKEN_ID = TEXT_VOCAB + 8  # the image token of every tiny checkpoint
 VOCAB_SIZE = TEXT_VOCAB + 16
 SIDE = 56  # the images' side after preprocessing: 16 patches of 14 pixels
 
-# Per family: the config's own fields, its sub-configs' overrides, and the image processor it is saved with.
-_CLIP_PROCESSOR = ("CLIPImageProcessor", {"size": {"shortest_edge": SIDE}, "crop_size": {"height": SIDE, "width": SIDE}})
+# Per family: the config's own fields, its sub-configs' overrides, the image processor it is saved with, and the
+# tokens its processor writes around an image (added to the tokenizer as special tokens).
+_CLIP = ("CLIPImageProcessor", {"size": {"shortest_edge": SIDE}, "crop_size": {"height": SIDE, "width": SIDE}})
+_SQUARE = {"size": {"height": SIDE, "width": SIDE}}
+_TOWER = {"num_hidden_layers": 2, "image_size": SIDE, "patch_size": 14}
 TINY_VLMS: dict[str, dict[str, Any]] = {
-    "llava": {"config": {"image_token_id": IMAGE_TOKEN_ID, "image_seq_length": 16},
-              "vision_config": {"num_hidden_layers": 2, "image_size": SIDE, "patch_size": 14},
-              "processor": _CLIP_PROCESSOR},
+    "llava": {"config": {"image_token_id": IMAGE_TOKEN_ID}, "vision_config": _TOWER, "processor": _CLIP},
+    "vipllava": {"config": {"image_token_id": IMAGE_TOKEN_ID, "vision_feature_layers": [-2, -1]},
+                 "vision_config": _TOWER, "processor": _CLIP},
+    "video_llava": {"config": {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID + 1},
+                    "vision_config": _TOWER, "processor": ("VideoLlavaImageProcessor", _CLIP[1])},
+    "internvl": {"config": {"image_token_id": IMAGE_TOKEN_ID},
+                 "vision_config": {"num_hidden_layers": 2, "image_size": [SIDE, SIDE], "patch_size": [14, 14]},
+                 "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": False}),
+                 "tokens": ("<img>", "</img>")},
+    "aya_vision": {"config": {"image_token_id": IMAGE_TOKEN_ID}, "vision_config": _TOWER,
+                   "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": False}),
+                   "tokens": ("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>", "<|END_OF_IMG|>")},
+    "got_ocr2": {"config": {"image_token_id": IMAGE_TOKEN_ID},
+                 "vision_config": {"num_hidden_layers": 2, "image_size": 128, "patch_size": 16, "hidden_size": 32,
+                                   "mlp_dim": 64, "output_channels": 16, "num_attention_heads": 2, "window_size": 4,
+                                   "global_attn_indexes": [1]},
+                 "processor": ("GotOcr2ImageProcessor", {"size": {"height": 128, "width": 128},
+                                                         "crop_to_patches": False}),
+                 "tokens": ("<img>", "</img>")},
+    "deepseek_vl": {"config": {"image_token_id": IMAGE_TOKEN_ID}, "vision_config": _TOWER,
+                    "processor": ("DeepseekVLImageProcessor", {**_SQUARE, "min_size": 14})},
+    "janus": {"config": {"image_token_id": IMAGE_TOKEN_ID},
+              "vision_config": {"num_hidden_layers": 2, "image_size": 64, "patch_size": 16, "projection_dim": 64},
+              "processor": ("JanusImageProcessor", {"size": {"height": 64, "width": 64}, "min_size": 14}),
+              "tokens": ("<begin_of_image>", "<end_of_image>")},
 }
 
 
@@ -55,15 +80,28 @@ def build_tiny_vlm(model_type: str, folder: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     cls = getattr(transformers, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[model_type])
     model = cls._from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():  # every layer matters for the logits; the projector's output is no near-zero whisper
+    with torch.no_grad():  # every layer matters for the logits
         for name, param in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")) or "multi_modal_projector" in name:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.mul_(2.0)
     model.save_pretrained(folder, safe_serialization=True)
-    processor_class, fields = TINY_VLMS[model_type]["processor"]
-    getattr(transformers, processor_class)(**fields).save_pretrained(folder)
-    PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(TEXT_VOCAB), bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>", unk_token=None).save_pretrained(folder)
+    save_tiny_processor(model_type, folder)
+    tokenizer = build_tokenizer(TEXT_VOCAB)
+    tokenizer.add_special_tokens(list(TINY_VLMS[model_type].get("tokens", ())))  # ids from TEXT_VOCAB on
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                            unk_token=None).save_pretrained(folder)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                      do_sample=False).save_pretrained(folder)
     return model
+
+
+def save_tiny_processor(model_type: str, folder: Path) -> None:
+    """The family's image processor at test sizes, as preprocessor_config.json in `folder`."""
+    import warnings
+
+    import transformers
+
+    processor_class, fields = TINY_VLMS[model_type]["processor"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        getattr(transformers, processor_class)(**fields).save_pretrained(folder)

@@ -75,8 +75,8 @@ def load_image(source: Any, limits: ImageLimits = DEFAULT_LIMITS) -> LoadedImage
         return LoadedImage(source, hashlib.sha256(source.tobytes()).hexdigest())
     if isinstance(source, np.ndarray):
         return _from_array(source, limits)
-    if isinstance(source, str) and source.startswith("data:"):
-        source = decode_data_url(source, limits)
+    if isinstance(source, str) and (source.startswith("data:") or "://" in source):
+        source = decode_data_url(source, limits)  # a remote URL is refused there
     elif isinstance(source, str | Path):
         path = Path(source)
         if not path.is_file():

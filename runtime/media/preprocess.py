@@ -16,8 +16,11 @@ import numpy as np
 from kvforge.core.errors import InputError
 
 # The processors whose pipeline this module is (their own extra steps, where they have any, are off in the
-# record or refused below).
-PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor")
+# record or refused below). LONGEST_SIDE: the longest side resized to `size` (at least `min_size`), then padded to
+# a square in `background_color` (DeepSeek-VL's and Janus's).
+LONGEST_SIDE = ("DeepseekVLImageProcessor", "JanusImageProcessor")
+PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
+              *LONGEST_SIDE)
 
 
 def check_processor(record: dict[str, Any]) -> None:
@@ -25,6 +28,9 @@ def check_processor(record: dict[str, Any]) -> None:
     if record.get("class") not in PROCESSORS:
         raise InputError(f"image processor {record.get('class')!r} is not reproduced by kvforge's runtime (it "
                          f"reproduces {', '.join(PROCESSORS)})")
+    if record.get("crop_to_patches"):
+        raise InputError("image processor crop_to_patches (tiling an image into patches) is not reproduced by "
+                         "kvforge's runtime yet; export a checkpoint whose processor has it off")
     size = record.get("size") or {}
     if record.get("do_resize") and not ("shortest_edge" in size or {"height", "width"} <= set(size)):
         raise InputError(f"image processor size {size!r} is not one kvforge's runtime reproduces")
@@ -33,8 +39,12 @@ def check_processor(record: dict[str, Any]) -> None:
 def preprocess(image: Any, record: dict[str, Any]) -> np.ndarray:
     """[C, H, W] float32: a PIL image as the processor of `record` makes it."""
     array = _channels_first(image, bool(record.get("do_convert_rgb")))
+    longest = record.get("class") in LONGEST_SIDE
     if record.get("do_resize"):
-        array = _resize(array, record["size"], int(record.get("resample", 3)))
+        size = _longest_side(array, record) if longest else record["size"]
+        array = _resize(array, size, int(record.get("resample", 3)))
+    if longest and record.get("do_pad"):
+        array = _pad_to_square(array, record.get("background_color") or [0])
     if record.get("do_center_crop"):
         crop = record["crop_size"]
         array = _center_crop(array, int(crop["height"]), int(crop["width"]))
@@ -53,10 +63,12 @@ def _per_channel(value: Any, channels: int) -> list[float]:
 
 
 def _channels_first(image: Any, to_rgb: bool) -> np.ndarray:
-    """uint8 [C, H, W]: RGB with any transparency composited over white (to_rgb), else the image's own bands."""
+    """uint8 [C, H, W] RGB, any transparency composited over white. A processor without do_convert_rgb keeps an RGB
+    image as it is, as transformers does; another mode, which its vision tower cannot take (transformers' processor
+    fails on it or passes on 1 or 4 channels), is converted here too."""
     from PIL import Image
 
-    if to_rgb:
+    if to_rgb or image.mode != "RGB":
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")
             image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
@@ -87,6 +99,32 @@ def _resize(array: np.ndarray, size: dict[str, Any], resample: int) -> np.ndarra
     image = Image.fromarray(channels_last[..., 0] if channels_last.shape[-1] == 1 else channels_last)
     resized = np.array(image.resize((width, height), resample=resample))
     return resized[None] if resized.ndim == 2 else np.moveaxis(resized, -1, 0)
+
+
+def _longest_side(array: np.ndarray, record: dict[str, Any]) -> dict[str, int]:
+    """The size that makes the longest side `size` (a square's side), each side at least `min_size`."""
+    height, width = array.shape[1:]
+    delta = record["size"]["height"] / max(height, width)
+    least = int(record.get("min_size") or 1)
+    return {"height": max(round(height * delta), least), "width": max(round(width * delta), least)}
+
+
+def _pad_to_square(array: np.ndarray, color: list[int]) -> np.ndarray:
+    """The image centred on a square of its longest side, filled with `color` per channel."""
+    channels, height, width = array.shape
+    if height == width:
+        return array
+    side = max(height, width)
+    padded = np.zeros((channels, side, side), dtype=array.dtype)
+    for i, value in enumerate(color if isinstance(color, list | tuple) else [color]):
+        padded[i] = value
+    if width > height:
+        start = (side - height) // 2
+        padded[:, start:start + height, :] = array
+    else:
+        start = (side - width) // 2
+        padded[:, :, start:start + width] = array
+    return padded
 
 
 def _center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
