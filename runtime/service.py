@@ -174,6 +174,34 @@ class GenerationService:
         self.check_length(ids, "the conversation")
         return ids
 
+    def conversation_with_images(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[int], list[Any]]:
+        """conversation(), and the images of its image content parts (a vision-language export): each part becomes
+        the family's placeholder, the rendered conversation is tokenized around them, and the images are read,
+        checked and encoded here (InputError for a bad one), so admission only finds their features."""
+        from kvforge.runtime.media.image_prompt import take_image_parts, text_with_images
+        from kvforge.runtime.media.images import load_image
+
+        images_path = self.export.images
+        parts, images = take_image_parts(messages, images_path.vision["placeholder"]) if images_path is not None \
+            else (messages, [])
+        if not images:
+            return self.conversation(messages, tools), []
+        if len(images) > images_path.limits.max_images:
+            raise InputError(f"{len(images)} images in one request; this server takes at most "
+                             f"{images_path.limits.max_images}")
+        loaded = [load_image(source, images_path.limits) for source in images]
+        images_path.encode_rows([loaded])  # encoded now, on this thread: admission finds them (by their digest)
+        if self.renderer is None:
+            raise InputError(str(self.template_error))
+        checked = check_messages(parts)
+        try:
+            text = self.renderer.render(checked, True, tools.template_tools if tools is not None else None)
+        except InputError as err:
+            raise TemplateError(str(err)) from err
+        ids = text_with_images(text, images_path.vision, lambda piece, _: self.encode(piece, False, "the conversation"))
+        self.check_length(ids, "the conversation")
+        return ids, loaded
+
     @staticmethod
     def _check_names_are_written(render: Callable[[list[dict]], str], messages: list[dict]) -> None:
         """OpenAI's `name` of a participant is used when the template writes it; a template that never
@@ -198,7 +226,8 @@ class GenerationService:
         compiler_for(self.export.vocabulary).compile(grammar)
 
     def request(self, prompt_ids: list[int], max_new_tokens: int, **options: Any) -> GenerationRequest:
-        """The GenerationRequest (Generator.request's keywords, resolved against the export's sampling)."""
+        """The GenerationRequest (Generator.request's keywords, resolved against the export's sampling; `images`: a
+        conversation's, from conversation_with_images)."""
         return self.export.request(prompt_ids, max_new_tokens, **options)
 
     def submit(self, requests: Sequence[GenerationRequest | None],

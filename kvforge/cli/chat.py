@@ -42,7 +42,8 @@ if TYPE_CHECKING:  # the runtime is imported when the command runs (startup time
     from kvforge.runtime.drivers.scheduler import Done, Scheduler
 
 PROMPT = "> "
-COMMANDS = "/reset forgets the conversation, /exit or Ctrl-D quits, Ctrl-C stops an answer"
+COMMANDS = "/reset forgets the conversation, /image PATH adds an image to your next message (a vision-language " \
+           "export), /exit or Ctrl-D quits, Ctrl-C stops an answer"
 
 
 @dataclass
@@ -78,7 +79,8 @@ class ChatSession:
         self.system = system
         self.max_new_tokens = max_new_tokens
         self.request_options = request_options  # export.request()'s sampling keywords and ignore_eos
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.images: list[Any] = []  # /image: read and checked, for the next user message
         self.reset()
         # A template that refuses the system role (or any message) says so now, not at the first turn.
         export.chat_ids([*self.messages, {"role": "user", "content": "Hi"}])
@@ -88,9 +90,19 @@ class ChatSession:
         from kvforge.runtime.drivers.scheduler import PrefixStore
 
         self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+        self.images = []
         # Between turns the scheduler thread does not touch its prefix store (a turn's rows are stored
         # before its Done is sent), so swapping it here is safe.
         self.scheduler.prefixes = PrefixStore(self.scheduler.prefixes.budget_bytes)
+
+    def add_image(self, path: str) -> None:
+        """/image PATH: an image for the next message, read and checked now (InputError for a bad one)."""
+        from kvforge.runtime.media.images import load_image
+
+        if self.export.images is None:
+            raise InputError(f"{self.export.folder} takes no images: it was exported from a text model, or with "
+                             "--text-only")
+        self.images.append(load_image(path.strip(), self.export.images.limits))
 
     def ask(self, text: str, emit: Callable[[str], None], stop: Callable[[], bool] = lambda: False) -> Turn:
         """Answer `text`, passing the answer's text to `emit` as it is generated. Once `stop()` is
@@ -100,14 +112,19 @@ class ChatSession:
         from kvforge.runtime.drivers.scheduler import Done
         from kvforge.runtime.text.prompts import RenderedChat
 
-        question = {"role": "user", "content": text}
-        ids = self.export.chat_ids([*self.messages, question],
-                                   special_tokens_in_content=self.special_tokens_in_content)
-        room = self.scheduler.capacity - len(ids) + 1  # the last generated token is never fed back
+        question: dict[str, Any] = {"role": "user", "content": text}
+        if self.images:  # the conversation keeps its images: a later turn's prefix (and cache) holds them too
+            question["content"] = [{"type": "text", "text": text},
+                                   *({"type": "image", "image": image} for image in self.images)]
+        ids, images = self.export.chat_inputs([*self.messages, question],
+                                              special_tokens_in_content=self.special_tokens_in_content)
+        expanded = len(ids) + (len(images) * (self.export.images.run_length() - 1) if images else 0)
+        room = self.scheduler.capacity - expanded + 1  # the last generated token is never fed back
         if room < 1:
             raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "
                              "positions of --max-seq-len; /reset starts over")
-        request = self.export.request(RenderedChat(ids), min(self.max_new_tokens, room), **self.request_options)
+        request = self.export.request(RenderedChat(ids), min(self.max_new_tokens, room), images=images or None,
+                                      **self.request_options)
         events: queue.Queue = queue.Queue()
         started = time.perf_counter()
         handle = self.scheduler.submit(request, on_event=events.put)
@@ -131,6 +148,7 @@ class ChatSession:
         interrupted = handle.cancelled.is_set()
         if answer or not interrupted:
             self.messages += [question, {"role": "assistant", "content": answer}]
+            self.images = []
         return Turn(answer, event, seconds, interrupted, context_full=request.max_new_tokens < self.max_new_tokens)
 
 
@@ -261,6 +279,14 @@ def _loop(session: ChatSession, export: LoadedExport, quiet: bool, as_json: bool
                 click.echo(click.style("[conversation cleared]", dim=True), err=True)
             continue
         if not command:
+            continue
+        if command.startswith("/image"):
+            try:
+                session.add_image(command.removeprefix("/image"))
+            except KvforgeError as err:
+                if not interactive:
+                    raise
+                click.echo(f"kvforge: error: {' '.join(str(err).split())}", err=True)
             continue
         try:
             check_utf8("the message", text)

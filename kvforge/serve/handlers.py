@@ -107,7 +107,7 @@ class OpenAIHandlers:
         except InputError as err:
             raise ApiError(400, str(err), param="tools") from err
         try:
-            ids = self.service.conversation(body.messages, tools)
+            ids, images = self.service.conversation_with_images(body.messages, tools)
         except TemplateError as err:
             raise ApiError(400, str(err), param="messages", code="chat_template_error") from err
         except CapacityError as err:
@@ -120,11 +120,13 @@ class OpenAIHandlers:
                            "--chat-template FILE", kind="server_error", code="chat_template_error")
         constraint = self._tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        generation = self.generation_request(body, ids, max(1, self.service.capacity - len(ids) + 1), constraint)
+        length = len(ids) + (len(images) * (self.service.export.images.run_length() - 1) if images else 0)
+        generation = self.generation_request(body, ids, max(1, self.service.capacity - length + 1), constraint,
+                                             images)
         return Prepared([Job(ids, generation)], body.stream, body, tools)
 
     def generation_request(self, body: OpenAIRequest, prompt_ids: list[int], default_max: int,
-                           constraint: Any = None) -> GenerationRequest | None:
+                           constraint: Any = None, images: list[Any] | None = None) -> GenerationRequest | None:
         """The one request type from OpenAI's parameters (the Generator resolves the sampling); None for
         completions' max_tokens 0 (the prompt is only scored, after it is checked the same).
         `constraint`: the grammar of a forced tool call."""
@@ -149,7 +151,7 @@ class OpenAIHandlers:
             grammar = constraint
         try:
             request = self.service.request(prompt_ids, max(max_tokens, 1), stop=body.stop, grammar=grammar,
-                                           ignore_eos=body.ignore_eos, **options)
+                                           ignore_eos=body.ignore_eos, images=images or None, **options)
         except InputError as err:
             raise ApiError(400, str(err), param=_param_of(err)) from err
         return request if max_tokens else None

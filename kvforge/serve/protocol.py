@@ -150,7 +150,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise refusal("'messages' must be a non-empty list of {role, content} objects", "messages")
     try:
-        return check_messages(value)
+        return check_messages(value, keep_images=True)  # a text export refuses image parts when it renders them
     except MessageKeyError as err:
         raise refusal(str(err), "messages", "unsupported_parameter") from None
     except InputError as err:

@@ -62,6 +62,11 @@ class Images:
                                  tuple(one.digest for one in loaded)) if loaded else None)
         return out
 
+    def run_length(self) -> int:
+        """The tokens one image takes in a prompt (its run: before_ids, its image tokens, after_ids)."""
+        v = self.vision
+        return len(v["before_ids"]) + v["tokens_per_image"] + len(v["after_ids"])
+
     def key(self, ids: list[int], row: RowImages | None) -> list[int]:
         """A prompt row's prefix-cache key (image tokens keyed by their image)."""
         return ids if row is None else image_key(ids, list(row.digests), self.vision)

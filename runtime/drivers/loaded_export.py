@@ -130,8 +130,8 @@ class LoadedExport:
                                 check_messages(messages), self.tokenizer,
                                 special_tokens_in_content=special_tokens_in_content)
 
-    def chat_inputs(self, messages: Any, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> tuple[list[int], list[Any]]:
+    def chat_inputs(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    special_tokens_in_content: bool = False) -> tuple[list[int], list[Any]]:
         """chat_ids(), and a conversation's images: image content parts (OpenAI's image_url, or {"type": "image",
         "image": ...}) become the family's placeholder where they stand, the rendered text is tokenized piece by
         piece around them (runtime/media/image_prompt.py), and the images are returned in order."""
@@ -139,10 +139,10 @@ class LoadedExport:
         from kvforge.runtime.text.messages import check_messages
 
         if self.images is None:
-            return self.chat_ids(messages, add_generation_prompt, tools), []
+            return self.chat_ids(messages, add_generation_prompt, tools, special_tokens_in_content), []
         messages, images = take_image_parts(messages, self.images.vision["placeholder"])
         if not images:
-            return self.chat_ids(messages, add_generation_prompt, tools), []
+            return self.chat_ids(messages, add_generation_prompt, tools, special_tokens_in_content), []
         template = self.chat_template
         text = template.render(check_messages(messages), add_generation_prompt, tools)
         tokenizer = self.tokenizer

@@ -64,6 +64,7 @@ from kvforge.runtime.controls.request import FinishReason, GenerationRequest, St
 from kvforge.runtime.controls.sampling import choice_seed
 from kvforge.runtime.drivers.engine import Accepted, StepEngine
 from kvforge.runtime.drivers.handles import Delta, Done, Event, RequestHandle
+from kvforge.runtime.drivers.images import RowImages
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.prefix_store import PrefixStore
 from kvforge.runtime.drivers.rows import Picker, Row
@@ -77,10 +78,13 @@ class _Request:
     """A request being prefilled or decoded: its handle, prompt and choices (one Row each, on the engine
     once prefilled), and how much of its prompt is in the staging cache."""
 
-    def __init__(self, handle: RequestHandle, prompt_ids: list[int], rows: list[Row], pickers: list[Picker]) -> None:
+    def __init__(self, handle: RequestHandle, prompt_ids: list[int], rows: list[Row], pickers: list[Picker],
+                 images: RowImages | None = None, key: list[int] | None = None) -> None:
         self.handle = handle
         self.request = handle.request
         self.prompt_ids = prompt_ids
+        self.images = images  # a vision-language export's prompt images (their features, by image token)
+        self.key = key if key is not None else prompt_ids  # the prefix store's key: image tokens keyed by image
         self.rows = rows
         self.pickers = pickers
         for row in rows:
@@ -174,7 +178,7 @@ class Scheduler:
             raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
                              "max_seq_len positions per request)")
         self.backend.limits.check_speculation(request.speculation)
-        rows, _ = self.export.prompt_ids(request)
+        rows, _, images = self.export.prompt_inputs(request)  # images are read and encoded here, on the caller
         if len(rows) != 1:
             raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")
         if request.n > self.max_batch:
@@ -194,7 +198,9 @@ class Scheduler:
                        self.export.row_controls(request, prompt), index=index) for index in range(request.n)]
         pickers = [Picker(sampling.with_overrides(seed=choice_seed(sampling.seed, index)), logprobs=request.logprobs)
                    for index in range(request.n)]
-        job = _Request(handle, prompt, choices, pickers)
+        row_images = images[0] if images else None
+        key = self.export.images.key(prompt, row_images) if row_images is not None else None
+        job = _Request(handle, prompt, choices, pickers, row_images, key)
         with self._cond:
             if self._closed or self._cut is not None:
                 raise KvforgeError(self._cut or "the scheduler is closed")
@@ -307,7 +313,7 @@ class Scheduler:
                     self._finish(row, -1, FinishReason.CANCELLED, keep=False)
                 return
             self._prefilling = job
-            cached, kv = self.prefixes.lookup(job.prompt_ids)
+            cached, kv = self.prefixes.lookup(job.key)
             if cached:
                 self.backend.write_rows(self.stage, 0, kv, cached)
             job.cached = job.prefilled = cached
@@ -321,7 +327,8 @@ class Scheduler:
         prompt = job.prompt_ids
         chunk = prompt[job.prefilled: job.prefilled + self.prefill_chunk]
         logits = self.export.check_logits(
-            self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64)), 0)
+            self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64),
+                                 **self._chunk_images(job, len(chunk))), 0)
         job.prefilled += len(chunk)
         self.stage.cache.past_lens[0] = job.prefilled
         if job.prefilled < len(prompt):
@@ -338,6 +345,16 @@ class Scheduler:
         self.stats["ttft_count"] += 1
         self._deliver(step.positions)
         self._end_failed(step.failed)
+
+    def _chunk_images(self, job: _Request, length: int) -> dict[str, np.ndarray]:
+        """The backend's image_features for the chunk of `length` tokens from job.prefilled: the features of the
+        image tokens in it (those of the cached or earlier chunks skipped), or nothing."""
+        if job.images is None:
+            return {}
+        token = self.export.images.vision["image_token_id"]
+        before = job.prompt_ids[:job.prefilled].count(token)
+        inside = job.prompt_ids[job.prefilled:job.prefilled + length].count(token)
+        return {"image_features": job.images.features[before:before + inside]} if inside else {}
 
     def _decode_step(self) -> None:
         for at, row in enumerate(self.engine.rows):
@@ -418,7 +435,7 @@ class Scheduler:
         job = row.owner
         if keep and at >= 0 and row.tokens:
             # Positions written for this request: the prompt and every generated token but the last.
-            written = job.prompt_ids + row.tokens[:-1]
+            written = job.key + row.tokens[:-1]
             try:
                 self.prefixes.store(written, self.backend.read_rows(self.slot, at, len(written)))
             except Exception:  # noqa: BLE001 - only a cache for later requests: this one's answer is whole

@@ -70,6 +70,8 @@ def load_image(source: Any, limits: ImageLimits = DEFAULT_LIMITS) -> LoadedImage
     checked against `limits`."""
     from PIL import Image
 
+    if isinstance(source, LoadedImage):  # read and checked already (the server reads images before admission)
+        return source
     if isinstance(source, Image.Image):
         _check_size(source.width, source.height, limits)
         return LoadedImage(source, hashlib.sha256(source.tobytes()).hexdigest())

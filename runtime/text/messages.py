@@ -27,19 +27,21 @@ class MessageKeyError(InputError):
     """A message key this code does not take (the server answers it as an unsupported parameter)."""
 
 
-def check_messages(messages: Any) -> list[dict[str, Any]]:
+def check_messages(messages: Any, keep_images: bool = False) -> list[dict[str, Any]]:
     """Messages as the template gets them: {role, content} with str content (a list of OpenAI text
     parts is joined by newlines); an assistant message may carry `tool_calls` instead of content
     (content null or absent), a tool message the `tool_call_id` of an earlier call, any message a
     `name`. A call's `arguments` (OpenAI sends a JSON string) reach the template as the object, which
-    is what templates write with `tojson`."""
+    is what templates write with `tojson`. `keep_images`: a user message's content list with image parts
+    (OpenAI's image_url, each checked) is kept as a list, for a vision-language export to take its images from
+    (runtime/media/image_prompt.py take_image_parts, which leaves text for this check)."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (or one str)")
     out, call_ids = [], set()
     for i, message in enumerate(messages):
-        checked = _check_message(message, i)
+        checked = _check_message(message, i, keep_images)
         if "tool_calls" in checked:
             call_ids.update(call["id"] for call in checked["tool_calls"] if call.get("id") is not None)
         answered = checked.get("tool_call_id") if checked["role"] == "tool" else None
@@ -50,7 +52,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _check_message(message: Any, i: int) -> dict[str, Any]:
+def _check_message(message: Any, i: int, keep_images: bool = False) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}"[:500])
     role = message["role"]
@@ -61,7 +63,10 @@ def _check_message(message: Any, i: int) -> dict[str, Any]:
     if calls is not None and role != "assistant":
         raise InputError(f"message {i} has 'tool_calls' but role {role!r}; only assistant messages carry tool calls")
     _check_keys(message, i)
-    content = _content_text(message.get("content"), i)
+    content = message.get("content")
+    if keep_images and role == "user" and _image_parts(content, i):
+        return dict(message, content=content)
+    content = _content_text(content, i)
     if calls is not None and content is None and role == "assistant":
         content = ""  # OpenAI's null content beside tool calls; templates test it for truth
     if not isinstance(content, str):
@@ -85,6 +90,26 @@ def _check_keys(message: dict[str, Any], i: int) -> None:
                                   "null" + ("; send a refusal's text as the content" if key == "refusal" else ""))
         raise MessageKeyError(f"messages[{i}] has the key {key!r}, which a {role} message does not take here; it "
                               f"takes {', '.join(sorted(MESSAGE_KEYS[role]))}"[:400])
+
+
+IMAGE_PART_KEYS = {"url", "detail"}
+
+
+def _image_parts(content: Any, i: int) -> bool:
+    """Whether `content` is a list with OpenAI image_url parts (each checked: {"type": "image_url", "image_url":
+    {"url": str, ["detail"]}}); its text parts are checked later, by _content_text, once the images are taken."""
+    if not isinstance(content, list):
+        return False
+    found = False
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "image_url":
+            continue
+        image = part.get("image_url")
+        if set(part) != {"type", "image_url"} or not isinstance(image, dict) or not isinstance(image.get("url"), str) \
+                or set(image) - IMAGE_PART_KEYS:
+            raise InputError(f"messages[{i}].content[{j}] must be {{'type': 'image_url', 'image_url': {{'url': ...}}}}")
+        found = True
+    return found
 
 
 def _content_text(content: Any, i: int) -> Any:
