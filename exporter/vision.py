@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kvforge.core.contract import IMAGE_FEATURES, PIXEL_VALUES
+from kvforge.core.contract import IMAGE_FEATURES, IMAGE_PROCESSORS, PIXEL_VALUES
 from kvforge.core.errors import InputError, UnsupportedModelError
 from kvforge.models.vision_families import VisionFamily, image_token_id
 
@@ -27,18 +27,36 @@ PROCESSOR_FIELDS = ("do_convert_rgb", "do_resize", "size", "resample", "do_cente
 
 
 def load_vision_language_model(model_dir: Path, dtype: str) -> Any:
-    """The whole checkpoint (`...ForConditionalGeneration`) with eager attention, in eval mode: its tower and
-    projector are traced into vision.onnx and it is the parity reference of the image path."""
+    """The checkpoint's class (`...ForConditionalGeneration`) with eager attention, in eval mode, for its tower and
+    projector (traced into vision.onnx): built with a one-layer text model, so that only the tower, the
+    projector, the embeddings, the head and the text model's first layer are read (the text graphs come from the
+    whole text model, loaded on its own)."""
     import torch
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+    from transformers.utils import logging as hf_logging
 
     from kvforge.core.contract import DTYPES
 
     config = transformers.AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    text = config.text_config
+    text.num_hidden_layers = 1
+    for name in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the layer count
+        if isinstance(getattr(text, name, None), list):
+            setattr(text, name, getattr(text, name)[:1])
     cls = getattr(transformers, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[config.model_type])
-    model = cls.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager",
-                                local_files_only=True, use_safetensors=True, trust_remote_code=False)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the text model's other layers are "unused weights" here, on purpose
+    try:
+        model = cls.from_pretrained(model_dir, config=config, dtype=getattr(torch, DTYPES[dtype]),
+                                    attn_implementation="eager", local_files_only=True, use_safetensors=True,
+                                    trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 
@@ -74,6 +92,14 @@ def processor_record(model_dir: Path) -> dict[str, Any]:
         elif isinstance(value, tuple):
             value = list(value)
         record[field] = value
+    if record["class"] not in IMAGE_PROCESSORS:
+        raise UnsupportedModelError(f"{model_dir}: its image processor {record['class']} is not one kvforge's runtime "
+                                    f"reproduces without torch ({', '.join(IMAGE_PROCESSORS)}); export with --text-only")
+    if record.get("crop_to_patches"):
+        raise UnsupportedModelError(
+            f"{model_dir}: its image processor tiles each image (crop_to_patches), and kvforge's image path takes one "
+            "tile per image: set \"crop_to_patches\": false in preprocessor_config.json (each image is then resized "
+            "to one tile, at some cost in detail), or export with --text-only")
     return record
 
 

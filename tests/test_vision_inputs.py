@@ -136,3 +136,14 @@ def test_byte_and_count_limits() -> None:
         load_image(data, ImageLimits(max_bytes=100))
     with pytest.raises(InputError, match="over 100 bytes"):
         decode_data_url("data:image/png;base64," + base64.b64encode(data).decode(), ImageLimits(max_bytes=100))
+
+
+def test_the_docs_table_lists_every_vision_family_and_each_has_a_tiny_checkpoint() -> None:
+    import re
+
+    from kvforge.models.vision_families import VISION_FAMILIES
+    from kvforge.tools.vlm_fixtures import TINY_VLMS
+
+    page = (Path(__file__).parents[1] / "docs" / "vision.md").read_text()
+    listed = set(re.findall(r"^\| `([a-z0-9_]+)`", page, flags=re.MULTILINE))
+    assert listed - {"model_type"} == set(VISION_FAMILIES) == set(TINY_VLMS)  # (the header row aside)

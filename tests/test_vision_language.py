@@ -120,3 +120,89 @@ def test_text_only_requests_to_a_vision_export_are_the_text_model(exported):
     assert "vision" not in manifest and "vision" not in manifest["graphs"]
     text.gen = Generator(out)
     assert text.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens == result.tokens
+    from kvforge.core.errors import InputError
+
+    with pytest.raises(InputError, match="takes no images"):
+        text.gen.generate("Describe <image>", images=[_image(1, 30, 30)], max_new_tokens=2)
+
+
+def test_onnx_target_and_fp16_and_the_refusals(tmp_path):
+    import json
+
+    from kvforge.core.errors import ManifestError, UnsupportedModelError
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import Generator
+
+    build_tiny_vlm("llava", tmp_path / "hf")
+    image = _image(9, 70, 90)
+    tokens = {}
+    for target, dtype in (("ort", "fp32"), ("onnx", "fp32"), ("onnx", "fp16"), ("ort", "fp16")):
+        manifest = export_model(tmp_path / "hf", tmp_path / f"{target}-{dtype}", target=target, dtype=dtype)
+        assert manifest["graphs"]["vision"]["inputs"][0]["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
+        result = Generator(tmp_path / f"{target}-{dtype}").generate("Describe <image>", images=[image],
+                                                                    max_new_tokens=12, greedy=True, ignore_eos=True)
+        tokens[target, dtype] = result.tokens[0]
+    assert tokens["onnx", "fp32"] == tokens["ort", "fp32"]
+    # fp16 rounding may move a near-tie late in a random model's answer; the first tokens agree
+    assert tokens["onnx", "fp16"][:4] == tokens["ort", "fp16"][:4] == tokens["ort", "fp32"][:4]
+    with pytest.raises(UnsupportedModelError, match="--target trt takes no images yet"):
+        export_model(tmp_path / "hf", tmp_path / "trt", target="trt")
+    assert not (tmp_path / "trt").exists()
+    record = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
+    (tmp_path / "hf" / "preprocessor_config.json").write_text(json.dumps({**record, "image_processor_type":
+                                                                           "GotOcr2ImageProcessor",
+                                                                           "crop_to_patches": True}))
+    with pytest.raises(UnsupportedModelError, match="crop_to_patches"):
+        export_model(tmp_path / "hf", tmp_path / "tiled")
+    # A manifest whose vision record was tampered with is refused on load, naming the field.
+    folder = tmp_path / "ort-fp32"
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    manifest["vision"]["tokens_per_image"] = 0
+    (folder / "kvforge.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="vision.tokens_per_image"):
+        Generator(folder)
+
+
+def test_bad_image_requests_are_refused(exported):
+    from kvforge.core.errors import InputError
+
+    with pytest.raises(InputError, match="image place"):
+        exported.gen.generate("two <image> places <image>", images=[_image(1, 30, 30)], max_new_tokens=2)
+    with pytest.raises(InputError, match="a list per prompt"):
+        exported.gen.generate(["a", "b"], images=[_image(1, 30, 30)], max_new_tokens=2)
+    with pytest.raises(InputError, match="too many images"):
+        exported.gen.generate("many", images=[_image(1, 30, 30)] * 9, max_new_tokens=2)
+    with pytest.raises(InputError, match="inline images only"):
+        exported.gen.generate("remote <image>", images=["http://example.com/a.png"], max_new_tokens=2)
+
+
+def test_a_second_turn_about_the_same_image_reuses_the_cache(exported):
+    """Through the Scheduler (what serving runs): the second turn's prefix, the image's tokens included, comes
+    from the prefix store, and its answer equals the Generator's for the whole conversation."""
+    import queue
+
+    from kvforge.runtime.drivers.handles import Done
+    from kvforge.runtime.drivers.scheduler import Scheduler
+
+    image = _image(21, 90, 70)
+    scheduler = Scheduler(exported.gen.export, max_batch=2, max_seq_len=256, prefill_chunk=8).start()
+    try:
+        def turn(prompt: str) -> tuple[list[int], Done]:
+            events: queue.Queue = queue.Queue()
+            scheduler.submit(exported.gen.request(prompt, 8, greedy=True, ignore_eos=True, images=[image]),
+                             on_event=events.put)
+            tokens = []
+            while not isinstance(event := events.get(timeout=60), Done):
+                tokens.extend(event.token_ids)
+            return tokens, event
+
+        first, done = turn("Look: <image> What is it?")
+        assert done.cached_tokens == 0
+        answer = exported.tokenizer.decode(first)
+        second, done = turn(f"Look: <image> What is it?{answer} And the colours?")
+        assert done.cached_tokens >= exported.vision["tokens_per_image"]
+        alone = exported.gen.generate(f"Look: <image> What is it?{answer} And the colours?", images=[image],
+                                      max_new_tokens=8, greedy=True, ignore_eos=True)
+        assert second == alone.tokens[0]
+    finally:
+        scheduler.close()

@@ -44,6 +44,10 @@ IMAGE_FEATURES = "image_features"  # [N, hidden] float (the export's dtype)
 # The third graph of a vision-language export, `vision.onnx`: images in, the image tokens' embeddings out.
 VISION = "vision"
 PIXEL_VALUES = "pixel_values"  # [images, channels, height, width] float: preprocessed (runtime/media/)
+# The image processors (transformers' class names) whose pipeline the runtime reproduces without torch
+# (runtime/media/preprocess.py); the exporter refuses a checkpoint with another, or with tiling on.
+IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
+                    "DeepseekVLImageProcessor", "JanusImageProcessor")
 LOGITS = "logits"  # prefill [B, K, V], decode [B, V]
 # Inside the decode graph: the prefill graph's per-position logits [B, 1, V] before the squeeze.
 # Bindable on ONNX Runtime, so a session of the prefill graph can serve decode steps.

@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.core.contract import IMAGE_PROCESSORS
 from kvforge.core.errors import InputError
 
 # The processors whose pipeline this module is (their own extra steps, where they have any, are off in the
 # record or refused below). LONGEST_SIDE: the longest side resized to `size` (at least `min_size`), then padded to
 # a square in `background_color` (DeepSeek-VL's and Janus's).
 LONGEST_SIDE = ("DeepseekVLImageProcessor", "JanusImageProcessor")
-PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
-              *LONGEST_SIDE)
+PROCESSORS = IMAGE_PROCESSORS
 
 
 def check_processor(record: dict[str, Any]) -> None:
