@@ -135,8 +135,6 @@ def export_model(
     family.check(config)
     target.check_model(config, family, dtype)
     vision = _vision_family(config, options, target)
-    if vision is not None and vision.head_logits_only:  # the whole model's logits, not its text model's
-        family = dataclasses.replace(family, final_softcap_key=None, logits_divisor_key=None, logits_multiplier_key=None)
 
     import torch
 

@@ -47,6 +47,8 @@ def text_config_of(config: Any) -> Any:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
 
+    from kvforge.models.vision_families import vision_family
+
     model_type = getattr(config, "model_type", None)
     if not is_multimodal(model_type) or text_of(config) is not None:
         return None
@@ -58,6 +60,9 @@ def text_config_of(config: Any) -> Any:
         text = copy.deepcopy(config.text_config)
     else:
         return None
+    vision = vision_family(model_type)
+    for name, value in vision.text_overrides if vision is not None else ():  # what the whole model computes
+        setattr(text, name, value)
     architecture = (getattr(config, "architectures", None) or [MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[model_type]])[0]
     text.architectures = [_causal_lm_class(text, model_type, architecture).__name__]
     source: dict[str, Any] = {"model_type": model_type, "architecture": architecture}

@@ -48,9 +48,10 @@ class VisionFamily:
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     placeholder: str = IMAGE_PLACEHOLDER
-    # The whole model's logits are its head's alone, without its text model's scaling (Aya Vision's class applies
-    # no Cohere 2 logit_scale): the export follows the whole model.
-    head_logits_only: bool = False
+    # Text-config values that make its text model compute what the whole model does (Aya Vision's class applies no
+    # Cohere 2 logit_scale to its head's output): every export of the checkpoint, --text-only too, and parity's
+    # reference follow the whole model.
+    text_overrides: tuple[tuple[str, Any], ...] = ()
 
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
@@ -62,7 +63,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("got_ocr2", before=("<img>",), after=("</img>",)),
         # One tile (the processor's crop_to_patches off): the global tile's marker, its patches, the end.
         VisionFamily("aya_vision", before=("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>"), after=("<|END_OF_IMG|>",),
-                     head_logits_only=True),
+                     text_overrides=(("logit_scale", 1.0),)),
         VisionFamily("deepseek_vl"),
         VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",)),
     )

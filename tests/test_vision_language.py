@@ -206,3 +206,17 @@ def test_a_second_turn_about_the_same_image_reuses_the_cache(exported):
         assert second == alone.tokens[0]
     finally:
         scheduler.close()
+
+
+def test_kvforge_parity_passes_on_the_vision_export(exported):
+    """`kvforge parity` checks a vision export's text path against the checkpoint's text model, which computes
+    what the whole model does (Aya Vision: without Cohere 2's logit_scale, as its whole model)."""
+    from kvforge.tools.parity import run_parity
+
+    report = run_parity(exported.hf_dir, exported.out, new_tokens=8, perplexity_tokens=0)
+    assert report.passed, report.summary()
+    ids = exported.tokenizer("Once upon a time")["input_ids"]
+    with torch.no_grad():
+        whole = exported.model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+    got = exported.gen.generate("Once upon a time", max_new_tokens=1, greedy=True, keep_logits=True).logits[0][0]
+    np.testing.assert_allclose(got, whole, atol=1e-3, rtol=0)  # the whole model's logits, text only

@@ -32,6 +32,18 @@ def _png(seed: int, height: int, width: int) -> bytes:
     return buffer.getvalue()
 
 
+def _header_only_png(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height, with almost no pixel data (a bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
 def _url(data: bytes, kind: str = "png") -> str:
     return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
@@ -128,13 +140,15 @@ def test_a_second_turn_about_the_same_image_reuses_the_cache(server) -> None:
     ("data:image/png;base64,%%%not-base64%%%", "does not decode"),
     ("https://example.com/cat.png", "inline images only"),
     (_url(_png(3, 1, 1)), "under the smallest side"),
+    (_url(_header_only_png(20_000, 20_000)), "over the limit of 40000000 pixels"),
 ])
 def test_hostile_images_are_400s_and_leave_nothing_running(server, url, message) -> None:
     base, app = server
     with pytest.raises(openai.BadRequestError) as caught:
         _chat(base, _message("what is this", url))
     assert message in str(caught.value)
-    assert app.state.service.scheduler.snapshot()["running"] == 0
+    snapshot = app.state.service.scheduler.snapshot()
+    assert snapshot["running"] == 0 and snapshot["waiting"] == 0
 
 
 def test_too_many_images_and_a_mismatched_placeholder_are_400s(server) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvforge.core.contract import PHASES
+from kvforge.core.contract import PHASES, VISION
 from kvforge.core.engine_plan import (
     ENGINE_DIR_NAME,
     RECORD_DIGEST,
@@ -21,7 +21,7 @@ def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
     """The manifest's view of an export folder, checked as a loader checks it; `verify` re-hashes
     every file (weights and engines included), so `verified` says whether that was done."""
     manifest = load_manifest(export_dir, verify_hashes=verify)
-    for phase in PHASES:  # as a backend reads them: the files their external data comes from must be listed
+    for phase in (*PHASES, *([VISION] if manifest.get("vision") is not None else [])):  # as a backend reads them: the files their external data comes from must be listed
         read_graph(export_dir, manifest, phase)
     graphs = {}
     for phase, graph in manifest["graphs"].items():
