@@ -27,6 +27,7 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     human_bytes,
     json_option,
     one_line,
+    recipe_source,
     refuse_unused,
     require_export_extra,
     silence_stdout,
@@ -35,7 +36,6 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
 from kvforge.core import __version__
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
-from kvforge.core.progress import StepProgress
 from kvforge.core.targets import TARGETS
 
 
@@ -207,7 +207,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     progress = command_progress(False)
     built = None
     if recipe is not None:
-        model_dir, built = _recipe_source(recipe, out_dir, hf_dir, force, progress)
+        model_dir, built = recipe_source(recipe, out_dir, hf_dir, force, progress)
         options = dataclasses.replace(options, hf_dir=None)  # --hf-dir held the recipe: no GGUF to convert there
     assert model_dir is not None
     try:
@@ -226,7 +226,9 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     if as_json:
         emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
-        click.echo(f"exported {manifest['model']['architecture']} ({export_kind(manifest)}) to {out_dir}")
+        whole = manifest.get("vision") is not None  # a vision-language checkpoint exported whole: name it so
+        name = manifest["model"]["text_of"]["architecture"] if whole else manifest["model"]["architecture"]
+        click.echo(f"exported {name}{' with vision.onnx' if whole else ''} ({export_kind(manifest)}) to {out_dir}")
         quant = manifest.get(section)
         acc = quant["accuracy"] if quant else None
         if acc and "skipped" in acc:
@@ -242,20 +244,6 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         hint = dequantised_hint(manifest)
         if hint:
             click.echo(hint, err=True)
-
-
-def _recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
-                   say: StepProgress) -> tuple[Path, Path | None]:
-    """The Hugging Face folder of a built-in recipe, built (or reused) beside the export, as a GGUF's
-    conversion is: OUT_DIR.hf unless --hf-dir says where; and the folder again when it was built now."""
-    from kvforge.core.manifest import MANIFEST_NAME
-    from kvforge.core.output_folder import check_output
-    from kvforge.models.recipes import recipe_folder
-
-    out = Path(out_dir).absolute()
-    folder = Path(hf_dir) if hf_dir is not None else out.parent / f"{out.name}.hf"
-    check_output(out, [folder.absolute()], force=force, marker=MANIFEST_NAME)  # before the recipe is built
-    return folder, folder if recipe_folder(recipe, folder, say) else None
 
 
 @main.command()

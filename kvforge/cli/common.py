@@ -205,3 +205,17 @@ def export_kind(manifest: dict[str, Any]) -> str:
     if kv:
         parts.append(f"{kv['dtype']} KV cache")
     return ", ".join(parts)
+
+
+def recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
+                   say: Any) -> tuple[Path, Path | None]:
+    """The Hugging Face folder of a built-in recipe, built (or reused) beside the export, as a GGUF's
+    conversion is: OUT_DIR.hf unless --hf-dir says where; and the folder again when it was built now."""
+    from kvforge.core.manifest import MANIFEST_NAME
+    from kvforge.core.output_folder import check_output
+    from kvforge.models.recipes import recipe_folder
+
+    out = Path(out_dir).absolute()
+    folder = Path(hf_dir) if hf_dir is not None else out.parent / f"{out.name}.hf"
+    check_output(out, [folder.absolute()], force=force, marker=MANIFEST_NAME)  # before the recipe is built
+    return folder, folder if recipe_folder(recipe, folder, say) else None
