@@ -152,14 +152,7 @@ class GenerationService:
 
     def conversation(self, messages: list[dict], tools: ToolRequest | None) -> list[int]:
         """A checked conversation rendered with the template (its child process) and tokenized."""
-        if self.renderer is None:
-            raise InputError(str(self.template_error))
-        checked = check_messages(messages)
-        chars = sum(len(message["content"]) for message in checked)
-        if chars > self.max_prompt_chars:
-            raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
-        # The messages' own text is in the rendered conversation: refused before the render when too long.
-        self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
+        checked = self._checked(messages)
         renderer, template_tools = self.renderer, tools.template_tools if tools is not None else None
 
         def render(messages: list[dict]) -> str:
@@ -173,6 +166,18 @@ class GenerationService:
                                self.special_tokens_in_content)
         self.check_length(ids, "the conversation")
         return ids
+
+    def _checked(self, messages: list[dict]) -> list[dict]:
+        """The messages checked (runtime/text/messages.py), and refused when their text alone is too long."""
+        if self.renderer is None:
+            raise InputError(str(self.template_error))
+        checked = check_messages(messages)
+        chars = sum(len(message["content"]) for message in checked)
+        if chars > self.max_prompt_chars:
+            raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
+        # The messages' own text is in the rendered conversation: refused before the render when too long.
+        self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
+        return checked
 
     def conversation_with_images(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[int], list[Any]]:
         """conversation(), and the images of its image content parts (a vision-language export): each part becomes
@@ -189,11 +194,9 @@ class GenerationService:
         if len(images) > images_path.limits.max_images:
             raise InputError(f"{len(images)} images in one request; this server takes at most "
                              f"{images_path.limits.max_images}")
+        checked = self._checked(parts)
         loaded = [load_image(source, images_path.limits) for source in images]
         images_path.encode_rows([loaded])  # encoded now, on this thread: admission finds them (by their digest)
-        if self.renderer is None:
-            raise InputError(str(self.template_error))
-        checked = check_messages(parts)
         try:
             text = self.renderer.render(checked, True, tools.template_tools if tools is not None else None)
         except InputError as err:

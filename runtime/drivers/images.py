@@ -52,8 +52,7 @@ class Images:
 
     def encode_rows(self, images: list[list[Any]]) -> list[RowImages | None]:
         """The features of each row's images (None for a row without)."""
-        if sum(len(row) for row in images) > self.limits.max_images * max(1, len(images)) \
-                or any(len(row) > self.limits.max_images for row in images):
+        if any(len(row) > self.limits.max_images for row in images):
             raise InputError(f"too many images: at most {self.limits.max_images} per prompt")
         out: list[RowImages | None] = []
         for row in images:
