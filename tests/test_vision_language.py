@@ -220,3 +220,16 @@ def test_kvforge_parity_passes_on_the_vision_export(exported):
         whole = exported.model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
     got = exported.gen.generate("Once upon a time", max_new_tokens=1, greedy=True, keep_logits=True).logits[0][0]
     np.testing.assert_allclose(got, whole, atol=1e-3, rtol=0)  # the whole model's logits, text only
+
+
+def test_two_images_in_one_prompt_match_hf(exported):
+    images = [_image(41, 60, 80), _image(42, 100, 50)]
+    result = exported.gen.generate("First <image> then <image> compare", images=images, max_new_tokens=12,
+                                   greedy=True, ignore_eos=True)
+    run = [*exported.vision["before_ids"], *[exported.vision["image_token_id"]] * exported.vision["tokens_per_image"],
+           *exported.vision["after_ids"]]
+    ids = exported.tokenizer("First ")["input_ids"] + run
+    ids += exported.tokenizer(" then ", add_special_tokens=False)["input_ids"] + run
+    ids += exported.tokenizer(" compare", add_special_tokens=False)["input_ids"]
+    assert result.prompt_tokens[0] == len(ids)
+    assert result.tokens[0] == exported.hf_greedy(ids, exported.pixels(*images), 12)

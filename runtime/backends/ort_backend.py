@@ -156,8 +156,8 @@ class OrtBackend:
         self.logits_dtype = logits_dtype(manifest)
         self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
         # A vision-language export's prefill graph takes image features: none ([0, hidden]) unless a prefill has some.
-        vision = manifest.get("vision")
-        self.no_features = None if vision is None else np.zeros((0, vision["hidden_size"]), feature_dtype(manifest))
+        self.no_features = None if manifest.get("vision") is None else \
+            np.zeros((0, manifest["vision"]["hidden_size"]), feature_dtype(manifest))
         self.runs = {"prefill": 0, "decode": 0}
         self.allocations = 0
         self._runs_lock = threading.Lock()
@@ -356,8 +356,8 @@ class OrtBackend:
         binding.bind_cpu_input(INPUT_IDS, slot.prefill_inputs[0])
         binding.bind_cpu_input(LOGITS_INDEX, index)
         if self.no_features is not None:
-            features = self.no_features if image_features is None else \
-                np.ascontiguousarray(image_features, dtype=self.no_features.dtype)
+            features = np.ascontiguousarray(self.no_features if image_features is None else image_features,
+                                            dtype=self.no_features.dtype)
             slot.prefill_inputs += (features,)
             binding.bind_cpu_input(IMAGE_FEATURES, features)
         if index.shape[1] == 1:
