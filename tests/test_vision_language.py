@@ -16,6 +16,8 @@ from kvforge.tools.vlm_fixtures import TINY_VLMS, build_tiny_vlm  # noqa: E402
 
 FAMILIES = sorted(TINY_VLMS)
 NEW_TOKENS = 32
+# One worker takes every test here (pytest-xdist --dist loadgroup): each family's checkpoint and export are made once.
+pytestmark = pytest.mark.xdist_group("vision-language")
 
 
 def _image(seed: int, height: int, width: int, mode: str = "RGB"):
