@@ -28,6 +28,7 @@ from kvforge.runtime.controls.tool_calls import ToolRequest, check_tool_support,
 from kvforge.runtime.drivers.handles import Event, RequestHandle
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.scheduler import Scheduler
+from kvforge.runtime.media.image_prompt import images_around
 from kvforge.runtime.text.chat import ChatTemplate, chat_template_override
 from kvforge.runtime.text.chat_tokens import conversation_ids
 from kvforge.runtime.text.chat_worker import RENDER_SECONDS, IsolatedRenderer
@@ -150,9 +151,18 @@ class GenerationService:
             check_tool_support(self.template.text, self.tool_format, self.template.source)
         return request
 
-    def conversation(self, messages: list[dict], tools: ToolRequest | None) -> list[int]:
-        """A checked conversation rendered with the template (its child process) and tokenized."""
-        checked = self._checked(messages)
+    def conversation(self, messages: list[dict], tools: ToolRequest | None,
+                     vision: dict[str, Any] | None = None) -> list[int]:
+        """A checked conversation rendered with the template (its child process) and tokenized. `vision`: a
+        vision-language export's record, whose placeholder in a message marks an image's place (one image token)."""
+        if self.renderer is None:
+            raise InputError(str(self.template_error))
+        checked = check_messages(messages)
+        chars = sum(len(message["content"]) for message in checked)
+        if chars > self.max_prompt_chars:
+            raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
+        # The messages' own text is in the rendered conversation: refused before the render when too long.
+        self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
         renderer, template_tools = self.renderer, tools.template_tools if tools is not None else None
 
         def render(messages: list[dict]) -> str:
@@ -162,28 +172,18 @@ class GenerationService:
                 raise TemplateError(str(err)) from err
 
         self._check_names_are_written(render, checked)
-        ids = conversation_ids(render, checked, self.tokenizer, lambda text: self.encode(text, False, "the conversation"),
-                               self.special_tokens_in_content)
+        plain: Callable[[str], list[int]] = lambda text: self.encode(text, False, "the conversation")  # noqa: E731
+        encode = plain if vision is None else images_around(vision, plain)
+        ids = conversation_ids(render, checked, self.tokenizer, encode, self.special_tokens_in_content,
+                               allowed=(vision["placeholder"],) if vision is not None else ())
         self.check_length(ids, "the conversation")
         return ids
 
-    def _checked(self, messages: list[dict]) -> list[dict]:
-        """The messages checked (runtime/text/messages.py), and refused when their text alone is too long."""
-        if self.renderer is None:
-            raise InputError(str(self.template_error))
-        checked = check_messages(messages)
-        chars = sum(len(message["content"]) for message in checked)
-        if chars > self.max_prompt_chars:
-            raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
-        # The messages' own text is in the rendered conversation: refused before the render when too long.
-        self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
-        return checked
-
     def conversation_with_images(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[int], list[Any]]:
         """conversation(), and the images of its image content parts (a vision-language export): each part becomes
-        the family's placeholder, the rendered conversation is tokenized around them, and the images are read,
+        the family's placeholder, which the tokenized conversation holds as one image token; the images are read,
         checked and encoded here (InputError for a bad one), so admission only finds their features."""
-        from kvforge.runtime.media.image_prompt import take_image_parts, text_with_images
+        from kvforge.runtime.media.image_prompt import take_image_parts
         from kvforge.runtime.media.images import load_image
 
         images_path = self.export.images
@@ -194,15 +194,9 @@ class GenerationService:
         if len(images) > images_path.limits.max_images:
             raise InputError(f"{len(images)} images in one request; this server takes at most "
                              f"{images_path.limits.max_images}")
-        checked = self._checked(parts)
+        ids = self.conversation(parts, tools, images_path.vision)  # the text is checked before any image is read
         loaded = [load_image(source, images_path.limits) for source in images]
         images_path.encode_rows([loaded])  # encoded now, on this thread: admission finds them (by their digest)
-        try:
-            text = self.renderer.render(checked, True, tools.template_tools if tools is not None else None)
-        except InputError as err:
-            raise TemplateError(str(err)) from err
-        ids = text_with_images(text, images_path.vision, lambda piece, _: self.encode(piece, False, "the conversation"))
-        self.check_length(ids, "the conversation")
         return ids, loaded
 
     @staticmethod

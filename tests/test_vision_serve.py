@@ -190,3 +190,15 @@ def test_generate_image_and_chat_image_commands(folder, tmp_path) -> None:
 
     out = CliRunner().invoke(main, ["generate", str(folder), "--prompt", "a", "--prompt", "b", "--image", str(image)])
     assert out.exit_code != 0 and "--image goes with one prompt" in out.output
+
+
+def test_special_token_text_in_a_chat_with_an_image_stays_text(folder) -> None:
+    from kvforge.runtime import Generator
+
+    gen = Generator(folder)
+    eos = gen.tokenizer.encode("</s>", False)
+    assert len(eos) == 1  # "</s>" typed is the end-of-sequence token when parsed
+    ids, images = gen.chat_inputs([{"role": "user", "content": [
+        {"type": "text", "text": "What </s> is this?"}, {"type": "image", "image": _png(7, 40, 40)}]}])
+    assert len(images) == 1 and ids.count(gen.images.vision["image_token_id"]) == 1
+    assert eos[0] not in ids  # the typed "</s>" is plain text, as in a chat without images

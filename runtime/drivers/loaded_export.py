@@ -110,14 +110,16 @@ class LoadedExport:
         return GenerationRequest.create(prompts, *args, defaults=self.default_sampling, **options)
 
     def chat_ids(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                 special_tokens_in_content: bool = False) -> list[int]:
+                 special_tokens_in_content: bool = False, vision: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the export's chat template, as transformers'
         apply_chat_template(..., tokenize=True) gives them, except that special-token text inside a
         message's content ("<|im_end|>" typed by a user) stays text rather than becoming the control
         token (runtime/text/chat_tokens.py; `special_tokens_in_content=True`: parsed, as transformers does).
         `messages`: [{"role", "content"}, ...] or one user message as a str; `tools`: OpenAI's tool
-        list, for templates that take one (kvforge.runtime.controls.tool_calls parses the calls out of the answer)."""
+        list, for templates that take one (kvforge.runtime.controls.tool_calls parses the calls out of the answer).
+        `vision`: a vision-language export's record; its placeholder in a message is an image's place (chat_inputs)."""
         from kvforge.runtime.controls.tool_calls import check_tools, template_takes_tools
+        from kvforge.runtime.media.image_prompt import images_around
         from kvforge.runtime.text.chat_tokens import conversation_ids
         from kvforge.runtime.text.messages import check_messages
 
@@ -126,28 +128,23 @@ class LoadedExport:
             raise InputError(f"{template.source} does not support tools (it never reads a `tools` variable)")
         checked_tools = check_tools(tools) if tools is not None else None
         assert self.tokenizer is not None  # checked by chat_template
+        plain = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         return conversation_ids(lambda ms: template.render(ms, add_generation_prompt, checked_tools),
                                 check_messages(messages), self.tokenizer,
-                                special_tokens_in_content=special_tokens_in_content)
+                                plain if vision is None else images_around(vision, plain),
+                                special_tokens_in_content, allowed=(vision["placeholder"],) if vision else ())
 
     def chat_inputs(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                     special_tokens_in_content: bool = False) -> tuple[list[int], list[Any]]:
         """chat_ids(), and a conversation's images: image content parts (OpenAI's image_url, or {"type": "image",
-        "image": ...}) become the family's placeholder where they stand, the rendered text is tokenized piece by
-        piece around them (runtime/media/image_prompt.py), and the images are returned in order."""
-        from kvforge.runtime.media.image_prompt import take_image_parts, text_with_images
-        from kvforge.runtime.text.messages import check_messages
+        "image": ...}) become the family's placeholder where they stand, which the ids hold as one image token each
+        (runtime/media/image_prompt.py); the images are returned in order."""
+        from kvforge.runtime.media.image_prompt import take_image_parts
 
-        if self.images is None:
-            return self.chat_ids(messages, add_generation_prompt, tools, special_tokens_in_content), []
-        messages, images = take_image_parts(messages, self.images.vision["placeholder"])
-        if not images:
-            return self.chat_ids(messages, add_generation_prompt, tools, special_tokens_in_content), []
-        template = self.chat_template
-        text = template.render(check_messages(messages), add_generation_prompt, tools)
-        tokenizer = self.tokenizer
-        assert tokenizer is not None  # checked by chat_template
-        return text_with_images(text, self.images.vision, lambda piece, _: tokenizer.encode(piece, False)), images
+        parts, images = take_image_parts(messages, self.images.vision["placeholder"]) if self.images is not None \
+            else (messages, [])
+        return self.chat_ids(parts, add_generation_prompt, tools, special_tokens_in_content,
+                             self.images.vision if images else None), images
 
     @property
     def chat_template(self) -> ChatTemplate:

@@ -27,6 +27,11 @@ def text_with_images(text: str, vision: dict[str, Any], encode: Callable[[str, b
     return ids
 
 
+def images_around(vision: dict[str, Any], encode: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
+    """`encode` (a rendered chat's text, no special tokens added) with one image token id at each placeholder."""
+    return lambda text: text_with_images(text, vision, lambda piece, _: encode(piece))
+
+
 def expand_images(ids: list[int], images: int, vision: dict[str, Any], where: str) -> list[int]:
     """`ids` with each image token replaced by an image's run (before_ids, tokens_per_image image tokens,
     after_ids). A prompt with no image token and images gets them at its start (after a leading BOS)."""

@@ -23,11 +23,12 @@ from kvforge.runtime.text.tokenizer import Tokenizer
 
 def conversation_ids(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
                      tokenizer: Tokenizer, encode: Callable[[str], list[int]] | None = None,
-                     special_tokens_in_content: bool = False) -> list[int]:
+                     special_tokens_in_content: bool = False, allowed: tuple[str, ...] = ()) -> list[int]:
     """Token ids of `messages` as `render` writes them. `encode` tokenizes the template's text
-    (default: the tokenizer, special-token text parsed, no BOS added)."""
+    (default: the tokenizer, special-token text parsed, no BOS added). `allowed`: special-token texts a
+    message's content may hold as such (a vision-language export's image placeholder, which `encode` places)."""
     encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
-    specials = tokenizer.special_texts
+    specials = [text for text in tokenizer.special_texts if text not in allowed]
     typed = re.compile("|".join(map(re.escape, specials))) if specials else None
     if special_tokens_in_content or typed is None or not any(
             isinstance(m.get("content"), str) and typed.search(m["content"]) for m in messages):
