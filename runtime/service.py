@@ -184,7 +184,6 @@ class GenerationService:
         the family's placeholder, which the tokenized conversation holds as one image token; the images are read,
         checked and encoded here (InputError for a bad one), so admission only finds their features."""
         from kvforge.runtime.media.image_prompt import take_image_parts
-        from kvforge.runtime.media.images import load_image
 
         images_path = self.export.images
         parts, images = take_image_parts(messages, images_path.vision["placeholder"]) if images_path is not None \
@@ -195,9 +194,7 @@ class GenerationService:
             raise InputError(f"{len(images)} images in one request; this server takes at most "
                              f"{images_path.limits.max_images}")
         ids = self.conversation(parts, tools, images_path.vision)  # the text is checked before any image is read
-        loaded = [load_image(source, images_path.limits) for source in images]
-        images_path.encode_rows([loaded])  # encoded now, on this thread: admission finds them (by their digest)
-        return ids, loaded
+        return ids, images_path.encode(images)  # read and encoded on this thread: admission only takes the features
 
     @staticmethod
     def _check_names_are_written(render: Callable[[list[dict]], str], messages: list[dict]) -> None:

@@ -167,9 +167,11 @@ class FakeBackend:
         return self.model.readout([k[b, 0, : pos + 1] for k, _ in cache.layers],
                                   [v[b, 0, : pos + 1] for _, v in cache.layers])
 
-    def prefill(self, slot: FakeSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+    def prefill(self, slot: FakeSlot, input_ids: np.ndarray, logits_index: np.ndarray,
+                image_features: np.ndarray | None = None) -> np.ndarray:
         """input_ids [B, S] at each row's past_lens; logits_index [B] -> [B, V] (the slot's buffer), or
         [B, K] -> [B, K, V]. Writes positions past_lens[b] + 0..S-1 of every row, padding included."""
+        assert image_features is None, "the fake model takes no images"
         cache = slot.cache
         ids = np.asarray(input_ids, dtype=np.int64)
         cache.check_fits(ids.shape[1])

@@ -18,7 +18,8 @@ from kvforge.core.targets import TARGETS, get_target
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for folder in ("kvforge", "exporter", "runtime", "plugins", "models") for p in sorted((ROOT / folder).rglob("*.py"))]
 DEFINITIONS = {ROOT / "kvforge" / "core" / "contract.py"}
-IO_NAMES = {contract.INPUT_IDS, contract.PAST_LENS, contract.LOGITS_INDEX, contract.LOGITS, contract.LOGITS_POSITIONS}
+IO_NAMES = {contract.INPUT_IDS, contract.PAST_LENS, contract.LOGITS_INDEX, contract.LOGITS, contract.LOGITS_POSITIONS,
+            contract.IMAGE_FEATURES, contract.PIXEL_VALUES}
 CACHE_NAME = re.compile(r"(past|present)_(key|value)\.")
 PLUGIN_STRINGS = {PLUGIN.name, PLUGIN.onnx_domain, PLUGIN.id, "plugin_namespace", "plugin_version"}
 

@@ -113,19 +113,17 @@ def test_text_only_requests_to_a_vision_export_are_the_text_model(exported):
     ids = exported.tokenizer("Once upon a time")["input_ids"]
     result = exported.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True)
     assert result.tokens[0] == exported.hf_greedy(ids, None, 16)
-    text = Exported.__new__(Exported)  # the same checkpoint exported --text-only: the same tokens
+    from kvforge.core.errors import InputError
     from kvforge.exporter.export import export_model
     from kvforge.runtime import Generator
 
-    out = exported.out.parent / f"{exported.family}.text"
+    out = exported.out.parent / f"{exported.family}.text"  # the same checkpoint exported --text-only: the same tokens
     manifest = export_model(exported.hf_dir, out, text_only=True)
     assert "vision" not in manifest and "vision" not in manifest["graphs"]
-    text.gen = Generator(out)
-    assert text.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens == result.tokens
-    from kvforge.core.errors import InputError
-
+    text = Generator(out)
+    assert text.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens == result.tokens
     with pytest.raises(InputError, match="takes no images"):
-        text.gen.generate("Describe <image>", images=[_image(1, 30, 30)], max_new_tokens=2)
+        text.generate("Describe <image>", images=[_image(1, 30, 30)], max_new_tokens=2)
 
 
 def test_onnx_target_and_fp16_and_the_refusals(tmp_path):

@@ -247,8 +247,11 @@ class TrtBackend:
     def _kv_itemsize(self) -> int:
         return self._kv_host_dtype.itemsize
 
-    def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+    def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray,
+                image_features: np.ndarray | None = None) -> np.ndarray:
         """logits_index [B] -> logits [B, V]; [B, K] -> [B, K, V] (K <= MAX_POSITIONS)."""
+        if image_features is not None:  # the trt target exports no vision-language model
+            raise InputError("the tensorrt backend takes no images: its exports are text models")
         batch, seq = input_ids.shape
         slot.cache.check_fits(seq)
         if seq > self.max_input_len:

@@ -155,17 +155,17 @@ class StepEngine:
             ids = np.full((len(prompts), int(lens.max())), self.pad, dtype=np.int64)
             for b, prompt in enumerate(prompts):
                 ids[b, : len(prompt)] = prompt
-            logits = self.check(self.backend.prefill(self.slot, ids, lens - 1, **self._images(len(prompts))), 0)
+            logits = self.check(self.backend.prefill(self.slot, ids, lens - 1, self._images(len(prompts))), 0)
         self.cache.past_lens[:] = lens
         accepted, failed = self._pick_accept(range(len(prompts)), logits, 0)
         return Step([accepted], logits, failed=failed)
 
-    def _images(self, rows: int, first: int = 0) -> dict[str, np.ndarray]:
-        """The backend's image_features keyword for a prefill of rows first..first+rows-1: their prompt images'
-        features, row after row (contract.IMAGE_FEATURES), or nothing when none has images."""
+    def _images(self, rows: int, first: int = 0) -> np.ndarray | None:
+        """The image features of a prefill of rows first..first+rows-1: their prompt images', row after row
+        (contract.IMAGE_FEATURES), or None when none has images."""
         features = [row.image_features for row in self.rows[first:first + rows]
                     if row is not None and row.image_features is not None]
-        return {"image_features": np.concatenate(features)} if features else {}
+        return np.concatenate(features) if features else None
 
     def _prefill_alone(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Prompts of different lengths for a model with recurrent layers: right padding would run pad tokens
@@ -181,7 +181,7 @@ class StepEngine:
         for b, prompt in enumerate(prompts):
             staging.cache.reset()  # position 0: the graph reads the row's states as zeros
             logits = self.backend.prefill(staging, np.asarray([prompt], dtype=np.int64),
-                                          np.array([len(prompt) - 1], dtype=np.int64), **self._images(1, b))
+                                          np.array([len(prompt) - 1], dtype=np.int64), self._images(1, b))
             out.append(logits.copy())  # the slot's logits buffer, which the next row's run overwrites
             self.backend.copy_rows(staging, 0, self.slot, b, len(prompt))
         return np.concatenate(out, axis=0)

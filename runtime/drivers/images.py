@@ -14,7 +14,7 @@ import numpy as np
 
 from kvforge.core.errors import InputError
 from kvforge.runtime.media.image_prompt import expand_images, image_key, text_with_images
-from kvforge.runtime.media.images import DEFAULT_LIMITS, ImageLimits, load_image
+from kvforge.runtime.media.images import DEFAULT_LIMITS, ImageLimits, LoadedImage, load_image
 from kvforge.runtime.media.preprocess import check_processor, preprocess
 
 
@@ -24,6 +24,14 @@ class RowImages:
 
     features: np.ndarray  # [images * tokens_per_image, hidden]
     digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class EncodedImage(LoadedImage):
+    """An image read, checked and encoded already (the server does it before admission): its features go with it,
+    so admission never encodes (and never depends on the kept features' cache)."""
+
+    features: np.ndarray | None = None
 
 
 class Images:
@@ -56,10 +64,16 @@ class Images:
             raise InputError(f"too many images: at most {self.limits.max_images} per prompt")
         out: list[RowImages | None] = []
         for row in images:
-            loaded = [load_image(source, self.limits) for source in row]  # every image checked before any work
-            out.append(RowImages(np.concatenate([self._features(one) for one in loaded]),
-                                 tuple(one.digest for one in loaded)) if loaded else None)
+            encoded = self.encode(row)
+            out.append(RowImages(np.concatenate([one.features for one in encoded]),
+                                 tuple(one.digest for one in encoded)) if encoded else None)
         return out
+
+    def encode(self, sources: list[Any]) -> list[EncodedImage]:
+        """Each image read and checked (all of them before any is encoded), then with its features."""
+        loaded = [load_image(source, self.limits) for source in sources]
+        return [one if isinstance(one, EncodedImage) else EncodedImage(one.image, one.digest, self._features(one))
+                for one in loaded]
 
     def run_length(self) -> int:
         """The tokens one image takes in a prompt (its run: before_ids, its image tokens, after_ids)."""

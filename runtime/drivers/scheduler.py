@@ -328,7 +328,7 @@ class Scheduler:
         chunk = prompt[job.prefilled: job.prefilled + self.prefill_chunk]
         logits = self.export.check_logits(
             self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64),
-                                 **self._chunk_images(job, len(chunk))), 0)
+                                 self._chunk_images(job, len(chunk))), 0)
         job.prefilled += len(chunk)
         self.stage.cache.past_lens[0] = job.prefilled
         if job.prefilled < len(prompt):
@@ -346,15 +346,15 @@ class Scheduler:
         self._deliver(step.positions)
         self._end_failed(step.failed)
 
-    def _chunk_images(self, job: _Request, length: int) -> dict[str, np.ndarray]:
-        """The backend's image_features for the chunk of `length` tokens from job.prefilled: the features of the
-        image tokens in it (those of the cached or earlier chunks skipped), or nothing."""
+    def _chunk_images(self, job: _Request, length: int) -> np.ndarray | None:
+        """The image features of the chunk of `length` tokens from job.prefilled: those of the image tokens in it
+        (the cached or earlier chunks' skipped), or None."""
         if job.images is None:
-            return {}
+            return None
         token = self.export.images.vision["image_token_id"]
         before = job.prompt_ids[:job.prefilled].count(token)
         inside = job.prompt_ids[job.prefilled:job.prefilled + length].count(token)
-        return {"image_features": job.images.features[before:before + inside]} if inside else {}
+        return job.images.features[before:before + inside] if inside else None
 
     def _decode_step(self) -> None:
         for at, row in enumerate(self.engine.rows):
