@@ -12,6 +12,7 @@ the lm_head and the embedding left to kvforge's own rounding (an 8-bit lm_head u
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import time
@@ -27,26 +28,34 @@ SEQUENCE = 256  # tokens a calibration sample
 SAMPLES = 16  # samples, drawn as evenly spaced windows of the text
 ITERATIONS = 200  # AutoRound's tuning steps a block (its default)
 MIN_TOKENS = 512
+# Bytes of --calibration read: ~250k tokens of prose, far more than the SAMPLES * SEQUENCE windows use
+READ_BYTES = 2**20
 
 
 def read_calibration(path: str | Path | None) -> tuple[str, str]:
-    """The calibration text and what to call it; a file that is empty, binary or not UTF-8 is refused in one line."""
+    """The calibration text and what to call it; a file that is empty, binary or not UTF-8 is refused in one line.
+    Only its first READ_BYTES are read (calibration uses SAMPLES * SEQUENCE tokens): a huge file, or a device
+    such as /dev/zero, is not read whole."""
     if path is None:
         return CALIBRATION_TEXT.read_text(encoding="utf-8"), "kvforge's calibration text"
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as handle:
+            raw = handle.read(READ_BYTES + 1)
     except OSError as err:
         raise InputError(f"--calibration {path}: cannot read it ({err.strerror or err})") from None
+    what, cut = f"--calibration {path}", len(raw) > READ_BYTES
+    if cut:
+        raw, what = raw[:READ_BYTES], f"the first {READ_BYTES // 2**20} MiB of --calibration {path}"
     if not raw.strip():
         raise InputError(f"--calibration {path} is empty: give a text file of at least {MIN_TOKENS} tokens")
-    try:
-        text = raw.decode("utf-8")
+    try:  # not final: a character the cut splits at the end is dropped, not refused
+        text = codecs.getincrementaldecoder("utf-8")().decode(raw, final=not cut)
     except UnicodeDecodeError:
         raise InputError(f"--calibration {path} is not UTF-8 text (a binary file?): give plain text") from None
     if "\x00" in text:
         raise InputError(f"--calibration {path} holds NUL bytes (a binary file?): give plain text")
-    return text, f"--calibration {path}"
+    return text, what
 
 
 def windows(ids: list[int], what: str) -> list[list[int]]:

@@ -41,6 +41,7 @@ from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.models.config_values import config_value
 from kvforge.models.families import Family
 from kvforge.models.gguf import GGUF_MARKER, convert_gguf, find_gguf
+from kvforge.models.hub import resolve_model
 
 COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json",
@@ -102,6 +103,7 @@ def export_model(
     *,
     progress: Callable[[str], None] | None = None,
     families: Mapping[str, Family] | None = None,
+    revision: str | None = None,
     **keywords: Any,
 ) -> dict[str, Any]:
     """Export a local HF causal LM folder, or a GGUF file (converted first into `hf_dir`, default
@@ -110,20 +112,36 @@ def export_model(
     "int8") quantises every weight matrix block-wise with ONNX Runtime's MatMulNBits quantiser (its
     accuracy cost is measured afterwards by `kvforge.tools.parity.measure_quantized`, which `kvforge
     export` runs). `families`: the family registry (default: kvforge.models.families.families(); the
-    coverage sweep passes its trials'). Returns the manifest that was written to `out_dir`."""
+    coverage sweep passes its trials'). `model_dir` may be a Hugging Face Hub id (`org/name`, at `revision`): its
+    snapshot in huggingface_hub's cache, downloaded only where HF_HUB_OFFLINE is unset (kvforge.models.hub); the
+    manifest records the id and commit. Returns the manifest that was written to `out_dir`."""
     if options is not None and keywords:
         raise InputError("pass export options either as ExportOptions or as keywords, not both")
     try:
         options = options or ExportOptions(**keywords)
     except TypeError as err:
         raise InputError(f"export_model: {err}") from None
+    model_dir = resolve_model(model_dir, revision, progress)  # a Hub id: its cached (or downloaded) snapshot
     options = _checkpoint_bits(options, model_dir)
     target = options.resolve()
     check_model_path(model_dir)  # a typo, a file or a Hub id: said at once, before torch loads
-    from kvforge.exporter.lowering import lower
-
+    _refuse_images(model_dir, options, target)  # from config.json alone, before anything loads
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
+    with _removed_on_failure(_hf_dir(options, out_dir)):
+        manifest = _export(model_dir, out_dir, options, target, say, families)
+    # The manifest's figures, so that whoever reports them (the demo) says the same numbers.
+    seconds = manifest["export_seconds"]
+    before = f"; converting the GGUF before it took {seconds['gguf_convert']:.1f} s" if "gguf_convert" in seconds else ""
+    say(f"exported to {out_dir}: load, trace, optimise and write took {seconds['total']:.1f} s{before}")
+    return manifest
+
+
+def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target: ExportTarget,
+            say: Callable[[str], None], families: Mapping[str, Family] | None) -> dict[str, Any]:
+    """export_model's work once the options are checked: the manifest written with the export at `out_dir`."""
+    from kvforge.exporter.lowering import lower
+
     model_dir, gguf_record, converted_s = _gguf_input(model_dir, out_dir, options, say)
     options, method_default = _default_method(options, model_dir, gguf_record)
     model_dir, int_weights = _integer_weights(options, model_dir, out_dir, gguf_record, say)
@@ -164,11 +182,28 @@ def export_model(
             raise
         except Exception as err:
             raise _failure(err, out_dir, model_dir) from err
-    # The manifest's figures, so that whoever reports them (the demo) says the same numbers.
-    seconds = manifest["export_seconds"]
-    before = f"; converting the GGUF before it took {seconds['gguf_convert']:.1f} s" if "gguf_convert" in seconds else ""
-    say(f"exported to {out_dir}: load, trace, optimise and write took {seconds['total']:.1f} s{before}")
     return manifest
+
+
+def _hf_dir(options: ExportOptions, out_dir: Path) -> Path:
+    """Where a GGUF is converted, or a pre-quantised checkpoint dequantised: --hf-dir, default OUT_DIR.hf."""
+    return Path(options.hf_dir).absolute() if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
+
+
+@contextlib.contextmanager
+def _removed_on_failure(hf_dir: Path) -> Iterator[None]:
+    """A conversion folder (a GGUF's, a pre-quantised checkpoint's dequantised twin) that a failed export made is
+    removed with it, so a failure leaves nothing behind; one that was there before (an earlier export's) stays."""
+    made_here = not hf_dir.exists()
+    try:
+        yield
+    except BaseException:
+        from kvforge.models.prequantized import MARKER as PREQUANTIZED_MARKER
+
+        # Only a folder kvforge wrote (its marker), never whatever else appeared there meanwhile.
+        if made_here and any((hf_dir / marker).is_file() for marker in (GGUF_MARKER, PREQUANTIZED_MARKER)):
+            shutil.rmtree(hf_dir, ignore_errors=True)
+        raise
 
 
 def _vision_family(config: Any, options: ExportOptions, target: ExportTarget) -> Any:
@@ -181,11 +216,31 @@ def _vision_family(config: Any, options: ExportOptions, target: ExportTarget) ->
     if vision is None:
         return None
     if not target.images:
-        raise UnsupportedModelError(
-            f"{vision.model_type}: a vision-language model, and --target {target.name} takes no images yet (its "
-            "attention plugin has no image path); export with --target ort or --target onnx, or with --text-only "
-            "for its text model alone")
+        raise _no_images(vision.model_type, target)
     return vision
+
+
+def _refuse_images(model_dir: str | Path, options: ExportOptions, target: ExportTarget) -> None:
+    """A vision-language checkpoint (exported whole) for a target that takes no images, refused from its
+    config.json alone: before torch, transformers and the checkpoint load (_vision_family says it for the rest)."""
+    from kvforge.models.vision_families import vision_family
+
+    config = Path(model_dir) / "config.json"
+    if options.text_only or target.images or not config.is_file():
+        return
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # a config that does not read: said by its own load
+    if isinstance(model_type, str) and vision_family(model_type) is not None:
+        raise _no_images(model_type, target)
+
+
+def _no_images(model_type: str, target: ExportTarget) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{model_type}: a vision-language model, and --target {target.name} takes no images yet (its attention "
+        "plugin has no image path); export with --target ort or --target onnx, or with --text-only for its text "
+        "model alone")
 
 
 def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
@@ -195,8 +250,8 @@ def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
     gguf_file = find_gguf(model_dir) if Path(model_dir).exists() else None
     if gguf_file is None:
         return Path(model_dir).resolve(), None, None
-    hf_dir = Path(options.hf_dir) if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
-    check_output(out_dir, [gguf_file.resolve(), hf_dir.absolute()], force=options.force, marker=MANIFEST_NAME)
+    hf_dir = _hf_dir(options, out_dir)
+    check_output(out_dir, [gguf_file.resolve(), hf_dir], force=options.force, marker=MANIFEST_NAME)
     converting, converted = time.perf_counter(), []
 
     def watch(message: str) -> None:  # a reused conversion is not reported as one
@@ -283,12 +338,15 @@ def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, ggu
     layout = prequantized_layout(model_dir)
     if layout is None:
         return model_dir, None
-    hf_dir = Path(options.hf_dir) if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
-    check_output(out_dir, [model_dir, hf_dir.absolute()], force=options.force, marker=MANIFEST_NAME)
+    hf_dir = _hf_dir(options, out_dir)
+    check_output(out_dir, [model_dir, hf_dir], force=options.force, marker=MANIFEST_NAME)
+    from kvforge.exporter.checkpoint_names import refuse_doubled_layers
     from kvforge.models.prequantized import PrequantizedWeights
 
+    weights = PrequantizedWeights(model_dir, layout)
+    refuse_doubled_layers(model_dir, weights.prefixes, weights.files)  # before its twin is written
     folder = convert_prequantized(model_dir, hf_dir, say)
-    return Path(folder).resolve(), PrequantizedWeights(model_dir, layout)
+    return Path(folder).resolve(), weights
 
 
 # A model without a position limit (state-space models, ALiBi) is exported for this many positions.

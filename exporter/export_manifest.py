@@ -18,6 +18,7 @@ from kvforge.core.manifest import MANIFEST_NAME, compose, file_record, io_spec
 from kvforge.core.targets import Target
 from kvforge.exporter.text_model import text_of
 from kvforge.models.config_values import config_value
+from kvforge.models.hub import hub_record
 
 WEIGHTS_NAME = "model.weights"  # the one external-data file both graphs read
 
@@ -132,6 +133,9 @@ def export_manifest(config, model_dir, target: Target, dtype: str, layout: KVLay
         model["dropped_token_ids"] = dropped
     if gguf_record is not None:
         model["source_gguf"] = {k: gguf_record[k] for k in ("source", "bytes", "sha256", "architecture", "tensor_types")}
+    hub = hub_record(model_dir)
+    if hub is not None:  # taken from huggingface_hub's cache: which repository, at which commit
+        model["hub"] = hub
     files = {path.name: file_record(path) for path in sorted(folder.iterdir())
              if path.is_file() and path.name not in (MANIFEST_NAME, WEIGHTS_NAME)}
     if (folder / WEIGHTS_NAME).is_file():  # hashed as it was written (exporter/weights.py)

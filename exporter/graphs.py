@@ -85,7 +85,7 @@ def _text_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lap
                  families: Mapping[str, Family] | None) -> MadeGraphs:
     """Prefill and decode; streamed where the model allows it, else (and where tracing with fake weights fails)
     from the whole model, saying why."""
-    from kvforge.exporter.lazy_weights import empty_model, streaming_refusal
+    from kvforge.exporter.lazy_weights import Gap, empty_model, streaming_refusal
 
     say = work.say
     why = streaming_refusal(work.config, work.options, work.family) if work.options.stream else "--no-stream"
@@ -110,7 +110,7 @@ def _text_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lap
         f"{work.options.dtype}): {why}")
     laps.pop("load", None)
     lap.mark = time.perf_counter()
-    model = load_hf_model(work.model_dir, work.options.dtype, families)
+    model = load_hf_model(work.model_dir, work.options.dtype, families, why.refusal if isinstance(why, Gap) else None)
     lap("load")
     with Patches() as patches:
         layout = _prepare(model, work, layout, patches)

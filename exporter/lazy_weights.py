@@ -25,6 +25,13 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from kvforge.exporter.checkpoint_names import (
+    mismatch_line,
+    missing_line,
+    refuse_unexpected,
+    unexpected_tensors,
+)
+
 # The GraphWrapper holds the HF model as `model`: torch.onnx names initializers by that path.
 WRAPPER_PREFIX = "model."
 
@@ -37,6 +44,18 @@ class EmptyModel:
     fake_mode: Any
     # initializer name (as torch.onnx names it) -> checkpoint tensor name
     sources: dict[str, str]
+
+
+class Gap(str):
+    """Why an export does not stream that is the checkpoint's own (a tensor missing by its name, one of another
+    shape), with the one line that refuses it should transformers not load the folder whole either."""
+
+    refusal: str
+
+    def __new__(cls, reason: str, refusal: str) -> Gap:
+        gap = super().__new__(cls, reason)
+        gap.refusal = refusal
+        return gap
 
 
 def streaming_refusal(config: Any, options: Any, family: Any) -> str | None:
@@ -57,8 +76,9 @@ def streaming_refusal(config: Any, options: Any, family: Any) -> str | None:
 
 def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any) -> tuple[EmptyModel | None, str | None]:
     """The model with fake parameters and real buffers, and the checkpoint tensor of each initializer;
-    or None and why it cannot stream (a parameter the checkpoint does not hold by its name and shape,
-    experts that the MoE preparation rebuilds from their values)."""
+    or None and why it cannot stream (a parameter the checkpoint does not hold by its name and shape: a Gap,
+    experts that the MoE preparation rebuilds from their values). A checkpoint tensor that no parameter or buffer
+    reads, once all were found, is refused (InputError naming it)."""
     import torch
     from accelerate import init_empty_weights
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -78,17 +98,22 @@ def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any) -> 
     sources: dict[str, str] = {}
     for aliases in names.values():
         found = next((name for name in aliases if name in checkpoint), None)
-        if found is None:
-            return None, f"the checkpoint has no tensor named {aliases[0]} (transformers renames or merges its tensors)"
+        if found is None:  # renamed or merged by transformers' loader, or missing: the whole-model load tells
+            return None, Gap(f"the checkpoint has no tensor named {aliases[0]} (transformers may rename or merge "
+                             "tensors as it loads them)", missing_line(checkpoint.model_dir, [aliases[0]]))
         parameter = model.get_parameter(aliases[0])
-        if tuple(checkpoint.info(found).shape) != tuple(parameter.shape):
-            return None, (f"the checkpoint's {found} is {list(checkpoint.info(found).shape)}, the model's "
-                          f"{list(parameter.shape)}")
+        stored, wanted = list(checkpoint.info(found).shape), list(parameter.shape)
+        if stored != wanted:
+            return None, Gap(f"the checkpoint's {found} is {stored}, the model's {wanted}",
+                             mismatch_line(checkpoint.model_dir, found, stored, wanted))
         for alias in aliases:
             sources[WRAPPER_PREFIX + alias] = found
     for name, _ in model.named_buffers():
         if name in checkpoint:  # a persistent buffer saved with the weights: its saved values, as from_pretrained
             sources[WRAPPER_PREFIX + name] = name
+    # Every parameter found by its name and shape: a tensor left over is one transformers would drop too.
+    refuse_unexpected(checkpoint.model_dir, model,
+                      unexpected_tensors(model, checkpoint.names, set(sources.values())))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, Any] = {}
     for module in model.modules():

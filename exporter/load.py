@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 from kvforge.core.contract import DTYPES
 from kvforge.core.errors import InputError, KvforgeError
+from kvforge.exporter.checkpoint_names import refuse_incomplete
 from kvforge.exporter.text_model import load_text_model, text_config_of, text_family, text_of
 from kvforge.models.families import Family, family_for, own_text_type
 
@@ -104,9 +105,13 @@ def check_weight_files(model_dir: Path) -> None:
     raise InputError(f"{model_dir} has no weights (*.safetensors); pass a complete Hugging Face model folder")
 
 
-def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[str, Family] | None = None):
+def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[str, Family] | None = None,
+                  gap: str | None = None):
     """The local HF model with its eager attention, in eval mode (also the parity reference). `families`:
-    the family registry to check it against (default: kvforge.models.families.families())."""
+    the family registry to check it against (default: kvforge.models.families.families()). A tensor the model
+    needs that the checkpoint lacks, one it has no place for, or one of another shape is refused in one line.
+    `gap`: the line a streamed export would have refused the checkpoint with (a tensor missing by its name or
+    shape), said instead of transformers' own error should it fail to load the folder (it is the real reason)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -119,24 +124,31 @@ def load_hf_model(model_dir: str | Path, dtype: str = "fp32", families: Mapping[
     check_weight_files(model_dir)
     # kvforge prints its own progress: transformers' bar is off for this load only, so an application
     # that embeds the exporter keeps its own setting.
-    bars = hf_logging.is_progress_bar_enabled()
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    # Its loading report (a table of missing tensors) is refused below in one line, not printed.
+    hf_logging.set_verbosity_error()
     try:
         if text_of(config) is not None:  # a multimodal checkpoint: its text model, from its language-model tensors
             model = load_text_model(model_dir, dtype, config)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
+            # A tensor missing, unexpected or of another shape is refused, never filled with random values.
+            model, info = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=getattr(torch, DTYPES[dtype]), attn_implementation="eager", local_files_only=True,
-                use_safetensors=True, trust_remote_code=False,
+                use_safetensors=True, trust_remote_code=False, output_loading_info=True, ignore_mismatched_sizes=True,
             )
+            refuse_incomplete(model_dir, model, info)
     except KvforgeError:
         raise
     except Exception as err:  # safetensors, transformers and torch each raise their own types
+        if gap is not None:
+            raise InputError(f"{gap} (transformers cannot load the folder whole either: {one_line(err)[:160]})") from err
         raise InputError(
             f"could not load the weights of {model_dir}: {type(err).__name__}: {one_line(err)}; "
             "the files may be truncated or corrupted"
         ) from err
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
     return model.eval()

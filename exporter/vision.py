@@ -68,13 +68,15 @@ def checkpoint_image_token(model_dir: Path) -> int:
 
 
 def processor_record(model_dir: Path) -> dict[str, Any]:
-    """The checkpoint's image processor as transformers resolves it (preprocessor_config.json with its class's
-    defaults): its class name and PROCESSOR_FIELDS, JSON-ready."""
+    """The checkpoint's image processor as transformers resolves it (preprocessor_config.json, or the
+    "image_processor" entry of processor_config.json as transformers 5 saves a processor, with its class's defaults):
+    its class name and PROCESSOR_FIELDS, JSON-ready."""
     from transformers import AutoImageProcessor
 
-    if not (model_dir / "preprocessor_config.json").is_file():
-        raise InputError(f"{model_dir} has no preprocessor_config.json: a vision-language export needs the image "
-                         "processor's settings; pass the complete checkpoint folder, or export with --text-only")
+    if not (model_dir / "preprocessor_config.json").is_file() and not _has_image_processor_entry(model_dir):
+        raise InputError(f"{model_dir} has no preprocessor_config.json (nor an image_processor entry in "
+                         "processor_config.json): a vision-language export needs the image processor's settings; pass "
+                         "the complete checkpoint folder, or export with --text-only")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, backend="pil")
@@ -98,9 +100,22 @@ def processor_record(model_dir: Path) -> dict[str, Any]:
     if record.get("crop_to_patches"):
         raise UnsupportedModelError(
             f"{model_dir}: its image processor tiles each image (crop_to_patches), and kvforge's image path takes one "
-            "tile per image: set \"crop_to_patches\": false in preprocessor_config.json (each image is then resized "
-            "to one tile, at some cost in detail), or export with --text-only")
+            "tile per image: set \"crop_to_patches\": false in preprocessor_config.json (or in processor_config.json's "
+            "image_processor entry): each image is then resized to one tile, at some cost in detail; or export with "
+            "--text-only")
     return record
+
+
+def _has_image_processor_entry(model_dir: Path) -> bool:
+    """Whether processor_config.json holds the image processor's settings (transformers 5's save_pretrained layout)."""
+    import json
+
+    path = model_dir / "processor_config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise InputError(f"{path} is not readable JSON ({err}); fix or remove it") from None
+    return isinstance(config, dict) and isinstance(config.get("image_processor"), dict)
 
 
 def image_shape(record: dict[str, Any], config: Any) -> tuple[int, int]:
@@ -177,6 +192,7 @@ def vision_record(model: Any, family: VisionFamily, processor: dict[str, Any], s
         "family": family.model_type, "file": "vision.onnx", "image_token_id": image_token_id(config),
         "tokens_per_image": tokens, "hidden_size": int(model.get_input_embeddings().weight.shape[-1]),
         "image_size": list(shape), "channels": getattr(config.vision_config, "num_channels", 3),
-        "placeholder": family.placeholder, "before_ids": list(before), "after_ids": list(after),
+        "placeholder": family.placeholder, "chat_placeholder": family.chat_placeholder, "before_ids": list(before),
+        "after_ids": list(after),
         "processor": processor,
     }

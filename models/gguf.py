@@ -167,7 +167,15 @@ class _GGUFTensor:
     def blocks(entry: _GGUFTensor) -> list[np.ndarray]:
         from gguf import dequantize
 
-        weights = dequantize(entry.tensor.data, entry.tensor.tensor_type)
+        from kvforge.models.gguf_blocks import finite, float_type
+
+        float_type(entry.tensor)
+        try:
+            weights = dequantize(entry.tensor.data, entry.tensor.tensor_type)
+        except NotImplementedError as err:  # a block type gguf-py cannot dequantise
+            raise InputError(f"GGUF tensor {entry.tensor.name} is of type {entry.tensor.tensor_type.name}, which the gguf "
+                             f"package cannot dequantise ({err}): update it (pip install -U gguf)") from None
+        finite(entry.tensor.name, "values", weights)  # a NaN scale inside a block dequantises to NaN weights
         result = entry.processor.process(weights=weights, name=entry.tensor.name, tensor_key_mapping=entry.mapping,
                                          parsed_parameters={})
         if result.name != entry.tensor.name or np.size(result.weights) != entry.numel:
@@ -213,19 +221,27 @@ def _convert_whole(gguf_path: Path, out: Path, config: Any) -> None:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from kvforge.exporter.checkpoint_names import refuse_incomplete
 
     # transformers' GGUF reader draws its own tqdm bar per tensor; kvforge reports progress itself.
-    saved_tqdm = gguf_utils.tqdm
+    saved_tqdm, verbosity = gguf_utils.tqdm, hf_logging.get_verbosity()
     gguf_utils.tqdm = functools.partial(saved_tqdm, disable=True)
+    hf_logging.set_verbosity_error()  # its loading report: a missing tensor is refused below in one line
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                      dtype=torch.float32)
+        loaded, info = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                            dtype=torch.float32, output_loading_info=True)
     except Exception as err:  # a quantisation type transformers' GGUF loader cannot read
         raise UnsupportedModelError(
             f"transformers cannot read {gguf_path.name}: {type(err).__name__}: {' '.join(str(err).split())}"
         ) from err
     finally:
         gguf_utils.tqdm = saved_tqdm
+        hf_logging.set_verbosity(verbosity)
+    # A parameter no GGUF tensor gives would be written with random values. (A GGUF tensor transformers does not
+    # map, such as llama.cpp's rope_freqs, is dropped as transformers' own GGUF loading drops it.)
+    refuse_incomplete(gguf_path, loaded, {**info, "unexpected_keys": ()})
     # transformers refuses save_pretrained on a GGUF-loaded model: a model rebuilt from the config
     # without the quantisation entry is handed the dequantised weights.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvforge.core.errors import InputError
 from kvforge.models.int_weights import IntWeight, WeightSpec
 
 CARRIED = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
@@ -86,6 +87,31 @@ def q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
 WITH_MINIMUMS = {"Q4_1": q4_1_blocks, "Q4_K": q4_k_blocks}  # read with float zero points
 
 
+def finite(tensor: str, what: str, values: np.ndarray) -> None:
+    """Refuse a GGUF tensor whose values (or block scales) are NaN or Inf, in one line naming it."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        raise InputError(f"GGUF tensor {tensor} holds {int(bad.sum())} non-finite {what} (NaN or Inf): the file is "
+                         "corrupt; convert or download it again")
+
+
+def float_type(tensor: Any) -> None:
+    """Refuse a GGUF weight stored as integers (I8 ... I64): no block type, nothing a weight's floats come from."""
+    kind = tensor.tensor_type.name
+    if kind in ("I8", "I16", "I32", "I64"):
+        raise InputError(f"GGUF tensor {tensor.name} is of type {kind}: a model weight must be a float or quantised "
+                         "block type; the file is corrupt")
+
+
+def _check_size(tensor: Any, name: str, raw: np.ndarray, count: int) -> None:
+    from gguf import GGML_QUANT_SIZES
+
+    elements, size = GGML_QUANT_SIZES[tensor.tensor_type]
+    if count % elements or raw.nbytes != count // elements * size:
+        raise InputError(f"GGUF tensor {tensor.name} ({name}, {tensor.tensor_type.name}) holds {raw.nbytes} bytes where "
+                         f"{count} values in blocks of {elements} take {count // elements * size}: the file is corrupt")
+
+
 class GGUFIntWeights:
     """The Q4_0 / Q4_1 / Q4_K / Q8_0 matrices of a GGUF by the Hugging Face parameter name its conversion gives them."""
 
@@ -112,10 +138,15 @@ class GGUFIntWeights:
         kind = entry.tensor.tensor_type.name
         rows, cols = entry.shape
         raw, zeros = np.asarray(entry.tensor.data), None
+        _check_size(entry.tensor, name, raw, rows * cols)
         if kind in WITH_MINIMUMS:
             values, scales, zeros = WITH_MINIMUMS[kind](raw, rows, cols)
         else:
             values, scales = (q4_0_blocks if kind == "Q4_0" else q8_0_blocks)(raw, rows, cols)
+        # A NaN or Inf fp16 scale (or minimum) in a block would be carried as it is: the export answers garbage
+        finite(entry.tensor.name, f"{kind} block scales", scales)
+        if zeros is not None:
+            finite(entry.tensor.name, f"{kind} block minimums", zeros)
         # The conversion's own processing (Llama's q/k row order) on the integers, scales and zero points
         # alike: it moves whole rows, which all keep.
         values, scales = self._processed(entry, values), self._processed(entry, scales)

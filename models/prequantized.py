@@ -24,6 +24,7 @@ import numpy as np
 
 from kvforge.core.errors import InputError
 from kvforge.models.int_weights import IntWeight, WeightSpec, grouped_order
+from kvforge.models.prequantized_checks import checked, g_idx_fits, inputs_fit, matrix, refuse, shape_is
 
 MARKER = "kvforge_prequantized.json"
 AWQ_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word sits in nibble AWQ_ORDER[j]
@@ -137,12 +138,12 @@ class PrequantizedWeights:
     def weight_names(self) -> list[str]:
         return [f"{prefix}.weight" for prefix in self.prefixes]
 
-    def tensor(self, name: str) -> np.ndarray:
+    def tensor(self, name: str, role: str = "float") -> np.ndarray:
+        """A tensor as numpy, its dtype (and a float's finiteness) checked for `role` (models/prequantized_checks.py)."""
         from safetensors import safe_open
 
         with safe_open(str(self.files[name]), "pt") as handle:  # "pt": bf16 scales have no numpy dtype
-            tensor = handle.get_tensor(name)
-        return tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+            return checked(name, handle.get_tensor(name), role)
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -158,39 +159,72 @@ class PrequantizedWeights:
         return self._specs[name]
 
     def load(self, name: str) -> IntWeight:
-        prefix, layout = name.removesuffix(".weight"), self.layout
-        if layout.packing == "pack-quantized":
-            values, scales, zeros, g_idx = self._compressed(prefix)
-        elif layout.packing == "awq":
-            values = _unpack(self.tensor(f"{prefix}.qweight"), 4, 1)[:, self._awq_columns(prefix)].T
-            zeros = _unpack(self.tensor(f"{prefix}.qzeros"), 4, 1)[:, self._awq_columns(prefix)].T
-            scales, g_idx = self.tensor(f"{prefix}.scales").T, None
-        else:
-            values = _unpack(self.tensor(f"{prefix}.qweight"), layout.bits, 0).T
-            zeros = _unpack(self.tensor(f"{prefix}.qzeros"), layout.bits, 1).T.astype(np.int16)
-            if layout.zero_minus_one:
-                zeros = zeros + 1
-            if zeros.max() >= 1 << layout.bits:
-                raise InputError(f"{prefix}: a GPTQ zero point of {int(zeros.max())} does not fit {layout.bits} bits")
-            zeros = zeros.astype(np.uint8)
-            scales = self.tensor(f"{prefix}.scales").T
-            g_idx = self.tensor(f"{prefix}.g_idx") if self.has(f"{prefix}.g_idx") else None
-        return _as_int_weight(prefix, layout, np.ascontiguousarray(values), scales, zeros, g_idx)
+        prefix = name.removesuffix(".weight")
+        read = {"pack-quantized": self._compressed, "awq": self._awq, "gptq": self._gptq}[self.layout.packing]
+        values, scales, zeros, g_idx = read(prefix)
+        return _as_int_weight(prefix, self.layout, np.ascontiguousarray(values), scales, zeros, g_idx)
 
-    def _awq_columns(self, prefix: str) -> np.ndarray:
-        columns = self.tensor(f"{prefix}.scales").shape[1]
-        return (np.arange(columns) // 8 * 8 + AWQ_ORDER[np.arange(columns) % 8])
+    def _gptq(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        bits, group = self.layout.bits, self.layout.group_size
+        qweight = self.tensor(f"{prefix}.qweight", "words")
+        words, rows = matrix(f"{prefix}.qweight", qweight)
+        cols = words * 32 // bits
+        groups = inputs_fit(f"{prefix}.qweight", cols, bits, group)
+        why = f"{groups} group(s) of the {cols} input features qweight {list(qweight.shape)} packs at {bits} bits"
+        scales = self.tensor(f"{prefix}.scales", "scales")
+        shape_is(f"{prefix}.scales", scales, (groups, rows), f"{why}, by {rows} outputs", bits, group)
+        qzeros = self.tensor(f"{prefix}.qzeros", "words")
+        shape_is(f"{prefix}.qzeros", qzeros, (groups, rows * bits // 32), f"{why}, {rows} outputs at {bits} bits a word",
+                 bits, group)
+        values = _unpack(qweight, bits, 0).T
+        zeros = _unpack(qzeros, bits, 1).T.astype(np.int16)
+        if self.layout.zero_minus_one:
+            zeros = zeros + 1
+        if zeros.max() >= 1 << bits:
+            raise InputError(f"{prefix}.qzeros: a GPTQ zero point of {int(zeros.max())} does not fit {bits} bits")
+        g_idx = None
+        if self.has(f"{prefix}.g_idx"):
+            g_idx = g_idx_fits(f"{prefix}.g_idx", self.tensor(f"{prefix}.g_idx", "index"), cols, groups, bits, group)
+        return values, scales.T, zeros.astype(np.uint8), g_idx
+
+    def _awq(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        bits, group = self.layout.bits, self.layout.group_size
+        qweight = self.tensor(f"{prefix}.qweight", "words")
+        cols, words = matrix(f"{prefix}.qweight", qweight)
+        rows = words * 8  # AWQ packs eight 4-bit outputs a word
+        groups = inputs_fit(f"{prefix}.qweight", cols, bits, group)
+        why = f"{groups} group(s) of the {cols} input features of qweight {list(qweight.shape)}"
+        scales = self.tensor(f"{prefix}.scales", "scales")
+        shape_is(f"{prefix}.scales", scales, (groups, rows), f"{why}, by its {rows} outputs", bits, group)
+        qzeros = self.tensor(f"{prefix}.qzeros", "words")
+        shape_is(f"{prefix}.qzeros", qzeros, (groups, words), f"{why}, eight outputs a word", bits, group)
+        columns = np.arange(rows) // 8 * 8 + AWQ_ORDER[np.arange(rows) % 8]
+        values = _unpack(qweight, 4, 1)[:, columns].T
+        zeros = _unpack(qzeros, 4, 1)[:, columns].T
+        return values, scales.T, zeros, None
 
     def _compressed(self, prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        bits = self.layout.bits
-        rows, cols = (int(d) for d in self.tensor(f"{prefix}.weight_shape"))
-        values = _unpack(self.tensor(f"{prefix}.weight_packed"), bits, 1)[:, :cols]
-        scales = self.tensor(f"{prefix}.weight_scale")
+        bits, group = self.layout.bits, self.layout.group_size
+        shape = self.tensor(f"{prefix}.weight_shape", "index")
+        if shape.shape != (2,) or (shape <= 0).any():
+            raise refuse(f"{prefix}.weight_shape", f"is {shape.tolist()}; it must be the two sizes of the weight")
+        rows, cols = (int(d) for d in shape)
+        groups = inputs_fit(f"{prefix}.weight_shape", cols, bits, group)
+        why = f"a {rows} x {cols} weight (weight_shape) at {bits} bits in groups of {group}"
+        packed = self.tensor(f"{prefix}.weight_packed", "words")
+        shape_is(f"{prefix}.weight_packed", packed, (rows, -(-cols * bits // 32)), why, bits, group)
+        scales = self.tensor(f"{prefix}.weight_scale", "scales")
+        shape_is(f"{prefix}.weight_scale", scales, (rows, groups), why, bits, group)
         zeros = None
         if self.has(f"{prefix}.weight_zero_point"):
-            zeros = _unpack(self.tensor(f"{prefix}.weight_zero_point"), bits, 0)[:rows]
-        g_idx = self.tensor(f"{prefix}.weight_g_idx") if self.has(f"{prefix}.weight_g_idx") else None
-        return values[:rows], scales, zeros, g_idx
+            packed_zeros = self.tensor(f"{prefix}.weight_zero_point", "words")
+            shape_is(f"{prefix}.weight_zero_point", packed_zeros, (-(-rows * bits // 32), groups), why, bits, group)
+            zeros = _unpack(packed_zeros, bits, 0)[:rows]
+        g_idx = None
+        if self.has(f"{prefix}.weight_g_idx"):
+            g_idx = g_idx_fits(f"{prefix}.weight_g_idx", self.tensor(f"{prefix}.weight_g_idx", "index"), cols, groups,
+                               bits, group)
+        return _unpack(packed, bits, 1)[:, :cols], scales, zeros, g_idx
 
 
 def _as_int_weight(prefix: str, layout: Layout, values: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None,

@@ -98,7 +98,9 @@ def _write(model_dir: Path, out: Path, weights: PrequantizedWeights) -> None:
             continue
         with safe_open(str(weights.files[name]), "pt") as handle:
             shape = tuple(handle.get_slice(name).get_shape())
-        plan.append(_Planned(name, shape, lambda name=name: weights.tensor(name)))
+        # A model's weights and biases are floats (an int32 or bool one is corrupt); other tensors pass as they are
+        role = "float" if name.endswith((".weight", ".bias")) else "any"
+        plan.append(_Planned(name, shape, lambda name=name, role=role: weights.tensor(name, role)))
     for name in weights.weight_names():
         rows, cols = weights.load(name).shape  # (read again when written: one layer held at a time)
         plan.append(_Planned(name, (rows, cols), lambda name=name: weights.load(name).dequantized()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,12 @@ class Recipe:
     embedding_scale: float = 1.0
     norm_std: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # A vision-language recipe: its image processor (the transformers class and its settings, saved as
+    # preprocessor_config.json) and the chat template its tokenizer carries; built as the whole model.
+    image_processor: tuple[str, dict[str, Any]] | None = None
+    chat_template: str | None = None
+    # A pre-quantised recipe: written as a checkpoint the named library quantised (models/recipe_checkpoints.py).
+    prequantised: str | None = None
 
 
 _TINY = dict(
@@ -45,8 +52,25 @@ _TINY = dict(
     bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
 )
 
+# LLaVA-1.5's chat template as llava-hf ships it: a message's image parts first ("<image>\n" each), then its text
+# parts. A str content (a text-only message) is one text part. (Without the `{% generation %}` tag transformers
+# adds for training masks: it renders nothing.)
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}{{ part['text'] + ' ' }}{% endfor %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+_IMAGE_SIDE = 56  # the tiny tower's images: 4 x 4 patches of 14 pixels, 16 image tokens
+_IMAGE_TOKEN_ID = 520  # beyond the tokenizer's 512 ids: an image's place is never typed as text
+
 RECIPES: dict[str, Recipe] = {
     "llama-tiny": Recipe("llama", "Llama, GQA 4/2 heads, untied embeddings", {**_TINY, "tie_word_embeddings": False}),
+    "llama-tiny-autoround": Recipe(
+        "llama", "llama-tiny as an AutoRound int4 checkpoint, made by auto-round on the CPU (about 10 s): a "
+        "pre-quantised import to try", {**_TINY, "tie_word_embeddings": False}, prequantised="auto-round",
+    ),
     "llama3-tiny": Recipe(
         "llama", "Llama 3.x: llama3 rope scaling, tied embeddings",
         {**_TINY, "tie_word_embeddings": True, "rope_theta": 500000.0,
@@ -108,6 +132,18 @@ RECIPES: dict[str, Recipe] = {
         "smollm3", "SmolLM3: a layer without RoPE (NoPE) after a rotary one",
         {**_TINY, "no_rope_layers": [1, 0], "tie_word_embeddings": True},
     ),
+    "llava-tiny": Recipe(
+        "llava", "LLaVA-1.5's layout: a 2-layer CLIP tower (16 tokens an image), a projector and a Llama; "
+        "LLaVA-1.5's chat template",
+        dict(text_config={**_TINY, "model_type": "llama", "vocab_size": _IMAGE_TOKEN_ID + 8, "tie_word_embeddings": False},
+             vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=_IMAGE_SIDE, patch_size=14, projection_dim=64),
+             image_token_id=_IMAGE_TOKEN_ID, image_seq_length=16, vision_feature_layer=-2,
+             vision_feature_select_strategy="default", tie_word_embeddings=False),
+        image_processor=("CLIPImageProcessor", {"size": {"shortest_edge": _IMAGE_SIDE},
+                                                "crop_size": {"height": _IMAGE_SIDE, "width": _IMAGE_SIDE}}),
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    ),
     "demo-llama": Recipe(
         "llama", "the demo: a ~3M-parameter Llama (random weights)",
         dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
@@ -136,8 +172,12 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 
-# The tiny recipes every family's parity tests run (tests/test_families.py: at least one per family).
-FAMILY_RECIPES = [name for name in RECIPES if name.endswith("-tiny")]
+# The tiny recipes every family's parity tests run (tests/test_families.py: at least one per family). The
+# vision-language recipe is checked by tests/test_vision_first_hour.py (its family by tests/test_vision_language.py).
+FAMILY_RECIPES = [name for name, recipe in RECIPES.items() if name.endswith("-tiny") and recipe.image_processor is None]
+
+# A picture to ask a vision-language recipe about (a house under the sun, 128 x 96, shipped in the package).
+SAMPLE_IMAGE = Path(str(files("kvforge") / "data" / "sample.png"))
 
 RECIPE_MARKER = "kvforge_recipe.json"
 
@@ -149,7 +189,9 @@ def build_model(name: str, seed: int = 0, dtype: str = "float32"):
     recipe = get_recipe(name)
     config = transformers.AutoConfig.for_model(recipe.model_type, **recipe.config)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    # A vision-language recipe is the whole model (LlavaForConditionalGeneration ...), as its checkpoints are saved.
+    auto = transformers.AutoModelForCausalLM if recipe.image_processor is None else transformers.AutoModelForImageTextToText
+    model = auto.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         for module_name, param in model.named_parameters():
             if module_name.endswith(("o_proj.weight", "down_proj.weight", "c_proj.weight")):  # c_proj: GPT-2
@@ -182,7 +224,15 @@ def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = Fals
             tokenizer_object=build_tokenizer(recipe.tokenizer_vocab),
             bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token=None,
         )
+        if recipe.chat_template is not None:
+            tokenizer.chat_template = recipe.chat_template
         tokenizer.save_pretrained(staging)
+        if recipe.image_processor is not None:
+            _save_image_processor(recipe.image_processor, staging)
+        if recipe.prequantised is not None:
+            from kvforge.models.recipe_checkpoints import prequantise
+
+            prequantise(recipe.prequantised, model, tokenizer, staging)
         GenerationConfig(
             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
         ).save_pretrained(staging)
@@ -191,6 +241,20 @@ def materialize(name: str, folder: str | Path, seed: int = 0, force: bool = Fals
         )
         staged.publish()
     return folder
+
+
+def _save_image_processor(processor: tuple[str, dict[str, Any]], folder: Path) -> None:
+    """The recipe's image processor as preprocessor_config.json in `folder` (the Pillow form: no torchvision)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    name, settings = processor
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "requires torchvision ... falling back to the Pillow backend": as meant
+    try:
+        getattr(transformers, name)(**settings).save_pretrained(folder)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def recipe_folder(name: str, folder: str | Path, say: Callable[[str], None] | None = None) -> bool:

@@ -48,6 +48,9 @@ class VisionFamily:
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     placeholder: str = IMAGE_PLACEHOLDER
+    # The text the family's chat templates write for an image content part, which its Hugging Face processor expands
+    # into `before`, the image tokens and `after` (LLaVA's templates write "<image>", InternVL's "<IMG_CONTEXT>", ...).
+    chat_placeholder: str = IMAGE_PLACEHOLDER
     # Text-config values that make its text model compute what the whole model does (Aya Vision's class applies no
     # Cohere 2 logit_scale to its head's output): every export of the checkpoint, --text-only too, and parity's
     # reference follow the whole model.
@@ -59,13 +62,15 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("llava"),
         VisionFamily("vipllava"),
         VisionFamily("video_llava"),
-        VisionFamily("internvl", before=("<img>",), after=("</img>",)),
-        VisionFamily("got_ocr2", before=("<img>",), after=("</img>",)),
+        VisionFamily("internvl", before=("<img>",), after=("</img>",), chat_placeholder="<IMG_CONTEXT>"),
+        # Its processor expands only "<imgpad>": a chat template writes the "<img>" ... "</img>" around it.
+        VisionFamily("got_ocr2", before=("<img>",), after=("</img>",), chat_placeholder="<img><imgpad></img>"),
         # One tile (the processor's crop_to_patches off): the global tile's marker, its patches, the end.
         VisionFamily("aya_vision", before=("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>"), after=("<|END_OF_IMG|>",),
                      text_overrides=(("logit_scale", 1.0),)),
-        VisionFamily("deepseek_vl"),
-        VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",)),
+        VisionFamily("deepseek_vl", chat_placeholder="<image_placeholder>"),
+        VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",),
+                     chat_placeholder="<image_placeholder>"),
     )
 }
 

@@ -28,11 +28,11 @@ from kvforge.runtime.controls.tool_calls import ToolRequest, check_tool_support,
 from kvforge.runtime.drivers.handles import Event, RequestHandle
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.scheduler import Scheduler
-from kvforge.runtime.media.image_prompt import images_around
+from kvforge.runtime.media.image_prompt import image_chat_ids
 from kvforge.runtime.text.chat import ChatTemplate, chat_template_override
 from kvforge.runtime.text.chat_tokens import conversation_ids
 from kvforge.runtime.text.chat_worker import RENDER_SECONDS, IsolatedRenderer
-from kvforge.runtime.text.messages import check_messages
+from kvforge.runtime.text.messages import check_messages, message_text
 from kvforge.runtime.text.tokenizer import TokenPieces
 
 PREFIX_CHARS_PER_TOKEN = 8  # a long text's prefix tokenized first: this many characters per context token
@@ -154,15 +154,18 @@ class GenerationService:
     def conversation(self, messages: list[dict], tools: ToolRequest | None,
                      vision: dict[str, Any] | None = None) -> list[int]:
         """A checked conversation rendered with the template (its child process) and tokenized. `vision`: a
-        vision-language export's record, whose placeholder in a message marks an image's place (one image token)."""
+        vision-language export's record, for messages whose contents may hold {"type": "image"} parts: rendered and
+        tokenized as transformers' processor does, each image place the template writes one image token
+        (runtime/media/image_prompt.py vision_chat)."""
         if self.renderer is None:
             raise InputError(str(self.template_error))
-        checked = check_messages(messages)
-        chars = sum(len(message["content"]) for message in checked)
+        checked = check_messages(messages, content_parts=vision is not None)
+        texts = [message_text(message["content"]) for message in checked]
+        chars = sum(map(len, texts))
         if chars > self.max_prompt_chars:
             raise CapacityError(self.too_long("the conversation", f"{chars} characters"))
         # The messages' own text is in the rendered conversation: refused before the render when too long.
-        self._refuse_by_prefix("\n".join(message["content"] for message in checked), "the conversation")
+        self._refuse_by_prefix("\n".join(texts), "the conversation")
         renderer, template_tools = self.renderer, tools.template_tools if tools is not None else None
 
         def render(messages: list[dict]) -> str:
@@ -173,27 +176,32 @@ class GenerationService:
 
         self._check_names_are_written(render, checked)
         plain: Callable[[str], list[int]] = lambda text: self.encode(text, False, "the conversation")  # noqa: E731
-        encode = plain if vision is None else images_around(vision, plain)
-        ids = conversation_ids(render, checked, self.tokenizer, encode, self.special_tokens_in_content,
-                               allowed=(vision["placeholder"],) if vision is not None else ())
+        if vision is None:
+            ids = conversation_ids(render, checked, self.tokenizer, plain, self.special_tokens_in_content)
+        else:
+            ids = image_chat_ids(render, checked, self.tokenizer, self.template, vision, plain,
+                                 self.special_tokens_in_content)
         self.check_length(ids, "the conversation")
         return ids
 
     def conversation_with_images(self, messages: list[dict], tools: ToolRequest | None) -> tuple[list[int], list[Any]]:
-        """conversation(), and the images of its image content parts (a vision-language export): each part becomes
-        the family's placeholder, which the tokenized conversation holds as one image token; the images are read,
-        checked and encoded here (InputError for a bad one), so admission only finds their features."""
-        from kvforge.runtime.media.image_prompt import take_image_parts
+        """conversation(), and the images of its image content parts (a vision-language export): each part reaches
+        the template as {"type": "image"}, whose place the tokenized conversation holds as one image token; the images
+        are read, checked and encoded here (InputError for a bad one), so admission only finds their features."""
+        from kvforge.runtime.media.image_prompt import check_image_places, take_image_parts
 
         images_path = self.export.images
-        parts, images = take_image_parts(messages, images_path.vision["placeholder"]) if images_path is not None \
-            else (messages, [])
-        if not images:
+        self.export.check_image_parts(messages)  # a text export refuses image parts as such; image_url.detail
+        if images_path is None:
             return self.conversation(messages, tools), []
+        parts, images = take_image_parts(messages)
         if len(images) > images_path.limits.max_images:
             raise InputError(f"{len(images)} images in one request; this server takes at most "
                              f"{images_path.limits.max_images}")
         ids = self.conversation(parts, tools, images_path.vision)  # the text is checked before any image is read
+        check_image_places(ids, images, images_path.vision, self.template.source)
+        if not images:
+            return ids, []
         return ids, images_path.encode(images)  # read and encoded on this thread: admission only takes the features
 
     @staticmethod

@@ -13,8 +13,9 @@ SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // HEADS * KV_HEADS, HID
           "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
 
 
-def write_tiny_llama(path: Path, source: Path, types: dict[str, str], seed: int = 0) -> None:
-    """`types`: GGUF tensor name ('blk.0.attn_q.weight', 'token_embd.weight') -> block type; others F32."""
+def write_tiny_llama(path: Path, source: Path, types: dict[str, str], seed: int = 0, drop: tuple[str, ...] = ()) -> None:
+    """`types`: GGUF tensor name ('blk.0.attn_q.weight', 'token_embd.weight') -> block type; others F32. `drop`:
+    tensors left out (a damaged file)."""
     import gguf
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
@@ -39,6 +40,8 @@ def write_tiny_llama(path: Path, source: Path, types: dict[str, str], seed: int 
         tensors[f"blk.{layer}.ffn_norm.weight"] = (HIDDEN,)
         tensors.update({f"blk.{layer}.{name}.weight": shape for name, shape in SHAPES.items()})
     for name, shape in tensors.items():
+        if name in drop:
+            continue
         values = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else
                   0.08 * rng.standard_normal(shape)).astype(np.float32)
         kind = types.get(name, "F32")

@@ -186,8 +186,8 @@ def test_parity_says_which_prompt_of_how_many_and_the_time_left(hf_folder, expor
 
     clock = itertools.count(0.0, 10.0)
     monkeypatch.setattr(parity, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    code, _, err = run("parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny")), "--new-tokens", "2",
-                       "--perplexity-tokens", "0")
+    code, out, err = run("parity", str(hf_folder("qwen2-tiny")), str(exported("qwen2-tiny")), "--new-tokens", "2",
+                         "--perplexity-tokens", "0")
     assert code == 0, err
     said = [re.sub(r"^\[kvforge\] \[\s*[\d.]+s\] ", "", line) for line in err.splitlines()]
     prompts = [line for line in said if line.startswith("prompt ")]
@@ -198,6 +198,8 @@ def test_parity_says_which_prompt_of_how_many_and_the_time_left(hf_folder, expor
     ], err
     # Their heartbeats ("still prompt 'def main() (16 s)" cut inside the quote) name the prompt by its number.
     assert [_short(line) for line in prompts] == ["prompt 1 of 3", "prompt 2 of 3", "prompt 3 of 3"]
+    # The report numbers them as the progress did, from 1 (it said "prompt 0" for the first: issue 53, first hour 6).
+    assert re.findall(r"^\s+prompt (\d+) \(", out, flags=re.M) == ["1", "2", "3"], out
 
 
 @pytest.mark.parametrize("command", ["generate", "chat"])

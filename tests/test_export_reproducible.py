@@ -132,22 +132,30 @@ def test_in_process_and_cli_exports_are_identical(hf_folder, tmp_path) -> None:
 
 def test_the_demo_does_not_reuse_an_export_made_by_other_exporter_code(exported, hf_folder, tmp_path) -> None:
     # kvforge's version string is the same across commits: the demo's cache must also match the exporter's
-    # source digest (and the tool versions), or it re-exports instead of serving a stale export.
+    # source digest (and the tool versions), or it re-exports instead of serving a stale export. It says which
+    # changed (it re-exported silently: issue 53, first hour 6), and that the check hashes before it does.
     import json
     import shutil
+    from importlib import metadata
 
-    from kvforge.cli.demo import _cached_export
+    from kvforge.cli.demo import _reuse, _stale
     from kvforge.exporter.export_manifest import exporter_source_digest
 
     folder = shutil.copytree(exported("llama-tiny"), tmp_path / "export")
     source = hf_folder("llama-tiny")
     manifest = json.loads((folder / "kvforge.json").read_text())
     assert manifest["kvforge_source"] == exporter_source_digest()
-    assert _cached_export(folder, "ort", source, None)  # reused while nothing changed
+    said: list[str] = []
+    assert _stale(folder, "ort", source, None) is None and _reuse(folder, "ort", source, None, said.append)
+    assert said == [f"checking the cached export {folder} (hashing kvforge's exporter source, comparing tool versions)",
+                    f"reusing the cached export {folder}"]  # reused while nothing changed
     manifest["kvforge_source"] = "0" * 16  # as if written by another commit of the exporter
     (folder / "kvforge.json").write_text(json.dumps(manifest))
-    assert not _cached_export(folder, "ort", source, None)
+    assert _stale(folder, "ort", source, None) == "kvforge's exporter source changed"
     manifest["kvforge_source"] = exporter_source_digest()
     manifest["tools"]["torch"] = "0.0.1"  # or by another torch
     (folder / "kvforge.json").write_text(json.dumps(manifest))
-    assert not _cached_export(folder, "ort", source, None)
+    said.clear()
+    assert not _reuse(folder, "ort", source, None, said.append)
+    assert said[-1] == f"re-exporting {folder}: torch 0.0.1 -> {metadata.version('torch')}"
+    assert _stale(tmp_path / "nothing-there", "ort", source, None) == ""  # a first run: nothing to say

@@ -274,3 +274,19 @@ def test_an_ort_target_scheduler_verifies_one_row_only(tmp_path) -> None:
         assert [h.result()[0] for h in handles] == [model.greedy(p, 30) for p in REPEATING]
     finally:
         scheduler.close()
+
+
+def test_closing_a_scheduler_never_started_ends_what_waits(recorded) -> None:
+    """No loop ever ran: close() itself ends each queued request (every choice) and scoring job, cancelled."""
+    _, scheduler, _ = recorded
+    handles = [scheduler.submit(_request(PROMPTS[0], 4)), scheduler.submit(GenerationRequest(PROMPTS[1], 4, SamplingConfig(seed=1), n=2))]
+    scored = scheduler.score(PROMPTS[2])
+    scheduler.close()
+    message = "the scheduler was closed before it started"
+    for handle in handles:
+        assert handle.done is not None and sorted(handle.dones) == list(range(handle.request.n))
+        assert all(d.finish_reason == FinishReason.CANCELLED and d.error == message for d in handle.dones.values())
+    with pytest.raises(Exception, match=message):
+        scored.result(timeout=1)
+    with pytest.raises(Exception, match="the scheduler is closed"):
+        scheduler.submit(_request(PROMPTS[0], 4))

@@ -410,7 +410,7 @@ CASES: list[tuple[str, Callable[[Ctx], list[str]], int, str]] = [
      "--new-tokens must be >= 1"),
     ("parity-negative-atol", lambda c: ["parity", str(c.model), str(c.export), "--atol", "-1"], 2, "--atol must be > 0"),
     ("parity-nan-export", lambda c: ["parity", str(c.model), str(_nan_weights(c)), "--new-tokens", "2"], 1,
-     "prompt 0: the export's logits are NaN at step 0"),
+     "prompt 1: the export's logits are NaN at step 0"),
     # -- demo: its -o folder may hold the user's own "model" or "export" folders --------------------------
     ("demo-over-a-user-model-folder", lambda c: ["demo", "-o", str(_demo_over(c, "model")), "--recipe", "demo-llama"], 2,
      "is not a kvforge recipe folder (no kvforge_recipe.json); refusing to replace it"),

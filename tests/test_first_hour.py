@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -125,10 +126,11 @@ def test_generate_on_a_model_folder_suggests_exporting_it_elsewhere(hf_folder) -
 PATH_CASES = {
     "typo": ("modle", None, "{path} does not exist; pass a local Hugging Face model folder or a .gguf file "
                             "(kvforge downloads nothing)"),
+    # A Hub id is taken from huggingface_hub's cache (tests/test_hub_ids.py); offline and not cached, said so.
     "hub-id": ("HuggingFaceTB/SmolLM2-135M", None,
-               "HuggingFaceTB/SmolLM2-135M does not exist here; it looks like a Hugging Face Hub id, but kvforge "
-               "downloads nothing: download it first (e.g. `hf download HuggingFaceTB/SmolLM2-135M --local-dir "
-               "SmolLM2-135M`) and pass that folder"),
+               "HuggingFaceTB/SmolLM2-135M is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set, so "
+               "nothing is downloaded: run `hf download HuggingFaceTB/SmolLM2-135M` where the network is allowed, "
+               "or pass a local model folder"),
     "a-file": ("weights.bin", "file", "{path} is a file but not a .gguf file; pass a local Hugging Face model "
                                       "folder (with config.json) or a .gguf file"),
     "no-config": ("empty", "folder", "{path} has no config.json: not a Hugging Face model folder (nor a folder "
@@ -151,9 +153,11 @@ def test_export_says_what_is_wrong_with_the_model_path(case, tmp_path, monkeypat
     name, kind, message = PATH_CASES[case]
     _make_path_case(tmp_path, name, kind)
     monkeypatch.chdir(tmp_path)  # a hub id is a relative path that does not exist here
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     code, _, err = run("export", name, "-o", str(tmp_path / "out"))
     assert code == 2 and err.count("\n") == 1, err
-    assert message.format(path=name) in err, err
+    assert message.format(path=name, cache=tmp_path / "hub") in err, err
     assert not (tmp_path / "out").exists()
 
 
@@ -170,7 +174,9 @@ def test_export_checks_the_model_path_before_torch_loads(tmp_path) -> None:
         print(json.dumps({{"codes": codes, "seconds": time.perf_counter() - started,
                           "loaded": sorted(m for m in ("torch", "transformers") if m in sys.modules)}}))
     """)
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["codes"] == [2] * len(PATH_CASES) and report["loaded"] == []

@@ -42,6 +42,8 @@ def test_regular_install_maps_folders_into_kvforge(tmp_path: Path) -> None:
                for path in (REPO / folder).rglob("*.py") if "__pycache__" not in path.parts
                and not (target / installed / path.relative_to(REPO / folder)).is_file()]
     assert not missing, f"not installed: {missing}"
+    # Package data too: the sample picture the docs ask the vision-language recipe about (issue 53).
+    assert (target / "kvforge" / "data" / "sample.png").is_file()
 
 
 def test_this_environment_imports_the_checkout_from_elsewhere(tmp_path: Path) -> None:

@@ -46,6 +46,15 @@ RUN = [
     ("docs/serving.md", "kvforge serve kvforge-demo/smollm2-135m-instruct-ort --chat-template"),
     ("docs/serving.md", 'tool_choice="required"'),
     ("docs/serving.md", "curl -s http://127.0.0.1:8000/metrics"),
+    # Run by tests/test_prequantized_recipe.py: the AutoRound recipe exported and checked as the page says.
+    ("docs/quantisation.md", "kvforge export --recipe llama-tiny-autoround"),
+    # Run by tests/test_vision_first_hour.py: the tiny LLaVA recipe asked about the sample picture.
+    ("README.md", "kvforge export --recipe llava-tiny -o llava-ort"),
+    ("docs/vision.md", "kvforge export --recipe llava-tiny -o llava-ort"),
+    ("docs/vision.md", "--prompt $'USER: <image>"),
+    ("docs/vision.md", 'image = "kvforge/data/sample.png"'),
+    ("docs/vision.md", "kvforge serve llava-ort --port"),
+    ("docs/vision.md", "base64.b64encode"),
 ]
 
 

@@ -20,6 +20,9 @@ from kvforge.exporter.graph_edit import (
 )
 from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
 
+# The head sizes GroupQueryAttention applies RoPE itself for (do_rotary=1).
+ROTARY_HEAD_MULTIPLE = 16
+
 
 def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.ndarray, np.ndarray] | None = None,
                  kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
@@ -48,7 +51,11 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
         attrs = node_attributes(node)
         (q, k, v, past_key, past_value, _), sinks = attention_inputs(node)
         tape = ir.tape.Tape()
-        q, k, v, rotary_inputs = _operands(tape, q, k, v, caches)
+        # GQA folds RoPE in (do_rotary) for head sizes that are multiples of 16 only ("head_size shall be a
+        # multiple of 16"); a smaller multiple of 8 keeps the graph's own rotary ops.
+        head_size = past_key.shape[-1] if past_key.shape is not None else None
+        foldable = isinstance(head_size, int) and head_size % ROTARY_HEAD_MULTIPLE == 0
+        q, k, v, rotary_inputs = _operands(tape, q, k, v, caches if foldable else None)
         do_rotary = int(rotary_inputs[0] is not None)
         quant: dict[str, int | str] = {}
         scales: list[ir.Value] = []

@@ -26,10 +26,12 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     export_kind,
     human_bytes,
     json_option,
+    model_source,
     one_line,
     recipe_source,
     refuse_unused,
     require_export_extra,
+    revision_option,
     silence_stdout,
     stdout_closed,
 )
@@ -176,13 +178,15 @@ def main(ctx: click.Context, debug: bool) -> None:
               "where the model allows (--no-stream: load it whole).")
 @click.option("--text-only", is_flag=True, help="A vision-language checkpoint: export its text model alone (no "
               "vision.onnx; by default it is exported whole, docs/vision.md).")
+@revision_option
 @json_option("the manifest")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str | None,
            accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool,
-           calibration: Path | None, text_only: bool) -> None:
-    """Export MODEL_DIR (a local Hugging Face folder, or a .gguf file; nothing is downloaded) or a built-in
-    --recipe to prefill.onnx + decode.onnx."""
+           calibration: Path | None, text_only: bool, revision: str | None) -> None:
+    """Export MODEL_DIR (a local Hugging Face folder, a .gguf file, or a Hub id `org/name` taken from the
+    Hugging Face cache, downloaded only where HF_HUB_OFFLINE is unset) or a built-in --recipe to prefill.onnx +
+    decode.onnx."""
     if model_dir is not None and recipe is not None:
         raise click.UsageError("give MODEL_DIR or --recipe NAME, not both")
     if model_dir is None and recipe is None:
@@ -191,6 +195,10 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         from kvforge.models.recipes import get_recipe
 
         get_recipe(recipe)  # a typo is said without the export extra's seconds of imports
+    if model_dir is not None:  # a Hub id: its snapshot, before the folder is read
+        model_dir = model_source(model_dir, revision)
+    elif revision is not None:
+        raise click.UsageError("--revision goes with a Hugging Face Hub id (org/name) as MODEL_DIR, not --recipe")
     if model_dir is not None and quantize is None:
         quantize = checkpoint_bits(model_dir)  # a pre-quantised checkpoint: its integers, its bits
     refuse_unused("quantize", quantize is not None, "block_size", "accuracy_level", "quant_method")
@@ -204,11 +212,19 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     if accuracy_check is not None and quantize is None and kv_cache is None:
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built
+    from kvforge.tools.parity import check_accuracy_runs
+
+    check_accuracy_runs(dtype, quantize is not None, accuracy_check)  # before anything is written
     progress = command_progress(False)
     built = None
     if recipe is not None:
         model_dir, built = recipe_source(recipe, out_dir, hf_dir, force, progress)
         options = dataclasses.replace(options, hf_dir=None)  # --hf-dir held the recipe: no GGUF to convert there
+        if (bits := checkpoint_bits(model_dir)) is not None:  # a pre-quantised recipe
+            # Its integers, as for any such checkpoint; its dequantised twin beside it (OUT_DIR.hf holds the recipe).
+            quantize, twin = quantize or bits, Path(out_dir).absolute().parent / f"{Path(out_dir).name}.dequantised.hf"
+            options = dataclasses.replace(options, quantize=quantize, hf_dir=twin)
+            options.resolve()
     assert model_dir is not None
     try:
         manifest = export_model(model_dir, out_dir, options, progress=progress)
@@ -250,12 +266,12 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
 @json_option("the recipes")
 def recipes(as_json: bool) -> None:
     """The built-in recipes: small models with RANDOM weights, built locally (nothing is downloaded)."""
-    from kvforge.models.recipes import RECIPES
+    from kvforge.models.recipes import RECIPES, SAMPLE_IMAGE
 
     listed = [{"name": name, "model_type": r.model_type, "description": r.description, "random_weights": True}
               for name, r in RECIPES.items()]
     if as_json:
-        emit_json({"recipes": listed})
+        emit_json({"recipes": listed, "sample_image": str(SAMPLE_IMAGE)})
         return
     click.echo("Built-in recipes: Hugging Face models with RANDOM weights (their text is noise), built locally "
                "to try export, the runtime and parity without a download.")
@@ -263,7 +279,8 @@ def recipes(as_json: bool) -> None:
     types = max(len(r["model_type"]) for r in listed)
     for r in listed:
         click.echo(f"  {r['name']:<{width}}  {r['model_type']:<{types}}  {r['description']}")
-    click.echo("export one: kvforge export --recipe NAME -o OUT_DIR (its Hugging Face folder goes to OUT_DIR.hf)")
+    click.echo("export one: kvforge export --recipe NAME -o OUT_DIR (its Hugging Face folder goes to OUT_DIR.hf); "
+               f"a picture to ask llava-tiny about: {SAMPLE_IMAGE}")
 
 
 @main.command()
@@ -318,7 +335,7 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @json_option("the export's description")
 def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
     """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
-    from kvforge.cli.inspect import describe
+    from kvforge.cli.inspect import architecture, describe
 
     info = describe(export_dir, verify=verify)
     if as_json:
@@ -326,7 +343,7 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
         return
     manifest = info["manifest"]
     model, kv = ModelSpec.from_manifest(manifest), KVLayout.from_manifest(manifest)
-    click.echo(f"{export_dir}: {model.architecture} target={manifest['target']} dtype={manifest['dtype']}")
+    click.echo(f"{export_dir}: {architecture(manifest)} target={manifest['target']} dtype={manifest['dtype']}")
     shapes = sorted(set(kv.layer_shapes()))
     kv_heads = "/".join(str(heads) for heads in sorted({h for h, _ in shapes})) or "-"
     head_dims = "/".join(str(dim) for dim in sorted({d for _, d in shapes})) or "-"
@@ -415,8 +432,7 @@ def demo(out_dir: Path, recipe: str | None, target: str, prompt: str | None, max
         prepared = f"cached export, ready in {info['prepare_s']} s"
     click.echo(f"timings:   {prepared}, time to first token {info['ttft_ms']} ms, "
                f"decode {info['decode_tokens_per_s']} tokens/s")
-    hint = "--chat 'Tell me about Paris' --stream" if info["chat"] else "--prompt 'Hello' --stream"
-    click.echo(f"next:      kvforge generate {info['export_dir']} {hint}")
+    click.echo(f"next:      {info['next']}")
 
 
 @main.command()

@@ -29,6 +29,7 @@ import click
 from kvforge.cli.common import (
     BACKEND_CHOICES,
     backend_options,
+    chat_template_option,
     check_utf8,
     emulation_option,
     no_spin_option,
@@ -96,13 +97,13 @@ class ChatSession:
         self.scheduler.prefixes = PrefixStore(self.scheduler.prefixes.budget_bytes)
 
     def add_image(self, path: str) -> None:
-        """/image PATH: an image for the next message, read and checked now (InputError for a bad one)."""
-        from kvforge.runtime.media.images import load_image
+        """/image PATH: an image for the next message, read, checked and encoded now (InputError for a bad one);
+        the conversation keeps its features, not its pixels."""
+        from kvforge.runtime.drivers.loaded_export import NO_IMAGES
 
         if self.export.images is None:
-            raise InputError(f"{self.export.folder} takes no images: it was exported from a text model, or with "
-                             "--text-only")
-        self.images.append(load_image(path.strip(), self.export.images.limits))
+            raise InputError(NO_IMAGES.format(folder=self.export.folder))
+        self.images.append(self.export.images.encode([path.strip()])[0])
 
     def ask(self, text: str, emit: Callable[[str], None], stop: Callable[[], bool] = lambda: False) -> Turn:
         """Answer `text`, passing the answer's text to `emit` as it is generated. Once `stop()` is
@@ -110,24 +111,22 @@ class ChatSession:
         KvforgeError and leave the conversation as it was."""
         from kvforge.runtime.controls.request import FinishReason
         from kvforge.runtime.drivers.scheduler import Done
-        from kvforge.runtime.text.prompts import RenderedChat
 
         question: dict[str, Any] = {"role": "user", "content": text}
         if self.images:  # the conversation keeps its images: a later turn's prefix (and cache) holds them too
             question["content"] = [{"type": "text", "text": text},
                                    *({"type": "image", "image": image} for image in self.images)]
-        ids, images = self.export.chat_inputs([*self.messages, question],
-                                              special_tokens_in_content=self.special_tokens_in_content)
-        expanded = len(ids) + (len(images) * (self.export.images.run_length() - 1) if images else 0)
-        room = self.scheduler.capacity - expanded + 1  # the last generated token is never fed back
-        if room < 1:
-            raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "
-                             "positions of --max-seq-len; /reset starts over")
-        request = self.export.request(RenderedChat(ids), min(self.max_new_tokens, room), images=images or None,
-                                      **self.request_options)
         events: queue.Queue = queue.Queue()
-        started = time.perf_counter()
-        handle = self.scheduler.submit(request, on_event=events.put)
+        try:
+            request = self._request(question)
+            started = time.perf_counter()
+            handle = self.scheduler.submit(request, on_event=events.put)
+        except KvforgeError as err:
+            if not self.images:
+                raise
+            # A refused message drops its pending images: otherwise every later message would be refused too.
+            count, self.images = len(self.images), []
+            raise type(err)(f"{err} (the {count} image(s) added with /image were dropped)") from err
         pieces: list[str] = []
         while True:
             if stop() and not handle.cancelled.is_set():
@@ -150,6 +149,21 @@ class ChatSession:
             self.messages += [question, {"role": "assistant", "content": answer}]
             self.images = []
         return Turn(answer, event, seconds, interrupted, context_full=request.max_new_tokens < self.max_new_tokens)
+
+
+    def _request(self, question: dict[str, Any]) -> Any:
+        """The scheduler's request for the conversation and `question` (InputError when it no longer fits)."""
+        from kvforge.runtime.text.prompts import RenderedChat
+
+        ids, images = self.export.chat_inputs([*self.messages, question],
+                                              special_tokens_in_content=self.special_tokens_in_content)
+        expanded = len(ids) + (len(images) * (self.export.images.run_length() - 1) if images else 0)
+        room = self.scheduler.capacity - expanded + 1  # the last generated token is never fed back
+        if room < 1:
+            raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "
+                             "positions of --max-seq-len; /reset starts over")
+        return self.export.request(RenderedChat(ids), min(self.max_new_tokens, room), images=images or None,
+                                   **self.request_options)
 
 
 def _stat_line(turn: Turn) -> str:
@@ -180,6 +194,7 @@ def _stat_line(turn: Turn) -> str:
 @no_spin_option
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--quiet", is_flag=True, help="No banner and no statistics line after each answer.")
+@chat_template_option
 @click.option("--special-tokens-in-content", is_flag=True,
               help="Let special-token text typed in a message (e.g. '<|im_end|>') become control tokens, as "
                    "transformers' templates do; by default it stays text.")
@@ -188,7 +203,8 @@ def _stat_line(turn: Turn) -> str:
                    "decode_tokens_per_s) instead of streamed text.")
 def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_eos: bool,
          max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, no_spin: bool,
-         verify: bool, quiet: bool, special_tokens_in_content: bool, as_json: bool, **sampling: Any) -> None:
+         verify: bool, quiet: bool, chat_template: str | None, special_tokens_in_content: bool, as_json: bool,
+         **sampling: Any) -> None:
     """Chat with an export in the terminal (multi-turn; earlier turns' KV rows are reused).
 
     /reset forgets the conversation, /exit or Ctrl-D quits; Ctrl-C stops the answer being written
@@ -200,11 +216,16 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
     export = LoadedExport(export_dir, backend=backend, verify_hashes=verify,
                           **backend_options(threads=threads, emulation=emulation,
                                             spinning=False if no_spin else None))
+    if chat_template is not None:  # as `kvforge serve --chat-template`: instead of the export's
+        from kvforge.runtime.text.chat import chat_template_override
+
+        export.use_chat_template(chat_template_override(chat_template, export.folder, export.manifest))
     try:
         export.chat_template  # noqa: B018  (raises when the export has none)
     except InputError as err:
-        raise InputError(f"{err} (kvforge chat renders every turn with the export's chat template; "
-                         f"`kvforge generate {export_dir} --prompt TEXT` takes plain prompts)") from None
+        raise InputError(f"{err} (kvforge chat renders every turn with the export's chat template: give one with "
+                         f"--chat-template FILE, or `kvforge generate {export_dir} --prompt TEXT` takes plain "
+                         "prompts)") from None
     scheduler = chat_scheduler(export, max_seq_len).start()
     try:
         _loop(ChatSession(export, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,

@@ -74,6 +74,20 @@ def json_option(what: str) -> Callable[[Command], Command]:
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as one JSON object instead of text.")
 
 
+def revision_option(command: Command) -> Command:
+    return click.option("--revision", default=None, metavar="REV",
+                        help="With a Hugging Face Hub id (org/name) as MODEL_DIR: the branch, tag or commit to take "
+                             "(default main).")(command)
+
+
+def model_source(model_dir: Path, revision: str | None) -> Path:
+    """MODEL_DIR as a local path: a Hub id (org/name) becomes its snapshot in huggingface_hub's cache, downloaded
+    only where HF_HUB_OFFLINE is unset (kvforge.models.hub); a local path stays as it is."""
+    from kvforge.models.hub import resolve_model
+
+    return resolve_model(model_dir, revision, lambda message: click.echo(message, err=True))
+
+
 def sampling_keywords(options: dict[str, Any]) -> dict[str, Any]:
     """`Generator.request`'s sampling keywords from sampling_options' values; an option not given stays
     None so that the export folder's generation config decides."""
@@ -219,3 +233,10 @@ def recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
     folder = Path(hf_dir) if hf_dir is not None else out.parent / f"{out.name}.hf"
     check_output(out, [folder.absolute()], force=force, marker=MANIFEST_NAME)  # before the recipe is built
     return folder, folder if recipe_folder(recipe, folder, say) else None
+
+
+def chat_template_option(command: Command) -> Command:
+    """--chat-template FILE|chatml-tools: `serve` and `chat` render with it instead of the export's template."""
+    return click.option("--chat-template", default=None, metavar="FILE|chatml-tools",
+                        help="A Jinja chat template to use instead of the export's (chatml-tools: kvforge's ChatML "
+                             "template with tools, for ChatML models such as SmolLM2).")(command)

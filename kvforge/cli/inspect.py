@@ -37,6 +37,16 @@ def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
             "files": manifest["files"], "manifest": manifest, "engines": describe_engines(export_dir, verify)}
 
 
+def architecture(manifest: dict[str, Any]) -> str:
+    """The exported model as inspect names it: a vision-language checkpoint exported whole by its whole model's
+    architecture (LlavaForConditionalGeneration) and its text model's; any other by its own."""
+    model = manifest["model"]
+    whole = model.get("text_of") if manifest.get("vision") is not None else None
+    if not isinstance(whole, dict) or not whole.get("architecture"):
+        return model["architecture"]
+    return f"{whole['architecture']} (text model {model['architecture']}, image tower in vision.onnx)"
+
+
 def describe_engines(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
     """The engine folder EXPORT_DIR/engines, checked as the TensorRT backend checks it (engines.json's
     format and own sha256, that it was built from this export, each engine's size); `verify` also

@@ -11,15 +11,18 @@ import click
 from kvforge.cli.common import (
     BACKEND_CHOICES,
     backend_options,
+    chat_template_option,
     check_utf8,
     command_progress,
     emit_json,
     emulation_option,
     json_option,
+    model_source,
     no_spin_option,
     parse_ids,
     refuse_unused,
     require_export_extra,
+    revision_option,
     sampling_keywords,
     sampling_options,
 )
@@ -135,11 +138,18 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
     sampling, limits, speculation."""
     from kvforge.runtime.text.prompts import RenderedChat
 
+    images = list(options["images"]) or None
     if options["chat_text"] is not None:
         messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None
                     else [])
         messages.append({"role": "user", "content": options["chat_text"]})
-        prompts: Any = RenderedChat(generator.chat_ids(messages))
+        if images is not None and generator.images is not None:  # image parts: the template says where they go
+            messages[-1]["content"] = [*({"type": "image", "image": image} for image in images),
+                                       {"type": "text", "text": options["chat_text"]}]
+            ids, images = generator.chat_inputs(messages)
+        else:
+            ids = generator.chat_ids(messages)
+        prompts: Any = RenderedChat(ids)
     else:
         prompts = batch[0] if options["images"] else batch
     sampling = sampling_keywords(options)
@@ -148,7 +158,7 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
         sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
     return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
                              ignore_eos=options["ignore_eos"], speculate=options["speculate"],
-                             draft_len=options["draft_len"], images=list(options["images"]) or None, **sampling)
+                             draft_len=options["draft_len"], images=images, **sampling)
 
 
 @click.command()
@@ -167,12 +177,15 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
               help="Also compare with another backend (same tolerance, same prompts).")
 @click.option("--perplexity-tokens", default=1024, show_default=True, type=int,
               help="Perplexity of export vs HF on this many tokens of kvforge's fixed text (0: skip).")
+@revision_option
 @json_option("the report (per-prompt errors, perplexity)")
 def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[str, ...], atol: float | None,
            backend: str | None, sessions: str | None, engine_dir: Path | None, emulation: str | None,
-           against: str | None, perplexity_tokens: int, as_json: bool) -> None:
-    """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR; exit 1 beyond tolerance."""
+           against: str | None, perplexity_tokens: int, as_json: bool, revision: str | None) -> None:
+    """Compare EXPORT_DIR against Hugging Face eager on MODEL_DIR (a local folder, or a Hub id `org/name` as
+    export takes it); exit 1 beyond tolerance."""
     require_export_extra("parity")
+    model_dir = model_source(model_dir, revision)
     from kvforge.tools.parity import run_parity
 
     progress = command_progress(as_json)
@@ -302,9 +315,7 @@ def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
 @no_spin_option
 @click.option("--log-format", type=click.Choice(["text", "json", "off"]), default="text", show_default=True,
               help="One line per request on stderr: key=value text, JSON objects, or none.")
-@click.option("--chat-template", default=None, metavar="FILE|chatml-tools",
-              help="A Jinja chat template to use instead of the export's (chatml-tools: kvforge's ChatML "
-                   "template with tools, for ChatML models such as SmolLM2).")
+@chat_template_option
 @click.option("--special-tokens-in-content", is_flag=True,
               help="Let special-token text in chat messages (e.g. '<|im_end|>') become control tokens, as "
                    "transformers' templates do; by default it stays text, so a client cannot open a system "

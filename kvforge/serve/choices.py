@@ -151,6 +151,12 @@ class Job:
     request: GenerationRequest | None
     echo: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    positions: int | None = None  # the prompt's tokens as the model reads them (each image's tokens), if not len(ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """usage's prompt_tokens for this prompt: every image token counted, as OpenAI and vLLM count them."""
+        return len(self.ids) if self.positions is None else self.positions
 
 
 class Reply:
@@ -226,7 +232,7 @@ class Reply:
         return out
 
     def usage(self) -> dict[str, Any]:
-        prompt = sum(len(job.ids) for job in self.jobs)
+        prompt = sum(job.prompt_tokens for job in self.jobs)
         completion = sum(d.completion_tokens for d in self.dones.values())
         # Every choice of a prompt shares its prefill: count its cached positions once.
         cached = sum(d.cached_tokens for i, d in self.dones.items() if i % self.n == 0)
@@ -261,7 +267,7 @@ class Tally:
 
     def __init__(self, jobs: list[Job], n: int) -> None:
         self.pending = sum(n for job in jobs if job.request is not None)
-        self.prompt_tokens = sum(len(job.ids) for job in jobs)
+        self.prompt_tokens = sum(job.prompt_tokens for job in jobs)
         self.dones: list[Done] = []
         self.done: Done | None = None if self.pending else self._merge()
 

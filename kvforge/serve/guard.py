@@ -37,13 +37,29 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 DRAIN_BYTES = 16 << 20  # an oversize body up to this size is read (and dropped) before the 413
 
 
+class LongInteger:
+    """A JSON integer with more digits than Python converts (sys.get_int_max_str_digits()), kept as its digit
+    count so that check_unicode's walk can name its field: json.loads alone says only "use
+    sys.set_int_max_str_digits()", advice for the server's own code, not for its client."""
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text.lstrip("-"))
+
+
+def _integer(text: str) -> int | LongInteger:
+    try:
+        return int(text)
+    except ValueError:  # over the conversion limit: its digits are all it has (JSON has checked the syntax)
+        return LongInteger(text)
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object of Unicode text, or a 400 saying why. Run before FastAPI reads the
     body (off the event loop: a 2 MiB body takes tens of ms), with this server's words for JSON that
-    is nested too deeply, malformed or not an object, and for lone surrogates, which pydantic cannot
-    name the place of."""
+    is nested too deeply, malformed or not an object, for an integer too long to convert, and for lone
+    surrogates, which pydantic cannot name the place of."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_integer)
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply to parse; send a flatter JSON object") from None
     except (ValueError, UnicodeDecodeError) as err:
@@ -77,11 +93,15 @@ def _valid_text(text: str, where: str, param: str) -> str:
 def check_unicode(body: Any) -> None:
     """A 400 naming the first key or string of a parsed body that holds a lone surrogate: JSON lets
     "\\ud800" stand alone, but it is not Unicode text, and a grammar, a key echoed in an error or the
-    tokenizer would fail on it later with a 500. Walked without recursion (a body may nest deeply)."""
+    tokenizer would fail on it later with a 500; and one naming an integer too long (LongInteger).
+    Walked without recursion (a body may nest deeply)."""
     stack: list[tuple[str, Any]] = [("", body)]
     while stack:
         where, value = stack.pop()
         param = where.split(".")[0].split("[")[0] or None
+        if isinstance(value, LongInteger):
+            raise ApiError(400, f"'{where}' is an integer too long ({value.digits} digits); no parameter takes a "
+                                "number that large", param=param)
         if isinstance(value, str):
             _valid_text(value, f"'{where}'" if where else "the body", param)
         elif isinstance(value, dict):
@@ -147,6 +167,10 @@ class Guard:
                 self.on_refuse(scope["path"], err.status, err.message)
             await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
 
+        repeated = _repeated(scope.get("headers", []))
+        if repeated is not None:  # which one counts would be a guess (a proxy may take the first, this dict the last)
+            return await refuse(ApiError(400, f"the request has more than one {repeated} header; send exactly one",
+                                         code="repeated_header"))
         host = headers.get("host")
         name = host_name(host.decode("latin-1")) if host is not None else None
         if host is not None and name is None:
@@ -207,6 +231,15 @@ class Guard:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+SINGLE_HEADERS = ("authorization", "host", "content-type", "content-length")  # the guard reads one of each
+
+
+def _repeated(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The first header of SINGLE_HEADERS that the request sends more than once (ASGI names are lowercase)."""
+    names = [name.decode("latin-1").lower() for name, _ in headers]
+    return next((name.title() for name in SINGLE_HEADERS if names.count(name) > 1), None)
 
 
 # RFC 9110's Host: a name or IPv4 address, or an IPv6 address in brackets, then an optional port.

@@ -123,7 +123,7 @@ class OpenAIHandlers:
         length = len(ids) + (len(images) * (self.service.export.images.run_length() - 1) if images else 0)
         generation = self.generation_request(body, ids, max(1, self.service.capacity - length + 1), constraint,
                                              images)
-        return Prepared([Job(ids, generation)], body.stream, body, tools)
+        return Prepared([Job(ids, generation, positions=length)], body.stream, body, tools)
 
     def generation_request(self, body: OpenAIRequest, prompt_ids: list[int], default_max: int,
                            constraint: Any = None, images: list[Any] | None = None) -> GenerationRequest | None:
@@ -231,7 +231,9 @@ class OpenAIHandlers:
                 trace.on_event(tally.done)
             loop.call_soon_threadsafe(events.put_nowait, (p, event))
 
-        handles = self._submit(prepared, on_event)
+        # On the prepare pool, not the event loop: queueing encodes a request's images and takes the scheduler's
+        # lock, and /health must not wait for either.
+        handles = await loop.run_in_executor(self.pools[kind], self._submit, prepared, on_event)
         if not handles:  # nothing to generate (max_tokens 0): the request has ended already
             trace.on_event(tally.done)
         reply = Reply(kind, trace.id, self.name, prepared.jobs, self.service.pieces, n,

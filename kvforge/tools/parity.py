@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvforge.core.errors import InputError, NumericalError
+from kvforge.core.errors import ExportError, InputError, NumericalError
 from kvforge.core.manifest import load_manifest
 
 DEFAULT_PROMPTS = (
@@ -101,7 +101,7 @@ class ParityReport:
     def failure_reason(self) -> str:
         reasons = []
         nan = False
-        for i, p in enumerate(self.prompts):
+        for i, p in enumerate(self.prompts, 1):  # numbered from 1, as the progress lines ("prompt 1 of 3") are
             nan_steps = [step for step, err in enumerate(p.step_max_abs_err) if np.isnan(err)]
             if p.error is not None:
                 reasons.append(f"prompt {i}: {p.error}")
@@ -145,7 +145,7 @@ class ParityReport:
         if self.quantization is not None:
             lines.append(f"  weights quantised to int{self.quantization['bits']} (blocks of {self.quantization['block_size']}): "
                          "gated on perplexity only; logit error and greedy agreement are reported, not gated")
-        for i, p in enumerate(self.prompts):
+        for i, p in enumerate(self.prompts, 1):  # numbered from 1, as the progress lines ("prompt 1 of 3") are
             if p.error is not None:
                 lines.append(f"  prompt {i} ({p.prompt_tokens} tokens): {p.error}")
                 continue
@@ -199,37 +199,6 @@ def lossy_quantization(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return {"bits": 8, "kv_cache": kv["dtype"]} if kv else None
 
 
-def _check_same_model(model_dir: Path, manifest: dict[str, Any], export_dir: Path) -> None:
-    """Refuse a MODEL_DIR that is not the model the export was made from (its config against the manifest's
-    record): a parity run against another model fails in numpy, or blames the export."""
-    if not (model_dir / "config.json").is_file():
-        return  # load_hf_model says what is wrong with the folder
-    from transformers import AutoConfig
-
-    from kvforge.models.config_values import config_value
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except Exception:  # noqa: BLE001 - an unreadable config: load_hf_model says so in its words
-        return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    recorded = dict(manifest["model"])
-    if (recorded.get("text_of") or {}).get("model_type") == config.model_type:
-        # A multimodal checkpoint that is its own text config (Phi-4-multimodal): the export records its text type.
-        recorded.pop("model_type", None)
-    theirs = {"model_type": {config.model_type, text.model_type}, "vocab_size": config_value(text, "vocab_size"),
-              "hidden_size": config_value(text, "hidden_size"), "num_heads": config_value(text, "num_attention_heads")}
-    differ = [f"{name} {recorded[name]} in the export, {value if name != 'model_type' else text.model_type} in "
-              f"{model_dir.name}" for name, value in theirs.items()
-              if recorded.get(name) is not None and value is not None
-              and (recorded[name] not in value if name == "model_type" else recorded[name] != value)]
-    if differ:
-        source = recorded.get("source")
-        raise InputError(f"{model_dir} is not the model {export_dir} was exported from ({'; '.join(differ)})"
-                         + (f"; it was exported from {source}" if source else "") + ". The order is MODEL_DIR "
-                         "EXPORT_DIR")
-
-
 def run_parity(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -251,9 +220,12 @@ def run_parity(
     from transformers import GenerationConfig
 
     from kvforge.exporter.load import load_hf_model
+    from kvforge.models.hub import resolve_model
     from kvforge.runtime import Generator
+    from kvforge.tools.parity_model import check_same_model
 
     say = progress or (lambda _msg: None)
+    model_dir = resolve_model(model_dir, say=say)  # a Hub id (org/name): its snapshot in huggingface_hub's cache
     if new_tokens < 1:
         raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
     if atol is not None and not atol > 0:
@@ -263,7 +235,7 @@ def run_parity(
     if (Path(model_dir) / "kvforge.json").is_file() and not (Path(export_dir) / "kvforge.json").is_file():
         raise InputError(f"{model_dir} is a kvforge export and {export_dir} is not: the arguments are swapped? "
                          f"The order is MODEL_DIR EXPORT_DIR: kvforge parity {export_dir} {model_dir}")
-    _check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
+    check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
     from kvforge.models.prequantized_convert import dequantised_twin
 
     model_dir = dequantised_twin(Path(model_dir), load_manifest(export_dir), say)
@@ -411,6 +383,19 @@ def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, h
     return accuracy
 
 
+# The accuracy figures that must be finite for a quantised export to be kept
+FIGURES = ("max_abs_logit_err", "perplexity", "reference_perplexity", "perplexity_relative_increase")
+
+
+def check_accuracy_runs(dtype: str, quantized: bool, check: bool | None) -> None:
+    """Before an export is written: its accuracy check runs it on ONNX Runtime's CPU (the default backend), which has
+    no bfloat16 kernels, so a quantised bf16 export is refused up front unless --no-accuracy-check."""
+    if dtype == "bf16" and quantized and check is not False:
+        raise InputError("a quantised --dtype bf16 export cannot be measured here: the export's accuracy check runs it "
+                         "on ONNX Runtime's CPU, which has no bfloat16 kernels; add --no-accuracy-check (and measure it "
+                         "on a GPU with `kvforge parity MODEL_DIR EXPORT_DIR --backend ort-cuda`), or use --dtype fp16")
+
+
 def quantization_accuracy(out_dir: Path, record: dict[str, Any], check: bool | None,
                           progress: Callable[[str], None]) -> dict[str, Any]:
     """The quantisation's cost against the fp32 model, or why it was not measured: --no-accuracy-check, or
@@ -423,7 +408,15 @@ def quantization_accuracy(out_dir: Path, record: dict[str, Any], check: bool | N
         return {"skipped": f"the fp32 reference model takes {4 * parameters / 1e9:.1f} GB and {free / 1e9:.1f} GB is free; "
                            "--accuracy-check measures it anyway, `kvforge parity` measures it later"}
     progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
-    return measure_quantized(out_dir)
+    accuracy = measure_quantized(out_dir)
+    broken = {k: accuracy[k] for k in FIGURES if not np.isfinite(accuracy[k])}
+    if broken:  # NaN or Inf logits: the export answers garbage, so it is not kept
+        import shutil
+
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise ExportError(f"the quantised export's accuracy check gave {', '.join(f'{k} {v}' for k, v in broken.items())}: "
+                          f"its logits are not finite (a corrupt weight, or an overflow); {out_dir} was removed")
+    return accuracy
 
 
 def _free_memory() -> int | None:

@@ -34,6 +34,14 @@ class VisionEncoder:
         vision = manifest["vision"]
         self.shape = (vision["channels"], *vision["image_size"])
         self.tokens, self.hidden = vision["tokens_per_image"], vision["hidden_size"]
+        # The graph's own shapes against the record, before any image is preprocessed by the record.
+        for value, want, fields in ((self.session.get_inputs()[0], [1, *self.shape], "channels and vision.image_size"),
+                                    (self.session.get_outputs()[0], [self.tokens, self.hidden],
+                                     "tokens_per_image and vision.hidden_size")):
+            if len(value.shape) != len(want) or any(isinstance(d, int) and d != w for d, w in zip(value.shape, want,
+                                                                                                   strict=True)):
+                raise ManifestError(f"{folder}/kvforge.json: vision.{fields} say {value.name} {want}, but vision.onnx "
+                                    f"takes {value.shape}; the manifest was modified: re-run the export")
         self.dtype = feature_dtype(manifest)
 
     def encode(self, pixels: np.ndarray) -> np.ndarray:

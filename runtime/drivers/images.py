@@ -15,7 +15,8 @@ import numpy as np
 from kvforge.core.errors import InputError
 from kvforge.runtime.media.image_prompt import expand_images, image_key, text_with_images
 from kvforge.runtime.media.images import DEFAULT_LIMITS, ImageLimits, LoadedImage, load_image
-from kvforge.runtime.media.preprocess import check_processor, preprocess
+from kvforge.runtime.media.preprocess import preprocess
+from kvforge.runtime.media.vision_record import check_vision_record
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class Images:
     def __init__(self, folder: Path, manifest: dict[str, Any], bos_token_id: int | None,
                  limits: ImageLimits = DEFAULT_LIMITS) -> None:
         self.folder, self.manifest = folder, manifest
+        check_vision_record(folder, manifest)  # a crafted record is one line naming its field, here at load
         self.vision = {**manifest["vision"], "bos_token_id": bos_token_id}
-        check_processor(self.vision["processor"])
         self.limits = limits
         self._encoder: Any = None
         self._lock = threading.Lock()
@@ -70,9 +71,11 @@ class Images:
         return out
 
     def encode(self, sources: list[Any]) -> list[EncodedImage]:
-        """Each image read and checked (all of them before any is encoded), then with its features."""
+        """Each image read and checked (all of them before any is encoded), then with its features. The decoded
+        pixels are not kept (image None): a request waiting in the queue holds its features only, not a large
+        image's hundreds of megabytes."""
         loaded = [load_image(source, self.limits) for source in sources]
-        return [one if isinstance(one, EncodedImage) else EncodedImage(one.image, one.digest, self._features(one))
+        return [one if isinstance(one, EncodedImage) else EncodedImage(None, one.digest, self._features(one))
                 for one in loaded]
 
     def run_length(self) -> int:

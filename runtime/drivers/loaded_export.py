@@ -32,6 +32,7 @@ from kvforge.runtime.text.vocabulary import Vocabulary
 # Backends loaded in a thread beside the tokenizer (ONNX Runtime on the CPU; a CUDA or TensorRT
 # context belongs to the thread that makes it, so those load on the caller's thread).
 THREADED_LOAD = ("ort-cpu",)
+NO_IMAGES = "{folder} takes no images: it was exported from a text model, or with --text-only"
 
 
 class LoadedExport:
@@ -117,9 +118,11 @@ class LoadedExport:
         token (runtime/text/chat_tokens.py; `special_tokens_in_content=True`: parsed, as transformers does).
         `messages`: [{"role", "content"}, ...] or one user message as a str; `tools`: OpenAI's tool
         list, for templates that take one (kvforge.runtime.controls.tool_calls parses the calls out of the answer).
-        `vision`: a vision-language export's record; its placeholder in a message is an image's place (chat_inputs)."""
+        `vision`: a vision-language export's record, for messages whose contents may hold {"type": "image"} parts
+        (chat_inputs): rendered and tokenized as transformers' processor does (runtime/media/image_prompt.py
+        vision_chat), each image place the template writes one image token."""
         from kvforge.runtime.controls.tool_calls import check_tools, template_takes_tools
-        from kvforge.runtime.media.image_prompt import images_around
+        from kvforge.runtime.media.image_prompt import image_chat_ids
         from kvforge.runtime.text.chat_tokens import conversation_ids
         from kvforge.runtime.text.messages import check_messages
 
@@ -127,24 +130,37 @@ class LoadedExport:
         if tools is not None and not template_takes_tools(template.text):
             raise InputError(f"{template.source} does not support tools (it never reads a `tools` variable)")
         checked_tools = check_tools(tools) if tools is not None else None
-        assert self.tokenizer is not None  # checked by chat_template
-        plain = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        return conversation_ids(lambda ms: template.render(ms, add_generation_prompt, checked_tools),
-                                check_messages(messages), self.tokenizer,
-                                plain if vision is None else images_around(vision, plain),
-                                special_tokens_in_content, allowed=(vision["placeholder"],) if vision else ())
+        tokenizer = self.tokenizer
+        assert tokenizer is not None  # checked by chat_template
+        plain = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        render = lambda ms: template.render(ms, add_generation_prompt, checked_tools)  # noqa: E731
+        if vision is None:
+            return conversation_ids(render, check_messages(messages), tokenizer, plain, special_tokens_in_content)
+        return image_chat_ids(render, check_messages(messages, content_parts=True), tokenizer, template, vision, plain,
+                              special_tokens_in_content)
 
     def chat_inputs(self, messages: Any, add_generation_prompt: bool = True, tools: list[dict] | None = None,
                     special_tokens_in_content: bool = False) -> tuple[list[int], list[Any]]:
-        """chat_ids(), and a conversation's images: image content parts (OpenAI's image_url, or {"type": "image",
-        "image": ...}) become the family's placeholder where they stand, which the ids hold as one image token each
+        """chat_ids(), and a conversation's images: on a vision-language export, image content parts (OpenAI's
+        image_url, or {"type": "image", "image": ...}, in a message of any role, as transformers takes them) reach
+        the template as {"type": "image"} parts, and each image place it writes is one image token among the ids
         (runtime/media/image_prompt.py); the images are returned in order."""
-        from kvforge.runtime.media.image_prompt import take_image_parts
+        from kvforge.runtime.media.image_prompt import check_image_places, take_image_parts
 
-        parts, images = take_image_parts(messages, self.images.vision["placeholder"]) if self.images is not None \
-            else (messages, [])
-        return self.chat_ids(parts, add_generation_prompt, tools, special_tokens_in_content,
-                             self.images.vision if images else None), images
+        self.check_image_parts(messages)
+        if self.images is None:
+            return self.chat_ids(messages, add_generation_prompt, tools, special_tokens_in_content), []
+        parts, images = take_image_parts(messages)
+        ids = self.chat_ids(parts, add_generation_prompt, tools, special_tokens_in_content, self.images.vision)
+        check_image_places(ids, images, self.images.vision, self.chat_template.source)
+        return ids, images
+
+    def check_image_parts(self, messages: Any) -> None:
+        """InputError for image parts sent to an export that takes no images, or an image_url with a bad `detail`."""
+        from kvforge.runtime.media.images import check_image_parts
+
+        if check_image_parts(messages) and self.images is None:
+            raise InputError(NO_IMAGES.format(folder=self.folder))
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -157,6 +173,11 @@ class LoadedExport:
             raise InputError(f"{self.folder} has no chat template (the model's tokenizer came without one); "
                              "use a plain prompt instead")
         return self._chat_template
+
+    def use_chat_template(self, template: ChatTemplate) -> None:
+        """Render chats with `template` instead of the export's own (`kvforge chat --chat-template`; a
+        runtime.text.chat.chat_template_override)."""
+        self._chat_template, self._chat_template_error = template, None
 
     def prompt_ids(self, request: GenerationRequest) -> tuple[list[list[int]], bool]:
         """The request's prompts as token-id rows (checked against the vocabulary), and whether they
@@ -171,9 +192,12 @@ class LoadedExport:
     def prompt_inputs(self, request: GenerationRequest) -> tuple[list[list[int]], bool, list[RowImages | None] | None]:
         """prompt_ids(), and with `request.images` each row's images (its places expanded among its ids)."""
         if request.images is None:
-            return (*self.prompt_ids(request), None)
+            rows, text_mode = self.prompt_ids(request)
+            if self.images is not None:
+                _refuse_image_tokens_without_images(rows, self.images.vision)
+            return rows, text_mode, None
         if self.images is None:
-            raise InputError(f"{self.folder} takes no images: it was exported from a text model, or with --text-only")
+            raise InputError(NO_IMAGES.format(folder=self.folder))
         prompts, images = _image_rows(request.prompts, request.images)
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so prompts must be token ids, not text")
@@ -240,3 +264,12 @@ def _image_rows(prompts: Any, images: tuple[Any, ...]) -> tuple[list[Any], list[
         raise InputError(f"a batch of {len(prompts)} prompts takes images as a list per prompt ({len(prompts)} "
                          "lists, [] for a prompt without)")
     return list(prompts), [list(row) for row in images]
+
+
+def _refuse_image_tokens_without_images(rows: list[list[int]], vision: dict[str, Any]) -> None:
+    """A prompt holding the image token with no images would run the image's places as plain embeddings, silently."""
+    token = vision["image_token_id"]
+    for i, row in enumerate(rows):
+        if token in row:
+            raise InputError(f"prompt {i} holds {row.count(token)} image token(s) (id {token}) but no images came with "
+                             "it: pass the images (images=, --image) or leave the image token out")

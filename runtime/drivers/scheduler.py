@@ -158,7 +158,9 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._thread is not None:
+        if self._thread is None:  # never started: no loop is there to end what waits, so it ends here
+            self._fail_all(self._cut or "the scheduler was closed before it started", FinishReason.CANCELLED)
+        else:
             self._thread.join(timeout=30)
 
     def cut(self, message: str) -> None:

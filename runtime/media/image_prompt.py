@@ -28,8 +28,16 @@ def text_with_images(text: str, vision: dict[str, Any], encode: Callable[[str, b
 
 
 def images_around(vision: dict[str, Any], encode: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
-    """`encode` (a rendered chat's text, no special tokens added) with one image token id at each placeholder."""
-    return lambda text: text_with_images(text, vision, lambda piece, _: encode(piece))
+    """`encode` (a rendered chat's text, no special tokens added) with one image token id at each of the family's
+    chat placeholders (chat_placeholder: what its chat templates write for an image part)."""
+    chat = {**vision, "placeholder": chat_placeholder(vision)}
+    return lambda text: text_with_images(text, chat, lambda piece, _: encode(piece))
+
+
+def chat_placeholder(vision: dict[str, Any]) -> str:
+    """The text the family's chat templates write for an image part (the processor's image token); exports made
+    before the manifest recorded it use the prompt placeholder."""
+    return vision.get("chat_placeholder") or vision["placeholder"]
 
 
 def expand_images(ids: list[int], images: int, vision: dict[str, Any], where: str) -> list[int]:
@@ -68,10 +76,11 @@ def image_key(ids: list[int], digests: list[str], vision: dict[str, Any]) -> lis
 IMAGE_PARTS = ("image_url", "image")
 
 
-def take_image_parts(messages: Any, placeholder: str) -> tuple[Any, list[Any]]:
+def take_image_parts(messages: Any) -> tuple[Any, list[Any]]:
     """Messages with each image content part ({"type": "image_url", "image_url": {"url": ...}}, OpenAI's; or
-    {"type": "image", "image": source}) replaced by a text part holding `placeholder`, and the images in order.
-    Messages without image parts come back as they were, with no images."""
+    {"type": "image", "image": source}) replaced by {"type": "image"}, as transformers' processors pass a template
+    the parts (the template writes the image's place), and the images in order. Messages without image parts come
+    back as they were, with no images."""
     if not isinstance(messages, list):
         return messages, []
     images: list[Any] = []
@@ -96,6 +105,60 @@ def take_image_parts(messages: Any, placeholder: str) -> tuple[Any, list[Any]]:
             if source is None:
                 raise InputError(f"messages[{i}].content[{j}] is an image part without an image")
             images.append(source)
-            parts.append({"type": "text", "text": placeholder})
+            parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images
+
+
+def flatten_parts(messages: list[dict[str, Any]], placeholder: str) -> list[dict[str, Any]]:
+    """Messages for a template that writes `content` as one string (a text template on a vision export): each
+    content list joined by newlines, an image part as `placeholder`."""
+    return [dict(m, content="\n".join(placeholder if part.get("type") == "image" else part["text"]
+                                      for part in m["content"])) if isinstance(m.get("content"), list) else m
+            for m in messages]
+
+
+def special_ids(encode: Callable[[str, bool], list[int]]) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor adds before and after a text (Llama's BOS: ([1], []))."""
+    plain, full = encode("a", False), encode("a", True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
+
+
+def processor_ids(encode: Callable[[str, bool], list[int]],
+                  bos_text: str | None) -> Callable[[str, list[int]], list[int]]:
+    """(rendered text, its ids) -> the ids transformers' processor makes of it: its apply_chat_template(tokenize=True)
+    tokenizes the rendering with the tokenizer's special tokens (BOS) unless the rendering starts with the BOS text."""
+    before, after = special_ids(encode)
+    return lambda text, ids: ids if bos_text and text.startswith(bos_text) else [*before, *ids, *after]
+
+
+def check_image_places(ids: list[int], images: list[Any], vision: dict[str, Any], source: str) -> None:
+    """InputError unless the rendered conversation holds one image place per image part (a template that writes
+    no place for an image part, such as one that drops a system message's images, would lose the image)."""
+    places = ids.count(vision["image_token_id"])
+    if places != len(images):
+        raise InputError(f"{source} wrote {places} image place(s) ({chat_placeholder(vision)!r}) for the "
+                         f"conversation's {len(images)} image part(s): put the images in messages whose images the "
+                         "template writes (user messages)")
+
+
+def image_chat_ids(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]], tokenizer: Any,
+                   template: Any, vision: dict[str, Any], encode: Callable[[str], list[int]],
+                   special_tokens_in_content: bool = False) -> list[int]:
+    """A vision-language export's conversation (checked messages whose contents may hold {"type": "image"} parts)
+    as token ids, as transformers' processor apply_chat_template(tokenize=True) gives them, each image place the
+    template writes one image token: the template gets content lists as parts when it reads parts (else each list
+    joined by newlines, an image as its placeholder), the placeholder typed in a message stays text (as special-token
+    text does, runtime/text/chat_tokens.py), and the tokenizer's special tokens (BOS) are added unless the rendering
+    starts with them. `template`: a ChatTemplate; `encode`: text -> ids, no special tokens added."""
+    from kvforge.runtime.text.chat import reads_content_parts
+    from kvforge.runtime.text.chat_tokens import conversation_ids
+
+    placeholder = chat_placeholder(vision)
+    flatten = None if reads_content_parts(template.text) else lambda ms: flatten_parts(ms, placeholder)
+    return conversation_ids(render, messages, tokenizer, images_around(vision, encode), special_tokens_in_content,
+                            keep_as_text=(placeholder,), flatten=flatten,
+                            finish=processor_ids(tokenizer.encode, template.specials.get("bos_token")))

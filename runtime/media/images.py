@@ -34,6 +34,9 @@ class ImageLimits:
 
 DEFAULT_LIMITS = ImageLimits()
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what PIL may decode here
+_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+EXIF_ORIENTATION = 0x0112
+DETAILS = ("auto", "low", "high")  # OpenAI's image_url.detail values, taken and ignored (one fixed size per image)
 _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif|bmp);base64,(.*)$", re.IGNORECASE | re.DOTALL)
 
 
@@ -74,7 +77,7 @@ def load_image(source: Any, limits: ImageLimits = DEFAULT_LIMITS) -> LoadedImage
         return source
     if isinstance(source, Image.Image):
         _check_size(source.width, source.height, limits)
-        return LoadedImage(source, hashlib.sha256(source.tobytes()).hexdigest())
+        return LoadedImage(source, pil_digest(source))
     if isinstance(source, np.ndarray):
         return _from_array(source, limits)
     if isinstance(source, str) and (source.startswith("data:") or "://" in source):
@@ -91,7 +94,33 @@ def load_image(source: Any, limits: ImageLimits = DEFAULT_LIMITS) -> LoadedImage
                          f"{type(source).__name__}")
     if len(source) > limits.max_bytes:
         raise InputError(f"an image of {len(source)} bytes is over the limit of {limits.max_bytes}")
-    return LoadedImage(_decode(bytes(source), limits), hashlib.sha256(source).hexdigest())
+    return LoadedImage(_upright(_decode(bytes(source), limits)), hashlib.sha256(source).hexdigest())
+
+
+def pil_digest(image: Any) -> str:
+    """The sha256 of what a PIL image's preprocessing reads: its mode, size, palette and transparency as well as its
+    pixel bytes (two palette images with the same indices but other colours are other images)."""
+    palette = image.palette
+    colours = b"" if palette is None else bytes(image.getpalette(palette.mode) or ())
+    head = repr((image.mode, image.size, None if palette is None else palette.mode, image.info.get("transparency")))
+    digest = hashlib.sha256(head.encode())
+    digest.update(len(colours).to_bytes(8, "little") + colours)
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def _upright(image: Any) -> Any:
+    """An encoded image as transformers' load_image reads a path or a data URL: turned upright by its EXIF
+    orientation (a PIL image or an array handed in is taken as it is, as transformers' processors take it)."""
+    from PIL import ImageOps
+
+    if image.getexif().get(EXIF_ORIENTATION, 1) == 1:
+        return image
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception as err:  # noqa: BLE001 - PIL raises many types for a malformed EXIF block
+        raise InputError(f"an image's EXIF orientation could not be applied ({type(err).__name__}); send the "
+                         "image without EXIF data") from None
 
 
 def _decode(data: bytes, limits: ImageLimits) -> Any:
@@ -109,10 +138,18 @@ def _decode(data: bytes, limits: ImageLimits) -> Any:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InputError(f"an image is over the limit of {limits.max_pixels} pixels") from None
+    except Image.UnidentifiedImageError:
+        raise InputError("an image could not be decoded: its bytes are not a PNG, JPEG, WebP, GIF or BMP file; send "
+                         "one of those") from None
     except Exception as err:  # noqa: BLE001 - PIL raises many types for a malformed file
-        raise InputError(f"an image could not be decoded ({type(err).__name__}: {err}); send a complete PNG, JPEG, "
-                         "WebP, GIF or BMP file") from None
+        raise InputError(f"an image could not be decoded ({type(err).__name__}: {_without_reprs(str(err))}); send a "
+                         "complete PNG, JPEG, WebP, GIF or BMP file") from None
     return opened
+
+
+def _without_reprs(text: str) -> str:
+    """`text` without object reprs such as <_io.BytesIO object at 0x7f...> (a memory address tells a client nothing)."""
+    return _REPR.sub("the image", text)
 
 
 def _check_size(width: int, height: int, limits: ImageLimits) -> None:
@@ -134,3 +171,24 @@ def _from_array(array: np.ndarray, limits: ImageLimits) -> LoadedImage:
     array = np.ascontiguousarray(array[..., 0] if array.ndim == 3 and array.shape[2] == 1 else array)
     digest = hashlib.sha256(f"{array.shape}{array.dtype}".encode() + array.tobytes()).hexdigest()
     return LoadedImage(Image.fromarray(array), digest)
+
+
+def check_image_parts(messages: Any) -> int:
+    """How many image content parts `messages` hold, each OpenAI image_url's `detail` checked: "auto", "low" or
+    "high" are taken (and change nothing: every image is made the one size the vision graph takes), another value is
+    an InputError naming it."""
+    count = 0
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("image_url", "image"):
+                continue
+            count += 1
+            image = part.get("image_url")
+            if kind == "image_url" and isinstance(image, dict) and "detail" in image \
+                    and image["detail"] not in DETAILS:
+                raise InputError(f"messages[{i}].content[{j}].image_url.detail is {str(image['detail'])[:40]!r}; "
+                                 f"it takes {', '.join(map(repr, DETAILS))} (each image is encoded at the one size "
+                                 "the model's vision graph takes, whatever the detail)")
+    return count

@@ -40,11 +40,52 @@ def _compile(template: str):
                sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
+
+
+def _generation() -> Any:
+    """The `{% generation %}...{% endgeneration %}` block transformers' environment knows (it marks an assistant's
+    tokens for training masks; LLaVA's released templates use it): rendered as its body, as transformers renders it."""
+    import jinja2
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return Generation
+
+
+@lru_cache(maxsize=8)
+def reads_content_parts(template: str) -> bool:
+    """Whether the template loops over a message's `content` (as a list of {"type": ...} parts, the form
+    transformers' processors pass a vision-language model's templates), rather than writing it as one string."""
+    import jinja2.nodes as nodes
+
+    try:
+        tree = _compile(template).environment.parse(template)
+    except Exception:  # a broken template fails when rendered, with its own message
+        return False
+    for loop in tree.find_all(nodes.For):
+        source = loop.iter
+        while isinstance(source, (nodes.Filter, nodes.Test)) and source.node is not None:
+            source = source.node
+        if (isinstance(source, nodes.Getattr) and source.attr == "content") or (
+                isinstance(source, nodes.Getitem) and isinstance(source.arg, nodes.Const)
+                and source.arg.value == "content"):
+            return True
+    return False
 
 
 @dataclass(frozen=True)

@@ -23,16 +23,23 @@ from kvforge.runtime.text.tokenizer import Tokenizer
 
 def conversation_ids(render: Callable[[list[dict[str, Any]]], str], messages: list[dict[str, Any]],
                      tokenizer: Tokenizer, encode: Callable[[str], list[int]] | None = None,
-                     special_tokens_in_content: bool = False, allowed: tuple[str, ...] = ()) -> list[int]:
+                     special_tokens_in_content: bool = False, keep_as_text: tuple[str, ...] = (),
+                     flatten: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None,
+                     finish: Callable[[str, list[int]], list[int]] | None = None) -> list[int]:
     """Token ids of `messages` as `render` writes them. `encode` tokenizes the template's text
-    (default: the tokenizer, special-token text parsed, no BOS added). `allowed`: special-token texts a
-    message's content may hold as such (a vision-language export's image placeholder, which `encode` places)."""
+    (default: the tokenizer, special-token text parsed, no BOS added). `keep_as_text`: more texts that a message's
+    content holds as text, never as what `encode` makes of them (a vision-language export's image placeholder:
+    only image parts make image places). A content may be a str or a list of {"type": "text", "text": ...} and
+    {"type": "image"} parts; `flatten` turns the (marked) messages into what `render` takes, `finish` maps the
+    rendered text and its ids to the final ids (a processor's BOS)."""
     encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
-    specials = [text for text in tokenizer.special_texts if text not in allowed]
-    typed = re.compile("|".join(map(re.escape, specials))) if specials else None
-    if special_tokens_in_content or typed is None or not any(
-            isinstance(m.get("content"), str) and typed.search(m["content"]) for m in messages):
-        return encode(render(messages))
+    flatten = flatten or (lambda ms: ms)
+    finish = finish or (lambda _, ids: ids)
+    typed_texts = sorted({*tokenizer.special_texts, *keep_as_text}, key=len, reverse=True)
+    typed = re.compile("|".join(map(re.escape, typed_texts))) if typed_texts else None
+    if special_tokens_in_content or typed is None or not any(typed.search(text) for text in _texts(messages)):
+        text = render(flatten(messages))
+        return finish(text, encode(text))
     nonce = secrets.token_hex(8)  # a marker no message can already hold
     originals: list[str] = []
 
@@ -40,9 +47,7 @@ def conversation_ids(render: Callable[[list[dict[str, Any]]], str], messages: li
         originals.append(match.group())
         return f"\ue000{nonce}:{len(originals) - 1}\ue001"
 
-    marked = [dict(m, content=typed.sub(marker, m["content"])) if isinstance(m.get("content"), str) else m
-              for m in messages]
-    text = render(marked)
+    text = render(flatten([_marked(m, lambda t: typed.sub(marker, t)) for m in messages]))
     pieces = re.split(f"\ue000{nonce}:([0-9]+)\ue001", text)
     if any(nonce in piece for piece in pieces[::2]):
         raise InputError("the chat template changed the messages' text around a special token (such as "
@@ -53,4 +58,27 @@ def conversation_ids(render: Callable[[list[dict[str, Any]]], str], messages: li
             ids += encode(piece) if piece else []
         else:
             ids += tokenizer.encode_as_text(originals[int(piece)])
-    return ids
+    return finish(text, ids)
+
+
+def _texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The texts of the messages' contents (a str content, or the text parts of a list)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out += [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    return out
+
+
+def _marked(message: dict[str, Any], mark: Callable[[str], str]) -> dict[str, Any]:
+    """`message` with `mark` applied to its content's text (a str, or each text part of a list)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return dict(message, content=mark(content))
+    if isinstance(content, list):
+        return dict(message, content=[dict(part, text=mark(part["text"])) if isinstance(part, dict)
+                                      and isinstance(part.get("text"), str) else part for part in content])
+    return message

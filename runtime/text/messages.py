@@ -27,21 +27,23 @@ class MessageKeyError(InputError):
     """A message key this code does not take (the server answers it as an unsupported parameter)."""
 
 
-def check_messages(messages: Any, keep_images: bool = False) -> list[dict[str, Any]]:
+def check_messages(messages: Any, keep_images: bool = False, content_parts: bool = False) -> list[dict[str, Any]]:
     """Messages as the template gets them: {role, content} with str content (a list of OpenAI text
     parts is joined by newlines); an assistant message may carry `tool_calls` instead of content
     (content null or absent), a tool message the `tool_call_id` of an earlier call, any message a
     `name`. A call's `arguments` (OpenAI sends a JSON string) reach the template as the object, which
-    is what templates write with `tojson`. `keep_images`: a user message's content list with image parts
-    (OpenAI's image_url, each checked) is kept as a list, for a vision-language export to take its images from
-    (runtime/media/image_prompt.py take_image_parts, which leaves text for this check)."""
+    is what templates write with `tojson`. `keep_images` (the server's first check): a content list (OpenAI's
+    image_url parts checked, in a message of any role as transformers takes them) is kept as a list, for a
+    vision-language export's template and images (runtime/media/image_prompt.py take_image_parts). `content_parts` (a
+    vision-language export's chat, after take_image_parts): a content list stays a list of text parts and
+    {"type": "image"} parts, which is what transformers' processors pass the template."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (or one str)")
     out, call_ids = [], set()
     for i, message in enumerate(messages):
-        checked = _check_message(message, i, keep_images)
+        checked = _check_message(message, i, keep_images, content_parts)
         if "tool_calls" in checked:
             call_ids.update(call["id"] for call in checked["tool_calls"] if call.get("id") is not None)
         answered = checked.get("tool_call_id") if checked["role"] == "tool" else None
@@ -52,7 +54,7 @@ def check_messages(messages: Any, keep_images: bool = False) -> list[dict[str, A
     return out
 
 
-def _check_message(message: Any, i: int, keep_images: bool = False) -> dict[str, Any]:
+def _check_message(message: Any, i: int, keep_images: bool = False, content_parts: bool = False) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}"[:500])
     role = message["role"]
@@ -64,12 +66,14 @@ def _check_message(message: Any, i: int, keep_images: bool = False) -> dict[str,
         raise InputError(f"message {i} has 'tool_calls' but role {role!r}; only assistant messages carry tool calls")
     _check_keys(message, i)
     content = message.get("content")
-    if keep_images and role == "user" and _image_parts(content, i):
+    if keep_images and isinstance(content, list):  # the parts are kept for a vision export's template
+        if not _image_parts(content, i):
+            _content_text(content, i)  # its text parts checked now
         return dict(message, content=content)
-    content = _content_text(content, i)
+    content = _content_parts(content, i) if content_parts else _content_text(content, i)
     if calls is not None and content is None and role == "assistant":
         content = ""  # OpenAI's null content beside tool calls; templates test it for truth
-    if not isinstance(content, str):
+    if not isinstance(content, str) and not (content_parts and isinstance(content, list)):
         raise InputError(f"message {i} must be a dict with str 'role' and 'content', got {message!r}"[:500])
     checked = dict(message, role="system" if role == "developer" else role, content=content)
     for key in ("tool_call_id", "name"):
@@ -117,19 +121,37 @@ def _content_text(content: Any, i: int) -> Any:
     newlines); other parts, and unknown keys inside a text part, are refused by name."""
     if not isinstance(content, list):
         return content
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:80]
-            raise InputError(f"messages[{i}].content[{j}] is a {shown} part; text parts only are taken "
-                             "({'type': 'text', 'text': ...})")
-        unknown = sorted(set(part) - {"type", "text"})
-        if unknown:
-            raise MessageKeyError(f"messages[{i}].content[{j}] has the key {unknown[0]!r}, which a text part does "
-                                  "not take; it takes text, type"[:400])
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(_text_part(part, i, j) for j, part in enumerate(content))
+
+
+def _text_part(part: Any, i: int, j: int) -> str:
+    """The text of messages[i].content[j], which must be a text part (anything else refused by name)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text" or not isinstance(part.get("text"), str):
+        shown = repr(kind) if kind is not None else f"{type(part).__name__} {part!r}"[:80]
+        raise InputError(f"messages[{i}].content[{j}] is a {shown} part; text parts only are taken "
+                         "({'type': 'text', 'text': ...})")
+    unknown = sorted(set(part) - {"type", "text"})
+    if unknown:
+        raise MessageKeyError(f"messages[{i}].content[{j}] has the key {unknown[0]!r}, which a text part does "
+                              "not take; it takes text, type"[:400])
+    return part["text"]
+
+
+def _content_parts(content: Any, i: int) -> Any:
+    """A content list as a list of checked parts: text parts ({"type": "text", "text": str}) and image places
+    ({"type": "image"}, what take_image_parts leaves of an image part); a str (or None) as it is."""
+    if not isinstance(content, list):
+        return content
+    return [{"type": "image"} if part == {"type": "image"} else {"type": "text", "text": _text_part(part, i, j)}
+            for j, part in enumerate(content)]
+
+
+def message_text(content: Any) -> str:
+    """The text a message's content holds (a str, or its text parts joined by newlines), for length checks."""
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text")
+    return content if isinstance(content, str) else ""
 
 
 def _check_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
