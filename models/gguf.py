@@ -87,8 +87,10 @@ def convert_gguf(
         raise InputError(f"{gguf_path} is not a file")
     header = read_header(gguf_path)
     _check_supported(gguf_path, header)
-    digest = sha256_file(gguf_path)
     marker = hf_dir / GGUF_MARKER
+    if marker.is_file():  # the check hashes the whole file: said first, so a slow disk's wait has a name
+        say(f"checking {hf_dir} against {gguf_path.name} (hashing its {gguf_path.stat().st_size / 1e6:.0f} MB)")
+    digest = sha256_file(gguf_path)
     if marker.is_file():
         try:
             if json.loads(marker.read_text()).get("sha256") == digest:

@@ -53,27 +53,31 @@ def hub_offline() -> bool:
 
 
 def _snapshot(repo_id: str, revision: str | None, say: Callable[[str], None]) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-    except ImportError:
-        raise InputError(f"{repo_id} looks like a Hugging Face Hub id, and huggingface_hub is not installed: "
-                         "pip install 'kvforge[export]', or pass a local model folder") from None
     cache, at = hub_cache(), "" if revision is None else f" at revision {revision}"
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass  # not cached: downloaded below, where the network is allowed
+    # Offline and never cached: said without importing huggingface_hub (a second on a busy machine).
+    cached = (cache / ("models--" + repo_id.replace("/", "--"))).is_dir()
+    if cached or not hub_offline():
+        try:
+            from huggingface_hub import snapshot_download
+            from huggingface_hub.errors import LocalEntryNotFoundError
+        except ImportError:
+            raise InputError(f"{repo_id} looks like a Hugging Face Hub id, and huggingface_hub is not installed: "
+                             "pip install 'kvforge[export]', or pass a local model folder") from None
+    if cached:
+        try:
+            return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
+        except LocalEntryNotFoundError:
+            pass  # not this revision: downloaded below, where the network is allowed
     if hub_offline():
-        raise InputError(f"{repo_id}{at} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set, so "
-                         f"nothing is downloaded: run `hf download {repo_id}` where the network is allowed, or pass "
-                         "a local model folder")
+        raise InputError(f"{repo_id}{at}: no such local path, and not in the Hugging Face cache ({cache}); "
+                         f"HF_HUB_OFFLINE is set, so nothing is downloaded: run `hf download {repo_id}` where the "
+                         "network is allowed, or pass a local model folder")
     say(f"{repo_id}{at}: not in the Hugging Face cache, downloading it into {cache}")
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, ignore_patterns=NOT_READ))
     except Exception as err:  # huggingface_hub's errors (not found, gated, revision, network) have no one base
         reason = " ".join(str(err).split()) or type(err).__name__
-        raise InputError(f"{repo_id}{at} could not be downloaded from the Hugging Face Hub "
+        raise InputError(f"{repo_id}{at}: no such local path, and it could not be downloaded from the Hugging Face Hub "
                          f"({type(err).__name__}: {reason[:300]}); check the id and the network, or pass a local "
                          "model folder") from None
 

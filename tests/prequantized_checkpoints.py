@@ -62,7 +62,8 @@ def _layer_ints(rng: np.random.Generator, weight: np.ndarray, bits: int, group: 
 
 def make(folder: Path, base: Path, fmt: str, bits: int = 4, group: int = 32, symmetric: bool = False,
          act_order: bool = False, seed: int = 0) -> dict[str, tuple[np.ndarray, ...]]:
-    """Write `base` (an fp32 HF folder) quantised in `fmt` ("gptq", "gptq_v2", "awq") into `folder`."""
+    """Write `base` (an fp32 HF folder) quantised in `fmt` ("gptq", "gptq_v2", "awq", "compressed-tensors") into
+    `folder`."""
     from safetensors.numpy import load_file, save_file
 
     rng = np.random.default_rng(seed)
@@ -79,6 +80,12 @@ def make(folder: Path, base: Path, fmt: str, bits: int = 4, group: int = 32, sym
             continue
         q, zero, scale, g_idx = _layer_ints(rng, value.astype(np.float32), bits, group, symmetric, act_order)
         truth[prefix] = (q, zero, scale, g_idx)
+        if fmt == "compressed-tensors":  # pack-quantized: [N, K] packed along the inputs, zero points along outputs
+            out[f"{prefix}.weight_packed"] = _pack_along(q, bits, 1)
+            out[f"{prefix}.weight_scale"] = scale.copy()
+            out[f"{prefix}.weight_zero_point"] = _pack_along(zero, bits, 0)
+            out[f"{prefix}.weight_shape"] = np.array(q.shape, np.int64)
+            continue
         if fmt == "awq":
             out[f"{prefix}.qweight"] = _awq_pack(q.T)
             out[f"{prefix}.qzeros"] = _awq_pack(zero.T)
@@ -89,7 +96,12 @@ def make(folder: Path, base: Path, fmt: str, bits: int = 4, group: int = 32, sym
         out[f"{prefix}.scales"] = scale.T.copy()
     save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((base / "config.json").read_text())
-    if fmt == "awq":
+    if fmt == "compressed-tensors":
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                "num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group}}}}
+    elif fmt == "awq":
         config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group, "version": "gemm",
                                          "zero_point": True}
     else:

@@ -128,9 +128,9 @@ PATH_CASES = {
                             "(kvforge downloads nothing)"),
     # A Hub id is taken from huggingface_hub's cache (tests/test_hub_ids.py); offline and not cached, said so.
     "hub-id": ("HuggingFaceTB/SmolLM2-135M", None,
-               "HuggingFaceTB/SmolLM2-135M is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set, so "
-               "nothing is downloaded: run `hf download HuggingFaceTB/SmolLM2-135M` where the network is allowed, "
-               "or pass a local model folder"),
+               "HuggingFaceTB/SmolLM2-135M: no such local path, and not in the Hugging Face cache ({cache}); "
+               "HF_HUB_OFFLINE is set, so nothing is downloaded: run `hf download HuggingFaceTB/SmolLM2-135M` where "
+               "the network is allowed, or pass a local model folder"),
     "a-file": ("weights.bin", "file", "{path} is a file but not a .gguf file; pass a local Hugging Face model "
                                       "folder (with config.json) or a .gguf file"),
     "no-config": ("empty", "folder", "{path} has no config.json: not a Hugging Face model folder (nor a folder "
@@ -421,3 +421,34 @@ def test_the_python_api_names_what_is_wrong(exported, prompts, options, says) ->
     with pytest.raises(InputError) as err:
         Generator(exported("llama-tiny")).generate(prompts, max_new_tokens=2, **options)
     assert says in str(err.value)
+
+
+def test_a_reused_gguf_conversion_says_it_hashes_the_file_first(tmp_path, monkeypatch, hf_folder) -> None:
+    # A "reusing" step ran 106 s without saying that it was hashing (issue 53, first hour 6): the check of an
+    # earlier conversion is its own step, said before the file is hashed.
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from kvforge.models import gguf as kv_gguf
+
+    source = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(kv_gguf, "_convert", lambda _gguf, out, _say: shutil.copytree(
+        hf_folder("llama-tiny"), out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("kvforge_recipe.json")))
+    first: list[str] = []
+    kv_gguf.convert_gguf(source, tmp_path / "tiny.hf", first.append)
+    assert not [m for m in first if m.startswith("checking ")], first
+    hashed: list[str] = []
+    digest = kv_gguf.sha256_file
+    monkeypatch.setattr(kv_gguf, "sha256_file", lambda path: hashed.append(len(said)) or digest(path))
+    said: list[str] = []
+    kv_gguf.convert_gguf(source, tmp_path / "tiny.hf", said.append)
+    size = f"{source.stat().st_size / 1e6:.0f} MB"
+    assert said == [f"checking {tmp_path / 'tiny.hf'} against tiny.gguf (hashing its {size})",
+                    f"reusing {tmp_path / 'tiny.hf'} (converted from this GGUF before)"]
+    assert hashed == [1]  # hashed after the check was said, before the reuse was

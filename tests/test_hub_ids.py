@@ -36,7 +36,7 @@ def cache_like_huggingface_hub(cache: Path, repo: str, commit: str, folder: Path
         link = snapshot / path.relative_to(folder)
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to("../" * (len(path.relative_to(folder).parts) - 1) + f"../../blobs/{digest}")
-    (root / "refs").mkdir()
+    (root / "refs").mkdir(exist_ok=True)
     (root / "refs" / "main").write_text(commit)
     return snapshot
 
@@ -85,16 +85,16 @@ def test_a_hub_id_not_in_the_cache_offline_is_one_line(hub_cache, tmp_path) -> N
                         ([REPO, "--revision", "v2"], f"{REPO} at revision v2")):
         code, _, err = run("export", *args, "-o", str(out))
         assert code == 2 and err.count("\n") == 1, err
-        assert (f"{named} is not in the Hugging Face cache ({hub_cache}) and HF_HUB_OFFLINE is set, so nothing is "
-                f"downloaded: run `hf download {args[0]}` where the network is allowed, or pass a local model "
-                "folder") in err, err
+        assert (f"{named}: no such local path, and not in the Hugging Face cache ({hub_cache}); HF_HUB_OFFLINE is "
+                f"set, so nothing is downloaded: run `hf download {args[0]}` where the network is allowed, or pass a "
+                "local model folder") in err, err
         assert not out.exists()
 
 
 def test_the_python_api_resolves_hub_ids(hub_cache, tmp_path) -> None:
     from kvforge.exporter.export import export_model
 
-    with pytest.raises(InputError, match=r"kvforge-tests/absent at revision main is not in the Hugging Face cache"):
+    with pytest.raises(InputError, match=r"kvforge-tests/absent at revision main: no such local path, and not in the Hugging Face cache"):
         export_model("kvforge-tests/absent", tmp_path / "out", revision="main")
     with pytest.raises(InputError, match=r"--revision main goes with a Hugging Face Hub id \(org/name\)"):
         export_model(hub_cache, tmp_path / "out", revision="main")  # a local path takes no revision
@@ -116,13 +116,19 @@ def test_a_hub_id_is_downloaded_only_when_the_network_is_allowed(hub_cache, monk
         calls.append({"repo_id": repo_id, "local_files_only": local_files_only, "cache_dir": cache_dir, **kwargs})
         if local_files_only:
             raise LocalEntryNotFoundError("not cached")
-        return cache_like_huggingface_hub(Path(cache_dir), repo_id, "f" * 40, hub_cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT)
+        commit = "f" * 40 if repo_id != REPO else "e" * 40
+        return cache_like_huggingface_hub(Path(cache_dir), repo_id, commit,
+                                          hub_cache / f"models--{REPO.replace('/', '--')}" / "snapshots" / COMMIT)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     said: list[str] = []
-    folder = resolve_model("kvforge-tests/fresh", say=said.append)
-    assert [c["local_files_only"] for c in calls] == [True, False]  # the cache first, then the Hub
-    assert calls[1]["cache_dir"] == hub_cache and calls[1]["ignore_patterns"] == NOT_READ
+    folder = resolve_model("kvforge-tests/fresh", say=said.append)  # never cached: straight to the Hub
+    assert [c["local_files_only"] for c in calls] == [False]
+    assert calls[0]["cache_dir"] == hub_cache and calls[0]["ignore_patterns"] == NOT_READ
     assert said == [f"kvforge-tests/fresh: not in the Hugging Face cache, downloading it into {hub_cache}"]
     assert (folder / "config.json").is_file() and hub_record(folder) == {"id": "kvforge-tests/fresh", "revision": "f" * 40}
+    calls.clear()
+    resolve_model(REPO, revision="v2", say=said.append)  # cached, but not at this revision: the cache first
+    assert [(c["repo_id"], c["local_files_only"]) for c in calls] == [(REPO, True), (REPO, False)]
+    assert said[-1] == f"{REPO} at revision v2: not in the Hugging Face cache, downloading it into {hub_cache}"
     assert hub_record(tmp_path) is None

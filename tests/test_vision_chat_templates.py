@@ -165,6 +165,20 @@ def test_a_chat_with_image_parts_gives_the_processors_ids(family, tmp_path) -> N
     assert kvforge_ids(family, tmp_path, template, messages, per_image) == want
 
 
+
+def test_str_content_reaches_a_parts_template_as_one_text_part(tmp_path) -> None:
+    """A str content (what OpenAI clients send for text) reaches a template that reads parts as one text part: the
+    processor's ids of the same text as a part (transformers would pass the str, and LLaVA's template drops it)."""
+    template = RELEASED_TEMPLATES["llava"]
+    processor = hf_processor("llava", tmp_path, template)
+    as_parts = _conversation(_image(1))
+    as_str = [dict(m, content=m["content"][0]["text"]) if m["role"] == "assistant" else m for m in as_parts]
+    as_str[-1] = dict(as_str[-1], content="Compare them.")
+    want = hf_ids(processor, as_parts)
+    assert kvforge_ids("llava", tmp_path, template, as_str, want.count(IMAGE_TOKEN_ID)) == want
+    assert "ASSISTANT: A cat on a mat. USER: Compare them." in processor.tokenizer.decode(want)
+
+
 # -- a LLaVA export whose checkpoint carries the released template and a processor saved as transformers 5 saves it --
 
 NEW = 8
@@ -333,3 +347,20 @@ def test_image_tokens_without_images_are_refused(llava, server) -> None:
         llava.gen.generate([[1, 40, token, 41]], max_new_tokens=2)
     with pytest.raises(openai.BadRequestError, match="but no images"):
         _client(server).completions.create(model="vlm", prompt=[1, 40, token, 41], max_tokens=2)
+
+
+def test_a_crafted_chat_placeholder_is_refused_at_load(llava) -> None:
+    import copy
+    import json
+
+    from kvforge.core.errors import ManifestError
+    from kvforge.core.manifest import _check_vision
+
+    manifest = json.loads((llava.out / "kvforge.json").read_text())
+    assert manifest["vision"]["chat_placeholder"] == "<image>"
+    _check_vision(manifest, llava.out, manifest["vision"]["image_token_id"] + 8)
+    for bad in (5, ""):
+        crafted = copy.deepcopy(manifest)
+        crafted["vision"]["chat_placeholder"] = bad
+        with pytest.raises(ManifestError, match="vision.chat_placeholder must be a text"):
+            _check_vision(crafted, llava.out, manifest["vision"]["image_token_id"] + 8)

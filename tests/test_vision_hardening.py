@@ -134,6 +134,33 @@ def test_a_queued_image_request_holds_features_not_decoded_pixels(folders, gener
     assert held <= 4 * features + 4096, f"4 queued requests hold {held} bytes"
 
 
+def test_a_requests_images_are_decoded_one_at_a_time(generator, monkeypatch) -> None:
+    import weakref
+
+    from PIL import Image
+
+    import kvforge.runtime.drivers.images as images_module
+
+    decoded, alive = [], []
+    load, features = images_module.load_image, images_module.Images._features
+
+    def loading(source, limits):
+        loaded = load(source, limits)
+        decoded.append(weakref.ref(loaded.image))
+        return loaded
+
+    def encoding(self, loaded):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in decoded))
+        return features(self, loaded)
+
+    monkeypatch.setattr(images_module, "load_image", loading)
+    monkeypatch.setattr(images_module.Images, "_features", encoding)
+    sources = [_png(Image.fromarray(_noise(seed, 300, 400))) for seed in range(3)]
+    encoded = generator.export.images.encode(sources)
+    assert len(encoded) == 3 and alive == [1, 1, 1]  # each decoded image is gone before the next is decoded
+
+
 # -- item 6: usage counts image tokens -------------------------------------------------------------------------------
 def test_usage_counts_each_images_tokens_and_cached_tokens_never_exceed_them(folders, generator) -> None:
     openai = pytest.importorskip("openai")

@@ -29,6 +29,7 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     model_source,
     one_line,
     recipe_source,
+    recipe_twin,
     refuse_unused,
     require_export_extra,
     revision_option,
@@ -184,9 +185,8 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str | None,
            accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool,
            calibration: Path | None, text_only: bool, revision: str | None) -> None:
-    """Export MODEL_DIR (a local Hugging Face folder, a .gguf file, or a Hub id `org/name` taken from the
-    Hugging Face cache, downloaded only where HF_HUB_OFFLINE is unset) or a built-in --recipe to prefill.onnx +
-    decode.onnx."""
+    """Export MODEL_DIR (a local Hugging Face folder, a .gguf file, or a Hub id `org/name`: from the Hugging Face
+    cache, downloaded only where HF_HUB_OFFLINE is unset) or a built-in --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
         raise click.UsageError("give MODEL_DIR or --recipe NAME, not both")
     if model_dir is None and recipe is None:
@@ -195,10 +195,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         from kvforge.models.recipes import get_recipe
 
         get_recipe(recipe)  # a typo is said without the export extra's seconds of imports
-    if model_dir is not None:  # a Hub id: its snapshot, before the folder is read
-        model_dir = model_source(model_dir, revision)
-    elif revision is not None:
-        raise click.UsageError("--revision goes with a Hugging Face Hub id (org/name) as MODEL_DIR, not --recipe")
+    model_dir = model_source(model_dir, revision)  # a Hub id: its snapshot, before the folder is read
     if model_dir is not None and quantize is None:
         quantize = checkpoint_bits(model_dir)  # a pre-quantised checkpoint: its integers, its bits
     refuse_unused("quantize", quantize is not None, "block_size", "accuracy_level", "quant_method")
@@ -219,12 +216,8 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     built = None
     if recipe is not None:
         model_dir, built = recipe_source(recipe, out_dir, hf_dir, force, progress)
-        options = dataclasses.replace(options, hf_dir=None)  # --hf-dir held the recipe: no GGUF to convert there
-        if (bits := checkpoint_bits(model_dir)) is not None:  # a pre-quantised recipe
-            # Its integers, as for any such checkpoint; its dequantised twin beside it (OUT_DIR.hf holds the recipe).
-            quantize, twin = quantize or bits, Path(out_dir).absolute().parent / f"{Path(out_dir).name}.dequantised.hf"
-            options = dataclasses.replace(options, quantize=quantize, hf_dir=twin)
-            options.resolve()
+        quantize, twin = recipe_twin(model_dir, out_dir, quantize)  # a pre-quantised recipe: its bits, its twin
+        options = dataclasses.replace(options, hf_dir=twin, quantize=quantize)  # --hf-dir held the recipe
     assert model_dir is not None
     try:
         manifest = export_model(model_dir, out_dir, options, progress=progress)

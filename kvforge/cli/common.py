@@ -80,9 +80,13 @@ def revision_option(command: Command) -> Command:
                              "(default main).")(command)
 
 
-def model_source(model_dir: Path, revision: str | None) -> Path:
+def model_source(model_dir: Path | None, revision: str | None) -> Path | None:
     """MODEL_DIR as a local path: a Hub id (org/name) becomes its snapshot in huggingface_hub's cache, downloaded
-    only where HF_HUB_OFFLINE is unset (kvforge.models.hub); a local path stays as it is."""
+    only where HF_HUB_OFFLINE is unset (kvforge.models.hub); a local path stays as it is (None: --recipe)."""
+    if model_dir is None:
+        if revision is not None:
+            raise click.UsageError("--revision goes with a Hugging Face Hub id (org/name) as MODEL_DIR")
+        return None
     from kvforge.models.hub import resolve_model
 
     return resolve_model(model_dir, revision, lambda message: click.echo(message, err=True))
@@ -233,6 +237,16 @@ def recipe_source(recipe: str, out_dir: Path, hf_dir: Path | None, force: bool,
     folder = Path(hf_dir) if hf_dir is not None else out.parent / f"{out.name}.hf"
     check_output(out, [folder.absolute()], force=force, marker=MANIFEST_NAME)  # before the recipe is built
     return folder, folder if recipe_folder(recipe, folder, say) else None
+
+
+def recipe_twin(model_dir: Path, out_dir: Path, quantize: str | None) -> tuple[str | None, Path | None]:
+    """A pre-quantised recipe (llama-tiny-autoround) exports as any such checkpoint, with its integers: its bits,
+    and its dequantised twin in OUT_DIR.dequantised.hf (OUT_DIR.hf holds the recipe). Others: (quantize, None)."""
+    bits = checkpoint_bits(model_dir)
+    if bits is None:
+        return quantize, None
+    out = Path(out_dir).absolute()
+    return quantize or bits, out.parent / f"{out.name}.dequantised.hf"
 
 
 def chat_template_option(command: Command) -> Command:

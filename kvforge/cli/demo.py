@@ -142,7 +142,8 @@ def run_demo(
     result = stream.result
     timings.update(ttft_ms=round(result.ttft_ms, 1), decode_tokens_per_s=round(result.decode_tokens_per_s, 1))
     return {
-        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to fp32)" if real else f"recipe {recipe}",
+        "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised to fp32)" if real else f"recipe {recipe}"
+                 + (f", the picture {image.name} before the prompt" if image is not None else ""),
         "random_weights": not real, "model_dir": str(model_dir), "export_dir": str(export_dir),
         "prompt": text_prompt, "chat": real, "text": result.text[0], "tokens": result.tokens[0],
         "finish_reason": result.finish_reason[0], **({"image": str(image)} if image is not None else {}), **timings,

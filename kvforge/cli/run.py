@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--chat", "chat_text", help="A user message, answered through the export's chat template.")
 @click.option("--system", "system_text", help="With --chat: a system message first.")
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="A vision-language export: "
-              "an image file for the one prompt (repeatable), at each '<image>' in it, else before its text.")
+              "an image file for the one prompt (repeatable), at each '<image>' in it, else before its text; with "
+              "--chat, an image part before the message's text, placed by the chat template.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Most tokens generated per prompt.")
 @sampling_options
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
@@ -143,10 +144,11 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
         messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None
                     else [])
         messages.append({"role": "user", "content": options["chat_text"]})
-        if images is not None and generator.images is not None:  # image parts: the template says where they go
-            messages[-1]["content"] = [*({"type": "image", "image": image} for image in images),
+        if generator.images is not None:  # image parts: the template says where they go, as the processor's
+            messages[-1]["content"] = [*({"type": "image", "image": image} for image in images or ()),
                                        {"type": "text", "text": options["chat_text"]}]
             ids, images = generator.chat_inputs(messages)
+            images = images or None
         else:
             ids = generator.chat_ids(messages)
         prompts: Any = RenderedChat(ids)

@@ -263,6 +263,9 @@ def _check_vision(manifest: dict[str, Any], path: Path, vocab_size: int) -> None
             or not vision["placeholder"]:
         raise ManifestError(f"{path}: vision.processor must be an object and vision.placeholder a text; re-run the "
                             "export")
+    chat = vision.get("chat_placeholder")  # absent in exports made before it was recorded
+    if chat is not None and (not isinstance(chat, str) or not chat):
+        raise ManifestError(f"{path}: vision.chat_placeholder must be a text; re-run the export")
 
 
 def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayout, path: Path) -> None:

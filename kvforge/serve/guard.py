@@ -59,7 +59,13 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     is nested too deeply, malformed or not an object, for an integer too long to convert, and for lone
     surrogates, which pydantic cannot name the place of."""
     try:
-        body = json.loads(raw, parse_int=_integer)
+        try:
+            body = json.loads(raw)
+        except ValueError as err:
+            if "integer string conversion" not in str(err):
+                raise
+            # Parsed again (only then: a Python parse_int is slower), keeping each long integer for the walk to name.
+            body = json.loads(raw, parse_int=_integer)
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply to parse; send a flatter JSON object") from None
     except (ValueError, UnicodeDecodeError) as err:

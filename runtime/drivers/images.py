@@ -71,12 +71,15 @@ class Images:
         return out
 
     def encode(self, sources: list[Any]) -> list[EncodedImage]:
-        """Each image read and checked (all of them before any is encoded), then with its features. The decoded
-        pixels are not kept (image None): a request waiting in the queue holds its features only, not a large
-        image's hundreds of megabytes."""
-        loaded = [load_image(source, self.limits) for source in sources]
-        return [one if isinstance(one, EncodedImage) else EncodedImage(None, one.digest, self._features(one))
-                for one in loaded]
+        """Each image read, checked and encoded in turn, with its features. Its decoded pixels are dropped once it is
+        encoded (image None): one large image is decoded at a time, and a request waiting in the queue holds its
+        features only, not a large image's hundreds of megabytes."""
+        out = []
+        for source in sources:
+            one = load_image(source, self.limits)
+            out.append(one if isinstance(one, EncodedImage) else EncodedImage(None, one.digest, self._features(one)))
+            del one  # the decoded pixels go before the next image is decoded
+        return out
 
     def run_length(self) -> int:
         """The tokens one image takes in a prompt (its run: before_ids, its image tokens, after_ids)."""

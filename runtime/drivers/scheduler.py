@@ -159,9 +159,8 @@ class Scheduler:
             self._closed = True
             self._cond.notify_all()
         if self._thread is None:  # never started: no loop is there to end what waits, so it ends here
-            self._fail_all(self._cut or "the scheduler was closed before it started", FinishReason.CANCELLED)
-        else:
-            self._thread.join(timeout=30)
+            return self._fail_all(self._cut or "the scheduler was closed before it started", FinishReason.CANCELLED)
+        self._thread.join(timeout=30)
 
     def cut(self, message: str) -> None:
         """End every request in flight or waiting now, each with a CANCELLED Done carrying `message`,

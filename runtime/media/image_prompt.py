@@ -150,14 +150,18 @@ def image_chat_ids(render: Callable[[list[dict[str, Any]]], str], messages: list
                    special_tokens_in_content: bool = False) -> list[int]:
     """A vision-language export's conversation (checked messages whose contents may hold {"type": "image"} parts)
     as token ids, as transformers' processor apply_chat_template(tokenize=True) gives them, each image place the
-    template writes one image token: the template gets content lists as parts when it reads parts (else each list
-    joined by newlines, an image as its placeholder), the placeholder typed in a message stays text (as special-token
+    template writes one image token: the template gets content lists as parts when it reads parts (a str content
+    as one text part, which transformers would pass as a str that LLaVA's templates drop; else each list joined by
+    newlines, an image as its placeholder), the placeholder typed in a message stays text (as special-token
     text does, runtime/text/chat_tokens.py), and the tokenizer's special tokens (BOS) are added unless the rendering
     starts with them. `template`: a ChatTemplate; `encode`: text -> ids, no special tokens added."""
     from kvforge.runtime.text.chat import reads_content_parts
     from kvforge.runtime.text.chat_tokens import conversation_ids
 
     placeholder = chat_placeholder(vision)
+    if reads_content_parts(template.text):  # a str content as one text part: such templates read only parts
+        messages = [dict(m, content=[{"type": "text", "text": m["content"]}]) if isinstance(m.get("content"), str)
+                    else m for m in messages]
     flatten = None if reads_content_parts(template.text) else lambda ms: flatten_parts(ms, placeholder)
     return conversation_ids(render, messages, tokenizer, images_around(vision, encode), special_tokens_in_content,
                             keep_as_text=(placeholder,), flatten=flatten,

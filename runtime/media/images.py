@@ -42,8 +42,9 @@ _DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif|bmp);base64,(.*)$", 
 
 @dataclass(frozen=True)
 class LoadedImage:
-    """A decoded image (PIL, its own mode) and the sha256 of what identifies it: its encoded bytes, or an array's
-    shape, dtype and bytes (a cached prefix is keyed by it)."""
+    """A decoded image (PIL, its own mode; None once encoded, drivers/images.py) and the sha256 of what identifies
+    it: its encoded bytes, a PIL image's mode, size, palette and pixels (pil_digest), or an array's shape, dtype and
+    bytes (its kept features and a cached prefix are keyed by it)."""
 
     image: Any
     digest: str

@@ -69,7 +69,7 @@ def check_processor_record(vision: dict[str, Any], where: str) -> None:
         _field(where, record, key, not record.get("do_normalize") or all(
             _number(v) and (key == "image_mean" or v != 0) for v in values), f"a number or {channels} numbers")
     color = record.get("background_color")
-    _field(where, record, "background_color", color is None or all(_int(v) and 0 <= v <= 255 for v in (
+    _field(where, record, "background_color", color is None or all(_number(v) and 0 <= v <= 255 for v in (
         color if isinstance(color, list) and len(color) <= channels else [color])), "colour values 0..255")
     try:
         check_processor(record)
