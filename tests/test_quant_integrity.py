@@ -149,11 +149,10 @@ def test_the_cli_refuses_a_corrupt_prequantized_checkpoint_with_exit_2_and_write
 
 GGUF_TYPES = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q8_0", "blk.0.ffn_gate.weight": "Q4_1",
               "blk.1.ffn_down.weight": "Q5_0"}
-NAN16, INF16 = np.float16(np.nan).tobytes(), np.float16(np.inf).tobytes()
+NAN16 = np.float16(np.nan).tobytes()
 # case -> (GGUF tensor, byte offset in its data, bytes written there): a block's fp16 scale or minimum, or a float
 GGUF_CASES = {
     "q4_0-block-scale-nan": ("blk.0.attn_q.weight", 18 * 3, NAN16),
-    "q8_0-block-scale-inf": ("blk.0.attn_k.weight", 0, INF16),
     "q4_1-block-minimum-nan": ("blk.0.ffn_gate.weight", 20 + 2, NAN16),
     "q5_0-block-scale-nan": ("blk.1.ffn_down.weight", 22, NAN16),
     "f32-value-nan": ("output_norm.weight", 4, np.float32(np.nan).tobytes()),
@@ -256,3 +255,66 @@ def test_carried_gguf_blocks_of_the_wrong_size_and_integer_types_are_refused():
     with pytest.raises(InputError, match="GGUF tensor blk.0.attn_q.weight is of type I32: a model weight must be a "
                                          "float or quantised block type"):
         float_type(_entry("I32", raw, 2, 64).tensor)
+
+
+def test_a_quantised_export_whose_accuracy_is_nan_fails_and_is_removed(hf_folder, tmp_path):
+    """One NaN in an ordinary checkpoint's weight: the int8 export's logits are NaN, so its accuracy figures are;
+    the export is refused in one line (exit 2) and removed, not kept beside a printed "nan"."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folder("llama-tiny"), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[f"{LAYER}.weight"][0, 0] = np.nan
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    result = CliRunner().invoke(main, ["export", str(folder), "-o", str(tmp_path / "out"), "--quantize", "int8",
+                                       "--accuracy-check"])
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert "accuracy check gave" in errors[0] and "nan" in errors[0] and "was removed" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_reads_a_bounded_prefix_of_a_large_file(tmp_path):
+    from kvforge.exporter.calibrate import READ_BYTES, read_calibration
+
+    big = tmp_path / "big.txt"
+    line = "The harbour was quiet that morning, and the boats — três barcos — rocked slowly.\n"
+    big.write_text(line * (3 * READ_BYTES // len(line.encode())), encoding="utf-8")
+    text, what = read_calibration(big)
+    assert len(text.encode()) <= READ_BYTES and text.startswith(line)
+    assert what == f"the first 1 MiB of --calibration {big}"
+    small = tmp_path / "small.txt"
+    small.write_text(line * 40)
+    assert read_calibration(small) == (line * 40, f"--calibration {small}")
+
+
+def test_calibration_from_dev_zero_is_refused_as_binary_without_reading_it_all():
+    from pathlib import Path
+
+    if not Path("/dev/zero").exists():
+        pytest.skip("no /dev/zero here")
+    from kvforge.exporter.calibrate import read_calibration
+
+    with pytest.raises(InputError, match=r"^--calibration /dev/zero holds NUL bytes \(a binary file\?\): give plain text"):
+        read_calibration("/dev/zero")
+
+
+def test_the_accuracy_check_says_when_an_answer_parts_from_the_fp32_models_although_steps_agree():
+    """Greedy agreement is counted on the export's own path: a prompt whose answer tipped at a near-tie still
+    agrees on nearly every step. The accuracy record says how many whole answers equal the fp32 model's and
+    where the first one parts, with the fp32 model's margin there."""
+    from kvforge.tools.parity import PromptParity, answers_compared
+
+    def prompt(export, hf, margins):
+        return PromptParity("p", 4, export, hf, [0.1] * len(export), margins, [], [])
+
+    same = prompt([5, 6, 7, 8], [5, 6, 7, 8], [3.0] * 4)
+    tipped = prompt([5, 6, 9, 1], [5, 6, 7, 8], [3.0, 2.5, 0.04, 1.0])  # step 3: fp32's top two 0.04 apart
+    assert answers_compared([same, same]) == {"answers_equal": "2/2"}
+    figures = answers_compared([same, tipped, same])
+    assert figures["answers_equal"] == "2/3"
+    assert figures["note"].startswith("1 of 3 check answers part from the fp32 model's own (first at token 3, where "
+                                      "its top two tokens were 0.04 logits apart)")

@@ -364,3 +364,25 @@ def test_a_crafted_chat_placeholder_is_refused_at_load(llava) -> None:
         crafted["vision"]["chat_placeholder"] = bad
         with pytest.raises(ManifestError, match="vision.chat_placeholder must be a text"):
             _check_vision(crafted, llava.out, manifest["vision"]["image_token_id"] + 8)
+
+
+def test_generate_chat_renders_as_the_processor_with_or_without_an_image(llava, tmp_path) -> None:
+    """`kvforge generate --chat` on a vision export renders through the processor's path too (the text as a text
+    part, after the images): HF's greedy tokens on the processor's ids, with an image and without."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(_png(6))
+    for image in (picture, None):
+        parts = [{"type": "image", "image": _image(6)}] if image else []
+        _, tokens = llava.hf_answer([{"role": "user", "content": [*parts, {"type": "text", "text": "Hello there"}]}],
+                                    exact=True)
+        out = CliRunner().invoke(main, ["generate", str(llava.out), "--chat", "Hello there", "--greedy", "--json",
+                                        "--ignore-eos", "--max-new-tokens", str(NEW),
+                                        *(["--image", str(image)] if image else [])])
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.stdout)["tokens"][0] == tokens

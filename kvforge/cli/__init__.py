@@ -250,6 +250,8 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
             click.echo(f"{what}; vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
                        f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
                        f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
+            if acc.get("note"):  # the prompts' answers part from the fp32 model's although the figures look close
+                click.echo(f"note: {acc['note']}")
         hint = dequantised_hint(manifest)
         if hint:
             click.echo(hint, err=True)

@@ -379,8 +379,27 @@ def measure_quantized(folder: str | Path, model_dir: str | Path | None = None, h
                 "reference_perplexity": round(ppl.get("hf", float("nan")), 4),
                 "perplexity_relative_increase": round(ppl.get("export", 0) / ppl.get("hf", 1) - 1, 5),
                 "perplexity_tokens": ppl.get("tokens")}
+    accuracy.update(answers_compared(report.prompts))
     record_section(folder, section, {**manifest[section], "accuracy": accuracy})
     return accuracy
+
+
+def answers_compared(prompts: list[PromptParity]) -> dict[str, Any]:
+    """Whether each prompt's whole greedy answer is the fp32 model's own. Greedy agreement counts the steps where
+    the fp32 model, fed the export's own tokens so far, picks the same next token: after one tipped near-tie the
+    answer goes elsewhere while that count stays high. A `note` says so where an answer parts."""
+    answered = [p for p in prompts if p.error is None]
+    parted = [p for p in answered if not p.generate_equal]
+    figures: dict[str, Any] = {"answers_equal": f"{len(answered) - len(parted)}/{len(prompts)}"}
+    if parted:
+        first = parted[0]
+        step = _first_difference(first.export_tokens, first.hf_generate_tokens)
+        margin = first.step_hf_margin[step] if step < len(first.step_hf_margin) else float("nan")
+        figures["note"] = (f"{len(parted)} of {len(prompts)} check answers part from the fp32 model's own (first at "
+                           f"token {step + 1}, where its top two tokens were {margin:.2f} logits apart): agreement counts "
+                           "tokens on the export's path, so a tipped near-tie changes the rest of an answer. Try your "
+                           "own prompts (kvforge parity; docs/quantisation.md)")
+    return figures
 
 
 # The accuracy figures that must be finite for a quantised export to be kept
