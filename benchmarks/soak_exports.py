@@ -156,3 +156,9 @@ def vlm_jobs(export: Path, seed: int) -> list[dict[str, Any]]:
                      "want": want})
     return jobs
 
+
+
+def text_only_images() -> list[tuple[str, str, bytes, dict[str, str]]]:
+    """A legal image sent to a text-only export: refused (4xx), as soak_server.BAD's rows."""
+    body = {"messages": [image_message("what is this", data_url(good_images()["noise 60x90"]))], "max_tokens": 4}
+    return [("image to a text-only export", "/v1/chat/completions", json.dumps(body).encode(), JSON)]

@@ -11,8 +11,9 @@ send a mix: completions and chats, streaming and not (answers compared with thei
 types control-token text; prompt-lookup speculative requests that end inside a step that accepted several
 tokens), bad requests (malformed, 30k-deep, lone surrogates in texts, grammars and keys, unsupported
 parameters and message keys, wrong content type or Host, 3 MB, 620K-character prompts, grammars that
-fail at admission or only while generating beside the good requests, a chat template that loops; for the
-vlm, truncated, bomb, undecodable and remote images), streams cancelled after two chunks, and non-streaming
+fail at admission or only while generating beside the good requests, a chat template that loops, an integer
+too long to convert, two Authorization headers; an image sent to a text-only export; for the vlm, truncated,
+bomb, undecodable and remote images), streams cancelled after two chunks, and non-streaming
 clients that disconnect after 50 ms. A probe thread asks /health every 0.2 s. An export passes when every
 good answer equals its solo output, no bad request gets anything but a 4xx JSON error, the server's RSS
 ends within 50 MB of its value after warm-up, and /health always answered within 2 s. Loopback only; prints
@@ -132,7 +133,7 @@ def speculative_jobs(generator: Any, rng: random.Random, words: list[str], wante
 
 
 JSON = {"Content-Type": "application/json"}
-BAD: list[tuple[str, str, bytes, dict[str, str]]] = [
+BAD: list[tuple[str, str, bytes, Any]] = [  # name, path, body, headers (a dict or pairs)
     ("malformed", "/v1/completions", b"{oops", JSON),
     ("deep", "/v1/completions", b"[" * 30_000 + b"]" * 30_000, JSON),
     ("surrogate prompt", "/v1/completions", b'{"prompt": "caf\\udce9"}', JSON),
@@ -168,6 +169,10 @@ BAD: list[tuple[str, str, bytes, dict[str, str]]] = [
      b'{"messages": [{"role": "tool", "content": "4", "tool_call_id": "c9"}]}', JSON),
     ("speculate sampling", "/v1/completions",
      b'{"prompt": "x", "temperature": 0.7, "speculate": {"method": "prompt-lookup"}}', JSON),
+    # issue 53
+    ("integer too long", "/v1/completions", b'{"prompt": [5], "max_tokens": 1' + b"0" * 5000 + b"}", JSON),
+    ("two Authorization headers", "/v1/completions", b'{"prompt": "x", "max_tokens": 2}',
+     [("Content-Type", "application/json"), ("Authorization", "Bearer a"), ("Authorization", "Bearer b")]),
 ]
 
 
@@ -195,7 +200,7 @@ def prepared(kind: str, root: Path, seed: int, given: Path | None = None) -> tup
     """The export of `kind` (built under `root`, or `given`), its good requests with their solo answers, and
     its bad requests: BAD, the images' hostile ones for the vision-language export, and a grammar that fails
     while this export generates."""
-    from soak_exports import build_prequantized, build_vlm, hostile_images, vlm_jobs
+    from soak_exports import build_prequantized, build_vlm, hostile_images, text_only_images, vlm_jobs
 
     if kind == "vlm":
         from kvforge.runtime import Generator
@@ -205,7 +210,7 @@ def prepared(kind: str, root: Path, seed: int, given: Path | None = None) -> tup
         bad = [*(row for row in BAD if row[0] != "looping template"), *hostile_images()]  # its template never loops
     else:
         export = given or (build_export(root) if kind == "text" else build_prequantized(root, kind, chat_source(root)))
-        (jobs, late), bad = good_jobs(export, seed), list(BAD)
+        (jobs, late), bad = good_jobs(export, seed), [*BAD, *text_only_images()]
     late_body = json.dumps({"prompt": LATE_PROMPT, "max_tokens": 24, "temperature": 0,
                             "response_format": {"type": "lark", "grammar": late}}).encode()
     return export, jobs, [*bad, ("grammar failing while generating", "/v1/completions", late_body, JSON)]

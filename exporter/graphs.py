@@ -232,7 +232,7 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
             + (f"; {work.method_default}" if work.method_default else ""))
         prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
                                                options.accuracy_level, lm_head_bits, options.quant_method,
-                                               exact=work.int_weights)
+                                               exact=work.int_weights, say=say)
         if "integer_weights" in quantization:
             carried = quantization["integer_weights"]
             say(f"{carried['carried_over']} weight matrices carried over from the {carried['source']}'s integers as "

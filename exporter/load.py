@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,10 +13,9 @@ from kvforge.core.errors import InputError, KvforgeError
 from kvforge.exporter.checkpoint_names import refuse_incomplete
 from kvforge.exporter.text_model import load_text_model, text_config_of, text_family, text_of
 from kvforge.models.families import Family, family_for, own_text_type
+from kvforge.models.hub import HUB_ID
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-# What a Hugging Face Hub id looks like (`owner/name`): said as such when no such local path exists.
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def one_line(err: BaseException) -> str:
@@ -26,7 +24,7 @@ def one_line(err: BaseException) -> str:
 
 def check_model_path(path: str | Path, gguf: bool = True) -> None:
     """What is wrong with a model path, said before torch loads (seconds): it does not exist (a Hub id is
-    named as one: kvforge downloads nothing), it is a file but not a .gguf, or a folder without config.json.
+    named as one: ids are resolved before, by kvforge.models.hub), it is a file but not a .gguf, or a folder without config.json.
     `gguf`: whether a .gguf file, or a folder holding one, is a model here (export) or not (parity)."""
     given = str(path)
     path = Path(path)
@@ -34,8 +32,10 @@ def check_model_path(path: str | Path, gguf: bool = True) -> None:
     if not path.exists():
         if HUB_ID.fullmatch(given):
             raise InputError(
-                f"{given} does not exist here; it looks like a Hugging Face Hub id, but kvforge downloads nothing: "
-                f"download it first (e.g. `hf download {given} --local-dir {given.split('/')[1]}`) and pass that folder"
+                f"{given} does not exist here; it looks like a Hugging Face Hub id, and this reads local folders "
+                f"only: pass it to `kvforge export`/`parity` (or export_model), which take Hub ids from the Hugging Face "
+                f"cache (kvforge.models.hub), or download it first (`hf download {given} --local-dir "
+                f"{given.split('/')[1]}`) and pass that folder"
             )
         raise InputError(f"{path} does not exist; pass {wanted} (kvforge downloads nothing)")
     if path.is_file():

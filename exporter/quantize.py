@@ -9,8 +9,10 @@ through a Transpose is materialised, so the quantiser sees a constant) and recor
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -202,19 +204,9 @@ def _hqq_config(bits: int, block_size: int) -> Any:
 
 
 def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, method: str = "rtn",
-                   **nodes: Any) -> Any:
+                   say: Callable[[str], None] | None = None, **nodes: Any) -> Any:
     if method == "hqq":
-        quantizer = quantizer_class()(proto, bits=bits, block_size=block_size, algo_config=_hqq_config(bits, block_size),
-                                      **nodes)
-        # (its torch.from_numpy warns that the weight array is read-only; it only reads it)
-        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            quantizer.process()
-        model = quantizer.model.model
-        for node in model.graph.node:  # HQQ's nodes carry no accuracy_level: the same one as RTN's
-            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
-                node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
-        return model
+        return _run_hqq(proto, bits, block_size, accuracy_level, say or (lambda _line: None), **nodes)
     quantizer = quantizer_class()(
         proto, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=accuracy_level,
         # Its Gather quantisation is 4-bit only (at 8 bits it logs an error and leaves the Gather);
@@ -227,6 +219,52 @@ def _run_quantizer(proto: Any, bits: int, block_size: int, accuracy_level: int, 
     with np.errstate(divide="ignore", invalid="ignore"):
         quantizer.process()
     return quantizer.model.model
+
+
+# HQQ's torch work: many small tensor operations a matrix, where extra threads only wait on each other; on a
+# busy CPU they made it 6-12x slower (SmolLM2-135M: 110-213 s on 2 threads, 18 s on one; the same bytes).
+HQQ_THREADS = 1
+PROGRESS_S = 5.0  # seconds between HQQ's "matrix k of n" lines
+
+
+def _run_hqq(proto: Any, bits: int, block_size: int, accuracy_level: int, say: Callable[[str], None],
+             **nodes: Any) -> Any:
+    """ONNX Runtime's HQQ over the proto's MatMuls on HQQ_THREADS torch threads (restored after), saying
+    "matrix k of n" as it goes."""
+    import torch
+
+    quantizer = quantizer_class()(proto, bits=bits, block_size=block_size, algo_config=_hqq_config(bits, block_size),
+                                  **nodes)
+    excluded = set(nodes.get("nodes_to_exclude") or ())
+    constants = {t.name for t in proto.graph.initializer}
+    total = sum(1 for n in proto.graph.node if n.op_type == "MatMul" and n.name not in excluded
+                and len(n.input) > 1 and n.input[1] in constants)
+    one_matrix, done, began = quantizer.node_quantizer.quantize, [0, 0.0], time.perf_counter()
+
+    def counted(node: Any, graph_stack: Any) -> Any:
+        result = one_matrix(node, graph_stack)
+        done[0] += 1
+        now = time.perf_counter()
+        if done[0] == 1 or now - done[1] >= PROGRESS_S or done[0] == total:
+            left = (now - began) / done[0] * (total - done[0])
+            say(f"HQQ: matrix {done[0]} of {total}" + (f" (about {left:.0f} s left)" if done[0] < total else ""))
+            done[1] = now
+        return result
+
+    quantizer.node_quantizer.quantize = counted
+    threads = torch.get_num_threads()
+    torch.set_num_threads(HQQ_THREADS)
+    try:  # (its torch.from_numpy warns that the weight array is read-only; it only reads it)
+        with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            quantizer.process()
+    finally:
+        torch.set_num_threads(threads)
+    model = quantizer.model.model
+    for node in model.graph.node:  # HQQ's nodes carry no accuracy_level: the same one as RTN's
+        if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
+    return model
 
 
 def _round_tensors(model: ir.Model, bits: int, block_size: int, accuracy_level: int, head: list[str],
@@ -268,7 +306,7 @@ def _constant(value: ir.Value | None) -> bool:
 
 
 def _quantize_proto(model: ir.Model, bits: int, block_size: int, accuracy_level: int, method: str, head: list[str],
-                    tied_lookups: list[str]) -> ir.Model:
+                    tied_lookups: list[str], say: Callable[[str], None] | None = None) -> ir.Model:
     """ONNX Runtime's whole-model quantiser over the model's proto (every weight in memory)."""
     proto = ir.to_proto(model)
     # The quantiser's INFO lines would bury the progress; its logger is restored afterwards.
@@ -277,16 +315,17 @@ def _quantize_proto(model: ir.Model, bits: int, block_size: int, accuracy_level:
             # (the quantiser's nodes_to_include does not narrow its default algorithm; exclude instead)
             others = [node.name for node in model.graph if node.op_type in ("MatMul", "Gather") and node.name not in head]
             proto = _run_quantizer(proto, 8, block_size, accuracy_level, nodes_to_exclude=others)
-            return ir.from_proto(_run_quantizer(proto, 4, block_size, accuracy_level, method,
+            return ir.from_proto(_run_quantizer(proto, 4, block_size, accuracy_level, method, say,
                                                 nodes_to_exclude=head + tied_lookups))
-        return ir.from_proto(_run_quantizer(proto, bits, block_size, accuracy_level, method,
+        return ir.from_proto(_run_quantizer(proto, bits, block_size, accuracy_level, method, say,
                                             nodes_to_exclude=tied_lookups))
 
 
 def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: int,
                    accuracy_level: int = DEFAULT_ACCURACY_LEVEL, lm_head_bits: int | None = None,
                    method: str = "rtn", whole_model: bool = False,
-                   exact: IntWeightSource | None = None) -> tuple[ir.Model, dict[str, Any]]:
+                   exact: IntWeightSource | None = None,
+                   say: Callable[[str], None] | None = None) -> tuple[ir.Model, dict[str, Any]]:
     """The quantised model and a record of what was quantised. RTN rounds weight by weight, lazily
     (exporter/quantize_tensors.py: the weights are computed as the file is written); HQQ, and RTN with
     `whole_model` (the reference the tests hold the lazy path to), run ONNX Runtime's whole-model
@@ -310,7 +349,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
             quantized = model
             carried, rounded = _round_tensors(model, bits, block_size, accuracy_level, head, tied_lookups, exact)
         else:
-            quantized = _quantize_proto(model, bits, block_size, accuracy_level, method, head, tied_lookups)
+            quantized = _quantize_proto(model, bits, block_size, accuracy_level, method, head, tied_lookups, say)
     except Exception as err:  # the quantiser raises plain exceptions for shapes it cannot handle
         raise ExportError(f"ONNX Runtime's {quantize} ({method}) quantiser failed: {type(err).__name__}: {err}") from err
     shared = share_tied_embedding(quantized, tied)

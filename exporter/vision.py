@@ -106,16 +106,22 @@ def processor_record(model_dir: Path) -> dict[str, Any]:
     return record
 
 
-def _has_image_processor_entry(model_dir: Path) -> bool:
-    """Whether processor_config.json holds the image processor's settings (transformers 5's save_pretrained layout)."""
+def _processor_settings(model_dir: Path) -> dict[str, Any]:
+    """processor_config.json (the processor's own settings, and in transformers 5's save_pretrained layout its image
+    processor's under "image_processor"), {} where there is none."""
     import json
 
     path = model_dir / "processor_config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError, UnicodeDecodeError) as err:
         raise InputError(f"{path} is not readable JSON ({err}); fix or remove it") from None
-    return isinstance(config, dict) and isinstance(config.get("image_processor"), dict)
+    return config if isinstance(config, dict) else {}
+
+
+def _has_image_processor_entry(model_dir: Path) -> bool:
+    """Whether processor_config.json holds the image processor's settings (transformers 5's save_pretrained layout)."""
+    return isinstance(_processor_settings(model_dir).get("image_processor"), dict)
 
 
 def image_shape(record: dict[str, Any], config: Any) -> tuple[int, int]:
@@ -194,5 +200,6 @@ def vision_record(model: Any, family: VisionFamily, processor: dict[str, Any], s
         "image_size": list(shape), "channels": getattr(config.vision_config, "num_channels", 3),
         "placeholder": family.placeholder, "chat_placeholder": family.chat_placeholder, "before_ids": list(before),
         "after_ids": list(after),
+        "prompt_prefix": family.prompt_prefix(_processor_settings(model_dir)) if family.prompt_prefix else "",
         "processor": processor,
     }

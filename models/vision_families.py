@@ -37,6 +37,16 @@ def image_token_id(config: Any) -> int:
     raise ValueError(f"{config.model_type}: the config names no image token id")
 
 
+def janus_prompt_prefix(settings: dict[str, Any]) -> str:
+    """JanusProcessor's DEFAULT_SYSTEM_PROMPT where its settings turn it on (it adds it in __call__, outside the chat
+    template, to text prompts)."""
+    if settings.get("use_default_system_prompt") is not True:
+        return ""
+    from transformers.models.janus.processing_janus import DEFAULT_SYSTEM_PROMPT
+
+    return DEFAULT_SYSTEM_PROMPT
+
+
 @dataclass(frozen=True)
 class VisionFamily:
     """What exporting one vision-language type whole needs. `features(model, pixel_values [1, C, H, W])` gives the
@@ -51,6 +61,9 @@ class VisionFamily:
     # The text the family's chat templates write for an image content part, which its Hugging Face processor expands
     # into `before`, the image tokens and `after` (LLaVA's templates write "<image>", InternVL's "<IMG_CONTEXT>", ...).
     chat_placeholder: str = IMAGE_PLACEHOLDER
+    # The text its processor puts before every text prompt, from the processor's settings (processor_config.json as a
+    # dict): Janus's default system prompt, when `use_default_system_prompt` is set (the released checkpoints set it).
+    prompt_prefix: Callable[[dict[str, Any]], str] | None = None
     # Text-config values that make its text model compute what the whole model does (Aya Vision's class applies no
     # Cohere 2 logit_scale to its head's output): every export of the checkpoint, --text-only too, and parity's
     # reference follow the whole model.
@@ -70,7 +83,7 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
                      text_overrides=(("logit_scale", 1.0),)),
         VisionFamily("deepseek_vl", chat_placeholder="<image_placeholder>"),
         VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",),
-                     chat_placeholder="<image_placeholder>"),
+                     chat_placeholder="<image_placeholder>", prompt_prefix=janus_prompt_prefix),
     )
 }
 

@@ -33,6 +33,11 @@ def test_autoround_carries_its_integers_with_zero_points_and_says_each_block(hf_
     blocks = [line for line in said if line.startswith("calibrating: ")]
     assert blocks[0] == "calibrating: model.layers.0 (1 of 2)"
     assert blocks[1].startswith("calibrating: model.layers.1 (2 of 2; about ") and blocks[1].endswith(" left)")
+    # The start line gives the docs' measured figure, and an estimate follows the first tuning steps (issue 53)
+    assert any("docs/quantisation.md measured 10-14 minutes" in line for line in said)
+    estimate = [line for line in said if line.startswith("AutoRound's tuning steps take ")]
+    assert len(estimate) == 1 and "for the 2 blocks' 20 steps" in estimate[0], said
+    assert said.index(estimate[0]) < said.index(blocks[1])  # within the first block, not after it
     assert not (tmp_path / ".out.calibration").exists()
     graph = onnx.load(str(tmp_path / "out" / "prefill.onnx"), load_external_data=False).graph
     four = [n for n in graph.node if n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4 for a in n.attribute)]

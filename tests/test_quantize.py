@@ -136,9 +136,25 @@ def test_rtn_is_recorded(quantized) -> None:
     assert quant["quant_method"] == "rtn" and "symmetric" in quant["method"] and "float_zero_points_as_offsets" not in quant
 
 
-def test_hqq_is_the_default_for_a_small_fp32_model_and_says_why(hf_folder, tmp_path) -> None:
+def test_hqq_is_the_default_for_a_small_fp32_model_and_says_why(hf_folder, tmp_path, monkeypatch) -> None:
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantizer
+
+    # HQQ runs on one torch thread (more only wait on each other on a busy CPU, issue 53) and puts it back
+    threads, fit = [], HQQWeightOnlyQuantizer.quantize_internal
+    monkeypatch.setattr(HQQWeightOnlyQuantizer, "quantize_internal",
+                        lambda self, *a, **k: threads.append(torch.get_num_threads()) or fit(self, *a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     messages = []
-    manifest = export_model(hf_folder(RECIPE), tmp_path / "out", quantize="int4", progress=messages.append)
+    try:
+        manifest = export_model(hf_folder(RECIPE), tmp_path / "out", quantize="int4", progress=messages.append)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert threads and set(threads) == {1}
+    counted = [m for m in messages if m.startswith("HQQ: matrix ")]
+    assert counted[0].startswith(f"HQQ: matrix 1 of {4 * LAYERS}") and counted[-1] == f"HQQ: matrix {4 * LAYERS} of {4 * LAYERS}"
     quant = manifest["quantization"]
     assert quant["quant_method"] == "hqq" and quant["quant_method_default"].startswith("hqq: int4 fitted with HQQ")
     assert any("HQQ, ONNX Runtime's MatMulNBits" in m and "; hqq: int4 fitted with HQQ, the default under 1B" in m

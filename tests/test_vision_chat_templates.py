@@ -99,7 +99,9 @@ def hf_processor(family: str, folder: Path, template: str) -> Any:
         if family == "deepseek_vl":
             return transformers.DeepseekVLProcessor(image_processor, tokenizer, chat_template=template,
                                                     num_image_tokens=16)
-        return transformers.JanusProcessor(image_processor, tokenizer, chat_template=template, num_image_tokens=16)
+        # As the released processor is saved: it puts its default system prompt before every text prompt.
+        return transformers.JanusProcessor(image_processor, tokenizer, chat_template=template, num_image_tokens=16,
+                                           use_default_system_prompt=True)
 
 
 def hf_ids(processor: Any, messages: list[dict]) -> list[int]:
@@ -119,7 +121,7 @@ def hf_ids(processor: Any, messages: list[dict]) -> list[int]:
 def kvforge_ids(family: str, folder: Path, template: str, messages: list[dict], tokens_per_image: int) -> list[int]:
     """What a vision export of the family makes of `messages` (LoadedExport.chat_inputs' steps, the runtime's own
     functions, with the vision record the exporter writes for the test tokenizer)."""
-    from kvforge.exporter.vision import _token_ids
+    from kvforge.exporter.vision import _processor_settings, _token_ids
     from kvforge.runtime.media.image_prompt import (
         check_image_places,
         expand_images,
@@ -133,7 +135,9 @@ def kvforge_ids(family: str, folder: Path, template: str, messages: list[dict], 
     family_row = VISION_FAMILIES[family]
     vision = {"image_token_id": IMAGE_TOKEN_ID, "tokens_per_image": tokens_per_image,
               "placeholder": family_row.placeholder, "chat_placeholder": family_row.chat_placeholder,
-              "before_ids": _token_ids(folder, family_row.before), "after_ids": _token_ids(folder, family_row.after)}
+              "before_ids": _token_ids(folder, family_row.before), "after_ids": _token_ids(folder, family_row.after),
+              "prompt_prefix": family_row.prompt_prefix(_processor_settings(folder)) if family_row.prompt_prefix
+              else ""}
     tokenizer = Tokenizer(folder)
     chat = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
     parts, images = take_image_parts(messages)
@@ -156,6 +160,8 @@ def _conversation(first: Any, second: Any = None) -> list[dict]:
 def test_a_chat_with_image_parts_gives_the_processors_ids(family, tmp_path) -> None:
     template = RELEASED_TEMPLATES[family]
     processor = hf_processor(family, tmp_path, template)
+    if VISION_FAMILIES[family].prompt_prefix:  # its settings, read as the exporter reads them (Janus's prompt)
+        processor.save_pretrained(tmp_path)
     # GOT-OCR2's processor takes one image per prompt (more are pages of one document).
     images = [_image(1)] if family == "got_ocr2" else [_image(1), _image(2, 60, 30)]
     messages = _conversation(*images)

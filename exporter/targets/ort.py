@@ -28,8 +28,9 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
                  kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> None:
     """GroupQueryAttention per layer. With `rotary` (cos and sin caches [max_pos, D/2] from the
     model's rotary embedding), RoPE moves into the attention op (do_rotary=1) wherever the graph
-    applies it right before attention, and q/k/v that are the three parts of one fused MatMul are
-    passed packed: one node per layer instead of a dozen layout and rotary ops. With `kv_scales`
+    applies it right before attention to heads of a multiple of 16 (GQA's own limit), and q/k/v that
+    are the three parts of one fused MatMul are passed packed: one node per layer instead of a dozen
+    layout and rotary ops. With `kv_scales`
     (per layer the key and value scales [1, H_kv, 1, D], exporter/kv_quant.py) the cache is int8:
     GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8."""
     first = canonical[0]

@@ -263,9 +263,12 @@ def _check_vision(manifest: dict[str, Any], path: Path, vocab_size: int) -> None
             or not vision["placeholder"]:
         raise ManifestError(f"{path}: vision.processor must be an object and vision.placeholder a text; re-run the "
                             "export")
-    chat = vision.get("chat_placeholder")  # absent in exports made before it was recorded
+    chat, prefix = vision.get("chat_placeholder"), vision.get("prompt_prefix")  # absent in older exports
     if chat is not None and (not isinstance(chat, str) or not chat):
         raise ManifestError(f"{path}: vision.chat_placeholder must be a text; re-run the export")
+    if prefix is not None and (not isinstance(prefix, str) or len(prefix) > 4096):
+        raise ManifestError(f"{path}: vision.prompt_prefix must be a text of at most 4096 characters; re-run the "
+                            "export")
 
 
 def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayout, path: Path) -> None:

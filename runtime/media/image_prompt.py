@@ -153,8 +153,8 @@ def image_chat_ids(render: Callable[[list[dict[str, Any]]], str], messages: list
     template writes one image token: the template gets content lists as parts when it reads parts (a str content
     as one text part, which transformers would pass as a str that LLaVA's templates drop; else each list joined by
     newlines, an image as its placeholder), the placeholder typed in a message stays text (as special-token
-    text does, runtime/text/chat_tokens.py), and the tokenizer's special tokens (BOS) are added unless the rendering
-    starts with them. `template`: a ChatTemplate; `encode`: text -> ids, no special tokens added."""
+    text does, runtime/text/chat_tokens.py), the processor's own prefix (`prompt_prefix`) goes before the rendering,
+    and the tokenizer's special tokens (BOS) are added unless the rendering starts with them. `template`: a ChatTemplate; `encode`: text -> ids, no special tokens added."""
     from kvforge.runtime.text.chat import reads_content_parts
     from kvforge.runtime.text.chat_tokens import conversation_ids
 
@@ -163,6 +163,10 @@ def image_chat_ids(render: Callable[[list[dict[str, Any]]], str], messages: list
         messages = [dict(m, content=[{"type": "text", "text": m["content"]}]) if isinstance(m.get("content"), str)
                     else m for m in messages]
     flatten = None if reads_content_parts(template.text) else lambda ms: flatten_parts(ms, placeholder)
-    return conversation_ids(render, messages, tokenizer, images_around(vision, encode), special_tokens_in_content,
-                            keep_as_text=(placeholder,), flatten=flatten,
-                            finish=processor_ids(tokenizer.encode, template.specials.get("bos_token")))
+    # A processor that puts a text before every prompt (Janus's default system prompt) does it after the template,
+    # and looks for the BOS text in the template's rendering.
+    prefix, bos = vision.get("prompt_prefix") or "", template.specials.get("bos_token")
+    finish = processor_ids(tokenizer.encode, bos)
+    return conversation_ids(lambda ms: prefix + render(ms), messages, tokenizer, images_around(vision, encode),
+                            special_tokens_in_content, keep_as_text=(placeholder,), flatten=flatten,
+                            finish=lambda text, ids: finish(text[len(prefix):], ids))
