@@ -29,7 +29,7 @@ def checkpoint_in(model_dir: Path) -> str:
             source = json.loads((Path(model_dir) / marker).read_text())["source"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        return f"the checkpoint {source} (converted into {model_dir})"
+        return f"the checkpoint {source} (as converted for export)"
     return f"the checkpoint in {model_dir}"
 
 

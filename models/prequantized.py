@@ -142,6 +142,8 @@ class PrequantizedWeights:
         """A tensor as numpy, its dtype (and a float's finiteness) checked for `role` (models/prequantized_checks.py)."""
         from safetensors import safe_open
 
+        if name not in self.files:  # a quantised layer's part is missing (its qweight is there)
+            raise refuse(name, f"is missing (a {self.layout.describe()} layer stores its weight in several tensors)")
         with safe_open(str(self.files[name]), "pt") as handle:  # "pt": bf16 scales have no numpy dtype
             return checked(name, handle.get_tensor(name), role)
 

@@ -90,6 +90,11 @@ CASES = {
                             f"{LAYER}.weight_zero_point", "not [8, 2]"),
     "ct-scale-shape": ("compressed-tensors", f"{LAYER}.weight_scale", lambda s: s.T, None, f"{LAYER}.weight_scale",
                        "has shape [2, 64], not [64, 2]"),
+    "gptq-qzeros-missing": ("gptq", f"{LAYER}.qzeros", None, None, f"{LAYER}.qzeros",
+                            "is missing (a gptq (4-bit, groups of 32, gptq packing) layer"),
+    "awq-scales-missing": ("awq", f"{LAYER}.scales", None, None, f"{LAYER}.scales", "is missing"),
+    "ct-weight_shape-missing": ("compressed-tensors", f"{LAYER}.weight_shape", None, None, f"{LAYER}.weight_shape",
+                                "is missing"),
     "autoround-scales-nan": ("gptq", f"{LAYER}.scales", _nan_at(1), AUTOROUND, f"{LAYER}.scales", "non-finite"),
     "autoround-qweight-float": ("gptq", f"{LAYER}.qweight", lambda s: s.astype(np.float16), AUTOROUND,
                                 f"{LAYER}.qweight", "is float16"),
@@ -102,7 +107,10 @@ def _checkpoint(folder, base, fmt, tensor=None, change=None, config=None):
     make(folder, base, fmt)
     if tensor is not None:
         tensors = load_file(str(folder / "model.safetensors"))
-        tensors[tensor] = change(tensors[tensor])
+        if change is None:
+            del tensors[tensor]
+        else:
+            tensors[tensor] = change(tensors[tensor])
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(folder / "model.safetensors"),
                   metadata={"format": "pt"})
     if config is not None:

@@ -85,3 +85,29 @@ def test_health_answers_while_a_request_is_being_queued(served, monkeypatch) -> 
     waited = time.monotonic() - started
     client.join(30)
     assert answers == [200] and waited < 1.5, waited
+
+
+def test_health_answers_while_a_metrics_scrape_waits_for_the_scheduler(served) -> None:
+    """/metrics reads the scheduler's gauges under its lock: on the event loop, a scrape that waited for the lock
+    (here held 3 s) held /health as long."""
+    app, base = served
+    scheduler = app.state.scheduler
+    held, scraped = threading.Event(), []
+
+    def hold() -> None:
+        with scheduler._cond:
+            held.set()
+            time.sleep(3)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    scraper = threading.Thread(target=lambda: scraped.append(httpx.get(f"{base}/metrics", timeout=30).status_code))
+    scraper.start()
+    time.sleep(0.3)  # the scrape is waiting for the lock
+    started = time.monotonic()
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    waited = time.monotonic() - started
+    holder.join()
+    scraper.join(30)
+    assert scraped == [200] and waited < 1.5, waited

@@ -28,6 +28,7 @@ the chat template in its child process, tools, grammars, the Scheduler).
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request)
 # at runtime, and they are imported inside create_app.
+import asyncio
 import contextlib
 import signal
 import socket
@@ -129,7 +130,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        body, content_type = metrics.exposition()
+        # Off the event loop: the gauges take the scheduler's lock, and /health must not wait for it.
+        body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.exposition)
         return Response(body, media_type=content_type)
 
     return app
