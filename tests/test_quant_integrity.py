@@ -96,8 +96,8 @@ CASES = {
     "ct-weight_shape-missing": ("compressed-tensors", f"{LAYER}.weight_shape", None, None, f"{LAYER}.weight_shape",
                                 "is missing"),
     "autoround-scales-nan": ("gptq", f"{LAYER}.scales", _nan_at(1), AUTOROUND, f"{LAYER}.scales", "non-finite"),
-    "autoround-qweight-float": ("gptq", f"{LAYER}.qweight", lambda s: s.astype(np.float16), AUTOROUND,
-                                f"{LAYER}.qweight", "is float16"),
+    "autoround-qweight-float": ("gptq", f"{LAYER}.qweight", lambda s: s.astype(np.float64), AUTOROUND,
+                                f"{LAYER}.qweight", "is float64"),
 }
 
 
