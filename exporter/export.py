@@ -110,7 +110,7 @@ def export_model(
     OUT_DIR.hf beside the output, and reused while the GGUF is unchanged). `options` (or the same
     fields as keywords: target, dtype, force, quantize, ...) say what to make; `quantize` ("int4" or
     "int8") quantises every weight matrix block-wise with ONNX Runtime's MatMulNBits quantiser (its
-    accuracy cost is measured afterwards by `kvforge.tools.parity.measure_quantized`, which `kvforge
+    accuracy cost is measured afterwards by `kvforge.tools.quant_accuracy.measure_quantized`, which `kvforge
     export` runs). `families`: the family registry (default: kvforge.models.families.families(); the
     coverage sweep passes its trials'). `model_dir` may be a Hugging Face Hub id (`org/name`, at `revision`): its
     snapshot in huggingface_hub's cache, downloaded only where HF_HUB_OFFLINE is unset (kvforge.models.hub); the
@@ -128,7 +128,7 @@ def export_model(
     _refuse_images(model_dir, options, target)  # from config.json alone, before anything loads
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
-    with _removed_on_failure(_hf_dir(options, out_dir)):
+    with removed_on_failure(conversion_dir(options, out_dir)):
         manifest = _export(model_dir, out_dir, options, target, say, families)
     # The manifest's figures, so that whoever reports them (the demo) says the same numbers.
     seconds = manifest["export_seconds"]
@@ -185,13 +185,13 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
     return manifest
 
 
-def _hf_dir(options: ExportOptions, out_dir: Path) -> Path:
+def conversion_dir(options: ExportOptions, out_dir: Path) -> Path:
     """Where a GGUF is converted, or a pre-quantised checkpoint dequantised: --hf-dir, default OUT_DIR.hf."""
     return Path(options.hf_dir).absolute() if options.hf_dir is not None else out_dir.parent / f"{out_dir.name}.hf"
 
 
 @contextlib.contextmanager
-def _removed_on_failure(hf_dir: Path) -> Iterator[None]:
+def removed_on_failure(hf_dir: Path) -> Iterator[None]:
     """A conversion folder (a GGUF's, a pre-quantised checkpoint's dequantised twin) that a failed export made is
     removed with it, so a failure leaves nothing behind; one that was there before (an earlier export's) stays."""
     made_here = not hf_dir.exists()
@@ -250,7 +250,7 @@ def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
     gguf_file = find_gguf(model_dir) if Path(model_dir).exists() else None
     if gguf_file is None:
         return Path(model_dir).resolve(), None, None
-    hf_dir = _hf_dir(options, out_dir)
+    hf_dir = conversion_dir(options, out_dir)
     check_output(out_dir, [gguf_file.resolve(), hf_dir], force=options.force, marker=MANIFEST_NAME)
     converting, converted = time.perf_counter(), []
 
@@ -338,7 +338,7 @@ def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, ggu
     layout = prequantized_layout(model_dir)
     if layout is None:
         return model_dir, None
-    hf_dir = _hf_dir(options, out_dir)
+    hf_dir = conversion_dir(options, out_dir)
     check_output(out_dir, [model_dir, hf_dir], force=options.force, marker=MANIFEST_NAME)
     from kvforge.exporter.checkpoint_names import refuse_doubled_layers
     from kvforge.models.prequantized import PrequantizedWeights

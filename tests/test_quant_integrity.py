@@ -265,9 +265,11 @@ def test_carried_gguf_blocks_of_the_wrong_size_and_integer_types_are_refused():
         float_type(_entry("I32", raw, 2, 64).tensor)
 
 
-def test_a_quantised_export_whose_accuracy_is_nan_fails_and_is_removed(hf_folder, tmp_path):
+@pytest.mark.parametrize("path", ["--stream", "--no-stream"])
+def test_a_quantised_export_whose_accuracy_is_nan_fails_and_is_removed(hf_folder, tmp_path, path):
     """One NaN in an ordinary checkpoint's weight: the int8 export's logits are NaN, so its accuracy figures are;
-    the export is refused in one line (exit 2) and removed, not kept beside a printed "nan"."""
+    the export is refused in one line (exit 2) and removed, not kept beside a printed "nan", on the streamed and the
+    whole-model paths alike."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -278,11 +280,11 @@ def test_a_quantised_export_whose_accuracy_is_nan_fails_and_is_removed(hf_folder
     tensors[f"{LAYER}.weight"][0, 0] = np.nan
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     result = CliRunner().invoke(main, ["export", str(folder), "-o", str(tmp_path / "out"), "--quantize", "int8",
-                                       "--accuracy-check"])
+                                       "--accuracy-check", path])
     errors = [line for line in result.stderr.splitlines() if not line.startswith("[kvforge] ")]
     assert result.exit_code == 2 and len(errors) == 1, result.output
     assert "accuracy check gave" in errors[0] and "nan" in errors[0] and "was removed" in errors[0]
-    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing written beside the model
 
 
 def test_calibration_reads_a_bounded_prefix_of_a_large_file(tmp_path):
@@ -314,7 +316,8 @@ def test_the_accuracy_check_says_when_an_answer_parts_from_the_fp32_models_altho
     """Greedy agreement is counted on the export's own path: a prompt whose answer tipped at a near-tie still
     agrees on nearly every step. The accuracy record says how many whole answers equal the fp32 model's and
     where the first one parts, with the fp32 model's margin there."""
-    from kvforge.tools.parity import PromptParity, answers_compared
+    from kvforge.tools.parity import PromptParity
+    from kvforge.tools.quant_accuracy import answers_compared
 
     def prompt(export, hf, margins):
         return PromptParity("p", 4, export, hf, [0.1] * len(export), margins, [], [])

@@ -16,10 +16,8 @@ from kvforge.core.manifest import load_manifest  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.tools import parity as parity_module  # noqa: E402
-from kvforge.tools.parity import (
-    measure_quantized,  # noqa: E402
-    run_parity,  # noqa: E402
-)
+from kvforge.tools.parity import run_parity  # noqa: E402
+from kvforge.tools.quant_accuracy import measure_quantized  # noqa: E402
 
 RECIPE = "llama3-tiny"  # tied embeddings: the lm_head is the transposed embedding
 LAYERS, HIDDEN, VOCAB = 2, 64, 512  # the recipe's (models/recipes.py _TINY); checked below

@@ -80,7 +80,7 @@ def test_int4_with_fp16_activations_for_onnx_runtime_cuda(hf_folder, tmp_path):
     import onnx_ir as ir
 
     from kvforge.exporter.export import export_model
-    from kvforge.tools.parity import measure_quantized
+    from kvforge.tools.quant_accuracy import measure_quantized
 
     export_model(hf_folder("llama-tiny"), tmp_path / "q", quantize="int4", quant_method="rtn", dtype="fp16")
     graph = ir.load(tmp_path / "q" / "decode.onnx").graph

@@ -18,7 +18,7 @@ import click
 from kvforge.cli import chat as cli_chat
 from kvforge.cli import help as cli_help
 from kvforge.cli import run as cli_run
-from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: part of kvforge.cli's API)
+from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, export_kind, human_bytes: part of kvforge.cli's API)
     checkpoint_bits,
     command_progress,
     dequantised_hint,
@@ -36,6 +36,7 @@ from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, human_bytes: 
     silence_stdout,
     stdout_closed,
 )
+from kvforge.cli.export_report import print_export_summary
 from kvforge.core import __version__
 from kvforge.core.contract import DTYPES, KV_CACHE_DTYPES, KVLayout, ModelSpec
 from kvforge.core.errors import KvforgeError, ParityError
@@ -200,7 +201,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         quantize = checkpoint_bits(model_dir)  # a pre-quantised checkpoint: its integers, its bits
     refuse_unused("quantize", quantize is not None, "block_size", "accuracy_level", "quant_method")
     require_export_extra("export")
-    from kvforge.exporter.export import ExportOptions, export_model
+    from kvforge.exporter.export import ExportOptions, conversion_dir, export_model, removed_on_failure
 
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
@@ -209,7 +210,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     if accuracy_check is not None and quantize is None and kv_cache is None:
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built
-    from kvforge.tools.parity import check_accuracy_runs
+    from kvforge.tools.quant_accuracy import check_accuracy_runs
 
     check_accuracy_runs(dtype, quantize is not None, accuracy_check)  # before anything is written
     progress = command_progress(False)
@@ -220,41 +221,24 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
         options = dataclasses.replace(options, hf_dir=twin, quantize=quantize)  # --hf-dir held the recipe
     assert model_dir is not None
     try:
-        manifest = export_model(model_dir, out_dir, options, progress=progress)
+        # A conversion folder this export makes goes with it if the export or its accuracy check fails.
+        with removed_on_failure(conversion_dir(options, Path(out_dir))):
+            manifest = export_model(model_dir, out_dir, options, progress=progress)
+            section = "quantization" if quantize is not None else "kv_cache_quantization"
+            if quantize is not None or kv_cache is not None:
+                from kvforge.tools.quant_accuracy import quantization_accuracy as accuracy
+                manifest[section]["accuracy"] = accuracy(out_dir, manifest[section], accuracy_check, progress)
     except BaseException:
         if built is not None:  # a failed export changes nothing: the recipe folder built for it goes too
             import shutil
 
             shutil.rmtree(built, ignore_errors=True)
         raise
-    section = "quantization" if quantize is not None else "kv_cache_quantization"
-    if quantize is not None or kv_cache is not None:
-        from kvforge.tools.parity import quantization_accuracy as accuracy
-        manifest[section]["accuracy"] = accuracy(out_dir, manifest[section], accuracy_check, progress)
     progress.close()
     if as_json:
         emit_json({"output": str(Path(out_dir).resolve()), "manifest": manifest})
     else:
-        whole = manifest.get("vision") is not None  # a vision-language checkpoint exported whole: name it so
-        name = manifest["model"]["text_of"]["architecture"] if whole else manifest["model"]["architecture"]
-        click.echo(f"exported {name}{' with vision.onnx' if whole else ''} ({export_kind(manifest)}) to {out_dir}")
-        quant = manifest.get(section)
-        acc = quant["accuracy"] if quant else None
-        if acc and "skipped" in acc:
-            click.echo(f"{quantize or 'KV cache ' + str(kv_cache)}: accuracy check skipped ({acc['skipped']})")
-        elif acc:
-            what = (f"{quantize}: {quant['matmuls_quantized']} matrices, weights {quant['weights_bytes'] / 1e6:.0f} MB"
-                    if quantize is not None else f"KV cache {kv_cache} (per-channel scales)")
-            if quantize is not None and kv_cache is not None:
-                what += f", KV cache {kv_cache}"
-            click.echo(f"{what}; vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
-                       f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
-                       f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
-            if acc.get("note"):  # the prompts' answers part from the fp32 model's although the figures look close
-                click.echo(f"note: {acc['note']}")
-        hint = dequantised_hint(manifest)
-        if hint:
-            click.echo(hint, err=True)
+        print_export_summary(manifest, out_dir, quantize, kv_cache)
 
 
 @main.command()
