@@ -317,7 +317,7 @@ def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOpt
     if options.quantize not in (None, bits) or options.quant_method not in (None, "rtn"):
         asked = f"--quantize {options.quantize}" if options.quantize not in (None, bits) else \
             f"--quant-method {options.quant_method}"
-        raise InputError(f"{model_dir} is a {layout.describe()} checkpoint: kvforge carries its integers over as they "
+        raise InputError(f"{model_dir} is {layout.article} {layout.describe()} checkpoint: kvforge carries its integers over as they "
                          f"are, so {asked} does not apply; drop it")
     return dataclasses.replace(options, quantize=bits, quant_method="rtn")  # its integers: nothing to calibrate
 

@@ -45,6 +45,11 @@ class Layout:
     def describe(self) -> str:
         return f"{self.kind} ({self.bits}-bit, groups of {self.group_size}, {self.packing} packing)"
 
+    @property
+    def article(self) -> str:
+        """"a" or "an" before the kind's name in a sentence ("an auto-round checkpoint", "a gptq checkpoint")."""
+        return "an" if self.kind[:1] in "aeiou" else "a"
+
 
 def read_quantization_config(model_dir: Path) -> dict[str, Any] | None:
     try:
@@ -99,10 +104,10 @@ def _compressed_tensors(quant: dict[str, Any], where: str) -> Layout:
 
 def _checked(layout: Layout, where: str) -> Layout:
     if layout.bits not in (4, 8) or layout.packing == "awq" and layout.bits != 4:
-        raise InputError(f"{where} is a {layout.kind} checkpoint of {layout.bits}-bit weights: kvforge imports 4-bit "
+        raise InputError(f"{where} is {layout.article} {layout.kind} checkpoint of {layout.bits}-bit weights: kvforge imports 4-bit "
                          "(and GPTQ/compressed-tensors 8-bit) weights")
     if layout.group_size not in BLOCK_SIZES:
-        raise InputError(f"{where} is a {layout.kind} checkpoint with groups of {layout.group_size}: MatMulNBits takes "
+        raise InputError(f"{where} is {layout.article} {layout.kind} checkpoint with groups of {layout.group_size}: MatMulNBits takes "
                          f"blocks of {', '.join(map(str, BLOCK_SIZES))} (per-channel scales are not taken)")
     return layout
 
@@ -133,7 +138,7 @@ class PrequantizedWeights:
         suffix = ".weight_packed" if layout.packing == "pack-quantized" else ".qweight"
         self.prefixes = sorted(name[: -len(suffix)] for name in self.files if name.endswith(suffix))
         if not self.prefixes:
-            raise InputError(f"{model_dir} says it is a {layout.kind} checkpoint but holds no *{suffix} tensors")
+            raise InputError(f"{model_dir} says it is {layout.article} {layout.kind} checkpoint but holds no *{suffix} tensors")
 
     def weight_names(self) -> list[str]:
         return [f"{prefix}.weight" for prefix in self.prefixes]

@@ -75,7 +75,7 @@ def convert_prequantized(model_dir: str | Path, hf_dir: str | Path, say: Callabl
             pass
     check_output(hf_dir, [model_dir], force=True, marker=MARKER, what="kvforge dequantised-checkpoint folder")
     weights = PrequantizedWeights(model_dir, layout)
-    say(f"{model_dir.name} is a {layout.describe()} checkpoint: its {len(weights.prefixes)} quantised layers are "
+    say(f"{model_dir.name} is {layout.article} {layout.describe()} checkpoint: its {len(weights.prefixes)} quantised layers are "
         f"carried into MatMulNBits as they are; tracing reads their fp32 values from {hf_dir}")
     with (naming_a_full_disk(hf_dir, "choose another --hf-dir"),
           StagedFolder(hf_dir, MARKER, what="kvforge dequantised-checkpoint folder", sources=[model_dir],

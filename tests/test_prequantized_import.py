@@ -63,8 +63,12 @@ def test_a_prequantized_checkpoint_exports_its_integers_as_they_are(case, hf_fol
     options = CASES[case]
     base = hf_folder("llama-tiny")
     truth = make(tmp_path / case, base, **options)
-    manifest = export_model(tmp_path / case, tmp_path / "out", accuracy_level=1)
+    said_export: list[str] = []
+    manifest = export_model(tmp_path / case, tmp_path / "out", accuracy_level=1, progress=said_export.append)
     record = manifest["quantization"]["integer_weights"]
+    # Nothing is rounded, so the progress says the integers are placed, not "quantising ... RTN" (issue 53)
+    assert any("integers into ONNX Runtime's MatMulNBits" in line and "as they are" in line for line in said_export)
+    assert not any(line.startswith("quantising the weights") for line in said_export), said_export
     assert record["source"] in ("gptq", "awq") and record["rounded"] == [], record
     assert record["carried_over"] == 4 * json.loads((base / "config.json").read_text())["num_hidden_layers"]
 
