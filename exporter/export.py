@@ -340,7 +340,7 @@ def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, ggu
         return model_dir, None
     hf_dir = conversion_dir(options, out_dir)
     check_output(out_dir, [model_dir, hf_dir], force=options.force, marker=MANIFEST_NAME)
-    from kvforge.exporter.checkpoint_names import refuse_doubled_layers
+    from kvforge.models.checkpoint_names import refuse_doubled_layers
     from kvforge.models.prequantized import PrequantizedWeights
 
     weights = PrequantizedWeights(model_dir, layout)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.exporter.checkpoint_names import (
+from kvforge.models.checkpoint_names import (
     mismatch_line,
     missing_line,
     refuse_unexpected,

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from kvforge.core.contract import DTYPES
 from kvforge.core.errors import InputError, KvforgeError
-from kvforge.exporter.checkpoint_names import refuse_incomplete
 from kvforge.exporter.text_model import load_text_model, text_config_of, text_family, text_of
+from kvforge.models.checkpoint_names import refuse_incomplete
 from kvforge.models.families import Family, family_for, own_text_type
 from kvforge.models.hub import HUB_ID
 

@@ -24,9 +24,9 @@ import numpy as np
 from kvforge.core.errors import InputError, UnsupportedModelError
 from kvforge.core.manifest import sha256_file
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
+from kvforge.models.checkpoint_names import GGUF_MARKER  # noqa: F401  (a conversion's record, named here too)
 from kvforge.models.families import families
 
-GGUF_MARKER = "kvforge_gguf.json"
 GGUF_MAGIC = b"GGUF"
 
 
@@ -169,7 +169,7 @@ class _GGUFTensor:
     def blocks(entry: _GGUFTensor) -> list[np.ndarray]:
         from gguf import dequantize
 
-        from kvforge.models.gguf_blocks import finite, float_type
+        from kvforge.models.gguf_checks import finite, float_type
 
         float_type(entry.tensor)
         try:
@@ -225,7 +225,7 @@ def _convert_whole(gguf_path: Path, out: Path, config: Any) -> None:
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
-    from kvforge.exporter.checkpoint_names import refuse_incomplete
+    from kvforge.models.checkpoint_names import refuse_incomplete
 
     # transformers' GGUF reader draws its own tqdm bar per tensor; kvforge reports progress itself.
     saved_tqdm, verbosity = gguf_utils.tqdm, hf_logging.get_verbosity()

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
+from kvforge.models.gguf_checks import finite
 from kvforge.models.int_weights import IntWeight, WeightSpec
 
 CARRIED = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
@@ -85,22 +86,6 @@ def q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.n
 
 
 WITH_MINIMUMS = {"Q4_1": q4_1_blocks, "Q4_K": q4_k_blocks}  # read with float zero points
-
-
-def finite(tensor: str, what: str, values: np.ndarray) -> None:
-    """Refuse a GGUF tensor whose values (or block scales) are NaN or Inf, in one line naming it."""
-    bad = ~np.isfinite(values)
-    if bad.any():
-        raise InputError(f"GGUF tensor {tensor} holds {int(bad.sum())} non-finite {what} (NaN or Inf): the file is "
-                         "corrupt; convert or download it again")
-
-
-def float_type(tensor: Any) -> None:
-    """Refuse a GGUF weight stored as integers (I8 ... I64): no block type, nothing a weight's floats come from."""
-    kind = tensor.tensor_type.name
-    if kind in ("I8", "I16", "I32", "I64"):
-        raise InputError(f"GGUF tensor {tensor.name} is of type {kind}: a model weight must be a float or quantised "
-                         "block type; the file is corrupt")
 
 
 def _check_size(tensor: Any, name: str, raw: np.ndarray, count: int) -> None:

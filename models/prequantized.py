@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
+from kvforge.models.checkpoint_names import PREQUANTIZED_MARKER
 from kvforge.models.int_weights import IntWeight, WeightSpec, grouped_order
 from kvforge.models.prequantized_checks import checked, g_idx_fits, inputs_fit, matrix, refuse, shape_is
 
-MARKER = "kvforge_prequantized.json"
+MARKER = PREQUANTIZED_MARKER
 AWQ_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word sits in nibble AWQ_ORDER[j]
 TAKEN = "kvforge imports gptq, awq (gemm), compressed-tensors (pack-quantized) and auto-round checkpoints"
 BLOCK_SIZES = (16, 32, 64, 128, 256)

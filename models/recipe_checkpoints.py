@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import shutil
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,8 @@ def prequantise(method: str, model: Any, tokenizer: Any, folder: Path) -> None:
         from auto_round import AutoRound
     except ImportError:
         raise InputError("this recipe is made with the auto-round package: pip install 'kvforge[export]'") from None
-    from kvforge.exporter.calibrate import CALIBRATION_TEXT
-
-    ids = tokenizer.encode(CALIBRATION_TEXT.read_text())
+    # kvforge's calibration text (the one exporter/calibrate.py reads), from the package's data
+    ids = tokenizer.encode((resources.files("kvforge") / "data" / "calibration.txt").read_text(encoding="utf-8"))
     samples = [tokenizer.decode(ids[k * _SEQUENCE:(k + 1) * _SEQUENCE]) for k in range(_SAMPLES)]
     work = folder / "autoround-work"
     # Its INFO lines (tuning times, peak RAM) and progress bars are not the recipe's to say: the build is one step.

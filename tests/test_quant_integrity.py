@@ -254,7 +254,8 @@ def test_carried_gguf_blocks_with_a_nan_fp16_scale_are_refused(kind, block_bytes
 
 def test_carried_gguf_blocks_of_the_wrong_size_and_integer_types_are_refused():
     pytest.importorskip("gguf")
-    from kvforge.models.gguf_blocks import GGUFIntWeights, float_type
+    from kvforge.models.gguf_blocks import GGUFIntWeights
+    from kvforge.models.gguf_checks import float_type
 
     raw = np.zeros((2, 2 * 18 - 1), np.uint8)  # a byte short of two Q4_0 blocks a row
     with pytest.raises(InputError, match=r"^GGUF tensor blk.0.attn_q.weight \(w, Q4_0\) holds 70 bytes where 128 "

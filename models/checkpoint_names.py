@@ -4,7 +4,7 @@ checkpoint holds that the model has no place for, or one of another shape refuse
 transformers fills a missing parameter with random values (and drops an unexpected tensor) with a warning only, so
 an export of that model would answer garbage with exit 0. The streamed path compares names itself
 (exporter/lazy_weights.py: `unexpected_tensors`); the whole-model path reads transformers' own loading report
-(exporter/load.py: `refuse_incomplete`), with transformers' own rules for tensors a model ignores.
+(exporter/load.py and models/gguf.py: `refuse_incomplete`), with transformers' own rules for tensors a model ignores.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from typing import Any
 
 from kvforge.core.errors import InputError
 
+# The markers of the folders kvforge converts a user's checkpoint into (each records its "source")
+GGUF_MARKER = "kvforge_gguf.json"  # a GGUF's Hugging Face conversion (models/gguf.py)
+PREQUANTIZED_MARKER = "kvforge_prequantized.json"  # a pre-quantised checkpoint's dequantised twin (models/prequantized.py)
+
 
 def checkpoint_in(model_dir: Path) -> str:
     """"the checkpoint in FOLDER", naming the user's own checkpoint where `model_dir` is a folder kvforge made from it
     (a pre-quantised checkpoint's dequantised twin, a GGUF's conversion: their markers record the source)."""
-    from kvforge.models.gguf import GGUF_MARKER
-    from kvforge.models.prequantized import MARKER
-
-    for marker in (MARKER, GGUF_MARKER):
+    for marker in (PREQUANTIZED_MARKER, GGUF_MARKER):
         try:
             source = json.loads((Path(model_dir) / marker).read_text())["source"]
         except (OSError, ValueError, KeyError, TypeError):
