@@ -26,9 +26,9 @@ from kvforge.runtime.controls.logprobs import TokenLogprob
 from kvforge.runtime.controls.request import GenerationRequest
 from kvforge.runtime.controls.tool_calls import ToolRequest, check_tool_support, detect_format, tool_request
 from kvforge.runtime.drivers.handles import Event, RequestHandle
+from kvforge.runtime.drivers.image_chat import image_chat_ids
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.scheduler import Scheduler
-from kvforge.runtime.media.image_prompt import image_chat_ids
 from kvforge.runtime.text.chat import ChatTemplate, chat_template_override
 from kvforge.runtime.text.chat_tokens import conversation_ids
 from kvforge.runtime.text.chat_worker import RENDER_SECONDS, IsolatedRenderer

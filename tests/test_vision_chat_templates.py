@@ -122,12 +122,8 @@ def kvforge_ids(family: str, folder: Path, template: str, messages: list[dict], 
     """What a vision export of the family makes of `messages` (LoadedExport.chat_inputs' steps, the runtime's own
     functions, with the vision record the exporter writes for the test tokenizer)."""
     from kvforge.exporter.vision import _processor_settings, _token_ids
-    from kvforge.runtime.media.image_prompt import (
-        check_image_places,
-        expand_images,
-        image_chat_ids,
-        take_image_parts,
-    )
+    from kvforge.runtime.drivers.image_chat import image_chat_ids
+    from kvforge.runtime.media.image_prompt import check_image_places, expand_images, take_image_parts
     from kvforge.runtime.text.chat import ChatTemplate
     from kvforge.runtime.text.messages import check_messages
     from kvforge.runtime.text.tokenizer import Tokenizer

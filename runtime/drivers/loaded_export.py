@@ -122,7 +122,7 @@ class LoadedExport:
         (chat_inputs): rendered and tokenized as transformers' processor does (runtime/media/image_prompt.py
         vision_chat), each image place the template writes one image token."""
         from kvforge.runtime.controls.tool_calls import check_tools, template_takes_tools
-        from kvforge.runtime.media.image_prompt import image_chat_ids
+        from kvforge.runtime.drivers.image_chat import image_chat_ids
         from kvforge.runtime.text.chat_tokens import conversation_ids
         from kvforge.runtime.text.messages import check_messages
 
