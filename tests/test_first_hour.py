@@ -179,8 +179,9 @@ def test_export_checks_the_model_path_before_torch_loads(tmp_path) -> None:
                             env=env)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    # Neither torch nor transformers loaded: the path is checked first (it was 6-8 s each, torch loading first).
+    # No timed assertion: on a shared machine the seconds swing; what is loaded says the order.
     assert report["codes"] == [2] * len(PATH_CASES) and report["loaded"] == []
-    assert report["seconds"] < 3  # was 6-8 s each, torch loading first
 
 
 # -- the tensorrt backend's hints -------------------------------------------------------------------------
