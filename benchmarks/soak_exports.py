@@ -11,19 +11,17 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import random
-import struct
 import sys
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serving import data_url, header_only_png  # noqa: E402  (the tests' image helpers)
 
 # LLaVA-1.5's layout: a message's image parts first, then its text parts; a str content is its text.
 VLM_TEMPLATE = (
@@ -91,19 +89,6 @@ def good_images() -> dict[str, bytes]:
         "bytes 90x40": _encoded(Image.frombytes("RGB", (90, 40), rows)),
         "bytes 40x90": _encoded(Image.frombytes("RGB", (40, 90), rows)),
     }
-
-
-def header_only_png(width: int, height: int) -> bytes:
-    """A PNG whose header says width x height, with almost no pixel data (a decompression bomb's header)."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
-
-
-def data_url(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
 
 def image_message(text: str, *urls: str) -> dict[str, Any]:

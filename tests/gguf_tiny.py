@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,3 +55,14 @@ def write_tiny_llama(path: Path, source: Path, types: dict[str, str], seed: int 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def stand_in_gguf(gguf: Any, source: Path) -> Path:
+    """A one-tensor GGUF file: a stand-in whose "conversion" the tests replace with the tiny Llama."""
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return source

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
 import shutil
 import socket
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,3 +104,17 @@ def check_two_turns(scheduler: Any, solo: Any, prompts: list[list[int]], lengths
                                                          ignore_eos=True)).result()
     assert done.cached_tokens == len(first) and tokens == greedy_alone(solo, follow, 5)
     return served
+
+
+def header_only_png(width: int, height: int) -> bytes:
+    """A PNG whose header says width x height, with almost no pixel data (a decompression bomb's header)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    """An image's bytes as the data: URL an OpenAI image_url part carries."""
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()

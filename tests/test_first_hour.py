@@ -266,20 +266,13 @@ def test_the_demo_says_converted_once_and_reports_the_exporters_time(tmp_path, m
     gguf = pytest.importorskip("gguf")
     import importlib
 
-    import numpy as np
-
     from kvforge.models import gguf as kv_gguf
 
     demo = importlib.import_module("kvforge.cli.demo")  # `kvforge.cli.demo` the attribute is the click command
     from conftest import CHAT_TEMPLATE
+    from gguf_tiny import stand_in_gguf
 
-    source = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(source), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    source = stand_in_gguf(gguf, tmp_path / "tiny.gguf")
 
     def convert(_gguf_path, out, _say) -> None:
         shutil.copytree(hf_folder("llama-tiny"), out, dirs_exist_ok=True)
@@ -422,34 +415,3 @@ def test_the_python_api_names_what_is_wrong(exported, prompts, options, says) ->
     with pytest.raises(InputError) as err:
         Generator(exported("llama-tiny")).generate(prompts, max_new_tokens=2, **options)
     assert says in str(err.value)
-
-
-def test_a_reused_gguf_conversion_says_it_hashes_the_file_first(tmp_path, monkeypatch, hf_folder) -> None:
-    # A "reusing" step ran 106 s without saying that it was hashing (issue 53, first hour 6): the check of an
-    # earlier conversion is its own step, said before the file is hashed.
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-
-    from kvforge.models import gguf as kv_gguf
-
-    source = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(source), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    monkeypatch.setattr(kv_gguf, "_convert", lambda _gguf, out, _say: shutil.copytree(
-        hf_folder("llama-tiny"), out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("kvforge_recipe.json")))
-    first: list[str] = []
-    kv_gguf.convert_gguf(source, tmp_path / "tiny.hf", first.append)
-    assert not [m for m in first if m.startswith("checking ")], first
-    hashed: list[str] = []
-    digest = kv_gguf.sha256_file
-    monkeypatch.setattr(kv_gguf, "sha256_file", lambda path: hashed.append(len(said)) or digest(path))
-    said: list[str] = []
-    kv_gguf.convert_gguf(source, tmp_path / "tiny.hf", said.append)
-    size = f"{source.stat().st_size / 1e6:.0f} MB"
-    assert said == [f"checking {tmp_path / 'tiny.hf'} against tiny.gguf (hashing its {size})",
-                    f"reusing {tmp_path / 'tiny.hf'} (converted from this GGUF before)"]
-    assert hashed == [1]  # hashed after the check was said, before the reuse was

@@ -177,3 +177,31 @@ def test_bad_messages_are_refused(tmp_path) -> None:
     with pytest.raises(InputError, match="the chat template refused these messages: bad role"):
         render(TEMPLATE, [{"role": "tool", "content": "x"}], {"bos_token": "<s>", "eos_token": "</s>"})
     assert json.loads(json.dumps(check_messages("hello"))) == [{"role": "user", "content": "hello"}]
+
+
+def test_a_reused_gguf_conversion_says_it_hashes_the_file_first(tmp_path, monkeypatch, hf_folder) -> None:
+    # A "reusing" step ran 106 s without saying that it was hashing (issue 53, first hour 6): the check of an
+    # earlier conversion is its own step, said before the file is hashed.
+    gguf = pytest.importorskip("gguf")
+
+    import shutil
+
+    from gguf_tiny import stand_in_gguf
+
+    from kvforge.models import gguf as kv_gguf
+
+    source = stand_in_gguf(gguf, tmp_path / "tiny.gguf")
+    monkeypatch.setattr(kv_gguf, "_convert", lambda _gguf, out, _say: shutil.copytree(
+        hf_folder("llama-tiny"), out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("kvforge_recipe.json")))
+    first: list[str] = []
+    kv_gguf.convert_gguf(source, tmp_path / "tiny.hf", first.append)
+    assert not [m for m in first if m.startswith("checking ")], first
+    hashed: list[str] = []
+    digest = kv_gguf.sha256_file
+    monkeypatch.setattr(kv_gguf, "sha256_file", lambda path: hashed.append(len(said)) or digest(path))
+    said: list[str] = []
+    kv_gguf.convert_gguf(source, tmp_path / "tiny.hf", said.append)
+    size = f"{source.stat().st_size / 1e6:.0f} MB"
+    assert said == [f"checking {tmp_path / 'tiny.hf'} against tiny.gguf (hashing its {size})",
+                    f"reusing {tmp_path / 'tiny.hf'} (converted from this GGUF before)"]
+    assert hashed == [1]  # hashed after the check was said, before the reuse was

@@ -4,7 +4,6 @@ about the same image reuses the cached prefix, and hostile images are 400s that 
 
 from __future__ import annotations
 
-import base64
 import io
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from serving import serving, with_template  # noqa: E402
+from serving import data_url, header_only_png, serving, with_template  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -30,22 +29,6 @@ def _png(seed: int, height: int, width: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8)).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def _header_only_png(width: int, height: int) -> bytes:
-    """A PNG whose header says width x height, with almost no pixel data (a bomb's header)."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
-
-
-def _url(data: bytes, kind: str = "png") -> str:
-    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
 
 
 def _message(text: str, *urls: str) -> dict:
@@ -88,21 +71,21 @@ def test_served_chat_with_an_image_equals_generate(folder, server) -> None:
 
     base, _ = server
     image = _png(1, 80, 100)
-    served = _chat(base, _message("What is in this picture?", _url(image)))
+    served = _chat(base, _message("What is in this picture?", data_url(image)))
     gen = Generator(folder)
     alone = gen.chat([{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
                                                    {"type": "image", "image": image}]}],
                      max_new_tokens=12, greedy=True)
     assert served == alone.text[0]
     # The image part's place is where the client puts it: before the text is another prompt.
-    before = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(image)}},
+    before = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
                                           {"type": "text", "text": "What is in this picture?"}]}
     assert _chat(base, before) != served
 
 
 def test_concurrent_requests_with_different_images_answer_as_each_alone(server) -> None:
     base, _ = server
-    messages = [_message(f"Picture {i}: describe it.", _url(_png(10 + i, 60 + 10 * i, 90))) for i in range(4)]
+    messages = [_message(f"Picture {i}: describe it.", data_url(_png(10 + i, 60 + 10 * i, 90))) for i in range(4)]
     alone = [_chat(base, m) for m in messages]
     together: list[str | None] = [None] * 4
 
@@ -121,7 +104,7 @@ def test_concurrent_requests_with_different_images_answer_as_each_alone(server) 
 def test_a_second_turn_about_the_same_image_reuses_the_cache(server) -> None:
     base, app = server
     service = app.state.service
-    first = _message("Look:", _url(_png(30, 70, 70)))
+    first = _message("Look:", data_url(_png(30, 70, 70)))
     answer = _chat(base, first)
     cached_before = service.scheduler.stats["cached_tokens"]
     _chat(base, {"role": "user", "content": "And the colours?"}, history=[first, {"role": "assistant", "content": answer}])
@@ -129,18 +112,18 @@ def test_a_second_turn_about_the_same_image_reuses_the_cache(server) -> None:
     assert reused >= 16  # at least the image's tokens came from the prefix store
     # Another image at the same place shares only the text before it.
     cached_before = service.scheduler.stats["cached_tokens"]
-    other = _message("Look:", _url(_png(31, 70, 70)))
+    other = _message("Look:", data_url(_png(31, 70, 70)))
     _chat(base, {"role": "user", "content": "And the colours?"},
           history=[other, {"role": "assistant", "content": answer}])
     assert service.scheduler.stats["cached_tokens"] - cached_before < 16
 
 
 @pytest.mark.parametrize("url, message", [
-    (_url(_png(2, 40, 40)[:50]), "could not be decoded"),
+    (data_url(_png(2, 40, 40)[:50]), "could not be decoded"),
     ("data:image/png;base64,%%%not-base64%%%", "does not decode"),
     ("https://example.com/cat.png", "inline images only"),
-    (_url(_png(3, 1, 1)), "under the smallest side"),
-    (_url(_header_only_png(20_000, 20_000)), "over the limit of 40000000 pixels"),
+    (data_url(_png(3, 1, 1)), "under the smallest side"),
+    (data_url(header_only_png(20_000, 20_000)), "over the limit of 40000000 pixels"),
 ])
 def test_hostile_images_are_400s_and_leave_nothing_running(server, url, message) -> None:
     base, app = server
@@ -153,7 +136,7 @@ def test_hostile_images_are_400s_and_leave_nothing_running(server, url, message)
 
 def test_too_many_images_are_a_400_and_typed_placeholders_are_text(server) -> None:
     base, _ = server
-    url = _url(_png(4, 30, 30))
+    url = data_url(_png(4, 30, 30))
     with pytest.raises(openai.BadRequestError, match="at most 8"):
         _chat(base, _message("many", *[url] * 9))
     # Only image parts make image places: "<image>" typed in the text stays text (a 400 before, issue 53).
