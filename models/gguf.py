@@ -131,12 +131,9 @@ def _convert(gguf_path: Path, out: Path, say: Callable[[str], None]) -> None:
     hf_logging.disable_progress_bar()
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config_dict = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
     except Exception as err:  # an architecture transformers' GGUF reader cannot read
-        raise UnsupportedModelError(
-            f"transformers cannot read {gguf_path.name}: {type(err).__name__}: {' '.join(str(err).split())}"
-        ) from err
+        raise _unreadable(gguf_path, err) from err
     config_dict.pop("quantization_config", None)
     config_dict.pop("_name_or_path", None)
     config = AutoConfig.for_model(**config_dict)
@@ -153,8 +150,19 @@ def _convert(gguf_path: Path, out: Path, say: Callable[[str], None]) -> None:
         from kvforge.models.safetensors_shards import write_checkpoint
 
         write_checkpoint(out, plan, "F32", _GGUFTensor.blocks, _SHARD_BYTES)
+    # The tokenizer after the weights: building it takes seconds to a minute, and a corrupt or missing tensor
+    # is refused before that.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as err:  # a tokenizer transformers' GGUF reader cannot read
+        raise _unreadable(gguf_path, err) from err
     tokenizer.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def _unreadable(gguf_path: Path, err: Exception) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"transformers cannot read {gguf_path.name}: {type(err).__name__}: {' '.join(str(err).split())}")
 
 
 class _GGUFTensor:
