@@ -227,14 +227,7 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
         lm_head_bits, why = options.lm_head_bits, None
         if lm_head_bits is None and (work.int_weights is None or work.int_weights.rounds_the_rest):
             lm_head_bits, why = default_lm_head_bits(options.quantize, parameters)
-        exact = work.int_weights
-        if exact is not None and not exact.rounds_the_rest:  # a pre-quantised checkpoint: nothing is rounded
-            say(f"placing the {exact.kind} checkpoint's {options.quantize} integers into ONNX Runtime's MatMulNBits "
-                f"(blocks of {options.block_size}) as they are")
-        else:
-            say(f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
-                f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else "")
-                + (f"; {work.method_default}" if work.method_default else ""))
+        say(_quantising_line(options, work, why))
         prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
                                                options.accuracy_level, lm_head_bits, options.quant_method,
                                                exact=work.int_weights, say=say)
@@ -323,3 +316,14 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
         prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode)
     attach_weights(prefill, empty, work.checkpoint)
     return prefill
+
+
+def _quantising_line(options: Any, work: Any, why: str | None) -> str:
+    """What the quantisation step says: integers placed as they are (a pre-quantised checkpoint), or rounded."""
+    exact = work.int_weights
+    if exact is not None and not exact.rounds_the_rest:  # a pre-quantised checkpoint: nothing is rounded
+        return (f"placing the {exact.kind} checkpoint's {options.quantize} integers into ONNX Runtime's MatMulNBits "
+                f"(blocks of {options.block_size}) as they are")
+    return (f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
+            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else "")
+            + (f"; {work.method_default}" if work.method_default else ""))
