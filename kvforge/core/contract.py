@@ -48,6 +48,23 @@ PIXEL_VALUES = "pixel_values"  # [images, channels, height, width] float: prepro
 # (runtime/media/preprocess.py); the exporter refuses a checkpoint with another, or with tiling on.
 IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
                     "DeepseekVLImageProcessor", "JanusImageProcessor")
+# Speculation's head graph, `draft.onnx` (an EAGLE-3 head or a checkpoint's MTP layer, manifest record "draft"):
+# one decoder layer with its own KV cache (the contract below, layers 0..n-1 of the head, `past_lens` as ever).
+# Its cached position p holds the pair (token p + 1, the target's hidden state at p) and predicts token p + 2.
+DRAFT = "draft"
+DRAFT_KINDS = ("eagle3", "mtp")
+# With a head attached, the target's prefill and decode graphs also output the hidden states the head reads,
+# [B, S, Dt] for every position of S (EAGLE-3: three layers' outputs concatenated, Dt = 3 * hidden; MTP: the final
+# normed hidden state, Dt = hidden). The head takes them as its input of the same name.
+TARGET_HIDDEN = "target_hidden"
+# The head's own input [B, S, H] for chained drafts: its previous `hidden_out`. The head adds its projection of
+# TARGET_HIDDEN (EAGLE-3's fc, bias-free; MTP: the identity) to DRAFT_HIDDEN, so the runtime passes zeros for the
+# one it does not use (target states for positions the target verified, the head's own for drafted ones).
+DRAFT_HIDDEN = "draft_hidden"
+HIDDEN_OUT = "hidden_out"  # head output [B, S, H]: its hidden state before the final norm (the next DRAFT_HIDDEN)
+# Head outputs: LOGITS [B, S, Vd] over its own vocabulary, and TOKEN_MAP [Vd] int64, the target id of each draft id
+# (EAGLE-3's d2t applied: d + d2t[d]; arange(V) for a head over the target's vocabulary).
+TOKEN_MAP = "token_map"
 LOGITS = "logits"  # prefill [B, K, V], decode [B, V]
 # Inside the decode graph: the prefill graph's per-position logits [B, 1, V] before the squeeze.
 # Bindable on ONNX Runtime, so a session of the prefill graph can serve decode steps.
