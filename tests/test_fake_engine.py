@@ -188,8 +188,8 @@ def test_speculation_refusals(folder, tmp_path) -> None:
         ort.generate([REPEATING[0]], speculate="prompt-lookup", draft_len=0)
     with pytest.raises(InputError, match="unknown speculation method 'medusa'; choose one of prompt-lookup"):
         ort.generate([REPEATING[0]], speculate="medusa")
-    with pytest.raises(InputError, match="needs greedy decoding"):
-        ort.generate([REPEATING[0]], speculate="prompt-lookup", temperature=0.7)
+    with pytest.raises(InputError, match=r"^speculate='draft' needs a draft export: Generator\(export, draft=DIR\)"):
+        ort.generate([REPEATING[0]], speculate="draft")
     with pytest.raises(InputError, match="keep_logits is not available"):
         ort.generate([REPEATING[0]], speculate="prompt-lookup", keep_logits=True)
 

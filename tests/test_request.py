@@ -37,7 +37,6 @@ def test_create_resolves_sampling_keywords_against_the_defaults() -> None:
         ({"stop_token_ids": ["a"]}, "stop_token_ids must be an integer or a list of integers"),
         ({"stop": [""]}, "stop must be a non-empty string or a list of them"),
         ({"speculate": "medusa"}, "unknown speculation method"),
-        ({"speculate": "prompt-lookup", "temperature": 0.7}, "needs greedy decoding"),
         ({"speculate": "prompt-lookup", "greedy": True, "keep_logits": True}, "keep_logits is not available"),
     ],
 )

@@ -52,8 +52,6 @@ def test_bad_sampling_values_are_refused(kwargs: dict, message: str) -> None:
     ({"n": 17}, "n must be an integer in 1..16"),
     ({"logprobs": 21}, "logprobs must be None or an integer in 0..20"),
     ({"logprobs": -1}, "logprobs must be None or an integer in 0..20"),
-    ({"logprobs": 2, "speculate": "prompt-lookup"}, "logprobs is not available with speculative decoding"),
-    ({"repetition_penalty": 1.2, "speculate": "prompt-lookup"}, "penalties is not available with speculative"),
 ])
 def test_bad_request_values_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(InputError) as info:

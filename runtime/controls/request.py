@@ -133,17 +133,9 @@ class GenerationRequest:
         if self.speculation is not None:
             if not isinstance(self.speculation, Speculation):
                 raise InputError(f"speculation must be a Speculation, got {type(self.speculation).__name__}")
-            if not self.sampling.greedy:
-                raise InputError("speculative decoding keeps greedy output unchanged and needs greedy decoding; "
-                                 "drop the temperature/top_k/top_p options (--greedy, greedy=True)")
-            refused = [name for name, given in (("keep_logits", self.keep_logits),
-                                                ("logprobs", self.logprobs is not None),
-                                                ("penalties", self.sampling.penalized),
-                                                ("grammar", self.grammar is not None)) if given]
-            if refused:
-                verb = "is" if len(refused) == 1 else "are"
-                raise InputError(f"{' and '.join(refused)} {verb} not available with speculative decoding (a step "
-                                 "yields several tokens, verified against plain greedy decoding); drop speculate")
+            if self.keep_logits:
+                raise InputError("keep_logits is not available with speculative decoding (a step verifies several "
+                                 "positions at once); drop speculate")
 
     @classmethod
     def create(
@@ -176,8 +168,8 @@ class GenerationRequest:
     ) -> GenerationRequest:
         """A request from keyword options. The sampling keywords override `defaults` (the export's
         generation config; greedy when None); giving temperature/top_k/top_p/min_p without `greedy`
-        means sampling (the penalties apply to greedy decoding too). `speculate="prompt-lookup"`
-        drafts up to `draft_len` tokens per step (greedy only). `logprobs`, `n`, `grammar`: see the class."""
+        means sampling (the penalties apply to greedy decoding too). `speculate` (runtime/controls/speculate.py
+        METHODS) drafts up to `draft_len` tokens per step. `logprobs`, `n`, `grammar`: see the class."""
         if not is_int(max_new_tokens) or max_new_tokens < 1:  # checked first: the first error a caller sees
             raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         config = resolve_sampling(defaults or SamplingConfig(), sampling, greedy=greedy, temperature=temperature,

@@ -1,16 +1,23 @@
-"""Prompt-lookup drafts for speculative decoding (no draft model).
+"""Speculative decoding's methods, and prompt lookup's drafts (the proposer that needs no model).
 
-The draft for a row is what followed the most recent earlier occurrence of the row's last n tokens
+Methods (runtime/drivers/proposers.py runs them): `prompt-lookup` copies from the row's own context; `draft`
+runs a smaller export with the target's vocabulary (its int4 export included); `eagle` and `mtp` run the
+export's own head graph (draft.onnx: an EAGLE-3 head, or the checkpoint's MTP layer) over the target's hidden
+states. The target verifies every draft in one prefill-graph call; runtime/controls/acceptance.py keeps what
+greedy decoding (or the target's sampling distribution) would have produced.
+
+The prompt-lookup draft for a row is what followed the most recent earlier occurrence of the row's last n tokens
 (n = max_ngram down to 1) in its own context, prompt and generated text alike. The Generator checks
-every draft in one prefill-graph call at past_lens > 0 and keeps the prefix greedy decoding would
-have produced; the rest of the cache is discarded by not advancing past_lens past it.
+every draft in one prefill-graph call at past_lens > 0; the rest of the cache is discarded by not
+advancing past_lens past it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-METHODS = ("prompt-lookup",)
+METHODS = ("prompt-lookup", "draft", "eagle", "mtp")
+HEAD_METHODS = ("eagle", "mtp")  # the export's draft.onnx (manifest record "draft": kind eagle3 / mtp)
 MAX_DRAFT_LEN = 15  # verification feeds draft_len + 1 positions; TensorRT profiles allow 16
 DEFAULT_DRAFT_LEN = 6
 DEFAULT_MAX_NGRAM = 3

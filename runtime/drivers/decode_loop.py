@@ -111,7 +111,10 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
     speculation = request.speculation
     while engine.any_running():
         t_step = time.perf_counter()
-        step = engine.verify(speculation.draft_len, request.max_new_tokens) if speculation is not None else None
+        step = None
+        if speculation is not None:
+            step = engine.verify({at: rows[at].room(speculation.draft_len, request.max_new_tokens)
+                                  for at in range(batch)})
         if step is not None:
             counts.drafted += step.drafted
             counts.accepted += step.accepted_drafts

@@ -7,7 +7,7 @@ the cache bookkeeping are written once, here and in runtime/drivers/rows.py.
     engine.place(0, row, picker)                       # a Row (runtime/drivers/rows.py) at batch row 0
     step = engine.prefill([prompt])                    # every placed row from position 0
     step = engine.decode()                             # one token for every running row
-    step = engine.verify(draft_len, max_new_tokens)    # prompt-lookup drafts, or None when there are none
+    step = engine.verify({at: most_tokens})            # drafts from each row's proposer, verified in one call
     for accepted in step.positions: ...                # (batch row, Row, token, text delta, logprob) each
 
 The engine never touches a buffer: cache rows move through the backend's row operations (`admit` copies
@@ -27,7 +27,9 @@ from kvforge.core.errors import BackendUnavailableError
 from kvforge.runtime.backends.backend import Backend, Slot, supports_rows
 from kvforge.runtime.controls.logprobs import TokenLogprob
 from kvforge.runtime.controls.sampling import greedy as greedy_tokens
+from kvforge.runtime.drivers.proposers import Draft, Proposer
 from kvforge.runtime.drivers.rows import Picker, Row
+from kvforge.runtime.drivers.verification import verify_row
 
 # check(logits, step, greedy_picks=None) -> logits, raising NumericalError on NaN (Generator.check_logits)
 Check = Callable[..., np.ndarray]
@@ -69,6 +71,7 @@ class StepEngine:
         batch = slot.cache.batch
         self.rows: list[Row | None] = [None] * batch
         self.pickers: list[Picker | None] = [None] * batch
+        self.proposers: list[Proposer | None] = [None] * batch  # speculative rows' (runtime/drivers/proposers.py)
         self.steps = 0  # graph runs after the prefill (decode steps and verifications)
         # Placed rows that pick through their Picker (sampling, controls, logprobs); while there are
         # none, a step is an argmax (the common greedy case, kept cheap: it runs once per token).
@@ -84,10 +87,10 @@ class StepEngine:
         return self.slot.cache
 
     # -- rows -------------------------------------------------------------------------------------
-    def place(self, at: int, row: Row, picker: Picker) -> None:
+    def place(self, at: int, row: Row, picker: Picker, proposer: Proposer | None = None) -> None:
         if self.rows[at] is not None:
             self.release(at)
-        self.rows[at], self.pickers[at] = row, picker
+        self.rows[at], self.pickers[at], self.proposers[at] = row, picker, proposer
         self._picking += not _bare(row, picker)
 
     def release(self, at: int) -> Row | None:
@@ -95,7 +98,9 @@ class StepEngine:
         row, picker = self.rows[at], self.pickers[at]
         if row is not None:
             self._picking -= not _bare(row, picker)
-        self.rows[at], self.pickers[at] = None, None
+        if self.proposers[at] is not None:
+            self.proposers[at].release(at)
+        self.rows[at], self.pickers[at], self.proposers[at] = None, None, None
         self.cache.past_lens[at] = 0
         return row
 
@@ -114,16 +119,20 @@ class StepEngine:
         return False
 
     def admit(self, placements: Sequence[tuple[int, Row, Picker]], source: Slot, positions: int,
-              logits: np.ndarray) -> Step:
+              logits: np.ndarray, proposer: Proposer | None = None, hidden: np.ndarray | None = None) -> Step:
         """Rows prefilled on row 0 of `source` (another slot of this backend, positions 0..positions-1):
-        copy that row into each placement's batch row, place them, and pick their first tokens from the
-        prefill's raw logits [V]."""
+        copy that row into each placement's batch row, place them (with `proposer` when they speculate; `hidden`:
+        that prefill's target hidden states [1, S, Dt] when the proposer reads them), and pick their first
+        tokens from the prefill's raw logits [V]."""
         for at, row, picker in placements:
             self.backend.copy_rows(source, 0, self.slot, at, positions)
             self.cache.past_lens[at] = positions
-            self.place(at, row, picker)
+            self.place(at, row, picker, proposer)
         ats = [at for at, _, _ in placements]
         accepted, failed = self._pick_accept(ats, np.broadcast_to(logits, (len(ats), logits.shape[-1])), 0)
+        if proposer is not None:
+            rows = hidden if hidden is None else np.broadcast_to(hidden[:1], (self.cache.batch, *hidden.shape[1:]))
+            self._observe({at: (0, positions) for at in ats}, rows)
         return Step([accepted], failed=failed)
 
     def compact(self) -> list[tuple[int, int]]:
@@ -140,7 +149,10 @@ class StepEngine:
             self.backend.copy_rows(self.slot, last, self.slot, free, n)
             past_lens[free], past_lens[last] = n, 0
             self.rows[free], self.pickers[free] = self.rows[last], self.pickers[last]
-            self.rows[last], self.pickers[last] = None, None
+            self.proposers[free] = self.proposers[last]
+            if self.proposers[free] is not None:
+                self.proposers[free].move(last, free)
+            self.rows[last], self.pickers[last], self.proposers[last] = None, None, None
             moves.append((last, free))
 
     # -- steps ------------------------------------------------------------------------------------
@@ -158,6 +170,7 @@ class StepEngine:
             logits = self.check(self.backend.prefill(self.slot, ids, lens - 1, self._images(len(prompts))), 0)
         self.cache.past_lens[:] = lens
         accepted, failed = self._pick_accept(range(len(prompts)), logits, 0)
+        self._observe({b: (0, int(lens[b])) for b in range(len(prompts)) if self.proposers[b] is not None})
         return Step([accepted], logits, failed=failed)
 
     def _images(self, rows: int, first: int = 0) -> np.ndarray | None:
@@ -214,13 +227,36 @@ class StepEngine:
         if self._device_greedy and not self._picking and not keep_logits:
             tokens, totals = self.backend.decode_greedy(slot, feed, mask)
             self._advance(slot, mask)
+            self._observe_decode(running, slot)
             self.check(totals if len(occupied) == batch else totals[occupied], self.steps)
             return Step([self._accept_picked(occupied, tokens[occupied].tolist())])
         logits = self.backend.decode(slot, feed, mask)
         self._advance(slot, mask)
+        self._observe_decode(running, slot)
         accepted, failed = self._pick_accept(occupied, logits if len(occupied) == batch else logits[occupied],
                                              self.steps)
         return Step([accepted], logits, failed=failed)
+
+    def _observe_decode(self, running: list[int], slot: Slot) -> None:
+        """Tell the speculative rows' proposers of the position a decode step kept (one per running row)."""
+        kept = {at: (int(slot.cache.past_lens[at]) - 1, 1) for at in running if self.proposers[at] is not None}
+        if kept:
+            self._observe(kept, slot=slot)
+
+    def _observe(self, kept: dict[int, tuple[int, int]], hidden: np.ndarray | None = None,
+                 slot: Slot | None = None) -> None:
+        """Each speculative row's proposer learns the positions the target kept ({at: (first, count)}), with the
+        target's hidden states there when it reads them (the last run's, unless `hidden` is given)."""
+        groups: dict[int, tuple[Proposer, dict[int, tuple[int, int]]]] = {}
+        for at, span in kept.items():
+            proposer = self.proposers[at]
+            if proposer is not None:
+                groups.setdefault(id(proposer), (proposer, {}))[1][at] = span
+        for proposer, spans in groups.values():
+            states = hidden
+            if states is None and proposer.needs_hidden:
+                states = self.backend.target_hidden(slot if slot is not None else self.slot)
+            proposer.observe(self, spans, states)
 
     def _advance(self, slot: Slot, mask: np.ndarray | None) -> None:
         if mask is None:
@@ -229,40 +265,97 @@ class StepEngine:
             slot.cache.past_lens[mask] += 1
         self.steps += 1
 
-    def verify(self, draft_len: int, max_new_tokens: int, view: Slot | None = None) -> Step | None:
-        """Each running row's prompt-lookup draft checked in one prefill call at its past_lens: fed its
-        last token and the draft, the row keeps the draft's prefix greedy decoding agrees with and the
-        token after it (positions written beyond are rewritten before they are read). None when no row
-        has a draft (then a plain decode step runs)."""
+    def verify(self, wants: dict[int, int], view: Slot | None = None) -> Step | None:
+        """Speculation's step: each row of `wants` ({batch row: most tokens to draft}, running rows with a
+        proposer) is fed its last token and its proposer's draft in one prefill call at its past_lens, and keeps
+        what runtime/controls/acceptance.py accepts plus the target's own next token; the other running rows of
+        the view take one token in the same call. Positions written beyond what a row keeps are rewritten
+        before they are read. None when no row has a draft (then a plain decode step runs)."""
         slot = view if view is not None else self.slot
         batch = slot.cache.batch
         running = self.running(batch)
-        drafts = {at: self.rows[at].draft(draft_len, max_new_tokens) for at in running}
-        if not any(len(d) for d in drafts.values()):
+        drafts = self._drafts(wants, running)
+        if not drafts:
             return None
-        width = 1 + max(len(d) for d in drafts.values())
+        width = 1 + max(len(d.tokens) for d in drafts.values())
         block = np.full((batch, width), self.pad, dtype=np.int64)
-        for at, draft in drafts.items():
+        for at in running:
             block[at, 0] = self.rows[at].tokens[-1]
-            block[at, 1: 1 + len(draft)] = draft
+            draft = drafts.get(at)
+            if draft is not None:
+                block[at, 1: 1 + len(draft.tokens)] = draft.tokens
+        first = slot.cache.past_lens.copy()
         index = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
         self.steps += 1
-        picked = greedy_tokens(self.check(self.backend.prefill(slot, block, index), self.steps))
+        logits = self.check(self.backend.prefill(slot, block, index), self.steps)
         step = Step()
-        kept = np.zeros(batch, dtype=np.int64)
-        for at, draft in drafts.items():
+        rows_kept = self._keep_greedy(running, drafts, logits, step) if not self._picking \
+            else self._keep_picked(running, drafts, logits, step)
+        slot.cache.past_lens[running] += [rows_kept[at] for at in running]
+        self._observe({at: (int(first[at]), rows_kept[at]) for at in running if self.proposers[at] is not None},
+                      slot=slot)
+        return step
+
+    def _drafts(self, wants: dict[int, int], running: list[int]) -> dict[int, Draft]:
+        """The non-empty drafts of the running rows in `wants`, asked of each proposer once for all its rows."""
+        live = set(running)
+        groups: dict[int, tuple[Proposer, dict[int, int]]] = {}
+        for at, most in wants.items():
+            proposer = self.proposers[at]
+            if at in live and most >= 1 and proposer is not None:
+                groups.setdefault(id(proposer), (proposer, {}))[1][at] = most
+        drafts: dict[int, Draft] = {}
+        for proposer, asked in groups.values():
+            drafts.update((at, draft) for at, draft in proposer.propose(self, asked).items() if len(draft.tokens))
+        return drafts
+
+    def _keep_greedy(self, running: list[int], drafts: dict[int, Draft], logits: np.ndarray,
+                     step: Step) -> dict[int, int]:
+        """Bare greedy rows: each keeps its draft's prefix the argmax agrees with and the argmax after it."""
+        picked = greedy_tokens(logits)
+        kept = {}
+        for at in running:
+            draft = drafts.get(at)
             n = 0
-            while n < len(draft) and picked[at, n] == draft[n]:
-                n += 1
+            if draft is not None:
+                while n < len(draft.tokens) and picked[at, n] == draft.tokens[n]:
+                    n += 1
+                step.drafted += len(draft.tokens)
+                step.accepted_drafts += n
             kept[at] = n + 1
-            step.drafted += len(draft)
-            step.accepted_drafts += n
-        slot.cache.past_lens[running] += kept[running]
-        for j in range(int(kept.max())):
+        for j in range(max(kept.values(), default=0)):
             accepting = [at for at in running if not self.rows[at].finished and j < kept[at]]
             if accepting:
                 step.positions.append([self._accept(at, int(picked[at, j]), None) for at in accepting])
-        return step
+        return kept
+
+    def _keep_picked(self, running: list[int], drafts: dict[int, Draft], logits: np.ndarray,
+                     step: Step) -> dict[int, int]:
+        """Rows that pick through their Picker, verified position by position (runtime/drivers/verification.py)."""
+        kept: dict[int, int] = {}
+        for at in running:
+            row, draft = self.rows[at], drafts.get(at)
+            tokens, accepted = verify_row(row, self.pickers[at], logits[at], draft or _NO_DRAFT, self._rng(at))
+            if not tokens and row.finished:
+                step.failed.append((at, row))
+            if draft is not None:
+                step.drafted += len(draft.tokens)
+                step.accepted_drafts += accepted
+            kept[at] = max(len(tokens), 1)
+            for j, token in enumerate(tokens):
+                if len(step.positions) <= j:
+                    step.positions.append([])
+                step.positions[j].append(Accepted(at, row, token.token, token.delta, token.logprob))
+        return kept
+
+    def _rng(self, at: int) -> np.random.Generator:
+        """The random stream row `at` draws from: its own (n > 1 choices), else its request's."""
+        picker = self.pickers[at]
+        sampler = picker.sampler
+        if sampler.row_rngs is None:
+            return sampler.rng
+        members = [b for b, other in enumerate(self.pickers) if other is picker]
+        return sampler.row_rngs[members.index(at)]
 
     # -- the token protocol -----------------------------------------------------------------------
     def _pick_accept(self, ats: Sequence[int], logits: np.ndarray,
@@ -307,6 +400,9 @@ class StepEngine:
     def _accept(self, at: int, token: int, logprob: TokenLogprob | None) -> Accepted:
         row = self.rows[at]
         return Accepted(at, row, token, row.accept(token, logprob), logprob)
+
+
+_NO_DRAFT = Draft(np.empty(0, dtype=np.int64))
 
 
 def _bare(row: Row, picker: Picker) -> bool:

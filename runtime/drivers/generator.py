@@ -24,8 +24,9 @@ from kvforge.core.errors import CapacityError, InputError
 from kvforge.runtime.backends.backend import Backend, Slot
 from kvforge.runtime.backends.kv_cache import CacheState, choose_capacity, needed_positions
 from kvforge.runtime.controls.logprobs import MAX_LOGPROBS, TokenLogprob, token_logprobs
-from kvforge.runtime.controls.request import GenerationRequest, Stopper
+from kvforge.runtime.controls.request import GenerationRequest, Speculation, Stopper
 from kvforge.runtime.controls.sampling import choice_seed
+from kvforge.runtime.controls.speculate import HEAD_METHODS
 from kvforge.runtime.drivers.decode_loop import (
     GenerationResult,
     GenerationStream,
@@ -33,8 +34,10 @@ from kvforge.runtime.drivers.decode_loop import (
     Steps,
     run_steps,
 )
+from kvforge.runtime.drivers.draft_model import DraftModel
 from kvforge.runtime.drivers.engine import StepEngine
 from kvforge.runtime.drivers.loaded_export import LoadedExport
+from kvforge.runtime.drivers.proposers import PROMPT_LOOKUP, Proposer
 from kvforge.runtime.drivers.rows import Picker, Row
 from kvforge.runtime.drivers.slot_pool import SlotPool
 from kvforge.runtime.text.prompts import Prompts, RenderedChat, is_int, parse_prompts
@@ -54,11 +57,13 @@ class Generator:
         backend: str | Backend | None = None,
         *,
         verify_hashes: bool = False,
+        draft: str | Path | LoadedExport | None = None,
         **backend_options: Any,
     ) -> None:
         """`export`: a LoadedExport, or an export folder loaded here with LoadedExport's arguments (`backend`: a
         name, a Backend object or None for the export's default; `backend_options` go to the backend;
-        `verify_hashes` re-hashes every file, weights included, before loading)."""
+        `verify_hashes` re-hashes every file, weights included, before loading). `draft`: an export with the
+        target's vocabulary that drafts for `speculate="draft"` (runtime/drivers/draft_model.py)."""
         if isinstance(export, LoadedExport):
             if backend is not None or backend_options or verify_hashes:
                 raise InputError("a LoadedExport already has its backend: pass no backend options with it")
@@ -68,6 +73,7 @@ class Generator:
         # Thread safety: the backend's sessions / engines are shared, each request runs on its own
         # slot (KV cache + bindings) from this pool (runtime/drivers/slot_pool.py).
         self.slots = SlotPool(self.export.backend)
+        self.draft = DraftModel.open(draft, self.export) if draft is not None else None
 
     def __getattr__(self, name: str) -> Any:
         """The loaded export's attributes and helpers (folder, manifest, tokenizer, backend, request, chat_ids, ...)."""
@@ -79,10 +85,10 @@ class Generator:
     def generate(self, prompts: Prompts | GenerationRequest, *args: Any, **options: Any) -> GenerationResult:
         """Generate for one prompt or a batch: a GenerationRequest, or prompts and the options of
         `request()`. `ignore_eos` runs to max_new_tokens (stop tokens and strings still stop);
-        `keep_logits` fills `result.logits` (parity). `speculate="prompt-lookup"` drafts up to
-        `draft_len` tokens per step from n-gram matches in the row's own context and verifies them
-        in one prefill call (greedy only; same tokens as plain greedy decoding, fewer graph runs
-        when the output repeats its context). `n` > 1 repeats each prompt row n times in the batch
+        `keep_logits` fills `result.logits` (parity). `speculate` drafts up to `draft_len` tokens per
+        step and verifies them in one prefill call: "prompt-lookup" from n-gram matches in the row's own
+        context, "draft" with the Generator's draft export, "eagle" / "mtp" with the export's head
+        (greedy: the tokens of plain greedy decoding; sampling: the target's distribution). `n` > 1 repeats each prompt row n times in the batch
         (result rows prompt-major); `logprobs=k` fills `result.logprobs`."""
         stream = GenerationStream(self._run(self.request(prompts, *args, **options), stream_text=False))
         for _ in stream:
@@ -190,10 +196,12 @@ class Generator:
                 "at once (rebuild the engines with a larger --max-batch, or send fewer prompts per call)"
             )
         limits.check_speculation(request.speculation)
+        proposer = self._proposer(request.speculation)
         if request.speculation is not None:
             # Verification writes draft_len + 1 positions; rows that finished still take part, frozen.
             needed += request.speculation.draft_len + 1
-            if limits.continue_batch is not None and len(ids) > limits.continue_batch:
+            if self._continue_batch(request.speculation) is not None \
+                    and len(ids) > self._continue_batch(request.speculation):
                 raise InputError(
                     f"speculative decoding of {len(ids)} prompts at once is not possible on this export: its "
                     f"{self.manifest['target']!r} target verifies drafts for at most {limits.continue_batch} "
@@ -215,9 +223,32 @@ class Generator:
         slot = self.slots.acquire(len(ids), cap)
         engine = StepEngine(self.backend, slot, self.pad_token_id, self.check_logits)
         for b, row in enumerate(rows):
-            engine.place(b, row, picker)
+            engine.place(b, row, picker, proposer)
         steps = run_steps(engine, request, ids, self.tokenizer, text_mode, text_mode and stream_text, start)
         return self._owning(slot, steps)
+
+    def _proposer(self, speculation: Speculation | None) -> Proposer | None:
+        """A request's proposer (one per request: a model's proposer holds its rows)."""
+        if speculation is None:
+            return None
+        if speculation.method == "draft":
+            if self.draft is None:
+                raise InputError("speculate='draft' needs a draft export: Generator(export, draft=DIR), or "
+                                 "--draft DIR on the command line")
+            return self.draft.proposer()
+        if speculation.method in HEAD_METHODS:
+            from kvforge.runtime.drivers.head_proposer import open_head_proposer
+
+            return open_head_proposer(self.export, speculation.method)
+        return PROMPT_LOOKUP
+
+    def _continue_batch(self, speculation: Speculation) -> int | None:
+        """Most rows a verification (and a draft export's catch-up) extends at once."""
+        limits = [self.backend.limits.continue_batch]
+        if speculation.method == "draft" and self.draft is not None:
+            limits.append(self.draft.export.backend.limits.continue_batch)
+        known = [limit for limit in limits if limit is not None]
+        return min(known) if known else None
 
     def _owning(self, slot: Slot, loop: Steps) -> Steps:
         """Run `loop` and give its slot back to the pool when it ends, fails or is closed."""

@@ -25,7 +25,6 @@ from kvforge.runtime.controls.logit_controls import RowControls
 from kvforge.runtime.controls.logprobs import TokenLogprob, token_logprobs
 from kvforge.runtime.controls.request import FinishReason, Stopper
 from kvforge.runtime.controls.sampling import Sampler, SamplingConfig
-from kvforge.runtime.controls.speculate import prompt_lookup
 
 
 class Row:
@@ -76,14 +75,10 @@ class Row:
             self.logprobs.append(logprob)
         return self.stopper.add(token)
 
-    def draft(self, draft_len: int, max_new_tokens: int) -> np.ndarray:
-        """Up to `draft_len` prompt-lookup tokens from the row's own context (empty when it has finished
-        or has no room): a draft never runs past max_new_tokens, the token after it is always produced."""
-        room = min(draft_len, max_new_tokens - len(self.tokens) - 1)
-        if self.finished or room < 1:
-            return np.empty(0, dtype=np.int64)
-        size = len(self.prompt) + len(self.tokens)
-        return prompt_lookup(np.fromiter((*self.prompt, *self.tokens), dtype=np.int64, count=size), room)
+    def room(self, draft_len: int, max_new_tokens: int) -> int:
+        """How many tokens a speculative step may draft for this row (0 when it has finished): a draft never
+        runs past max_new_tokens, the token after it is always produced."""
+        return 0 if self.finished else max(0, min(draft_len, max_new_tokens - len(self.tokens) - 1))
 
 
 class Picker:

@@ -67,6 +67,7 @@ from kvforge.runtime.drivers.handles import Delta, Done, Event, RequestHandle
 from kvforge.runtime.drivers.images import RowImages
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.prefix_store import PrefixStore
+from kvforge.runtime.drivers.proposers import PROMPT_LOOKUP
 from kvforge.runtime.drivers.rows import Picker, Row
 from kvforge.runtime.text.prompts import is_int
 
@@ -179,6 +180,8 @@ class Scheduler:
             raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
                              "max_seq_len positions per request)")
         self.backend.limits.check_speculation(request.speculation)
+        if request.speculation is not None and request.speculation.method != "prompt-lookup":
+            raise InputError(f"the scheduler drafts by prompt lookup only, not {request.speculation.method!r}")
         rows, _, images = self.export.prompt_inputs(request)  # images are read and encoded here, on the caller
         if len(rows) != 1:
             raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")
@@ -337,7 +340,8 @@ class Scheduler:
         free = self.engine.free_rows()  # n were free when it started, and only this thread takes rows
         placements = list(zip(free, job.rows, job.pickers, strict=False))
         with self._cond:
-            step = self.engine.admit(placements, self.stage, len(prompt), logits[0])
+            proposer = PROMPT_LOOKUP if job.request.speculation is not None else None
+            step = self.engine.admit(placements, self.stage, len(prompt), logits[0], proposer)
         self._prefilling = None
         job.ttft_ms = (time.perf_counter() - job.started) * 1e3
         self.stats["prefilled_tokens"] += len(prompt) - job.cached
@@ -375,7 +379,8 @@ class Scheduler:
         if speculation is not None:
             # Drafts only while a request runs alone: verifying one row would stall the others (and the
             # `ort` target verifies one row per call).
-            step = self.engine.verify(speculation.draft_len, lone.owner.request.max_new_tokens, self._decode_slots[1])
+            wants = {live[0]: lone.room(speculation.draft_len, lone.owner.request.max_new_tokens)}
+            step = self.engine.verify(wants, self._decode_slots[1])
             if step is not None:
                 self.stats["draft_tokens"] += step.drafted
                 self.stats["accepted_tokens"] += step.accepted_drafts

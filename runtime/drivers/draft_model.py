@@ -1,0 +1,159 @@
+"""The draft-model proposer: a smaller export with the target's vocabulary (the target's own int4 export
+included: self-speculation by quantisation) drafts greedily, or samples where the row samples.
+
+The draft keeps its own KV rows in a slot of its backend, one batch row per target batch row. Per row it
+remembers how many positions of the row's context its cache holds correctly (`valid`). A proposal feeds
+the context tokens it has not seen (usually the last one or two) in one prefill call at `valid`, which
+gives the first drafted token, then one decode step per further token. After verification the drafted
+positions the target kept stay valid; the rest are rewritten by the next proposal (rows roll back by
+not counting them, as the target's do).
+
+    draft = DraftModel.open("smollm2-int4", target_export)     # checks the vocabularies first
+    proposer = draft.proposer()                                  # one per engine (it holds rows)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvforge.core.errors import InputError
+from kvforge.core.manifest import MANIFEST_NAME
+from kvforge.runtime.controls.acceptance import draw, target_distribution
+from kvforge.runtime.controls.sampling import greedy as greedy_tokens
+from kvforge.runtime.drivers.draft_checks import check_draft_pair
+from kvforge.runtime.drivers.proposers import Draft, context
+
+if TYPE_CHECKING:
+    from kvforge.runtime.drivers.engine import StepEngine
+    from kvforge.runtime.drivers.loaded_export import LoadedExport
+
+
+class DraftModel:
+    """A loaded draft export checked against its target (runtime/drivers/draft_checks.py)."""
+
+    def __init__(self, draft: LoadedExport, target: LoadedExport) -> None:
+        check_draft_pair(draft, target)
+        self.export = draft
+
+    @classmethod
+    def open(cls, folder: str | Path | LoadedExport, target: LoadedExport, **backend_options: Any) -> DraftModel:
+        """The draft export at `folder` on the target's backend kind (its own options: threads, ...)."""
+        from kvforge.runtime.drivers.loaded_export import LoadedExport
+
+        if isinstance(folder, LoadedExport):
+            return cls(folder, target)
+        path = Path(folder)
+        if not (path / MANIFEST_NAME).is_file():
+            raise InputError(f"--draft {path}: not a kvforge export folder (no {MANIFEST_NAME}); export the draft "
+                             "model with `kvforge export` first")
+        return cls(LoadedExport(path, target.backend_name, **backend_options), target)
+
+    def proposer(self) -> DraftModelProposer:
+        return DraftModelProposer(self.export)
+
+
+class DraftModelProposer:
+    method = "draft"
+    needs_hidden = False
+
+    def __init__(self, export: LoadedExport) -> None:
+        self.export = export
+        self.backend = export.backend
+        self.slot: Any = None
+        self.valid: dict[int, int] = {}  # batch row -> context positions the draft's cache holds correctly
+        self.fed: dict[int, np.ndarray] = {}  # batch row -> the drafted tokens its cache holds past `valid`
+        self.rngs: dict[int, np.random.Generator] = {}
+
+    def _slot(self, engine: StepEngine) -> Any:
+        batch, capacity = engine.slot.cache.batch, engine.slot.cache.capacity
+        if self.slot is None or self.slot.cache.batch != batch or self.slot.cache.capacity != capacity:
+            if self.slot is not None:
+                raise InputError("a draft proposer serves one engine; make one per engine")
+            self.slot = self.backend.allocate(batch, capacity)
+        return self.slot
+
+    def propose(self, engine: StepEngine, wants: Mapping[int, int]) -> dict[int, Draft]:
+        slot = self._slot(engine)
+        ats = sorted(wants)
+        contexts = {at: context(engine, at) for at in ats}
+        news = {at: contexts[at][self.valid.get(at, 0):] for at in ats}
+        batch = slot.cache.batch
+        width = max(len(n) for n in news.values())
+        block = np.full((batch, width), self.export.pad_token_id, dtype=np.int64)
+        last = np.zeros((batch, 1), dtype=np.int64)
+        past = slot.cache.past_lens
+        for at in ats:
+            block[at, : len(news[at])] = news[at]
+            last[at, 0] = len(news[at]) - 1
+            past[at] = self.valid.get(at, 0)
+        # Rows not drafting take part at their frozen past_lens: what is written there is never read.
+        logits = self.backend.prefill(slot, block, last)[:, 0]
+        for at in ats:
+            past[at] += len(news[at])
+        most = max(wants.values())
+        tokens = np.zeros((batch, most), dtype=np.int64)
+        probs: dict[int, list[np.ndarray]] = {at: [] for at in ats if not self._greedy(engine, at)}
+        for j in range(most):
+            tokens[:, j] = self._pick(engine, logits, ats, probs)
+            if j + 1 == most:
+                break
+            running = np.zeros(batch, dtype=bool)
+            running[[at for at in ats if wants[at] > j + 1]] = True
+            logits = self.backend.decode(slot, tokens[:, j].copy(), running)
+            past[running] += 1
+        out = {}
+        for at in ats:
+            k = wants[at]
+            self.fed[at] = tokens[at, : k - 1].copy()
+            out[at] = Draft(tokens[at, :k].copy(), np.stack(probs[at][:k]) if at in probs else None)
+        return out
+
+    def _greedy(self, engine: StepEngine, at: int) -> bool:
+        return engine.pickers[at].sampler.config.greedy
+
+    def _pick(self, engine: StepEngine, logits: np.ndarray, ats: list[int],
+              probs: dict[int, list[np.ndarray]]) -> np.ndarray:
+        """Each drafting row's next token: the argmax, or a draw from the draft's distribution under the row's
+        sampling settings (kept in `probs` for the rejection rule)."""
+        picked = greedy_tokens(logits)
+        for at in probs:
+            config = engine.pickers[at].sampler.config
+            p = target_distribution(logits[at], config)
+            rng = self.rngs.get(at)
+            if rng is None:
+                # Seeded rows draft reproducibly: their own stream, apart from the acceptance draws.
+                seed = config.seed
+                rng = self.rngs[at] = np.random.default_rng(None if seed is None else (seed, engine.rows[at].index, 1))
+            picked[at] = draw(p, rng)
+            probs[at].append(p)
+        return picked
+
+    def observe(self, engine: StepEngine, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
+        for at, (first, count) in kept.items():
+            fed = self.fed.pop(at, None)
+            if fed is None:
+                continue  # a prefill or a decode step: the next proposal catches up from `valid`
+            # The cache holds the context up to `first` (the row's last token included) and the drafted
+            # tokens after it; those the target kept (count - 1 of them at most) stay valid.
+            ctx = context(engine, at)
+            base = first + 1
+            n = 0
+            while n < len(fed) and n < count - 1 and base + n < len(ctx) and ctx[base + n] == fed[n]:
+                n += 1
+            self.valid[at] = base + n
+
+    def release(self, at: int) -> None:
+        self.valid.pop(at, None)
+        self.fed.pop(at, None)
+        self.rngs.pop(at, None)
+
+    def move(self, src: int, dst: int) -> None:
+        if self.slot is not None and src in self.valid:
+            self.backend.copy_rows(self.slot, src, self.slot, dst, self.valid[src])
+        for table in (self.valid, self.fed, self.rngs):
+            if src in table:
+                table[dst] = table.pop(src)
