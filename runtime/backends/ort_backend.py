@@ -7,16 +7,15 @@ IO bindings, logits buffer and decode inputs), so several slots can run at once 
 threads: ONNX Runtime allows concurrent `run` calls on one session, each with its own binding.
 A slot is bound once; a decode step writes into its numpy arrays and runs, nothing is rebound.
 
-On a CUDA device (ort-cuda) the step's inputs live in device buffers too. ONNX Runtime copies an
-input bound on one device to the device the graph reads it on once, when it is bound, not at every
-run; so a host `past_lens` or token array bound once was read at its bind-time values forever
-(decode ran every step at position 0 with token 0: wrong tokens from the second one on, measured
-on an H200), and so was a device `past_lens` that the prefill graph reads on the CPU (a
-continuation prefill ran at past_lens 0, measured on an H100). Each run uploads `past_lens` (and a
-decode step's token ids) into the slot's device buffers, one small copy each, and binds them again
-(the same addresses); the decode step's logits come back from a device buffer. With every decode
-input and output at a fixed device address, the decode step is captured once per slot as a CUDA
-graph (ONNX Runtime's `enable_cuda_graph`, one `gpu_graph_id` per slot) and replayed after.
+On a CUDA device (ort-cuda) the step's inputs live in device buffers too. ONNX Runtime copies an input bound on one
+device to the device the graph reads it on once, when it is bound, not at every run; so a host `past_lens` or token
+array bound once was read at its bind-time values forever (decode ran every step at position 0 with token 0: wrong
+tokens from the second one on, measured on an H200), and so was a device `past_lens` that the prefill graph reads on
+the CPU (a continuation prefill ran at past_lens 0, measured on an H100). Each run uploads `past_lens` (and a decode
+step's token ids) into the slot's device buffers, one small copy each, and binds them again (the same addresses);
+the decode step's logits come back from a device buffer. With every decode input and output at a fixed device
+address, the decode step is captured once per slot as a CUDA graph (ONNX Runtime's `enable_cuda_graph`, one
+`gpu_graph_id` per slot) and replayed after.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from kvforge.runtime.backends.ort_sessions import (
     open_session,
     providers_for,
 )
+from kvforge.runtime.backends.target_hidden import before_run, target_hidden
 
 # ort-cuda's decode attention (`decode_attention`): "auto", ONNX Runtime's own choice (cuDNN's SDPA on
 # compute capability >= 9.0, after a kernel that rotates and appends the new rows), the default; or
@@ -94,21 +94,21 @@ class OrtBackend:
     """The prefill and decode sessions of one export folder (backends ort-cpu and ort-cuda).
 
     Options: `threads` (intra-op threads), `sessions` ("single": the prefill graph also runs the
-    decode steps, one weight copy, ORT prepacks it, the default; "shared": prefill.onnx and
-    decode.onnx over one memory-mapped copy, prepacking off (on a GPU each session uploads its own
-    copy, so "single" holds the weights once there too); "separate": two sessions, two copies),
-    `device_id`, `max_capacity` (allocate at most this many positions), `spinning` (ONNX Runtime's
-    intra-op threads busy-wait for work between ops, its default; False makes them sleep: on a CPU
-    that other busy processes share, a spinning thread holds a core the thread with work needs;
-    see benchmarks/README.md, "Op-level decode profile"), `cuda_graphs` (ort-cuda: capture each slot's
-    decode step as a CUDA graph and replay it; on by default, needs decode.onnx's own session, so
-    "separate" sessions, the default on a GPU, where "shared" is the same and "single" runs decode
-    steps through the prefill graph, which copies a length to the host mid-graph)."""
+    decode steps, one weight copy, ORT prepacks it, the default; "shared": prefill.onnx and decode.onnx over one
+    memory-mapped copy, prepacking off (on a GPU each session uploads its own copy, so "single" holds the weights
+    once there too); "separate": two sessions, two copies), `device_id`, `max_capacity` (allocate at most this many
+    positions), `spinning` (ONNX Runtime's intra-op threads busy-wait for work between ops, its default; False makes
+    them sleep: on a CPU that other busy processes share, a spinning thread holds a core the thread with work needs;
+    see benchmarks/README.md, "Op-level decode profile"), `cuda_graphs` (ort-cuda: capture each slot's decode step
+    as a CUDA graph and replay it; on by default, needs decode.onnx's own session, so "separate" sessions, the
+    default on a GPU, where "shared" is the same and "single" runs decode steps through the prefill graph, which
+    copies a length to the host mid-graph)."""
 
     custom_ops_library: str | None = None  # registered on every session (the emulation's plugin op)
     # Tests: run the device code path (device buffers, uploads, row copies through kvforge.core.cuda) on
     # ONNX Runtime CPU, whose "device" memory is host memory (tests/test_device_path.py).
     simulate_device = False
+    target_hidden = target_hidden  # (slot) -> [B, S, Dt] of its last run: a speculation head's input
 
     def __init__(
         self,
@@ -432,6 +432,7 @@ class OrtBackend:
         return logits.astype(np.float32, copy=False)
 
     def _session_run(self, slot: OrtSlot, phase: str, options: ort.RunOptions) -> None:
+        before_run(self, slot, phase)  # binds a speculation head's target_hidden output, where the graph has one
         try:
             self.sessions[phase].run_with_iobinding(slot.bindings[phase], options)
         except Exception as err:  # ORT's own exception types; say which graph and why, on one line

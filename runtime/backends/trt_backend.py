@@ -303,6 +303,12 @@ class TrtBackend:
     def bound_output_addresses(self, slot: TrtSlot, phase: str) -> dict[str, int]:
         return dict(slot.bound.get(phase, {}))
 
+    def target_hidden(self, slot: TrtSlot) -> np.ndarray:
+        """Refused: speculation heads (draft.onnx) run beside ONNX Runtime backends only."""
+        from kvforge.runtime.backends.target_hidden import heads_refused
+
+        raise heads_refused(self.name)
+
     def read_kv(self, slot: TrtSlot, layer: int) -> tuple[np.ndarray, np.ndarray]:
         shape = slot.cache.buffer_shape(layer)
         out = []

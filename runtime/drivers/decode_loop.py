@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,7 +38,16 @@ class GenerationResult:
     decode_tokens_per_s: float  # tokens of running rows produced by decode steps / decode time
     steps: int  # decode graph runs (decode + verification runs with speculation)
     draft_tokens: int = 0  # speculation: tokens drafted and checked
-    accepted_tokens: int = 0  # speculation: drafted tokens that greedy decoding agreed with
+    accepted_tokens: int = 0  # speculation: drafted tokens the target kept
+    # speculation, per draft position j (0-based): drafts that reached it, and those kept through it
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    verify_steps: int = 0  # speculation: the target's verification calls
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens the rows took per target graph run after the prefill (1.0 without speculation)."""
+        return sum(map(len, self.tokens)) / self.steps if self.steps else 0.0
     # keep_logits=True: one float32 [B, V] array per step (step 0 = prefill); rows that had
     # finished hold logits of their pad-token feed, not meaningful
     logits: list[np.ndarray] | None = None
@@ -83,6 +92,19 @@ class _Counts:
     decoded_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    verify_steps: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def add_runs(self, runs: list[tuple[int, int]]) -> None:
+        for drafted, accepted in runs:
+            if len(self.drafted_at) < drafted:
+                grow = drafted - len(self.drafted_at)
+                self.drafted_at += [0] * grow
+                self.accepted_at += [0] * grow
+            for j in range(drafted):
+                self.drafted_at[j] += 1
+                self.accepted_at[j] += j < accepted
 
 
 def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list[int]], tokenizer: Tokenizer | None,
@@ -118,6 +140,8 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
         if step is not None:
             counts.drafted += step.drafted
             counts.accepted += step.accepted_drafts
+            counts.verify_steps += 1
+            counts.add_runs(step.runs)
         else:
             step = engine.decode(keep_logits=keep_logits)
             if keep_logits:
@@ -148,6 +172,9 @@ def run_steps(engine: StepEngine, request: GenerationRequest, prompts: list[list
         steps=engine.steps,
         draft_tokens=counts.drafted,
         accepted_tokens=counts.accepted,
+        drafted_at=counts.drafted_at,
+        accepted_at=counts.accepted_at,
+        verify_steps=counts.verify_steps,
         logits=kept_logits if keep_logits else None,
         logprobs=[row.logprobs for row in rows] if request.logprobs is not None else None,
     )

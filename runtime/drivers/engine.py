@@ -53,6 +53,7 @@ class Step:
     logits: np.ndarray | None = None
     drafted: int = 0
     accepted_drafts: int = 0
+    runs: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) of each verified draft
     # (batch row, Row) of the rows whose controls failed picking this step (Row.fail): finished with
     # FinishReason.ERROR, without a token; a row that fails taking its token is in `positions`
     failed: list[tuple[int, Row]] = field(default_factory=list)
@@ -322,6 +323,7 @@ class StepEngine:
                     n += 1
                 step.drafted += len(draft.tokens)
                 step.accepted_drafts += n
+                step.runs.append((len(draft.tokens), n))
             kept[at] = n + 1
         for j in range(max(kept.values(), default=0)):
             accepting = [at for at in running if not self.rows[at].finished and j < kept[at]]
@@ -341,6 +343,7 @@ class StepEngine:
             if draft is not None:
                 step.drafted += len(draft.tokens)
                 step.accepted_drafts += accepted
+                step.runs.append((len(draft.tokens), accepted))
             kept[at] = max(len(tokens), 1)
             for j, token in enumerate(tokens):
                 if len(step.positions) <= j:
