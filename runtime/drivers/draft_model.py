@@ -67,6 +67,7 @@ class DraftModelProposer:
         self.valid: dict[int, int] = {}  # batch row -> context positions the draft's cache holds correctly
         self.fed: dict[int, np.ndarray] = {}  # batch row -> the drafted tokens its cache holds past `valid`
         self.rngs: dict[int, np.random.Generator] = {}
+        self.views: dict[int, Any] = {}  # batch row -> its one-row view (backend.row_view), where used
 
     def _slot(self, engine: StepEngine) -> Any:
         batch, capacity = engine.slot.cache.batch, engine.slot.cache.capacity
@@ -82,16 +83,8 @@ class DraftModelProposer:
         contexts = {at: context(engine, at) for at in ats}
         news = {at: contexts[at][self.valid.get(at, 0):] for at in ats}
         batch = slot.cache.batch
-        width = max(len(n) for n in news.values())
-        block = np.full((batch, width), self.export.pad_token_id, dtype=np.int64)
-        last = np.zeros((batch, 1), dtype=np.int64)
         past = slot.cache.past_lens
-        for at in ats:
-            block[at, : len(news[at])] = news[at]
-            last[at, 0] = len(news[at]) - 1
-            past[at] = self.valid.get(at, 0)
-        # Rows not drafting take part at their frozen past_lens: what is written there is never read.
-        logits = self.backend.prefill(slot, block, last)[:, 0]
+        logits = self._catch_up(slot, news)
         for at in ats:
             past[at] += len(news[at])
         most = max(wants.values())
@@ -112,6 +105,40 @@ class DraftModelProposer:
             out[at] = Draft(tokens[at, :k].copy(), np.stack(probs[at][:k]) if at in probs else None)
         return out
 
+    def _catch_up(self, slot: Any, news: dict[int, np.ndarray]) -> np.ndarray:
+        """Feed each drafting row the context it has not seen, at its `valid`: one prefill call for all, or (a
+        target whose attention extends one row per call after a past: `ort`) one per row on its row view.
+        Each row's last-position logits [B, V]."""
+        batch, capacity = slot.cache.batch, slot.cache.capacity
+        past = slot.cache.past_lens
+        for at in news:
+            past[at] = self.valid.get(at, 0)
+        limit = self.backend.limits.continue_batch
+        if limit is not None and batch > limit and hasattr(self.backend, "row_view"):
+            logits = None
+            for at, new in news.items():
+                if at not in self.views:
+                    self.views[at] = self.backend.row_view(slot, at)
+                row = self.backend.prefill(self.views[at], new[None], np.array([len(new) - 1], np.int64))[0]
+                if logits is None:
+                    logits = np.zeros((batch, row.shape[-1]), dtype=np.float32)
+                logits[at] = row
+            return logits
+        width = max(len(n) for n in news.values())
+        block = np.full((batch, width), self.export.pad_token_id, dtype=np.int64)
+        last = np.zeros((batch, 1), dtype=np.int64)
+        for at, new in news.items():
+            block[at, : len(new)] = new
+            last[at, 0] = len(new) - 1
+        # Rows not drafting take part at their frozen past_lens: what is written there is never read, but it
+        # must fit: a row near the end writes lower, and no longer counts what that overwrites as valid.
+        for at in np.flatnonzero(past + width > capacity).tolist():
+            if at not in news:
+                past[at] = capacity - width
+                if at in self.valid:
+                    self.valid[at] = min(self.valid[at], capacity - width)
+        return self.backend.prefill(slot, block, last)[:, 0]
+
     def _greedy(self, engine: StepEngine, at: int) -> bool:
         return engine.pickers[at].sampler.config.greedy
 
@@ -125,9 +152,10 @@ class DraftModelProposer:
             p = target_distribution(logits[at], config)
             rng = self.rngs.get(at)
             if rng is None:
-                # Seeded rows draft reproducibly: their own stream, apart from the acceptance draws.
-                seed = config.seed
-                rng = self.rngs[at] = np.random.default_rng(None if seed is None else (seed, engine.rows[at].index, 1))
+                # Seeded rows draft reproducibly: their own stream, apart from the acceptance draws: a child of
+                # the row's acceptance stream (spawning draws nothing from it), so that the rows of one request
+                # (which share that stream unless they are n > 1 choices) draft independently of each other.
+                rng = self.rngs[at] = engine._rng(at).spawn(1)[0]
             picked[at] = draw(p, rng)
             probs[at].append(p)
         return picked
@@ -147,6 +175,8 @@ class DraftModelProposer:
             self.valid[at] = base + n
 
     def release(self, at: int) -> None:
+        if self.slot is not None:  # a stale length would count against the next calls' capacity check
+            self.slot.cache.past_lens[at] = 0
         self.valid.pop(at, None)
         self.fed.pop(at, None)
         self.rngs.pop(at, None)
@@ -157,3 +187,5 @@ class DraftModelProposer:
         for table in (self.valid, self.fed, self.rngs):
             if src in table:
                 table[dst] = table.pop(src)
+        if self.slot is not None:
+            self.slot.cache.past_lens[src] = 0

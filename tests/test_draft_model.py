@@ -1,0 +1,83 @@
+"""A draft export drafting for its target (runtime/drivers/draft_model.py): greedy output identical to plain
+greedy decoding, one row and a batch, every draft length; the draft's own rows roll back with the target's;
+a draft that cannot draft for the target is refused in one line naming the difference."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvforge.core.errors import InputError  # noqa: E402
+from kvforge.runtime import Generator  # noqa: E402
+from kvforge.runtime.drivers.draft_checks import _check_tokens  # noqa: E402
+
+PROMPTS = [[1, 17, 230, 41, 9, 77, 12], [1, 5, 6], [1, 300, 2, 301, 44, 45, 46, 47, 48, 49, 50]]
+
+
+@pytest.fixture(scope="module")
+def int4_draft(hf_folder, tmp_path_factory):
+    """llama-tiny's int4 export, per target: the draft of self-speculation by quantisation."""
+    from kvforge.exporter.export import export_model
+
+    def make(target: str):
+        out = tmp_path_factory.mktemp("draft") / f"llama-tiny-int4-{target}"
+        export_model(hf_folder("llama-tiny"), out, target=target, quantize="int4" if target == "ort" else None,
+                     dtype="fp32" if target == "ort" else "fp16")
+        return out
+
+    return make
+
+
+def test_draft_model_greedy_equals_plain_greedy_one_row(exported, int4_draft) -> None:
+    generator = Generator(exported("llama-tiny", "ort"), draft=int4_draft("ort"))
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = generator.generate([prompt], max_new_tokens=24, greedy=True, ignore_eos=True)
+        for draft_len in (1, 3, 6):
+            spec = generator.generate([prompt], max_new_tokens=24, greedy=True, ignore_eos=True, speculate="draft",
+                                      draft_len=draft_len)
+            assert spec.tokens == plain.tokens, (prompt, draft_len)
+            # every step verifies a draft, but a last one that has no room for a draft
+            assert spec.steps - 1 <= spec.verify_steps <= spec.steps and spec.drafted_at[0] == spec.verify_steps
+            drafted, accepted = drafted + spec.draft_tokens, accepted + spec.accepted_tokens
+    # int4 of the same weights agrees with fp32 most of the time: drafts are kept, steps are saved
+    assert accepted > drafted / 4, (accepted, drafted)
+
+
+def test_draft_model_greedy_equals_plain_greedy_batch_on_onnx(exported, int4_draft) -> None:
+    # The onnx target verifies (and the draft catches up) every row in one call.
+    generator = Generator(exported("llama-tiny", "onnx"), draft=int4_draft("onnx"))
+    plain = generator.generate(PROMPTS, max_new_tokens=20, greedy=True, ignore_eos=True)
+    spec = generator.generate(PROMPTS, max_new_tokens=20, greedy=True, ignore_eos=True, speculate="draft", draft_len=4)
+    assert spec.tokens == plain.tokens
+    assert spec.steps < plain.steps
+
+
+def test_draft_rows_stop_inside_an_accepted_run(exported, int4_draft) -> None:
+    generator = Generator(exported("llama-tiny", "ort"), draft=int4_draft("ort"))
+    for n in range(1, 9):
+        plain = generator.generate([PROMPTS[0]], max_new_tokens=n, greedy=True, ignore_eos=True)
+        spec = generator.generate([PROMPTS[0]], max_new_tokens=n, greedy=True, ignore_eos=True, speculate="draft",
+                                  draft_len=5)
+        assert spec.tokens == plain.tokens and spec.finish_reason == ["length"], n
+
+
+def test_a_draft_that_cannot_draft_for_the_target_is_refused(exported, int4_draft, tmp_path) -> None:
+    target = exported("llama-tiny", "ort")
+    with pytest.raises(InputError, match=r"^--draft .*: its vocabulary has \d+ ids and the target's \d+; a draft must "
+                                         r"share the target's vocabulary$"):
+        Generator(target, draft=exported("llava-tiny", "ort"))
+    with pytest.raises(InputError, match=r"is the target export itself"):
+        Generator(target, draft=target)
+    with pytest.raises(InputError, match=r"^--draft .*: not a kvforge export folder \(no kvforge.json\)"):
+        Generator(target, draft=tmp_path)
+    # The export's files are hashed, so a tokenizer that differs at one size is compared directly: two ids swapped.
+    vocab = {"<pad>": 0, "a": 68, "b": 69}
+    swapped = {"<pad>": 0, "a": 69, "b": 68}
+    with pytest.raises(InputError, match=r"^--draft d: its vocabulary differs from the target's \(4 token/id pairs, "
+                                         r"first 'a' = 68\); a draft must share the target's token ids$"):
+        _check_tokens("--draft d", (swapped, {}), (vocab, {}))
+    with pytest.raises(InputError, match=r"^--draft d: its special tokens differ from the target's \(id 0: "
+                                         r"'<unk>' vs '<pad>'\)$"):
+        _check_tokens("--draft d", (vocab, {0: "<unk>"}), (vocab, {0: "<pad>"}))
