@@ -60,6 +60,22 @@ def exported(tmp_path_factory: pytest.TempPathFactory, hf_folder):
     return get
 
 
+@pytest.fixture(scope="session")
+def draft_export(tmp_path_factory: pytest.TempPathFactory, hf_folder):
+    """draft_export(target="ort") -> llama-tiny's draft for its fp32 export of that target (made once per run): int4
+    on `ort` (self-speculation by quantisation), fp16 on `onnx` (whose int4 MatMulNBits is ONNX Runtime's own)."""
+    from kvforge.exporter.export import export_model
+
+    root = _shared_folder(tmp_path_factory, "drafts")
+
+    def get(target: str = "ort") -> Path:
+        options = {"quantize": "int4"} if target == "ort" else {"dtype": "fp16"}
+        return _made_once(root, f"llama-tiny-draft-{target}",
+                          lambda out: export_model(hf_folder("llama-tiny"), out, target=target, **options))
+
+    return get
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 

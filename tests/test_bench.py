@@ -212,3 +212,26 @@ def test_the_system_table_keeps_its_columns_whatever_the_names() -> None:
         assert theirs[end - 1] != " " and (end == len(theirs) or theirs[end] == " "), (column, theirs)
     assert ours.index("50.4") + len("50.4 (49-51)") == header.index("decode tok/s (min-max)") + len("decode tok/s (min-max)")
     assert theirs.endswith("1.12    0.82   0.89")
+
+
+def test_bench_speculate_with_a_draft_export(exported, draft_export, cache, tmp_path) -> None:
+    folder = str(exported("llama-tiny", "ort"))
+    text = tmp_path / "prompt.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 8)
+    report = bench.run_bench(folder, prompt_len=12, new_tokens=16, repeat=1, threads=1, speculate="draft",
+                             draft_len=3, draft=draft_export("ort"), cold_start=False, prompt_file=text)
+    spec = report["systems"][bench.SPECULATIVE]
+    assert spec["method"] == "draft" and spec["tokens_match_plain"] is True
+    assert len(spec["acceptance_by_position"]) == 3 and all(0 <= rate <= 1 for rate in spec["acceptance_by_position"])
+    # A kept draft position was reached and kept at every earlier one: acceptance falls with the position.
+    assert spec["acceptance_by_position"] == sorted(spec["acceptance_by_position"], reverse=True)
+    assert spec["tokens_per_target_step"] > 1.0
+    assert "tokens per target step" in bench.format_table(report)
+    bad = CliRunner().invoke(main, ["bench", folder, "--draft", str(draft_export("ort"))])
+    assert bad.exit_code == 2 and "--draft is the draft export of --speculate draft" in bad.output
+    bad = CliRunner().invoke(main, ["bench", folder, "--speculate", "draft"])
+    assert bad.exit_code == 2 and "--speculate draft needs --draft DIR" in bad.output
+    short = tmp_path / "short.txt"
+    short.write_text("two words")
+    bad = CliRunner().invoke(main, ["bench", folder, "--prompt-file", str(short), "--prompt-len", "12"])
+    assert bad.exit_code == 2 and "fewer than --prompt-len 12" in bad.output

@@ -15,22 +15,8 @@ from kvforge.runtime.drivers.draft_checks import _check_tokens  # noqa: E402
 PROMPTS = [[1, 17, 230, 41, 9, 77, 12], [1, 5, 6], [1, 300, 2, 301, 44, 45, 46, 47, 48, 49, 50]]
 
 
-@pytest.fixture(scope="module")
-def int4_draft(hf_folder, tmp_path_factory):
-    """llama-tiny's int4 export, per target: the draft of self-speculation by quantisation."""
-    from kvforge.exporter.export import export_model
-
-    def make(target: str):
-        out = tmp_path_factory.mktemp("draft") / f"llama-tiny-int4-{target}"
-        export_model(hf_folder("llama-tiny"), out, target=target, quantize="int4" if target == "ort" else None,
-                     dtype="fp32" if target == "ort" else "fp16")
-        return out
-
-    return make
-
-
-def test_draft_model_greedy_equals_plain_greedy_one_row(exported, int4_draft) -> None:
-    generator = Generator(exported("llama-tiny", "ort"), draft=int4_draft("ort"))
+def test_draft_model_greedy_equals_plain_greedy_one_row(exported, draft_export) -> None:
+    generator = Generator(exported("llama-tiny", "ort"), draft=draft_export("ort"))
     drafted = accepted = 0
     for prompt in PROMPTS:
         plain = generator.generate([prompt], max_new_tokens=24, greedy=True, ignore_eos=True)
@@ -45,17 +31,17 @@ def test_draft_model_greedy_equals_plain_greedy_one_row(exported, int4_draft) ->
     assert accepted > drafted / 4, (accepted, drafted)
 
 
-def test_draft_model_greedy_equals_plain_greedy_batch_on_onnx(exported, int4_draft) -> None:
+def test_draft_model_greedy_equals_plain_greedy_batch_on_onnx(exported, draft_export) -> None:
     # The onnx target verifies (and the draft catches up) every row in one call.
-    generator = Generator(exported("llama-tiny", "onnx"), draft=int4_draft("onnx"))
+    generator = Generator(exported("llama-tiny", "onnx"), draft=draft_export("onnx"))
     plain = generator.generate(PROMPTS, max_new_tokens=20, greedy=True, ignore_eos=True)
     spec = generator.generate(PROMPTS, max_new_tokens=20, greedy=True, ignore_eos=True, speculate="draft", draft_len=4)
     assert spec.tokens == plain.tokens
     assert spec.steps < plain.steps
 
 
-def test_draft_rows_stop_inside_an_accepted_run(exported, int4_draft) -> None:
-    generator = Generator(exported("llama-tiny", "ort"), draft=int4_draft("ort"))
+def test_draft_rows_stop_inside_an_accepted_run(exported, draft_export) -> None:
+    generator = Generator(exported("llama-tiny", "ort"), draft=draft_export("ort"))
     for n in range(1, 9):
         plain = generator.generate([PROMPTS[0]], max_new_tokens=n, greedy=True, ignore_eos=True)
         spec = generator.generate([PROMPTS[0]], max_new_tokens=n, greedy=True, ignore_eos=True, speculate="draft",
@@ -63,7 +49,7 @@ def test_draft_rows_stop_inside_an_accepted_run(exported, int4_draft) -> None:
         assert spec.tokens == plain.tokens and spec.finish_reason == ["length"], n
 
 
-def test_a_draft_that_cannot_draft_for_the_target_is_refused(exported, int4_draft, tmp_path) -> None:
+def test_a_draft_that_cannot_draft_for_the_target_is_refused(exported, draft_export, tmp_path) -> None:
     target = exported("llama-tiny", "ort")
     with pytest.raises(InputError, match=r"^--draft .*: its vocabulary has \d+ ids and the target's \d+; a draft must "
                                          r"share the target's vocabulary$"):

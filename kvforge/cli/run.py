@@ -26,7 +26,14 @@ from kvforge.cli.common import (
     sampling_keywords,
     sampling_options,
 )
+from kvforge.cli.speculation import (
+    check_flags,
+    check_serve_flags,
+    serve_speculation_options,
+    speculation_options,
+)
 from kvforge.core.errors import InputError, ParityError
+from kvforge.tools import speculation
 
 if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
     from kvforge.runtime import GenerationRequest, Generator
@@ -57,18 +64,14 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--stream", is_flag=True, help="Print text as it is generated (single prompt).")
 @click.option("--verify", is_flag=True, help="Re-hash every file (weights too) against the manifest before loading.")
 @click.option("--ignore-eos", is_flag=True, help="Run to --max-new-tokens even past end-of-sequence tokens.")
-@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
-              help="Speculative decoding with drafts copied from the context (greedy only; same tokens).")
-@click.option("--draft-len", default=6,  # runtime.speculate.DEFAULT_DRAFT_LEN (not imported: slow)
-              show_default=True, type=int,
-              help="With --speculate: most tokens drafted per step.")
-@json_option("the results (tokens, text, timings)")
+@speculation_options()
+@json_option("the results (tokens, text, timings; with --speculate, the drafts and what was accepted)")
 def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> None:
     """Generate from an export folder."""
-    from kvforge.runtime import Generator
+    from kvforge.runtime import Generator, LoadedExport
     from kvforge.runtime.text.prompts import RenderedChat
 
-    refuse_unused("speculate", options["speculate"] is not None, "draft_len")
+    check_flags(options["speculate"], options["draft"], options["draft_len"])
     if sum(map(bool, (options["prompts"], options["prompt_ids"], options["chat_text"] is not None))) != 1:
         raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 (repeatable for a batch) or --chat TEXT (one of them)")
     if options["system_text"] is not None and options["chat_text"] is None:
@@ -78,10 +81,14 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
     if options["images"] and len(batch) > 1:
         raise InputError("--image goes with one prompt (one --prompt, --prompt-ids or --chat)")
-    generator = Generator(export_dir, backend=options["backend"], verify_hashes=options["verify"],
+    export = LoadedExport(export_dir, backend=options["backend"], verify_hashes=options["verify"],
                           **backend_options(threads=options["threads"], sessions=options["sessions"],
                                             engine_dir=options["engine_dir"], emulation=options["emulation"],
                                             spinning=False if options["no_spin"] else None))
+    speculation.check_target(export, options["speculate"])
+    draft = (speculation.open_draft(options["draft"], export, **backend_options(threads=options["threads"]))
+             if options["draft"] is not None else None)
+    generator = Generator(export, draft=draft)
     request = _generation_request(generator, batch, options)
     # Streaming prints one prompt's text as it grows; a batch is printed when it is done.
     streaming = stream and not as_json and (isinstance(request.prompts, RenderedChat) or len(request.prompts) == 1)
@@ -94,7 +101,7 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
         result = events.result
     else:
         result = generator.generate(request)
-    speculation = request.speculation
+    spec = request.speculation
     payload = {
         "tokens": result.tokens,
         "text": result.text,
@@ -108,12 +115,10 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
         "backend": generator.backend_name,
         "sessions": getattr(generator.backend, "session_mode", None),
     }
-    if speculation is not None:
-        payload["speculation"] = {
-            "method": speculation.method, "draft_len": speculation.draft_len, "draft_tokens": result.draft_tokens,
-            "accepted_tokens": result.accepted_tokens,
-            "acceptance_rate": round(result.accepted_tokens / result.draft_tokens, 4) if result.draft_tokens else 0.0,
-        }
+    if spec is not None:
+        payload["speculation"] = speculation.report(spec.method, spec.draft_len, result.draft_tokens,
+                                                    result.accepted_tokens, result.drafted_at, result.accepted_at,
+                                                    result.verify_steps, result.tokens_per_step)
     if as_json:
         emit_json(payload)
         return
@@ -124,7 +129,7 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     click.echo(
         f"ttft {result.ttft_ms:.1f} ms, decode {result.decode_tokens_per_s:.1f} tokens/s, "
         f"{sum(map(len, result.tokens))} tokens generated"
-        + (f", {result.accepted_tokens}/{result.draft_tokens} drafted tokens accepted" if speculation else ""),
+        + (f", {speculation.summary(payload['speculation'])}" if spec is not None else ""),
         err=True,
     )
     cut = [i for i, reason in enumerate(result.finish_reason) if reason == "length"]
@@ -154,10 +159,7 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
         prompts: Any = RenderedChat(ids)
     else:
         prompts = batch[0] if options["images"] else batch
-    sampling = sampling_keywords(options)
-    if options["speculate"] is not None and sampling["greedy"] is None \
-            and not any(options[key] for key in ("temperature", "top_k", "top_p")):
-        sampling["greedy"] = True  # speculation is greedy-only; do not fall back to the folder's sampling
+    sampling = sampling_keywords(options)  # speculation keeps either: greedy's tokens, or sampling's distribution
     return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
                              ignore_eos=options["ignore_eos"], speculate=options["speculate"],
                              draft_len=options["draft_len"], images=images, **sampling)
@@ -218,9 +220,15 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @click.option("--engine-dir", type=click.Path(path_type=Path), help="tensorrt backend: the engines (default EXPORT_DIR/engines).")
 @click.option("--compare", default="", help="Peers, comma-separated: hf, ort-genai (CPU); hf, hf-compiled (GPU).")
 @click.option("--plot", type=click.Path(path_type=Path), help="Draw the comparison to this PNG (matplotlib; CPU).")
-@click.option("--speculate", type=click.Choice(["prompt-lookup"]), default=None,
-              help="Also run kvforge with speculative decoding (alternating with plain): acceptance, tokens/s.")
+@click.option("--speculate", type=click.Choice(["prompt-lookup", "draft", "eagle", "mtp"]), default=None,
+              help="Also run kvforge with speculative decoding (alternating with plain): acceptance per draft position, "
+                   "tokens per target step, tokens/s against plain and the peers.")
 @click.option("--draft-len", default=6, show_default=True, type=int, help="With --speculate: most tokens drafted per step.")
+@click.option("--draft", "draft_dir", type=click.Path(path_type=Path),
+              help="With --speculate draft: the draft export (the target's vocabulary; e.g. its int4 export).")
+@click.option("--prompt-file", type=click.Path(path_type=Path),
+              help="A UTF-8 text whose first --prompt-len tokens are every system's prompt (default: token ids in a "
+                   "progression, which a real model reads as noise).")
 @click.option("--cold-start/--no-cold-start", default=True, show_default=True,
               help="Also time each system's cold start: a whole process from its start to its first token (CPU).")
 @click.option("--mem-bandwidth", metavar="GB/S",
@@ -230,7 +238,8 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
 @json_option("the report (medians, spreads, ratios)")
 def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None, repeat: int | None, threads: int,
           backend: str | None, engine_dir: Path | None, compare: str, plot: Path | None, speculate: str | None,
-          draft_len: int, cold_start: bool, mem_bandwidth: str | None, no_spin: bool, as_json: bool) -> None:
+          draft_len: int, draft_dir: Path | None, prompt_file: Path | None, cold_start: bool, mem_bandwidth: str | None,
+          no_spin: bool, as_json: bool) -> None:
     """Benchmark an export (TTFT, decode tokens/s and its share of the memory-bandwidth limit, memory), optionally
     against peers: on the CPU (ort-cpu, with cold start), or on a GPU with --backend ort-cuda / tensorrt."""
     from kvforge.tools import bench as bench_module
@@ -244,8 +253,9 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None,
     if backend in GPU_BACKENDS:
         from kvforge.tools.bench_gpu import format_gpu_table, run_gpu_bench
 
-        if plot is not None or speculate is not None:
-            raise InputError("--plot and --speculate are options of the CPU benchmark, not of --backend " + backend)
+        if plot is not None or speculate is not None or prompt_file is not None:
+            raise InputError("--plot, --speculate and --prompt-file are options of the CPU benchmark, not of --backend "
+                             + backend)
         progress = command_progress(False)
         report = run_gpu_bench(export_dir, backend, batches or (1, 8), prompt_len, new_tokens,
                                5 if repeat is None else repeat, peers, say=progress,
@@ -267,7 +277,7 @@ def bench(export_dir: Path, prompt_len: int, new_tokens: int, batch: str | None,
     report = bench_module.run_bench(export_dir, prompt_len, new_tokens, batches[0] if batches else 1,
                                     3 if repeat is None else repeat, threads, peers, say=progress,
                                     speculate=speculate, draft_len=draft_len, cold_start=cold_start,
-                                    spinning=not no_spin, mem_bandwidth=gbps)
+                                    spinning=not no_spin, mem_bandwidth=gbps, draft=draft_dir, prompt_file=prompt_file)
     progress.close()
     if plot is not None:
         bench_module.plot(report, plot)
@@ -322,6 +332,7 @@ def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
               help="Let special-token text in chat messages (e.g. '<|im_end|>') become control tokens, as "
                    "transformers' templates do; by default it stays text, so a client cannot open a system "
                    "turn. Only for trusted clients.")
+@serve_speculation_options
 @click.option("--ray", "use_ray", is_flag=True, help="Serve through Ray Serve (replicas behind its HTTP proxy).")
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
@@ -329,7 +340,8 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
           max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
           backend: str | None, engine_dir: Path | None, threads: int | None, no_spin: bool, log_format: str,
           chat_template: str | None, special_tokens_in_content: bool, use_ray: bool, replicas: int,
-          ray_address: str | None) -> None:
+          ray_address: str | None, speculate: str | None, draft: Path | None, draft_len: int,
+          adaptive_draft: bool) -> None:
     """Serve an export over an OpenAI-compatible HTTP API with continuous batching.
 
     Stops on Ctrl-C (exit 130) or SIGTERM (exit 0) after finishing or cutting (after 5 s) open requests."""
@@ -338,10 +350,12 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
     from kvforge.serve.app import check_api_key
 
     check_api_key(api_key)  # before anything loads: a key no client can send is a mistake
+    check_serve_flags(speculate, draft, draft_len)
     options = dict(max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
                    api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
                    chat_template=chat_template, backend=backend, engine_dir=engine_dir,
-                   special_tokens_in_content=special_tokens_in_content)
+                   special_tokens_in_content=special_tokens_in_content, speculate=speculate, draft=draft,
+                   draft_len=draft_len, adaptive_draft=adaptive_draft)
     where = serving_where(use_ray, replicas)
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only

@@ -45,6 +45,7 @@ from kvforge.tools.bandwidth import (
 )
 from kvforge.tools.bench_workers import (
     COLD_PROMPT,
+    PROMPT_IDS_ENV,
     SPECULATIVE,
     check_fits,
     cold_start_ms,
@@ -83,9 +84,13 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
               repeat: int = 3, threads: int = 2, compare: tuple[str, ...] = (),
               say: Callable[[str], None] | None = None, speculate: str | None = None,
               draft_len: int = 6, cold_start: bool = True, spinning: bool = True,
-              mem_bandwidth: float | None = None) -> dict[str, Any]:
-    """The report (see the module docstring). `speculate="prompt-lookup"` adds kvforge with speculation
-    (row SPECULATIVE) beside plain kvforge; `cold_start=False` skips the cold-start processes;
+              mem_bandwidth: float | None = None, draft: str | Path | None = None,
+              prompt_file: str | Path | None = None) -> dict[str, Any]:
+    """The report (see the module docstring). `speculate` (a method of runtime/controls/speculate.py; `draft`:
+    the draft export of method "draft") adds kvforge with speculation (row SPECULATIVE) beside plain kvforge:
+    its acceptance per draft position, tokens per target step and ratios; `prompt_file`: a UTF-8 text whose
+    tokens (the export's tokenizer) are every system's prompt, instead of ids in a progression;
+    `cold_start=False` skips the cold-start processes;
     `spinning=False`: kvforge's ONNX Runtime threads sleep instead of spinning while they wait (the
     peers keep their defaults); `mem_bandwidth` (GB/s): the bandwidth the shares are taken of, instead of
     the probe's measurement."""
@@ -93,6 +98,9 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
     mem_bandwidth = parse_mem_bandwidth(mem_bandwidth)
     export_dir = Path(export_dir)
     manifest = _checked(export_dir, prompt_len, new_tokens, batch, repeat, threads, compare, speculate, draft_len)
+    _check_draft(export_dir, speculate, draft)
+    if prompt_file is not None:
+        os.environ[PROMPT_IDS_ENV] = str(_prompt_ids_file(export_dir, Path(prompt_file), prompt_len))
     source = Path(manifest["model"].get("source", ""))
     quant = manifest.get("quantization") or {}
     systems: dict[str, str] = {"kvforge": str(export_dir)}
@@ -111,8 +119,12 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
         map(str, prompt_ids(8, 0, int(manifest["model"]["vocab_size"]))))
     worker = [str(prompt_len), str(new_tokens), str(batch), str(threads), "1" if spinning else "0"]
     probe = bandwidth_probe(threads) if mem_bandwidth is None else None  # a given bandwidth needs no probe
-    runs, probes = _rounds(systems, worker, repeat, threads, draft_len, cold_prompt if cold_start else None, say,
-                           probe)
+    spec_args = [str(draft_len), speculate or "-", str(draft) if draft is not None else "-"]
+    try:
+        runs, probes = _rounds(systems, worker, repeat, threads, spec_args, cold_prompt if cold_start else None, say,
+                               probe)
+    finally:
+        os.environ.pop(PROMPT_IDS_ENV, None)
     # Speculation keeps greedy output: its tokens must be plain kvforge's, round by round.
     tokens = {name: [sample.pop("tokens", None) for sample in samples] for name, samples in runs.items()}
     table = {name: _medians(samples) for name, samples in runs.items()}
@@ -122,7 +134,7 @@ def run_bench(export_dir: str | Path, prompt_len: int = 128, new_tokens: int = 1
     context = mean_context(row_lengths(prompt_len, batch), new_tokens)
     reads = _decode_shares(table, runs, systems, manifest, export_dir, batch, context, bandwidths)
     if SPECULATIVE in table:
-        _speculation_row(table, runs, tokens, draft_len)
+        _speculation_row(table, runs, tokens, draft_len, speculate, draft)
     _ratios(table, cold_start)
     # Export / build time: kvforge's from its manifest, the peer builder's as timed when it ran.
     ours["export_s"] = (manifest.get("export_seconds") or {}).get("total")
@@ -169,6 +181,38 @@ def _checked(export_dir: Path, prompt_len: int, new_tokens: int, batch: int, rep
     return manifest
 
 
+def _check_draft(export_dir: Path, speculate: str | None, draft: str | Path | None) -> None:
+    """A draft export goes with --speculate draft only, and must draft for this export (checked by loading both)."""
+    if draft is not None and speculate != "draft":
+        raise InputError("--draft is the draft export of --speculate draft; add --speculate draft or drop --draft")
+    if speculate == "draft":
+        if draft is None:
+            raise InputError("--speculate draft needs --draft DIR: an export with this export's vocabulary (e.g. its "
+                             "int4 export)")
+        from kvforge.runtime.drivers.draft_model import DraftModel
+        from kvforge.runtime.drivers.loaded_export import LoadedExport
+
+        DraftModel.open(draft, LoadedExport(export_dir))
+
+
+def _prompt_ids_file(export_dir: Path, text_file: Path, prompt_len: int) -> Path:
+    """The --prompt-file text's token ids, written where the workers read them; InputError when it is shorter
+    than --prompt-len tokens."""
+    from kvforge.runtime.text.tokenizer import Tokenizer
+
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise InputError(f"--prompt-file {text_file}: {err}") from None
+    ids = Tokenizer(export_dir).encode(text)
+    if len(ids) < prompt_len:
+        raise InputError(f"--prompt-file {text_file} has {len(ids)} tokens, fewer than --prompt-len {prompt_len}")
+    out = CACHE / "prompts" / f"{os.getpid()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(ids[:prompt_len]))
+    return out
+
+
 def _decode_shares(table: dict[str, Any], runs: dict[str, list[dict[str, Any]]], systems: dict[str, str],
                    manifest: dict[str, Any], export_dir: Path, batch: int, context: float,
                    bandwidths: list[float]) -> dict[str, Any]:
@@ -192,7 +236,7 @@ def _decode_shares(table: dict[str, Any], runs: dict[str, list[dict[str, Any]]],
     return reads
 
 
-def _rounds(systems: dict[str, str], worker: list[str], repeat: int, threads: int, draft_len: int,
+def _rounds(systems: dict[str, str], worker: list[str], repeat: int, threads: int, spec_args: list[str],
             cold_prompt: str | None, say: Callable[[str], None],
             probe: Callable[[], float] | None) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
     """Each system's worker process once a round, systems taking turns, then (with `cold_prompt`) their
@@ -204,7 +248,7 @@ def _rounds(systems: dict[str, str], worker: list[str], repeat: int, threads: in
             probes.append(probe())
         for name, path in systems.items():  # take turns, round by round
             say(f"timing {name}, round {round_ + 1}/{repeat}")
-            extra = [str(draft_len)] if name == SPECULATIVE else []
+            extra = spec_args if name == SPECULATIVE else []
             proc = subprocess.run([sys.executable, "-m", "kvforge.tools.bench_workers", "worker", name, path, *worker,
                                    *extra], capture_output=True, text=True)
             if proc.returncode != 0:
@@ -231,10 +275,15 @@ def _medians(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _speculation_row(table: dict[str, Any], runs: dict[str, Any], tokens: dict[str, Any], draft_len: int) -> None:
+def _speculation_row(table: dict[str, Any], runs: dict[str, Any], tokens: dict[str, Any], draft_len: int,
+                     method: str, draft: str | Path | None) -> None:
     ours, spec, last = table["kvforge"], table[SPECULATIVE], runs[SPECULATIVE][-1]
-    spec.update(draft_len=draft_len, draft_tokens=last["draft_tokens"], accepted_tokens=last["accepted_tokens"],
-                graph_runs=last["steps"] + 1, tokens_match_plain=tokens[SPECULATIVE] == tokens["kvforge"])
+    spec.update(method=method, draft=str(draft) if draft is not None else None, draft_len=draft_len,
+                draft_tokens=last["draft_tokens"], accepted_tokens=last["accepted_tokens"],
+                graph_runs=last["steps"] + 1, tokens_match_plain=tokens[SPECULATIVE] == tokens["kvforge"],
+                tokens_per_target_step=last["tokens_per_step"],
+                acceptance_by_position=[kept / reached if reached else 0.0
+                                        for kept, reached in zip(last["accepted_at"], last["drafted_at"], strict=True)])
     spec["acceptance_rate"] = last["accepted_tokens"] / last["draft_tokens"] if last["draft_tokens"] else 0.0
     spec["decode_ratio_over_plain"] = spec["decode_tokens_per_s"] / ours["decode_tokens_per_s"]
     spec["end_to_end_ratio_over_plain"] = spec["end_to_end_tokens_per_s"] / ours["end_to_end_tokens_per_s"]
@@ -266,9 +315,13 @@ def format_table(report: dict[str, Any]) -> str:
     spec = report["systems"].get(SPECULATIVE)
     if spec is not None:
         same = "same tokens as plain decoding" if spec["tokens_match_plain"] else "TOKENS DIFFER FROM PLAIN DECODING"
-        lines.append(f"{SPECULATIVE} (draft_len {spec['draft_len']}): {spec['accepted_tokens']}/{spec['draft_tokens']} "
-                     f"drafted tokens accepted ({100 * spec['acceptance_rate']:.0f}%), {spec['graph_runs']} graph runs; "
-                     f"end to end {ours['end_to_end_tokens_per_s']:.1f} -> {spec['end_to_end_tokens_per_s']:.1f} tok/s "
+        by_position = " ".join(f"{100 * rate:.0f}%" for rate in spec["acceptance_by_position"])
+        lines.append(f"{SPECULATIVE} ({spec['method']}, draft_len {spec['draft_len']}): {spec['accepted_tokens']}/"
+                     f"{spec['draft_tokens']} drafted tokens accepted ({100 * spec['acceptance_rate']:.0f}%; by position "
+                     f"{by_position}), {spec['tokens_per_target_step']:.2f} tokens per target step, "
+                     f"{spec['graph_runs']} graph runs; decode {ours['decode_tokens_per_s']:.1f} -> "
+                     f"{spec['decode_tokens_per_s']:.1f} tok/s (x{spec['decode_ratio_over_plain']:.2f}), end to end "
+                     f"{ours['end_to_end_tokens_per_s']:.1f} -> {spec['end_to_end_tokens_per_s']:.1f} tok/s "
                      f"(x{spec['end_to_end_ratio_over_plain']:.2f}); {same}")
         for name, row in report["systems"].items():
             if "decode_ratio_speculative_over_peer" in row:

@@ -9,6 +9,7 @@ kvforge.tools.bench_workers cold SYSTEM PATH PROMPT THREADS (PROMPT: text, or id
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -37,8 +38,17 @@ def row_lengths(prompt_len: int, batch: int) -> list[int]:
     return [prompt_len - step * b for b in range(batch)]
 
 
+# `kvforge bench --prompt-file`: the prompt's token ids (the export's tokenizer), which every worker reads from
+# the file this variable names, so that all systems get the same ids.
+PROMPT_IDS_ENV = "KVFORGE_BENCH_PROMPT_IDS"
+
+
 def prompt_ids(length: int, row: int = 0, vocab: int = 512) -> list[int]:
-    """A fixed, repeatable prompt of token ids every system gets (a different one per batch row)."""
+    """A fixed, repeatable prompt of token ids every system gets (a different one per batch row): the first
+    `length` ids of --prompt-file's text when one was given, else ids in an arithmetic progression."""
+    given = os.environ.get(PROMPT_IDS_ENV)
+    if given:
+        return json.loads(Path(given).read_text())[:length]
     return [((7 + 2 * row) * i + 3 * row) % (vocab - 10) + 5 for i in range(length)]
 
 
@@ -66,14 +76,16 @@ def _peak_rss_mb() -> float:
 
 # -- workers (one process each) ---------------------------------------------------------------------
 def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int, spinning: bool = True,
-                  draft_len: int = 0) -> dict[str, Any]:
-    """kvforge's greedy decode; with `draft_len`, prompt-lookup speculation (its drafts verified in one
-    prefill call per step). The tokens go back too, so the two modes can be checked for equality."""
+                  draft_len: str = "0", method: str = "prompt-lookup", draft: str = "-") -> dict[str, Any]:
+    """kvforge's greedy decode; with `draft_len`, speculation by `method` (`draft`: the export at `draft`),
+    its drafts verified in one prefill call per step. The tokens go back too, so the two modes can be checked
+    for equality."""
     from kvforge.runtime import GenerationRequest, Generator, Speculation
 
-    gen = Generator(path, threads=threads, spinning=spinning)
+    draft_len = int(draft_len)
+    gen = Generator(path, threads=threads, spinning=spinning, draft=None if draft == "-" else draft)
     prompts = [prompt_ids(n, b, gen.vocab_size) for b, n in enumerate(row_lengths(prompt_len, batch))]
-    speculation = Speculation("prompt-lookup", draft_len) if draft_len else None
+    speculation = Speculation(method, draft_len) if draft_len else None
     request = GenerationRequest(prompts, new, ignore_eos=True, speculation=speculation)  # greedy
     gen.generate(request.replace(prompts=_warmup(prompts), max_new_tokens=8))  # warm-up
     start = time.perf_counter()
@@ -85,7 +97,9 @@ def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int
                            "end_to_end_tokens_per_s": sum(map(len, result.tokens)) / total_s,
                            "tokens": result.tokens}
     if draft_len:
-        out.update(steps=steps, draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens)
+        out.update(steps=steps, draft_tokens=result.draft_tokens, accepted_tokens=result.accepted_tokens,
+                   verify_steps=result.verify_steps, drafted_at=result.drafted_at, accepted_at=result.accepted_at,
+                   tokens_per_step=result.tokens_per_step)
     return out
 
 
@@ -221,14 +235,14 @@ def cold_start_ms(system: str, path: str, prompt: str, threads: int) -> float:
     return elapsed
 
 
-SPECULATIVE = "kvforge+lookup"  # kvforge with prompt-lookup speculation (--speculate prompt-lookup)
+SPECULATIVE = "kvforge+speculative"  # kvforge with speculative decoding (--speculate METHOD)
 WORKERS: dict[str, Callable[..., dict[str, Any]]] = {"kvforge": _work_kvforge, SPECULATIVE: _work_kvforge,
                                                      "hf": _work_hf, "ort-genai": _work_genai}
 
 
 def _worker_main(argv: list[str]) -> None:
     system, path, prompt_len, new, batch, threads, spin, *extra = argv
-    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads), spin == "1", *map(int, extra))
+    result = WORKERS[system](path, int(prompt_len), int(new), int(batch), int(threads), spin == "1", *extra)
     result["peak_rss_mb"] = _peak_rss_mb()
     print(json.dumps(result))
 
