@@ -78,6 +78,10 @@ class ExportOptions:
     # A vision-language checkpoint (models/vision_families.py) is exported whole, vision.onnx included; True: its
     # text model alone, as exports did before vision.onnx
     text_only: bool = False
+    # A checkpoint's multi-token-prediction layer exported as the speculation head draft.onnx (exporter/mtp_head.py)
+    # where it ships one; False (--no-mtp): the target alone
+    mtp: bool = True
+    eagle: str | Path | None = None  # an EAGLE-3 head's folder, exported as draft.onnx (exporter/draft_head.py)
 
     def resolve(self) -> ExportTarget:
         """The target, resolved once, after checking every option against it."""
@@ -159,6 +163,11 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
     started = time.perf_counter()
     check_weight_files(model_dir)  # pickle-only folders said as such
     checkpoint = open_checkpoint(model_dir)  # shards checked before anything is written
+    from kvforge.exporter.draft_head import eagle_draft
+    from kvforge.exporter.mtp_head import mtp_draft
+    # --eagle's EAGLE-3 head, else a checkpoint's MTP layer (a target without draft heads: none); checked before writing
+    draft = mtp_draft(config, checkpoint, options.mtp, say, target) \
+        if options.eagle is None else eagle_draft(options.eagle, config, family, target, vision, say)
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))
@@ -170,7 +179,7 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
         clock: dict[str, float] = {}
         int_weights = int_weights or _calibrated(options, model_dir, calibration_work, clock, say)
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
-                          int_weights, method_default, gguf_record, vision)
+                          int_weights, method_default, gguf_record, vision, draft)
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
@@ -385,6 +394,8 @@ def _write(staging: Path, work: ExportWork, made: MadeGraphs, clock: dict[str, f
     extra["export_seconds"] = {name: round(value, 2) for name, value in clock.items()}
     if made.vision is not None:
         extra["vision"] = made.vision
+    if made.draft is not None:
+        extra["draft"] = made.draft
     manifest = export_manifest(config, model_dir, work.target.core, work.options.dtype, layout, graphs, staging, sizes,
                                work.gguf_record, extra)
     for field, ids in manifest["model"].get("dropped_token_ids", {}).items():

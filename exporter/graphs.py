@@ -43,6 +43,10 @@ class ExportWork:
     gguf_record: dict[str, Any] | None = None  # the GGUF the model folder was converted from, if it was
     # A vision-language checkpoint exported whole (models/vision_families.py): its row; None: text only
     vision: Any = None
+    # A speculation head exported beside the target as draft.onnx (a checkpoint's MTP layer: exporter/mtp_head.py):
+    # `expose(prefill)` gives the target graph the hidden states the head reads, `build(work, layout)` makes the
+    # head's graph and manifest record; None: no head
+    draft: Any = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class MadeGraphs:
     kv_quant: dict[str, Any] | None
     layout: KVLayout
     vision: dict[str, Any] | None = None  # a vision-language export's manifest record (exporter/vision.py)
+    draft: dict[str, Any] | None = None  # a speculation head's manifest record (ExportWork.draft)
 
 
 class Clock:
@@ -78,6 +83,11 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
     if work.vision is not None:
         made.vision = add_vision_graph(made.graphs, work)
         lap("vision")
+    if work.draft is not None:
+        from kvforge.core.contract import DRAFT
+
+        made.graphs[DRAFT], made.draft = work.draft.build(work, made.layout)
+        lap("draft")
     return made
 
 
@@ -254,6 +264,8 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
         from kvforge.exporter.fusions import pretranspose_tied_lm_head
 
         pretranspose_tied_lm_head(prefill)
+    if work.draft is not None:  # the head reads hidden states the target graphs then output too
+        work.draft.expose(prefill)
     graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
     # The experts' weights are quantised by the MoE lowering (ONNX Runtime's QMoE takes its own layout).
     moe_quantize = None
@@ -293,13 +305,16 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     stamped (exporter/layer_stamping.py); then every fake weight gets its lazy checkpoint read."""
     from kvforge.exporter.trace import trace_prefill
 
+    aux = getattr(work.draft, "aux_layer_ids", None)  # an EAGLE-3 head reads these layers' inputs (draft_head.py)
     if empty is None:
         work.say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
-        return trace_prefill(model, layout, work.torch_dtype, work.family, image_token_id=_image_token(work))
+        return trace_prefill(model, layout, work.torch_dtype, work.family, image_token_id=_image_token(work),
+                             aux_layers=aux)
     from kvforge.exporter.layer_stamping import StampRefused, stamp_layers, stamp_plan, traced_prefix
     from kvforge.exporter.lazy_weights import attach_weights
 
-    plan = stamp_plan(model, work.config, layout, work.family) if work.options.stamp else "--no-stamp"
+    plan = "--no-stamp" if not work.options.stamp else "an EAGLE-3 head reads chosen layers' inputs" \
+        if aux is not None else stamp_plan(model, work.config, layout, work.family)
     prefill = None
     if not isinstance(plan, str):
         work.say(f"tracing 2 of the {plan.total} alike layers (torch.onnx, dynamo) and stamping the rest; "
@@ -313,7 +328,7 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     if prefill is None:
         work.say(f"tracing the model once (torch.onnx, dynamo; every layer: {plan}); the decode graph is derived "
                  "from it")
-        prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode)
+        prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode, aux_layers=aux)
     attach_weights(prefill, empty, work.checkpoint)
     return prefill
 

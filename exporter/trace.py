@@ -44,10 +44,11 @@ def quiet_logger(name: str, level: int = logging.ERROR):
 
 
 def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None, fake_mode: Any = None,
-                  image_token_id: int | None = None) -> Any:
+                  image_token_id: int | None = None, aux_layers: tuple[int, ...] | None = None) -> Any:
     """The canonical prefill graph (an onnx_ir model): attention as one kvforge node per layer, every
     batch, sequence, position and capacity dimension dynamic, IO named by the contract. `image_token_id`: a
-    vision-language export's, whose prefill also takes the image tokens' features (contract.IMAGE_FEATURES)."""
+    vision-language export's, whose prefill also takes the image tokens' features (contract.IMAGE_FEATURES).
+    `aux_layers`: a speculation head's, whose graphs also output those layers' inputs (contract.TARGET_HIDDEN)."""
     import torch
     from torch.export import Dim
 
@@ -70,7 +71,7 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
         hidden = model.get_input_embeddings().weight.shape[-1]
         args.append(torch.zeros(3, hidden, dtype=torch_dtype))
         rest_shapes.insert(1, {0: Dim("image_tokens")})
-    io = GraphIO.of("prefill", layout, images=image_token_id is not None)
+    io = GraphIO.of("prefill", layout, images=image_token_id is not None, hidden=aux_layers is not None)
     if fake_mode is not None:  # the model's weights are fake tensors of this mode: the inputs must be too
         args, cache = [fake_mode.from_tensor(a) for a in args], [fake_mode.from_tensor(c) for c in cache]
     # torch.onnx prints its steps to stdout and warns about torchvision; keep stdout for --json.
@@ -78,7 +79,7 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
             traceable_recurrences(model):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            GraphWrapper(model, "prefill", family, layout, image_token_id),
+            GraphWrapper(model, "prefill", family, layout, image_token_id, aux_layers),
             tuple(args + cache),
             dynamo=True,
             input_names=list(io.inputs),

@@ -163,9 +163,12 @@ class GraphWrapper(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, phase: str, family: Family | None = None,
-                 layout: KVLayout | None = None, image_token_id: int | None = None) -> None:
+                 layout: KVLayout | None = None, image_token_id: int | None = None,
+                 aux_layers: tuple[int, ...] | None = None) -> None:
         """`layout`: the cache's buffers, in graph order (default: a key and a value per layer). `image_token_id`:
-        a vision-language export's prefill, which takes IMAGE_FEATURES after logits_index (merge_image_features)."""
+        a vision-language export's prefill, which takes IMAGE_FEATURES after logits_index (merge_image_features).
+        `aux_layers`: an export with a speculation head, whose graphs also output the inputs of those decoder layers
+        concatenated (contract.TARGET_HIDDEN, last; exporter/draft_head.py)."""
         super().__init__()
         if phase not in ("prefill", "decode"):
             raise ValueError(phase)
@@ -174,6 +177,7 @@ class GraphWrapper(torch.nn.Module):
         self.family = family if family is not None else family_for(model.config)
         self.layout = layout
         self.image_token_id = image_token_id
+        self.aux_layers = aux_layers
 
     def forward(self, input_ids: torch.Tensor, past_lens: torch.Tensor, *rest: torch.Tensor):
         features = None
@@ -206,8 +210,11 @@ class GraphWrapper(torch.nn.Module):
         if features is not None:
             embeds = self.model.get_input_embeddings()(input_ids)
             tokens = dict(inputs_embeds=merge_image_features(input_ids, embeds, features, self.image_token_id))
+        from kvforge.exporter.draft_head import capture_layer_inputs
+
         try:
-            with own if own is not None else contextlib.nullcontext():
+            with own if own is not None else contextlib.nullcontext(), \
+                    capture_layer_inputs(backbone(self.model), self.aux_layers) as aux:
                 hidden = backbone(self.model)(
                     **tokens, position_ids=position_ids, use_cache=own.use_cache if own is not None else bool(cache), **cache
                 ).last_hidden_state
@@ -232,4 +239,4 @@ class GraphWrapper(torch.nn.Module):
             else:  # a state the layer did not write this call is passed on as it was
                 layer_cache = cache[cache_keyword(self.model)].layers[layer]
                 present.append(layer_cache.present.get(kind, named[(layer, kind)]))
-        return (logits, *present)
+        return (logits, *present) + ((torch.cat(aux, -1),) if self.aux_layers else ())

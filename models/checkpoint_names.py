@@ -44,6 +44,11 @@ def ignored_unexpected(model: Any) -> re.Pattern[str] | None:
         patterns.add(r"rotary_emb\.inv_freq")
     if any(name.endswith("position_ids") for name in buffers):
         patterns.add(r"(^|\.)position_ids$")
+    from kvforge.models.mtp import mtp_tensor_pattern
+
+    mtp = mtp_tensor_pattern(getattr(model, "config", None))  # MTP layers: draft.onnx's (exporter/mtp_head.py)
+    if mtp is not None:
+        patterns.add(mtp)
     return re.compile("|".join(f"({pattern})" for pattern in sorted(patterns))) if patterns else None
 
 
@@ -89,7 +94,11 @@ def refuse_incomplete(model_dir: Path, model: Any, info: dict[str, Any]) -> None
     if mismatched:
         name, stored, wanted = mismatched[0]
         raise InputError(mismatch_line(model_dir, name, list(stored), list(wanted), len(mismatched) - 1))
-    refuse_unexpected(model_dir, model, sorted(info.get("unexpected_keys") or ()))
+    from kvforge.models.mtp import mtp_tensor_pattern
+
+    mtp = mtp_tensor_pattern(getattr(model, "config", None))  # the MTP layers go to draft.onnx, not the model
+    unexpected = [name for name in info.get("unexpected_keys") or () if mtp is None or not re.search(mtp, name)]
+    refuse_unexpected(model_dir, model, sorted(unexpected))
 
 
 def refuse_doubled_layers(model_dir: Path, prefixes: Iterable[str], names: Container[str]) -> None:

@@ -46,18 +46,22 @@ class TemplateError(InputError):
 class GenerationService:
     def __init__(self, export: LoadedExport | Any, *, max_batch: int = 8, max_seq_len: int | None = None,
                  prefill_chunk: int = 128, max_queue: int = 64, chat_template: str | Path | None = None,
-                 template_seconds: float | None = None, special_tokens_in_content: bool = False) -> None:
+                 template_seconds: float | None = None, special_tokens_in_content: bool = False,
+                 **speculation: Any) -> None:
         """`export`: a LoadedExport (a Generator is taken for its `export`). `chat_template`: a Jinja file (or a built-in name, runtime/text/chat.py's BUILTIN_TEMPLATES) used
         instead of the export's; `template_seconds`: the time one rendering may take;
         `special_tokens_in_content`: special-token text in messages becomes control tokens (trusted
-        clients only; by default it stays text, runtime/text/chat_tokens.py)."""
+        clients only; by default it stays text, runtime/text/chat_tokens.py). `speculation`: the Scheduler's
+        speculate, draft_len, draft and adaptive (runtime/drivers/scheduler_speculation.py)."""
         self.export: LoadedExport = getattr(export, "export", export)
         self.special_tokens_in_content = special_tokens_in_content
         # A template given in place of the export's: one that cannot be read fails the start.
         override = (chat_template_override(chat_template, self.export.folder, self.export.manifest)
                     if chat_template is not None else None)
         self.scheduler = Scheduler(self.export, max_batch=max_batch, max_seq_len=max_seq_len,
-                                   prefill_chunk=prefill_chunk, max_queue=max_queue).start()
+                                   prefill_chunk=prefill_chunk, max_queue=max_queue, **speculation).start()
+        # The draft length of requests that name a method but no length: the server's, as its default's.
+        self.draft_len: int | None = speculation.get("draft_len")
         self.capacity = self.scheduler.capacity
         self.max_queue = self.scheduler.max_queue
         self.tokenizer = self.export.tokenizer

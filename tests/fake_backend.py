@@ -124,11 +124,22 @@ class FakeCache(CacheState):
         view.layers = [(k[:rows], v[:rows]) for k, v in self.layers]
         return view
 
+    def row(self, at: int) -> FakeCache:
+        """Row `at` alone, in place (as runtime/backends/row_view.py's): batch 1, `row_offset` at."""
+        self.check_row(at, 0)
+        view = copy.copy(self)
+        view.shape = (1, *self.shape[1:])
+        view.past_lens = self.past_lens[at: at + 1]
+        view.row_offset = at
+        view.layers = [(k[at: at + 1], v[at: at + 1]) for k, v in self.layers]
+        return view
+
 
 @dataclass
 class FakeSlot:
     cache: FakeCache
     logits: np.ndarray  # [B, V]: returned by decode and one-position prefill, reused by the next run
+    hidden: np.ndarray | None = None  # the last run's "hidden states" [B, S, D]: layer 0's values it wrote
 
 
 class FakeBackend:
@@ -194,6 +205,7 @@ class FakeBackend:
             for k, i in enumerate(index[b].tolist()):
                 out[b, k] = self._read(cache, b, start + i)
         self._count("prefill", ids.shape)
+        slot.hidden = np.stack([self._values(cache, b, int(cache.past_lens[b]), ids.shape[1]) for b in range(cache.batch)])
         if index.shape[1] > 1:
             return out
         slot.logits[:] = out[:, 0]
@@ -213,7 +225,21 @@ class FakeBackend:
             self._write(cache, b, pos, token)
             slot.logits[b] = self._read(cache, b, pos)
         self._count("decode", (cache.batch, 1))
+        slot.hidden = np.stack([self._values(cache, b, int(cache.past_lens[b]), 1) for b in range(cache.batch)])
         return slot.logits
+
+    @staticmethod
+    def _values(cache: FakeCache, b: int, start: int, count: int) -> np.ndarray:
+        """Row b's layer-0 values at positions start..start+count-1 (zeros past the capacity) [count, D]."""
+        values = cache.layers[0][1][b, 0, start: start + count]
+        return np.concatenate([values, np.zeros((count - len(values), values.shape[-1]), np.float32)])
+
+    def target_hidden(self, slot: FakeSlot) -> np.ndarray:
+        """A speculation head's input (OrtBackend.target_hidden): here the values the slot's last run wrote,
+        so that a test can check which positions a proposer was given."""
+        if slot.hidden is None:
+            raise ValueError("the slot has not run yet")
+        return slot.hidden
 
     def _count(self, phase: str, shape: tuple[int, ...]) -> None:
         self.runs[phase] += 1
@@ -242,6 +268,10 @@ class FakeBackend:
     def view_rows(self, slot: FakeSlot, rows: int) -> FakeSlot:
         """The first `rows` rows in place (same buffers, same past_lens), with a logits buffer of its own."""
         return FakeSlot(slot.cache.first_rows(rows), np.zeros((rows, self.model.vocab_size), np.float32))
+
+    def row_view(self, slot: FakeSlot, at: int) -> FakeSlot:
+        """Row `at` of `slot` as a batch of 1 in place (OrtBackend.row_view)."""
+        return FakeSlot(slot.cache.row(at), np.zeros((1, self.model.vocab_size), np.float32))
 
 
 # -- an export folder without graphs ---------------------------------------------------------------
@@ -314,6 +344,6 @@ def make_generator(folder: Path, model: FakeModel | None = None, favour: int | N
 def without_rows(backend: FakeBackend) -> Any:
     """A copy of `backend` lacking the row operations (a backend serving cannot use)."""
     bare = copy.copy(backend)
-    for name in ("copy_rows", "read_rows", "write_rows", "view_rows"):
+    for name in ("copy_rows", "read_rows", "write_rows", "view_rows", "row_view"):
         setattr(bare, name, None)
     return bare

@@ -87,7 +87,7 @@ def test_cli_generate_speculate_json(exported, tmp_path) -> None:
     folder = exported("llama-tiny", "ort")
     ids = ",".join(str(t) for t in PROMPTS[1])
     args = [
-        "generate", str(folder), "--prompt-ids", ids, "--max-new-tokens", "20", "--ignore-eos", "--json",
+        "generate", str(folder), "--prompt-ids", ids, "--max-new-tokens", "20", "--ignore-eos", "--greedy", "--json",
     ]
     plain = json.loads(CliRunner().invoke(main, args).output)
     result = CliRunner().invoke(main, [*args, "--speculate", "prompt-lookup", "--draft-len", "4"])
@@ -99,7 +99,7 @@ def test_cli_generate_speculate_json(exported, tmp_path) -> None:
     assert 0.0 <= fast["speculation"]["acceptance_rate"] <= 1.0
     bad = CliRunner().invoke(main, [*args, "--speculate", "prompt-lookup", "--draft-len", "99"])
     assert bad.exit_code == 2
-    assert "draft_len must be an integer in 1..15, got 99" in bad.output
+    assert bad.output == "kvforge: error: --draft-len must be an integer in 1..15, got 99\n"
 
 
 # -- serving: the Scheduler speculates for a lone request, decodes it in the batch beside others ----
@@ -155,18 +155,21 @@ def test_server_speculate_extension(chat_export) -> None:
     with serving(app) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         want = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0).choices[0].text
-        fast = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+        fast = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
                                          extra_body={"speculate": {"method": "prompt-lookup", "draft_len": 5}})
         assert fast.choices[0].text == want
         messages = [{"role": "user", "content": prompt}]
         want = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
         fast = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, stream=True,
-                                              extra_body={"speculate": {"method": "prompt-lookup"}})
+                                              temperature=0, extra_body={"speculate": {"method": "prompt-lookup"}})
         assert "".join(c.choices[0].delta.content or "" for c in fast) == want.choices[0].message.content
         assert app.state.scheduler.snapshot()["draft_tokens"] > 0
+        # Sampling speculates too (the rejection rule keeps the target's distribution): a seed repeats its text.
+        sampled = [client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.8, seed=7,
+                                             extra_body={"speculate": {"method": "prompt-lookup"}}).choices[0].text
+                   for _ in range(2)]
+        assert sampled[0] == sampled[1]
         for extra, message in (
-                ({"temperature": 0.7}, "'speculate' needs greedy decoding"),
-                ({"top_p": 0.5}, "'speculate' needs greedy decoding"),
                 ({"extra_body": {"speculate": {"method": "medusa"}}}, "unknown speculation method 'medusa'"),
                 ({"extra_body": {"speculate": {"method": "prompt-lookup", "draft_len": 99}}}, "draft_len must be"),
                 ({"extra_body": {"speculate": "prompt-lookup"}}, "'speculate' must be an object")):

@@ -40,6 +40,7 @@ class ExportTarget:
     refuse_model: Callable[..., None] | None = None
     refuse_probed: Callable[..., None] | None = None
     images: bool = True  # a vision-language export (vision.onnx, image features into prefill)
+    drafts: bool = True  # `--eagle`: a speculation head's draft.onnx beside the graphs (exporter/draft_head.py)
 
     @property
     def name(self) -> str:
@@ -49,6 +50,9 @@ class ExportTarget:
         """The export options this target cannot honour, refused in one line naming another that can."""
         if options.quantize is not None and not self.quantize:
             raise InputError(f"--quantize produces ONNX Runtime's MatMulNBits: use it with --target ort, not {self.name}")
+        if getattr(options, "eagle", None) is not None and not self.drafts:
+            raise InputError(f"--eagle is not supported with --target {self.name} (its engines have no draft.onnx path "
+                             "yet); export with --target ort or --target onnx")
         if options.kv_cache is None:
             return
         if options.kv_cache not in KV_CACHE_DTYPES:

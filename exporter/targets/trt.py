@@ -97,4 +97,4 @@ def _refuse_probed(target: ExportTarget, config: Any, family: Any, dtype: str, l
 
 
 TARGET = ExportTarget(TARGETS["trt"], lower_to_trt, lower_moe, refuse_model=_refuse_model,
-                      refuse_probed=_refuse_probed, images=False)
+                      refuse_probed=_refuse_probed, images=False, drafts=False)

@@ -180,12 +180,17 @@ def main(ctx: click.Context, debug: bool) -> None:
               "where the model allows (--no-stream: load it whole).")
 @click.option("--text-only", is_flag=True, help="A vision-language checkpoint: export its text model alone (no "
               "vision.onnx; by default it is exported whole, docs/vision.md).")
+@click.option("--mtp/--no-mtp", default=True, show_default=True, help="A checkpoint's multi-token-prediction layer "
+              "(DeepSeek-V3, GLM-4.5, Qwen3-Next) as the speculation head draft.onnx, where it ships one.")
+@click.option("--eagle", type=click.Path(path_type=Path), default=None, metavar="HEAD_DIR",
+              help="An EAGLE-3 speculation head (speculators' or EAGLE's checkpoint folder): exported as draft.onnx "
+                   "beside the graphs, which then also output the hidden states it reads (targets ort and onnx).")
 @revision_option
 @json_option("the manifest")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str | None,
            accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool,
-           calibration: Path | None, text_only: bool, revision: str | None) -> None:
+           calibration: Path | None, text_only: bool, revision: str | None, eagle: Path | None, mtp: bool) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, a .gguf file, or a Hub id `org/name`: from the Hugging Face
     cache, downloaded only where HF_HUB_OFFLINE is unset) or a built-in --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
@@ -206,7 +211,7 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
                             accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream, calibration=calibration,
-                            text_only=text_only)
+                            text_only=text_only, eagle=eagle, mtp=mtp)
     if accuracy_check is not None and quantize is None and kv_cache is None:
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built

@@ -36,7 +36,10 @@ from kvforge.cli.common import (
     sampling_keywords,
     sampling_options,
 )
+from kvforge.cli.speculation import check_flags, speculation_options
 from kvforge.core.errors import InputError, KvforgeError
+from kvforge.tools import speculation
+from kvforge.tools.speculation import summary
 
 if TYPE_CHECKING:  # the runtime is imported when the command runs (startup time)
     from kvforge.runtime import LoadedExport
@@ -56,6 +59,7 @@ class Turn:
     seconds: float
     interrupted: bool = False
     context_full: bool = False  # its length limit was the room left in --max-seq-len, not --max-new-tokens
+    speculation: dict[str, Any] | None = None  # with --speculate: kvforge/tools/speculation.py's report of the turn
 
     def stats(self) -> dict[str, Any]:
         done = self.done
@@ -65,7 +69,8 @@ class Turn:
         rate = (done.completion_tokens - 1) / decode_s if done.completion_tokens > 1 and decode_s > 0 else 0.0
         return {"answer": self.text, "finish_reason": str(done.finish_reason), "prompt_tokens": done.prompt_tokens,
                 "cached_tokens": done.cached_tokens, "completion_tokens": done.completion_tokens,
-                "ttft_ms": round(ttft * 1e3, 3), "decode_tokens_per_s": round(rate, 2)}
+                "ttft_ms": round(ttft * 1e3, 3), "decode_tokens_per_s": round(rate, 2),
+                **({"speculation": self.speculation} if self.speculation is not None else {})}
 
 
 class ChatSession:
@@ -117,6 +122,7 @@ class ChatSession:
             question["content"] = [{"type": "text", "text": text},
                                    *({"type": "image", "image": image} for image in self.images)]
         events: queue.Queue = queue.Queue()
+        counts = self._speculation_counts()  # the scheduler runs this turn alone: its counters' growth is the turn's
         try:
             request = self._request(question)
             started = time.perf_counter()
@@ -148,8 +154,24 @@ class ChatSession:
         if answer or not interrupted:
             self.messages += [question, {"role": "assistant", "content": answer}]
             self.images = []
-        return Turn(answer, event, seconds, interrupted, context_full=request.max_new_tokens < self.max_new_tokens)
+        return Turn(answer, event, seconds, interrupted, context_full=request.max_new_tokens < self.max_new_tokens,
+                    speculation=self._speculation_report(counts))
 
+    def _speculation_counts(self) -> dict[str, Any] | None:
+        """The scheduler's speculation counters now (None: it does not speculate)."""
+        from kvforge.tools.speculation import scheduler_counts
+
+        default = getattr(getattr(self.scheduler, "speculation", None), "default", None)
+        return scheduler_counts(self.scheduler.snapshot()) if default is not None and not default.off else None
+
+    def _speculation_report(self, before: dict[str, Any] | None) -> dict[str, Any] | None:
+        from kvforge.tools.speculation import report_between
+
+        after = self._speculation_counts()
+        if before is None or after is None:
+            return None
+        default = self.scheduler.speculation.default
+        return report_between(default.method, default.draft_len, before, after)
 
     def _request(self, question: dict[str, Any]) -> Any:
         """The scheduler's request for the conversation and `question` (InputError when it no longer fits)."""
@@ -170,6 +192,8 @@ def _stat_line(turn: Turn) -> str:
     s = turn.stats()
     line = (f"[{s['completion_tokens']} tokens, {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens cached, "
             f"ttft {s['ttft_ms']:.0f} ms, {s['decode_tokens_per_s']:.1f} tokens/s")
+    if turn.speculation is not None:
+        line += ", " + summary(turn.speculation)
     if turn.interrupted:
         line += ", interrupted"
     elif s["finish_reason"] == "length":
@@ -198,13 +222,15 @@ def _stat_line(turn: Turn) -> str:
 @click.option("--special-tokens-in-content", is_flag=True,
               help="Let special-token text typed in a message (e.g. '<|im_end|>') become control tokens, as "
                    "transformers' templates do; by default it stays text.")
+@speculation_options()
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per answer on stdout (answer, finish_reason, token counts, ttft_ms, "
-                   "decode_tokens_per_s) instead of streamed text.")
+                   "decode_tokens_per_s; with --speculate, the drafts and what was accepted) instead of streamed "
+                   "text.")
 def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_eos: bool,
          max_seq_len: int | None, backend: str | None, threads: int | None, emulation: str | None, no_spin: bool,
          verify: bool, quiet: bool, chat_template: str | None, special_tokens_in_content: bool, as_json: bool,
-         **sampling: Any) -> None:
+         speculate: str | None, draft: Path | None, draft_len: int, **sampling: Any) -> None:
     """Chat with an export in the terminal (multi-turn; earlier turns' KV rows are reused).
 
     /reset forgets the conversation, /exit or Ctrl-D quits; Ctrl-C stops the answer being written
@@ -213,6 +239,7 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
     from kvforge.runtime import LoadedExport
 
     check_utf8("--system", system_text)
+    check_flags(speculate, draft, draft_len)
     export = LoadedExport(export_dir, backend=backend, verify_hashes=verify,
                           **backend_options(threads=threads, emulation=emulation,
                                             spinning=False if no_spin else None))
@@ -226,7 +253,11 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
         raise InputError(f"{err} (kvforge chat renders every turn with the export's chat template: give one with "
                          f"--chat-template FILE, or `kvforge generate {export_dir} --prompt TEXT` takes plain "
                          "prompts)") from None
-    scheduler = chat_scheduler(export, max_seq_len).start()
+    speculation.check_target(export, speculate)
+    draft_export = (speculation.open_draft(draft, export, **backend_options(threads=threads))
+                    if draft is not None else None)
+    scheduler = chat_scheduler(export, max_seq_len, speculate=speculate, draft_len=draft_len,
+                               draft=draft_export).start()
     try:
         _loop(ChatSession(export, scheduler, system_text, max_new_tokens, ignore_eos=ignore_eos,
                           special_tokens_in_content=special_tokens_in_content, **sampling_keywords(sampling)),
@@ -235,17 +266,18 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
         scheduler.close()
 
 
-def chat_scheduler(export: LoadedExport, max_seq_len: int | None) -> Scheduler:
+def chat_scheduler(export: LoadedExport, max_seq_len: int | None, **speculation_options: Any) -> Scheduler:
     """The one-row Scheduler a chat runs on (not started). Unlike the server's, it keeps the KV rows
     of a cancelled (Ctrl-C) answer, as of a finished one: that answer stays in the conversation, so
-    the next turn copies them instead of prefilling the whole conversation again."""
+    the next turn copies them instead of prefilling the whole conversation again. `speculation_options`: the
+    Scheduler's speculate, draft_len and draft (every turn speculates with them)."""
     from kvforge.core.contract import KVLayout
     from kvforge.runtime.drivers.scheduler import Scheduler
 
     # The rows kept of a cancelled answer hold every token generated but the last, those generated after
     # Ctrl-C too (the chat drops their text): harmless, as the next turn's lookup copies only the
     # positions whose tokens its prompt shares, i.e. as far as the answer was shown.
-    scheduler = Scheduler(export, max_batch=1, max_seq_len=max_seq_len, keep_cancelled=True)
+    scheduler = Scheduler(export, max_batch=1, max_seq_len=max_seq_len, keep_cancelled=True, **speculation_options)
     # One conversation at a time: room for all of its KV rows is all the prefix store needs.
     scheduler.prefixes.budget_bytes = KVLayout.from_manifest(export.manifest).bytes(1, scheduler.capacity)
     return scheduler

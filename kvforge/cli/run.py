@@ -356,7 +356,7 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
                    chat_template=chat_template, backend=backend, engine_dir=engine_dir,
                    special_tokens_in_content=special_tokens_in_content, speculate=speculate, draft=draft,
                    draft_len=draft_len, adaptive_draft=adaptive_draft)
-    where = serving_where(use_ray, replicas)
+    where = serving_where(use_ray, replicas) + speculating(speculate, draft_len, adaptive_draft)
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only
         click.echo(f"kvforge: serving {export_dir} on {url or f'http://{host}:{port}/v1'} with {where} (Ctrl-C stops)",
@@ -382,6 +382,13 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
         raise KeyboardInterrupt  # kvforge: interrupted, exit 130 (cli._Group)
     if stopped_by == signal.SIGTERM:
         click.echo("kvforge: stopped (SIGTERM)", err=True)
+
+
+def speculating(method: str | None, draft_len: int, adaptive: bool) -> str:
+    """The ready line's words for the server's default speculation ('' for none)."""
+    if method is None:
+        return ""
+    return f", speculating by {method} (up to {draft_len} tokens{', adaptive' if adaptive else ''})"
 
 
 def serving_where(use_ray: bool, replicas: int) -> str:

@@ -301,13 +301,21 @@ class GraphIO:
     outputs: tuple[str, ...]
 
     @classmethod
-    def of(cls, phase: str, layout: KVLayout, images: bool = False) -> GraphIO:
-        """A phase's IO; `images`: the prefill graph of a vision-language export (it takes IMAGE_FEATURES)."""
+    def of(cls, phase: str, layout: KVLayout, images: bool = False, hidden: bool = False) -> GraphIO:
+        """A phase's IO; `images`: the prefill graph of a vision-language export (it takes IMAGE_FEATURES);
+        `hidden`: an export with a speculation head (both graphs also output TARGET_HIDDEN, last)."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
         head = (INPUT_IDS, PAST_LENS) + ((LOGITS_INDEX,) if phase == "prefill" else ())
         head += (IMAGE_FEATURES,) if images and phase == "prefill" else ()
-        return cls(phase, head + tuple(layout.cache_inputs()), (LOGITS, *layout.cache_outputs()))
+        outputs = (LOGITS, *layout.cache_outputs()) + ((TARGET_HIDDEN,) if hidden else ())
+        return cls(phase, head + tuple(layout.cache_inputs()), outputs)
+
+    @classmethod
+    def draft(cls, layout: KVLayout) -> GraphIO:
+        """The speculation head's graph IO (DRAFT): `layout` is the head's own KV cache (manifest draft.kv_cache)."""
+        return cls(DRAFT, (INPUT_IDS, TARGET_HIDDEN, DRAFT_HIDDEN, PAST_LENS, *layout.cache_inputs()),
+                   (LOGITS, HIDDEN_OUT, TOKEN_MAP, *layout.cache_outputs()))
 
     @classmethod
     def vision(cls) -> GraphIO:

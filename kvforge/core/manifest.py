@@ -223,10 +223,15 @@ def _validate(manifest: Any, path: Path) -> None:
             if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
                 raise ManifestError(f"{path}: graphs.{phase}.{kind} must be a list of {{'name': ...}}; re-run the export")
         images = manifest.get("vision") is not None
-        GraphIO.of(phase, layout, images).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
+        hidden = manifest.get("draft") is not None  # a speculation head's export: TARGET_HIDDEN out too
+        GraphIO.of(phase, layout, images, hidden).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
         _check_declared_shapes(manifest, phase, layout, path)
     if manifest.get("vision") is not None:
         _check_vision(manifest, path, spec.vocab_size)
+    if manifest.get("draft") is not None:  # a speculation head (kvforge/core/draft_manifest.py)
+        from kvforge.core.draft_manifest import check_draft
+
+        check_draft(manifest, path, layout)
     weights = manifest.get("weights")
     if weights is not None and (not isinstance(weights, str) or weights not in files):
         raise ManifestError(f"{path}: the weights file {weights!r} is not listed in 'files'; re-run the export")

@@ -68,7 +68,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, allowed_hosts: Iterable[str] | None = None,
                template_seconds: float | None = None, chat_template: str | Path | None = None,
                backend: str | None = None, engine_dir: str | Path | None = None,
-               special_tokens_in_content: bool = False):
+               special_tokens_in_content: bool = False, speculate: str | None = None,
+               draft: str | Path | None = None, draft_len: int = 6, adaptive_draft: bool = True):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps): the export's
     LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it
     (kvforge/serve/handlers.py), the Guard middleware and the metrics.
@@ -77,7 +78,9 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
     (or a built-in name, runtime/text/chat.py's BUILTIN_TEMPLATES) used instead of the export's;
     `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
-    clients only; by default it stays text)."""
+    clients only; by default it stays text). `speculate`, `draft_len`: the speculation of requests that name
+    none; `draft`: the draft export of method draft; `adaptive_draft`: draft lengths follow acceptance
+    (kvforge/serve/speculation.py)."""
     _require()
     from fastapi import FastAPI
     from fastapi.responses import Response
@@ -86,6 +89,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from kvforge.runtime.service import GenerationService
     from kvforge.serve.handlers import GENERATION_PATHS, OpenAIHandlers
     from kvforge.serve.metrics import ServerMetrics
+    from kvforge.serve.speculation import scheduler_options
 
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
@@ -93,10 +97,13 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     options = {key: value for key, value in (("threads", threads), ("engine_dir", engine_dir)) if value is not None}
     if not spinning:  # only given when asked: backends other than ONNX Runtime's take no such option
         options["spinning"] = False
-    service = GenerationService(LoadedExport(export_dir, backend=backend, **options), max_batch=max_batch,
-                                max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, max_queue=max_queue,
+    export = LoadedExport(export_dir, backend=backend, **options)
+    speculation = scheduler_options(export, speculate, draft, draft_len, adaptive_draft,
+                                    **({"threads": threads} if threads is not None else {}))
+    service = GenerationService(export, max_batch=max_batch, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk,
+                                max_queue=max_queue,
                                 chat_template=chat_template, template_seconds=template_seconds,
-                                special_tokens_in_content=special_tokens_in_content)
+                                special_tokens_in_content=special_tokens_in_content, **speculation)
     metrics = ServerMetrics(service.scheduler)
     handlers = OpenAIHandlers(service, model_name or Path(export_dir).resolve().name, metrics)
 

@@ -20,7 +20,6 @@ from kvforge.runtime.controls.request import FinishReason, GenerationRequest, op
 from kvforge.runtime.controls.tool_calls import DeltaStream, ToolRequest, answer_message
 from kvforge.runtime.drivers.scheduler import Delta, Done
 from kvforge.runtime.text.tokenizer import TokenPieces
-from kvforge.serve.guard import ApiError
 
 if TYPE_CHECKING:  # the validated body; pydantic is only needed by the server itself
     from kvforge.serve.protocol import OpenAIRequest
@@ -45,25 +44,6 @@ def sampling_options(body: OpenAIRequest, default_greedy: bool) -> dict[str, Any
     if temperature is None and all(filters[k] in (None, off) for k, off in (("top_k", 0), ("top_p", 1), ("min_p", 0))):
         options["greedy"] = default_greedy
     return {**options, **filters, "temperature": temperature}
-
-
-def speculate_option(body: OpenAIRequest, options: dict[str, Any]) -> dict[str, Any]:
-    """`Generator.request` keywords for kvforge's `"speculate": {"method": "prompt-lookup",
-    "draft_len": N}` extension ({} without it). Speculation is greedy: without sampling fields the
-    request decodes greedily whatever the export's default; with sampling asked for it is a 400.
-    (The shape was validated with the body; greedy or not depends on the export's default.)"""
-    spec = body.speculate
-    if spec is None:
-        return {}
-    if options.get("temperature") is None and "greedy" in options:
-        options["greedy"] = True  # no sampling field: the export's sampling default does not apply
-    elif not options.get("greedy"):
-        raise ApiError(400, "'speculate' needs greedy decoding (its tokens are verified against greedy decoding): "
-                            "set temperature to 0 or leave out temperature, top_p, top_k, min_p", param="speculate")
-    out = {"speculate": spec["method"]}
-    if spec.get("draft_len") is not None:
-        out["draft_len"] = spec["draft_len"]
-    return out
 
 
 class Choice:
@@ -259,6 +239,9 @@ class Reply:
                 "created": int(time.time()), "model": self.model, "choices": choices, "usage": self.usage()}
 
 
+SPECULATION_COUNTS = ("draft_tokens", "accepted_tokens", "verify_steps")  # per choice, on a Done (the request log)
+
+
 class Tally:
     """The scheduler's Done events of a request's choices (every prompt's n) merged into one Done,
     `done` once the last has come (at once when nothing is generated): the request's line in the log
@@ -284,7 +267,11 @@ class Tally:
         first = (worst or self.dones or [None])[0]
         ttfts = [d.ttft_ms for d in self.dones if d.ttft_ms is not None]
         per_prompt = [d for d in self.dones if d.index == 0]
-        return Done(first.finish_reason if first is not None else FinishReason.LENGTH, self.prompt_tokens,
-                    sum(d.completion_tokens for d in self.dones), sum(d.prefilled_tokens for d in per_prompt),
-                    sum(d.cached_tokens for d in per_prompt), min(ttfts, default=None),
-                    first.error if first is not None else None)
+        merged = Done(first.finish_reason if first is not None else FinishReason.LENGTH, self.prompt_tokens,
+                      sum(d.completion_tokens for d in self.dones), sum(d.prefilled_tokens for d in per_prompt),
+                      sum(d.cached_tokens for d in per_prompt), min(ttfts, default=None),
+                      first.error if first is not None else None)
+        for name in SPECULATION_COUNTS:  # summed over the choices, where the scheduler's Done reports them
+            if self.dones and all(hasattr(d, name) for d in self.dones):
+                setattr(merged, name, sum(getattr(d, name) or 0 for d in self.dones))
+        return merged

@@ -20,7 +20,8 @@ from kvforge.runtime.controls.request import FinishReason, GenerationRequest
 from kvforge.runtime.controls.tool_calls import ToolRequest
 from kvforge.runtime.drivers.handles import Delta, Done
 from kvforge.runtime.service import GenerationService, TemplateError
-from kvforge.serve.choices import Job, Reply, Tally, sampling_options, speculate_option
+from kvforge.serve import speculation
+from kvforge.serve.choices import Job, Reply, Tally, sampling_options
 from kvforge.serve.guard import ApiError, decode_body, within
 from kvforge.serve.metrics import RequestTrace, ServerMetrics
 from kvforge.serve.protocol import PARAMETERS, ChatCompletionRequest, CompletionRequest, OpenAIRequest
@@ -137,7 +138,7 @@ class OpenAIHandlers:
                 max_tokens = within(name, getattr(body, name), low, self.service.capacity)
                 break
         options = sampling_options(body, self.service.default_greedy)
-        options.update(speculate_option(body, options))
+        options.update(speculation.request_options(body, self.service.export, self.service.draft_len))
         grammar = body.response_format  # validated into a Grammar; compiling it needs the vocabulary
         if grammar is not None:
             try:
@@ -220,6 +221,7 @@ class OpenAIHandlers:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         trace.stream = prepared.stream
+        trace.speculate = speculation.method_of([job.request for job in prepared.jobs], self.service.scheduler)
         n = prepared.body.choices
         tally = Tally(prepared.jobs, n)  # the one Done the log line and metrics take
 

@@ -3,8 +3,10 @@
 Log line: logger "kvforge.serve.app", INFO, message `request key=value ...` (logfmt; strings with spaces
 or quotes are JSON-quoted); the same fields are on the record as `kvforge_fields`, which
 `JsonFormatter` writes as one JSON object. Fields: id, endpoint, status, stream, finish_reason,
-prompt_tokens, cached_tokens, completion_tokens, ttft_ms, decode_tokens_per_s, total_ms; a refused
-request has id, endpoint, status, reason and total_ms only. A field that does not apply is left out.
+prompt_tokens, cached_tokens, completion_tokens, ttft_ms, decode_tokens_per_s, total_ms, and with speculation
+speculate (the method) and draft_tokens, accepted_tokens, acceptance, verify_steps (where the scheduler reports
+them per request); a refused request has id, endpoint, status, reason and total_ms only. A field that does not
+apply is left out.
 
 Times are taken in the server: from the handler's start (the body already read) to the first token's
 event (TTFT), between consecutive token events (inter-token latency, observed in the scheduler
@@ -25,6 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvforge.core.errors import InputError
+from kvforge.serve.speculation import log_fields
+from kvforge.serve.speculation import metric_families as speculation_metrics
 
 LOGGER = logging.getLogger("kvforge.serve")
 LOG_FORMATS = ("text", "json", "off")
@@ -96,11 +100,9 @@ class _SchedulerCollector:
                 ("kvforge_prefill_tokens", "prompt positions run through the graph (not reused)", s["prefilled_tokens"]),
                 ("kvforge_decode_steps", "decode steps of the running batch", s["decode_steps"]),
                 ("kvforge_decode_tokens", "tokens produced by decode steps (all rows)", s["decode_tokens"]),
-                ("kvforge_speculative_draft_tokens", "prompt-lookup tokens drafted and verified", s["draft_tokens"]),
-                ("kvforge_speculative_accepted_tokens", "drafted tokens greedy decoding agreed with",
-                 s["accepted_tokens"]),
                 ("kvforge_decode_seconds", "seconds spent in decode steps", s["decode_seconds"])):
             yield CounterMetricFamily(name, doc, value=value)
+        yield from speculation_metrics(s)  # kvforge_speculative_*: kvforge/serve/speculation.py
 
 
 class ServerMetrics:
@@ -156,6 +158,7 @@ class RequestTrace:
         self._ended_status: int | None = None
         self._logged = False
         self.tool_calls = False
+        self.speculate: str | None = None  # the method its generations speculate with (None: none)
 
     def on_event(self, event: Any, stream: Any = 0) -> None:
         """Called in the scheduler thread for every Delta and the (request's one) Done, before the
@@ -218,7 +221,8 @@ class RequestTrace:
                    "completion_tokens": done.completion_tokens,
                    "ttft_ms": None if ttft is None else round(ttft * 1e3, 1),
                    "decode_tokens_per_s": None if tps is None else round(tps, 1),
-                   "total_ms": round((end - self.arrived) * 1e3, 1), "error": done.error})
+                   "total_ms": round((end - self.arrived) * 1e3, 1), "speculate": self.speculate,
+                   **log_fields(done), "error": done.error})
 
     def refuse(self, status: int, reason: str) -> None:
         """The request was refused (or failed) before it ran: status and reason, no token counts."""

@@ -84,11 +84,14 @@ def _ignore_eos(value: Any) -> bool:
 
 
 def _speculate(value: Any) -> Any:
-    """kvforge's {"method": ..., "draft_len": N}; the method's name and draft_len are the runtime's to check."""
+    """kvforge's {"method": ..., "draft_len": N}, or false (or {"method": "off"}) for no speculation whatever the
+    server's default (kvforge/serve/speculation.py); the method's name and draft_len are the runtime's to check."""
+    if value is False:
+        return value
     if value is not None and (not isinstance(value, dict) or set(value) - {"method", "draft_len"}
                               or not isinstance(value.get("method"), str)):
         raise refusal("'speculate' must be an object {\"method\": \"prompt-lookup\", \"draft_len\": N} "
-                      f"(draft_len optional), got {value!r}"[:300], "speculate")
+                      f"(draft_len optional) or false, got {value!r}"[:300], "speculate")
     return value
 
 
@@ -192,7 +195,7 @@ class OpenAIRequest(BaseModel):
     frequency_penalty: Penalty = None
     repetition_penalty: float | None = Field(None, ge=0.01, le=10.0)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
-    speculate: Annotated[Any, PlainValidator(_speculate, json_schema_input_type=dict[str, Any] | None)] = None
+    speculate: Annotated[Any, PlainValidator(_speculate, json_schema_input_type=dict[str, Any] | bool | None)] = None
     # Validated into the Grammar it asks for (None: plain text).
     response_format: Annotated[Any, PlainValidator(_response_format,
                                                    json_schema_input_type=dict[str, Any] | None)] = None

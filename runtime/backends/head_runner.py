@@ -94,7 +94,7 @@ class HeadRunner:
                                 "re-run the export") from err
         inputs = {node.name: node for node in self.session.get_inputs()}
         outputs = {node.name: node for node in self.session.get_outputs()}
-        self.layout = self._layout(record, inputs)
+        self.layout = self._layout(record)
         GraphIO.draft(self.layout).check(list(inputs), list(outputs), f"{self.folder}/{DRAFT}.onnx")
         self.target_width = _width(inputs[TARGET_HIDDEN], record.get("target_hidden_size"))
         self.width = _width(inputs[DRAFT_HIDDEN], record.get("hidden_size"))
@@ -108,24 +108,15 @@ class HeadRunner:
         self.token_map = self._read_token_map()
         self.draft_vocab_size = len(self.token_map)
 
-    def _layout(self, record: dict[str, Any], inputs: dict[str, Any]) -> KVLayout:
-        """The head's KV layout: the record's `kv_cache` (KVLayout's manifest form) where it has one, else the
-        graph's own cache inputs [B, H_kv, C, D] (a record without it, written before the field was settled)."""
-        capacity = KVLayout.from_manifest(self.manifest).max_capacity
-        if isinstance(record.get("kv_cache"), dict):
-            layout = KVLayout.from_manifest({"kv_cache": {"max_capacity": capacity, **record["kv_cache"]}})
-            if layout.states:
-                raise ManifestError("a speculation head keeps no recurrent state; re-run the export")
-            return layout
-        names = sorted((n for n in inputs if n.startswith("past_key.")), key=lambda n: int(n.split(".")[1]))
-        shapes = [inputs[n].shape for n in names]
-        if not names or not all(len(s) == 4 and isinstance(s[1], int) and isinstance(s[3], int) for s in shapes):
-            raise ManifestError(f"the draft graph's cache inputs {names} have no fixed [B, H_kv, C, D] shape and the "
-                                "draft record no kv_cache; re-run the export")
-        dtype = {np.float32: "float32", np.float16: "float16"}.get(_NUMPY.get(inputs[names[0]].type))
-        if dtype is None:
-            raise ManifestError(f"the draft graph's cache is {inputs[names[0]].type}; re-run the export")
-        return KVLayout.per_layer([(s[1], s[3]) for s in shapes], dtype, capacity)
+    def _layout(self, record: dict[str, Any]) -> KVLayout:
+        """The head's KV layout: the record's `kv_cache` (KVLayout's manifest form, kvforge/core/draft_manifest.py)."""
+        try:
+            layout = KVLayout.from_manifest({"kv_cache": record.get("kv_cache")})
+        except ManifestError as err:
+            raise ManifestError(f"{self.folder}: draft.{err}") from None
+        if layout.states:
+            raise ManifestError(f"{self.folder}: a speculation head keeps no recurrent state; re-run the export")
+        return layout
 
     def _read_token_map(self) -> np.ndarray:
         """token_map [Vd]: a constant of the graph, read once by a one-position run over a scratch cache."""

@@ -57,6 +57,7 @@ from kvforge.runtime.backends.ort_sessions import (
     open_session,
     providers_for,
 )
+from kvforge.runtime.backends.row_view import row_view
 from kvforge.runtime.backends.target_hidden import before_run, target_hidden
 
 # ort-cuda's decode attention (`decode_attention`): "auto", ONNX Runtime's own choice (cuDNN's SDPA on
@@ -109,6 +110,7 @@ class OrtBackend:
     # ONNX Runtime CPU, whose "device" memory is host memory (tests/test_device_path.py).
     simulate_device = False
     target_hidden = target_hidden  # (slot) -> [B, S, Dt] of its last run: a speculation head's input
+    row_view = row_view  # (slot, at) -> a batch-1 slot over row `at` (runtime/backends/row_view.py)
 
     def __init__(
         self,
@@ -447,5 +449,3 @@ class OrtBackend:
         get_outputs() returns outputs in binding order, not graph order, hence the recorded order."""
         outputs = slot.bindings[phase].get_outputs()
         return {name: value.data_ptr() for name, value in zip(slot.output_order[phase], outputs, strict=True)}
-
-

@@ -21,7 +21,7 @@ from typing import Any
 from kvforge.core.errors import InputError
 from kvforge.runtime.controls.logprobs import MAX_LOGPROBS
 from kvforge.runtime.controls.sampling import SamplingConfig
-from kvforge.runtime.controls.speculate import DEFAULT_DRAFT_LEN, check_speculation
+from kvforge.runtime.controls.speculate import DEFAULT_DRAFT_LEN, OFF, check_speculation
 from kvforge.runtime.text.prompts import Prompts, as_id_list, is_int
 from kvforge.runtime.text.tokenizer import IncrementalDetokenizer
 
@@ -56,7 +56,8 @@ def openai_finish_reason(reason: str) -> str:
 
 @dataclass(frozen=True)
 class Speculation:
-    """Speculative decoding: `method` drafts up to `draft_len` tokens per step (runtime/controls/speculate.py)."""
+    """Speculative decoding: `method` drafts up to `draft_len` tokens per step (runtime/controls/speculate.py).
+    Speculation("off"): no speculation for this request, whatever its Scheduler's default (`speculate=`)."""
 
     method: str = "prompt-lookup"
     draft_len: int = DEFAULT_DRAFT_LEN
@@ -68,6 +69,10 @@ class Speculation:
             check_speculation(self.method, self.draft_len)
         except ValueError as err:
             raise InputError(str(err)) from err
+
+    @property
+    def off(self) -> bool:
+        return self.method == OFF
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class GenerationRequest:
         if self.speculation is not None:
             if not isinstance(self.speculation, Speculation):
                 raise InputError(f"speculation must be a Speculation, got {type(self.speculation).__name__}")
-            if self.keep_logits:
+            if self.keep_logits and not self.speculation.off:
                 raise InputError("keep_logits is not available with speculative decoding (a step verifies several "
                                  "positions at once); drop speculate")
 

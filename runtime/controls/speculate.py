@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 METHODS = ("prompt-lookup", "draft", "eagle", "mtp")
+OFF = "off"  # Speculation("off"): this request does not speculate, whatever its Scheduler's default
 HEAD_METHODS = ("eagle", "mtp")  # the export's draft.onnx (manifest record "draft": kind eagle3 / mtp)
 MAX_DRAFT_LEN = 15  # verification feeds draft_len + 1 positions; TensorRT profiles allow 16
 DEFAULT_DRAFT_LEN = 6
@@ -40,7 +41,31 @@ def prompt_lookup(context: np.ndarray, draft_len: int, max_ngram: int = DEFAULT_
 
 def check_speculation(method: str | None, draft_len: int) -> None:
     """Raise ValueError for an unknown method or a draft length out of range (callers reword it)."""
-    if method is not None and method not in METHODS:
-        raise ValueError(f"unknown speculation method {method!r}; choose one of {', '.join(METHODS)}")
+    if method is not None and method not in METHODS and method != OFF:
+        raise ValueError(f"unknown speculation method {method!r}; choose one of {', '.join(METHODS)} (or {OFF!r})")
     if isinstance(draft_len, bool) or not isinstance(draft_len, (int, np.integer)) or not 1 <= draft_len <= MAX_DRAFT_LEN:
         raise ValueError(f"draft_len must be an integer in 1..{MAX_DRAFT_LEN}, got {draft_len!r}")
+
+
+class AdaptiveDraftLength:
+    """One row's draft length, adapted to how its drafts fare: one longer after a draft accepted whole (a longer
+    one might have been too), one shorter after a draft with a rejection (the tokens past it were wasted work),
+    within 1..most. A greedy row's tokens do not depend on it; it only trades verification width for steps."""
+
+    def __init__(self, most: int, start: int | None = None) -> None:
+        check_speculation(None, most)
+        self.most = int(most)
+        self.length = self.most if start is None else max(1, min(self.most, int(start)))
+
+    def update(self, drafted: int, accepted: int) -> int:
+        """Record one verification of this row (`drafted` tokens proposed, the first `accepted` kept); the
+        length for its next draft. A draft shorter than asked (prompt lookup found fewer) accepted whole says
+        nothing about a longer one: the length stays."""
+        if drafted <= 0:
+            return self.length
+        if accepted >= drafted:
+            if drafted >= self.length:
+                self.length = min(self.most, self.length + 1)
+        else:
+            self.length = max(1, self.length - 1)
+        return self.length

@@ -155,7 +155,7 @@ class DraftModelProposer:
                 # Seeded rows draft reproducibly: their own stream, apart from the acceptance draws: a child of
                 # the row's acceptance stream (spawning draws nothing from it), so that the rows of one request
                 # (which share that stream unless they are n > 1 choices) draft independently of each other.
-                rng = self.rngs[at] = engine._rng(at).spawn(1)[0]
+                rng = self.rngs[at] = engine.rng_of(at).spawn(1)[0]
             picked[at] = draw(p, rng)
             probs[at].append(p)
         return picked

@@ -17,7 +17,7 @@ until released: a decode step feeds them the pad token at a frozen `past_lens` (
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -54,6 +54,7 @@ class Step:
     drafted: int = 0
     accepted_drafts: int = 0
     runs: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) of each verified draft
+    drafts: dict[int, tuple[int, int]] = field(default_factory=dict)  # the same by batch row
     # (batch row, Row) of the rows whose controls failed picking this step (Row.fail): finished with
     # FinishReason.ERROR, without a token; a row that fails taking its token is in `positions`
     failed: list[tuple[int, Row]] = field(default_factory=list)
@@ -200,11 +201,13 @@ class StepEngine:
             self.backend.copy_rows(staging, 0, self.slot, b, len(prompt))
         return np.concatenate(out, axis=0)
 
-    def decode(self, view: Slot | None = None, keep_logits: bool = False) -> Step:
+    def decode(self, view: Slot | None = None, keep_logits: bool = False, skip: Collection[int] = ()) -> Step:
         """One token for every running row of `view` (this slot, or one over its first rows: the
         scheduler's batch buckets); the others are fed the pad token at their frozen past_lens.
         `keep_logits`: the step's logits are wanted (Step.logits); otherwise a backend that picks greedy
-        tokens on its device may leave them there (Step.logits is then None)."""
+        tokens on its device may leave them there (Step.logits is then None). `skip`: rows that take no token
+        (the scheduler verifies them in calls of their own): fed the pad token at their past_lens, as frozen
+        rows are (their next run rewrites that position)."""
         slot = view if view is not None else self.slot
         batch = slot.cache.batch
         feed = self._feed.get(batch)
@@ -212,7 +215,7 @@ class StepEngine:
             feed = self._feed[batch] = np.empty(batch, dtype=np.int64)
         running, occupied = [], []
         for at, row in enumerate(self.rows[:batch]):
-            if row is not None:
+            if row is not None and not (skip and at in skip):
                 occupied.append(at)
                 if row.stopper.reason is None:
                     running.append(at)
@@ -256,8 +259,18 @@ class StepEngine:
         for proposer, spans in groups.values():
             states = hidden
             if states is None and proposer.needs_hidden:
-                states = self.backend.target_hidden(slot if slot is not None else self.slot)
+                states = self._hidden(slot if slot is not None else self.slot)
             proposer.observe(self, spans, states)
+
+    def _hidden(self, slot: Slot) -> np.ndarray:
+        """The target's hidden states of `slot`'s last run by batch row (a one-row view's at its batch row)."""
+        states = self.backend.target_hidden(slot)
+        base = getattr(slot.cache, "row_offset", 0)
+        if not base:
+            return states
+        rows = np.zeros((base + len(states), *states.shape[1:]), dtype=states.dtype)
+        rows[base:] = states
+        return rows
 
     def _advance(self, slot: Slot, mask: np.ndarray | None) -> None:
         if mask is None:
@@ -271,30 +284,32 @@ class StepEngine:
         proposer) is fed its last token and its proposer's draft in one prefill call at its past_lens, and keeps
         what runtime/controls/acceptance.py accepts plus the target's own next token; the other running rows of
         the view take one token in the same call. Positions written beyond what a row keeps are rewritten
-        before they are read. None when no row has a draft (then a plain decode step runs)."""
+        before they are read. None when no row has a draft (then a plain decode step runs). `view` may also be
+        a backend's one-row view of batch row `view.cache.row_offset` (backend.row_view)."""
         slot = view if view is not None else self.slot
         batch = slot.cache.batch
-        running = self.running(batch)
+        base = getattr(slot.cache, "row_offset", 0)  # the view's row 0 is batch row `base`
+        running = [at for at in self.running(base + batch) if at >= base]
         drafts = self._drafts(wants, running)
         if not drafts:
             return None
         width = 1 + max(len(d.tokens) for d in drafts.values())
         block = np.full((batch, width), self.pad, dtype=np.int64)
         for at in running:
-            block[at, 0] = self.rows[at].tokens[-1]
+            block[at - base, 0] = self.rows[at].tokens[-1]
             draft = drafts.get(at)
             if draft is not None:
-                block[at, 1: 1 + len(draft.tokens)] = draft.tokens
+                block[at - base, 1: 1 + len(draft.tokens)] = draft.tokens
         first = slot.cache.past_lens.copy()
         index = np.broadcast_to(np.arange(width, dtype=np.int64), (batch, width))
         self.steps += 1
         logits = self.check(self.backend.prefill(slot, block, index), self.steps)
         step = Step()
-        rows_kept = self._keep_greedy(running, drafts, logits, step) if not self._picking \
-            else self._keep_picked(running, drafts, logits, step)
-        slot.cache.past_lens[running] += [rows_kept[at] for at in running]
-        self._observe({at: (int(first[at]), rows_kept[at]) for at in running if self.proposers[at] is not None},
-                      slot=slot)
+        rows_kept = self._keep_greedy(running, drafts, logits, step, base) if not self._picking \
+            else self._keep_picked(running, drafts, logits, step, base)
+        slot.cache.past_lens[[at - base for at in running]] += [rows_kept[at] for at in running]
+        self._observe({at: (int(first[at - base]), rows_kept[at]) for at in running
+                       if self.proposers[at] is not None}, slot=slot)
         return step
 
     def _drafts(self, wants: dict[int, int], running: list[int]) -> dict[int, Draft]:
@@ -311,39 +326,43 @@ class StepEngine:
         return drafts
 
     def _keep_greedy(self, running: list[int], drafts: dict[int, Draft], logits: np.ndarray,
-                     step: Step) -> dict[int, int]:
-        """Bare greedy rows: each keeps its draft's prefix the argmax agrees with and the argmax after it."""
+                     step: Step, base: int = 0) -> dict[int, int]:
+        """Bare greedy rows: each keeps its draft's prefix the argmax agrees with and the argmax after it
+        (logits[at - base] is batch row at's)."""
         picked = greedy_tokens(logits)
         kept = {}
         for at in running:
             draft = drafts.get(at)
             n = 0
             if draft is not None:
-                while n < len(draft.tokens) and picked[at, n] == draft.tokens[n]:
+                while n < len(draft.tokens) and picked[at - base, n] == draft.tokens[n]:
                     n += 1
                 step.drafted += len(draft.tokens)
                 step.accepted_drafts += n
                 step.runs.append((len(draft.tokens), n))
+                step.drafts[at] = step.runs[-1]
             kept[at] = n + 1
         for j in range(max(kept.values(), default=0)):
             accepting = [at for at in running if not self.rows[at].finished and j < kept[at]]
             if accepting:
-                step.positions.append([self._accept(at, int(picked[at, j]), None) for at in accepting])
+                step.positions.append([self._accept(at, int(picked[at - base, j]), None) for at in accepting])
         return kept
 
     def _keep_picked(self, running: list[int], drafts: dict[int, Draft], logits: np.ndarray,
-                     step: Step) -> dict[int, int]:
+                     step: Step, base: int = 0) -> dict[int, int]:
         """Rows that pick through their Picker, verified position by position (runtime/drivers/verification.py)."""
         kept: dict[int, int] = {}
         for at in running:
             row, draft = self.rows[at], drafts.get(at)
-            tokens, accepted = verify_row(row, self.pickers[at], logits[at], draft or _NO_DRAFT, self._rng(at))
+            tokens, accepted = verify_row(row, self.pickers[at], logits[at - base], draft or _NO_DRAFT,
+                                          self.rng_of(at))
             if not tokens and row.finished:
                 step.failed.append((at, row))
             if draft is not None:
                 step.drafted += len(draft.tokens)
                 step.accepted_drafts += accepted
                 step.runs.append((len(draft.tokens), accepted))
+                step.drafts[at] = step.runs[-1]
             kept[at] = max(len(tokens), 1)
             for j, token in enumerate(tokens):
                 if len(step.positions) <= j:
@@ -351,7 +370,7 @@ class StepEngine:
                 step.positions[j].append(Accepted(at, row, token.token, token.delta, token.logprob))
         return kept
 
-    def _rng(self, at: int) -> np.random.Generator:
+    def rng_of(self, at: int) -> np.random.Generator:
         """The random stream row `at` draws from: its own (n > 1 choices), else its request's."""
         picker = self.pickers[at]
         sampler = picker.sampler

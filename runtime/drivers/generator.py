@@ -185,6 +185,8 @@ class Generator:
     def _run(self, request: GenerationRequest, stream_text: bool) -> Steps:
         # Checked and given a slot eagerly (not inside the generator body) so that stream() raises at the call.
         start = time.perf_counter()
+        if request.speculation is not None and request.speculation.off:  # a Scheduler's opt-out: nothing here
+            request = request.replace(speculation=None)
         ids, text_mode, images = self.prompt_inputs(request)
         ids = [row for row in ids for _ in range(request.n)]  # n choices: each prompt row n times, prompt-major
         images = [row for row in images for _ in range(request.n)] if images is not None else None

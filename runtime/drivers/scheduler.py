@@ -23,12 +23,9 @@ FinishReasons as the Generator's rows, decided by the same Stopper. Torch-free. 
 touches a buffer: rows move through the backend's row operations (runtime/backends/backend.py: copy_rows,
 read_rows / write_rows, view_rows), on the backend's device, so it serves on every backend that has them.
 
-Speculation (a request with `speculation`, greedy only): while it is the only running request,
-each step drafts up to draft_len tokens by prompt lookup (runtime/controls/speculate.py) and verifies them in
-one prefill call on the one-row bucket at its past_lens, as `Generator.generate` does; it keeps the
-matching prefix plus the token after it, so the tokens are those of plain greedy decoding. While
-other requests run, it is decoded in the batch like any other (one token per step): verifying a
-single row would stall the others, and the `ort` target verifies one row per call.
+Speculation (runtime/drivers/scheduler_speculation.py): each request drafts with its own proposer (prompt
+lookup, the scheduler's draft export, the export's head) or none, by its `speculation` or the scheduler's
+default (`speculate=`); rows with and without drafts run in one batch, the drafts verified in prefill calls.
 
 A request with n > 1 choices is prefilled once, then its KV rows are copied into n free rows (it
 waits until n are free); each choice has its own sampler (seed + i), Stopper, penalties / grammar
@@ -62,38 +59,18 @@ from kvforge.runtime.backends.backend import supports_rows
 from kvforge.runtime.controls.logprobs import MAX_LOGPROBS, token_logprobs
 from kvforge.runtime.controls.request import FinishReason, GenerationRequest, Stopper
 from kvforge.runtime.controls.sampling import choice_seed
-from kvforge.runtime.drivers.engine import Accepted, StepEngine
+from kvforge.runtime.controls.speculate import DEFAULT_DRAFT_LEN
+from kvforge.runtime.drivers.engine import Accepted, Step, StepEngine
 from kvforge.runtime.drivers.handles import Delta, Done, Event, RequestHandle
-from kvforge.runtime.drivers.images import RowImages
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.prefix_store import PrefixStore
-from kvforge.runtime.drivers.proposers import PROMPT_LOOKUP
 from kvforge.runtime.drivers.rows import Picker, Row
+from kvforge.runtime.drivers.scheduler_jobs import Job as _Request
+from kvforge.runtime.drivers.scheduler_speculation import Speculator
 from kvforge.runtime.text.prompts import is_int
 
 DEFAULT_MAX_SEQ_LEN = 4096
 __all__ = ["DEFAULT_MAX_SEQ_LEN", "Delta", "Done", "Event", "PrefixStore", "RequestHandle", "Scheduler"]
-
-
-class _Request:
-    """A request being prefilled or decoded: its handle, prompt and choices (one Row each, on the engine
-    once prefilled), and how much of its prompt is in the staging cache."""
-
-    def __init__(self, handle: RequestHandle, prompt_ids: list[int], rows: list[Row], pickers: list[Picker],
-                 images: RowImages | None = None, key: list[int] | None = None) -> None:
-        self.handle = handle
-        self.request = handle.request
-        self.prompt_ids = prompt_ids
-        self.images = images  # a vision-language export's prompt images (their features, by image token)
-        self.key = key if key is not None else prompt_ids  # the prefix store's key: image tokens keyed by image
-        self.rows = rows
-        self.pickers = pickers
-        for row in rows:
-            row.owner = self
-        self.prefilled = 0  # prompt positions in the staging cache
-        self.cached = 0
-        self.started = time.perf_counter()
-        self.ttft_ms: float | None = None
 
 
 class Scheduler:
@@ -101,10 +78,15 @@ class Scheduler:
     `start()` (a daemon thread) and stop it with `close()`."""
 
     def __init__(self, export: LoadedExport | Any, max_batch: int = 8, max_seq_len: int | None = None, prefill_chunk: int = 128,
-                 max_queue: int = 64, prefix_cache_bytes: int = 256 << 20, keep_cancelled: bool = False) -> None:
+                 max_queue: int = 64, prefix_cache_bytes: int = 256 << 20, keep_cancelled: bool = False,
+                 speculate: str | None = None, draft_len: int = DEFAULT_DRAFT_LEN, draft: Any = None,
+                 adaptive: bool = True) -> None:
         """`export`: a LoadedExport (a Generator is taken for its `export`). `keep_cancelled`: a cancelled
         request's KV rows are kept for reuse, as a finished one's are (`kvforge chat`, whose interrupted answer
-        stays in the conversation; a server's cancelled request is gone with its client)."""
+        stays in the conversation; a server's cancelled request is gone with its client). `speculate` (a method,
+        runtime/controls/speculate.py) and `draft_len`: the speculation of requests that name none (one with
+        Speculation("off") opts out); `draft`: a draft export (folder, LoadedExport or DraftModel) for method
+        "draft"; `adaptive`: each speculative row's draft length follows its acceptance, within 1..draft_len."""
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk), ("max_queue", max_queue)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
@@ -128,6 +110,9 @@ class Scheduler:
         self.slot = self.backend.allocate(max_batch, self.capacity)
         self.stage = self.backend.allocate(1, self.capacity)
         self.engine = StepEngine(self.backend, self.slot, self.export.pad_token_id, self.export.check_logits)
+        self.stats: dict[str, Any] = {}
+        draft = draft if draft is not None else getattr(export, "draft", None)  # a Generator's draft export
+        self.speculation = Speculator(self.export, self.engine, self.stats, speculate, draft_len, draft, adaptive)
         # Decode slots by batch bucket, each over the first rows of self.slot's buffers (same memory);
         # a backend that cannot view rows runs the whole batch for every bucket.
         buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -143,10 +128,10 @@ class Scheduler:
         self._cut: str | None = None  # cut(): the message every request now ends with
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self.stats = {"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
+        self.stats.update({"requests": 0, "completion_tokens": 0, "prefilled_tokens": 0, "cached_tokens": 0,
                       "decode_steps": 0, "decode_tokens": 0, "ttft_ms_sum": 0.0, "ttft_count": 0, "decode_seconds": 0.0,
                       "rejected": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                      "rows_failed": 0, "prefix_store_errors": 0}  # one request's own failures (it ends alone)
+                      "rows_failed": 0, "prefix_store_errors": 0})  # one request's own failures (it ends alone)
 
     # -- public -------------------------------------------------------------------------------------
     def start(self) -> Scheduler:
@@ -179,9 +164,7 @@ class Scheduler:
         if unsupported:
             raise InputError(f"the scheduler does not take {', '.join(unsupported)} (the server's cache has "
                              "max_seq_len positions per request)")
-        self.backend.limits.check_speculation(request.speculation)
-        if request.speculation is not None and request.speculation.method != "prompt-lookup":
-            raise InputError(f"the scheduler drafts by prompt lookup only, not {request.speculation.method!r}")
+        speculation, proposer = self.speculation.resolve(request)
         rows, _, images = self.export.prompt_inputs(request)  # images are read and encoded here, on the caller
         if len(rows) != 1:
             raise InputError(f"the scheduler runs one prompt per request, got {len(rows)}")
@@ -204,7 +187,8 @@ class Scheduler:
                    for index in range(request.n)]
         row_images = images[0] if images else None
         key = self.export.images.key(prompt, row_images) if row_images is not None else None
-        job = _Request(handle, prompt, choices, pickers, row_images, key)
+        job = _Request(handle, prompt, choices, pickers, row_images, key, proposer,
+                       self.speculation.rows(speculation, proposer, request.n))
         with self._cond:
             if self._closed or self._cut is not None:
                 raise KvforgeError(self._cut or "the scheduler is closed")
@@ -240,6 +224,8 @@ class Scheduler:
         """Gauges and counters for /metrics."""
         with self._cond:
             out = dict(self.stats)
+            out["drafted_at"], out["accepted_at"] = list(self.speculation.drafted_at), list(self.speculation.accepted_at)
+            out["target_steps"] = self.engine.steps
             out["waiting"] = len(self._waiting) + (self._prefilling is not None)
             out["running"] = sum(row is not None for row in self.engine.rows)
             out["prefix_entries"] = len(self.prefixes)
@@ -317,7 +303,8 @@ class Scheduler:
                     self._finish(row, -1, FinishReason.CANCELLED, keep=False)
                 return
             self._prefilling = job
-            cached, kv = self.prefixes.lookup(job.key)
+            # A head reads the target's hidden states of every prompt position: a reused prefix has none.
+            cached, kv = self.prefixes.lookup(job.key) if not job.needs_hidden else (0, None)
             if cached:
                 self.backend.write_rows(self.stage, 0, kv, cached)
             job.cached = job.prefilled = cached
@@ -333,15 +320,18 @@ class Scheduler:
         logits = self.export.check_logits(
             self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64),
                                  self._chunk_images(job, len(chunk))), 0)
+        if job.needs_hidden:
+            job.hidden.append(np.array(self.backend.target_hidden(self.stage)))  # valid until the next run: a copy
         job.prefilled += len(chunk)
         self.stage.cache.past_lens[0] = job.prefilled
         if job.prefilled < len(prompt):
             return
         free = self.engine.free_rows()  # n were free when it started, and only this thread takes rows
         placements = list(zip(free, job.rows, job.pickers, strict=False))
+        hidden = np.concatenate(job.hidden, axis=1) if job.hidden else None
+        job.hidden = []
         with self._cond:
-            proposer = PROMPT_LOOKUP if job.request.speculation is not None else None
-            step = self.engine.admit(placements, self.stage, len(prompt), logits[0], proposer)
+            step = self.engine.admit(placements, self.stage, len(prompt), logits[0], job.proposer, hidden)
         self._prefilling = None
         job.ttft_ms = (time.perf_counter() - job.started) * 1e3
         self.stats["prefilled_tokens"] += len(prompt) - job.cached
@@ -373,24 +363,22 @@ class Scheduler:
         started = time.perf_counter()
         # Rows 0..len(live)-1 run (packed by compact); the bucket pads with frozen free rows.
         view = self._decode_slots[next(k for k in self._decode_slots if k >= len(live))]
-        lone = self.engine.rows[live[0]] if len(live) == 1 else None
-        speculation = lone.owner.request.speculation if lone is not None else None
-        step = None
-        if speculation is not None:
-            # Drafts only while a request runs alone: verifying one row would stall the others (and the
-            # `ort` target verifies one row per call).
-            wants = {live[0]: lone.room(speculation.draft_len, lone.owner.request.max_new_tokens)}
-            step = self.engine.verify(wants, self._decode_slots[1])
-            if step is not None:
-                self.stats["draft_tokens"] += step.drafted
-                self.stats["accepted_tokens"] += step.accepted_drafts
-        if step is None:
-            step = self.engine.decode(view)
+        verified = self.speculation.steps(live, view, self._take)
+        advanced = verified[1] if verified is not None else set()
+        rest = [at for at in live if at not in advanced]
+        if rest:  # the rows no verification advanced: one token each (verified rows frozen in the call)
+            speculative = [at for at in rest if self.engine.proposers[at] is not None]
+            step = self.engine.decode(view, skip=advanced)
+            self.speculation.count(step, speculative, verify=False)
+            self._take(step)
         self.stats["decode_steps"] += 1
+        self.stats["decode_seconds"] += time.perf_counter() - started
+
+    def _take(self, step: Step) -> None:
+        """A decode or verification step's tokens to their requests."""
         self.stats["decode_tokens"] += step.tokens
         self._deliver(step.positions)
         self._end_failed(step.failed)
-        self.stats["decode_seconds"] += time.perf_counter() - started
 
     # -- one token ----------------------------------------------------------------------------------
     def _deliver(self, positions: list[list[Accepted]]) -> None:

@@ -1,0 +1,275 @@
+"""EAGLE-3 speculation heads exported as draft.onnx (`kvforge export --eagle`, exporter/draft_head.py): 8-layer tiny
+Llama and Qwen3 targets (the recipes' configs with more layers, seeded random weights) with seeded random heads
+(models/eagle3_checkpoint.py: speculators' form for Llama, EAGLE's for Qwen3), exported for ort and onnx.
+
+draft.onnx, run with ONNX Runtime over its own KV cache (past and present bound to one buffer, as the runtime binds
+it), must equal the torch reference (models/eagle3_reference.py) within 1e-4 in fp32 through a chain: the prompt's
+pairs in one call, a draft from the target's state, two drafts fed the head's own hidden_out, then a
+multi-position catch-up over the drafted positions. The target graphs' `target_hidden` is HF's output_hidden_states
+at the aux layers; the target's logits are those of the export without a head; bad heads and --target trt are
+refused in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from kvforge.core.contract import TARGET_HIDDEN  # noqa: E402
+from kvforge.core.errors import InputError  # noqa: E402
+from kvforge.core.manifest import load_manifest  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("eagle3")
+
+CASES = (("llama-tiny", "speculators", "ort"), ("llama-tiny", "speculators", "onnx"),
+         ("qwen3-tiny", "eagle", "ort"), ("qwen3-tiny", "eagle", "onnx"))
+LAYERS = 8  # EAGLE's default aux layers (2, L // 2, L - 3) are distinct from 6 layers on
+CAPACITY = 32
+TOLERANCE = 1e-4  # fp32: ONNX Runtime's attention over the bound cache against explicit attention in torch
+
+
+def _target_folder(recipe: str, folder) -> object:
+    """The recipe's model with LAYERS layers and seeded random weights, saved as a Hugging Face folder."""
+    import torch
+    import transformers
+
+    from kvforge.models.recipes import get_recipe
+
+    spec = get_recipe(recipe)
+    config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.config, "num_hidden_layers": LAYERS})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    """recipe -> (root, HF model): the target folders, shared by the cases."""
+    built = {}
+    for recipe in sorted({case[0] for case in CASES}):
+        root = tmp_path_factory.mktemp(recipe)
+        built[recipe] = (root, _target_folder(recipe, root / "hf"))
+    return built
+
+
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+def exported(request, targets):
+    """(export folder, HF model, head): the target exported with its head (and, on ort, without one)."""
+    from kvforge.exporter.export import export_model
+    from kvforge.models.eagle3 import read_eagle3_head
+    from kvforge.models.eagle3_checkpoint import write_random_head
+
+    recipe, form, target = request.param
+    root, model = targets[recipe]
+    head_dir = root / f"head-{form}"
+    if not head_dir.exists():  # speculators' form names its aux layers; EAGLE's takes the default (2, 4, 5)
+        write_random_head(root / "hf", head_dir, form=form, draft_vocab_size=96, seed=5,
+                          aux_layer_ids=[1, 3, 6] if form == "speculators" else None,
+                          norm_before_residual=form == "speculators")
+    out = root / f"{target}-eagle"
+    export_model(root / "hf", out, target=target, eagle=head_dir, force=True)
+    if target == "ort":
+        export_model(root / "hf", root / "ort-plain", target="ort", force=True)
+    return out, model, read_eagle3_head(head_dir, model.config)
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _run_target(folder, phase: str, ids: list[int], past: int = 0, cache: dict | None = None) -> dict[str, np.ndarray]:
+    """One row through the export's prefill or decode graph: its outputs by name (present_* as the next cache)."""
+    session = _session(folder / f"{phase}.onnx")
+    feeds = {"input_ids": np.array([ids], np.int64), "past_lens": np.array([past], np.int32)}
+    if phase == "prefill":
+        feeds["logits_index"] = np.array([[len(ids) - 1]], np.int64)
+    for value in session.get_inputs():
+        if value.name.startswith("past_") and value.name != "past_lens":
+            present = value.name.replace("past_", "present_", 1)
+            feeds[value.name] = cache[present] if cache else \
+                np.zeros([1, value.shape[1], CAPACITY, value.shape[3]], np.float32)
+    names = [value.name for value in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds), strict=True))
+
+
+class Head:
+    """draft.onnx with its KV cache bound in place (past and present one OrtValue)."""
+
+    def __init__(self, folder) -> None:
+        import onnxruntime as ort
+
+        self.session = _session(folder / "draft.onnx")
+        self.record = load_manifest(folder)["draft"]  # the record and graph checked as the runtime loads them
+        cache = self.record["kv_cache"]
+        shape = [1, cache["num_kv_heads"], CAPACITY, cache["head_dim"]]
+        self.cache = {kind: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for kind in ("key", "value")}
+
+    def __call__(self, past: int, tokens: list[int], target: np.ndarray, draft: np.ndarray):
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
+        binding.bind_cpu_input("target_hidden", np.ascontiguousarray(target[None], np.float32))
+        binding.bind_cpu_input("draft_hidden", np.ascontiguousarray(draft[None], np.float32))
+        binding.bind_cpu_input("past_lens", np.array([past], np.int32))
+        for name in ("logits", "hidden_out", "token_map"):  # bound first: copy_outputs_to_cpu keeps binding order
+            binding.bind_output(name, "cpu")
+        for kind, value in self.cache.items():
+            binding.bind_ortvalue_input(f"past_{kind}.0", value)
+            binding.bind_ortvalue_output(f"present_{kind}.0", value)
+        self.session.run_with_iobinding(binding)
+        logits, hidden, token_map = binding.copy_outputs_to_cpu()[:3]
+        return logits[0], hidden[0], token_map
+
+
+def _aux_states(model, ids: list[int], layer_ids) -> np.ndarray:
+    import torch
+
+    from kvforge.models.eagle3_reference import target_aux_states
+
+    return target_aux_states(model, torch.tensor([ids]), layer_ids)[0].numpy()
+
+
+def test_draft_chain_matches_the_reference(exported) -> None:
+    import torch
+
+    from kvforge.models.eagle3_reference import Eagle3Reference
+
+    folder, model, head = exported
+    rng = np.random.default_rng(11)
+    ids = [int(t) for t in rng.integers(3, 500, size=16)]
+    n = 9  # the prompt is ids[:n]; the target's states over the longer sequence are its verified ones
+    states = _aux_states(model, ids, head.aux_layer_ids)
+    reference = Eagle3Reference(head, model.get_input_embeddings().weight.detach(), 1, CAPACITY)
+    onnx_head = Head(folder)
+    zeros = lambda count: np.zeros((count, head.hidden_size), np.float32)  # noqa: E731
+    worst = 0.0
+
+    def step(past: int, tokens: list[int], target: np.ndarray | None, draft: np.ndarray | None, where: str):
+        nonlocal worst
+        count = len(tokens)
+        target_in = target if target is not None else np.zeros((count, head.target_hidden_size), np.float32)
+        logits, hidden, token_map = onnx_head(past, tokens, target_in, draft if draft is not None else zeros(count))
+        reference.past_lens[:] = past  # a rollback is only a shorter past_lens, for the reference as for the graph
+        ref_logits, ref_hidden = reference.step(torch.tensor([tokens]), None if target is None else
+                                                torch.tensor(target)[None], None if draft is None else
+                                                torch.tensor(draft)[None])
+        diff = max(np.abs(logits - ref_logits[0].numpy()).max(), np.abs(hidden - ref_hidden[0].numpy()).max())
+        assert diff <= TOLERANCE, (where, diff)
+        worst = max(worst, float(diff))
+        return logits, hidden, token_map
+
+    # Head position p holds (token p + 1, the target's state at p): the prompt's pairs in one call.
+    step(0, ids[1:n], states[: n - 1], None, "prompt")
+    # The target's next token with its state at n - 1, then two drafts fed the head's own hidden_out.
+    logits, hidden, token_map = step(n - 1, [ids[n]], states[n - 1: n], None, "draft 1")
+    assert np.array_equal(token_map, head.token_map().numpy())
+    assert token_map.max() < model.config.vocab_size and len(token_map) == head.draft_vocab_size
+    for k in range(2):
+        drafted = int(token_map[int(logits[-1].argmax())])
+        logits, hidden, _ = step(n + k, [drafted], None, hidden[-1:], f"draft {k + 2}")
+    # Verification took one draft: the target's states over the three positions after it, in one catch-up call
+    # that overwrites the drafted positions.
+    step(n, ids[n + 1: n + 4], states[n: n + 3], None, "catch-up")
+    assert 0.0 < worst  # the chain compared numbers, not two empty outputs
+
+
+def test_target_hidden_is_hfs_hidden_states_at_the_aux_layers(exported) -> None:
+    folder, model, head = exported
+    ids = [5, 17, 200, 33, 9, 480, 71, 12, 3, 44]
+    want = _aux_states(model, ids, head.aux_layer_ids)
+    prefill = _run_target(folder, "prefill", ids[:-1])
+    assert prefill[TARGET_HIDDEN].shape == (1, len(ids) - 1, head.target_hidden_size)
+    assert np.abs(prefill[TARGET_HIDDEN][0] - want[:-1]).max() <= TOLERANCE
+    decode = _run_target(folder, "decode", ids[-1:], past=len(ids) - 1, cache=prefill)
+    assert np.abs(decode[TARGET_HIDDEN][0] - want[-1:]).max() <= TOLERANCE
+    manifest = load_manifest(folder)
+    assert manifest["graphs"]["prefill"]["outputs"][-1]["name"] == TARGET_HIDDEN
+    assert manifest["draft"]["aux_layer_ids"] == list(head.aux_layer_ids)
+
+
+def test_the_targets_logits_are_unchanged_by_the_head(exported) -> None:
+    import torch
+
+    folder, model, _ = exported
+    ids = [5, 17, 200, 33, 9, 480, 71, 12]
+    with_head = _run_target(folder, "prefill", ids)["logits"][0, -1]
+    if folder.name.startswith("ort"):
+        plain = _run_target(folder.parent / "ort-plain", "prefill", ids)["logits"][0, -1]
+        assert np.array_equal(with_head, plain) or np.abs(with_head - plain).max() <= 1e-5
+        assert TARGET_HIDDEN not in [o["name"] for o in load_manifest(folder.parent / "ort-plain")["graphs"]["prefill"]["outputs"]]
+    with torch.no_grad():
+        hf = model(torch.tensor([ids])).logits[0, -1].numpy()
+    assert np.abs(with_head - hf).max() <= TOLERANCE
+
+
+def test_the_draft_record(exported) -> None:
+    folder, _, head = exported
+    manifest = load_manifest(folder, verify_hashes=True)
+    record = manifest["draft"]
+    assert record["kind"] == "eagle3" and record["file"] == "draft.onnx" and "draft.onnx" in manifest["files"]
+    assert record["kv_cache"]["num_layers"] == 1 and record["kv_cache"]["num_kv_heads"] == head.num_kv_heads
+    assert record["target_hidden_size"] == 3 * manifest["model"]["hidden_size"]
+    assert record["draft_vocab_size"] == head.draft_vocab_size and record["format"] == head.form
+    attention = manifest["graphs"]["draft"]["attention"]
+    assert sum(attention.values()) == 1, attention  # the one fused attention node, lowered like the target's
+
+
+def _refused(tmp_path, targets, head_dir, message: str, target: str = "ort") -> None:
+    from kvforge.exporter.export import export_model
+
+    root, _ = targets["llama-tiny"]
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=message):
+        export_model(root / "hf", out, target=target, eagle=head_dir)
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_bad_heads_are_refused_in_one_line(tmp_path, targets) -> None:
+    from kvforge.models.eagle3_checkpoint import write_random_head
+
+    root, _ = targets["llama-tiny"]
+    narrow = tmp_path / "narrow-target"
+    narrow.mkdir()
+    config = json.loads((root / "hf" / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    write_random_head(narrow, tmp_path / "narrow", aux_layer_ids=[1, 3, 6])
+    _refused(tmp_path, targets, tmp_path / "narrow", r"hidden size 32 does not fit the target \(hidden size 64")
+    write_random_head(root / "hf", tmp_path / "far", aux_layer_ids=[1, 3, LAYERS])
+    _refused(tmp_path, targets, tmp_path / "far", r"aux layer ids \[1, 3, 8\] out of range: the target has 8 layers")
+    unknown = tmp_path / "unknown"
+    shutil.copytree(tmp_path / "far", unknown)
+    (unknown / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    _refused(tmp_path, targets, unknown, "unknown head format in .*unknown")
+    medusa = tmp_path / "medusa"
+    shutil.copytree(tmp_path / "far", medusa)
+    (medusa / "config.json").write_text(json.dumps({"speculators_model_type": "medusa"}))
+    _refused(tmp_path, targets, medusa, "unknown head format .*speculators_model_type 'medusa'")
+    write_random_head(root / "hf", tmp_path / "good", aux_layer_ids=[1, 3, 6])
+    _refused(tmp_path, targets, tmp_path / "good", "--eagle is not supported with --target trt", target="trt")
+
+
+def test_the_cli_refuses_eagle_for_trt_with_exit_2(tmp_path, targets) -> None:
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+    from kvforge.models.eagle3_checkpoint import write_random_head
+
+    root, _ = targets["llama-tiny"]
+    write_random_head(root / "hf", tmp_path / "head", aux_layer_ids=[1, 3, 6])
+    result = CliRunner().invoke(main, ["export", str(root / "hf"), "-o", str(tmp_path / "out"), "--target", "trt",
+                                       "--eagle", str(tmp_path / "head")])
+    assert result.exit_code == 2 and "--eagle is not supported with --target trt" in result.output, result.output
+    assert result.output.strip().count("\n") == 0 and not (tmp_path / "out").exists()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    result = CliRunner().invoke(main, ["export", str(root / "hf"), "-o", str(tmp_path / "out"), "--eagle", str(bad)])
+    assert result.exit_code == 2 and "unknown head format" in result.output and not (tmp_path / "out").exists()
