@@ -74,6 +74,7 @@ class Generator:
         # slot (KV cache + bindings) from this pool (runtime/drivers/slot_pool.py).
         self.slots = SlotPool(self.export.backend)
         self.draft = DraftModel.open(draft, self.export) if draft is not None else None
+        self._head: Any = None  # the export's speculation head (runtime/backends/head_runner.py), once asked for
 
     def __getattr__(self, name: str) -> Any:
         """The loaded export's attributes and helpers (folder, manifest, tokenizer, backend, request, chat_ids, ...)."""
@@ -239,9 +240,12 @@ class Generator:
                                  "--draft DIR on the command line")
             return self.draft.proposer()
         if speculation.method in HEAD_METHODS:
-            from kvforge.runtime.drivers.head_proposer import open_head_proposer
+            from kvforge.runtime.drivers.head_proposer import HeadProposer, check_head, export_head
 
-            return open_head_proposer(self.export, speculation.method)
+            check_head(self.manifest, speculation.method, f"speculate={speculation.method!r}")
+            if self._head is None:
+                self._head = export_head(self.export, speculation.method)  # opened once, run by each request's proposer
+            return HeadProposer(self._head)
         return PROMPT_LOOKUP
 
     def _continue_batch(self, speculation: Speculation) -> int | None:

@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from kvforge.runtime.drivers.rows import Row
 
 METHODS = {"eagle3": "eagle", "mtp": "mtp"}  # the draft record's kind -> the speculation method
-_STREAM = 2  # a sampling row's drafting stream: (seed, choice, _STREAM), apart from its own and the acceptance's
 
 
 @dataclass
@@ -56,6 +55,29 @@ class HeadRow:
     @property
     def waiting(self) -> int:
         return sum(len(block) for block in self.pending)
+
+
+HEAD_NAMES = {"eagle": "EAGLE-3 head", "mtp": "MTP layer"}
+HOW = {"eagle": "export with --eagle HEAD_DIR (an EAGLE-3 head trained for this model)",
+       "mtp": "export a checkpoint that ships one (DeepSeek-V3, GLM-4.5, Qwen3-Next) without --no-mtp"}
+
+
+def check_head(manifest: dict[str, Any], method: str, where: str) -> None:
+    """InputError when the export does not carry the head `method` ("eagle" / "mtp") speculates with."""
+    record = manifest.get("draft")
+    have = METHODS.get(record.get("kind")) if isinstance(record, dict) else None
+    if have == method:
+        return
+    if have is not None:
+        raise InputError(f"{where}: this export carries no {HEAD_NAMES[method]} but an {HEAD_NAMES[have]}; speculate "
+                         f"with method {have}")
+    raise InputError(f"{where}: this export carries no {HEAD_NAMES[method]}; {HOW[method]}")
+
+
+def export_head(export: Any, method: str) -> HeadRunner:
+    """The head of a LoadedExport for `method`, on its backend's device (InputError where there is none)."""
+    check_head(export.manifest, method, f"speculate={method!r}")
+    return open_head(export.folder, export.manifest, export.backend, getattr(export.backend, "threads", None))
 
 
 def open_head(folder: str | Path, manifest: dict[str, Any], backend: Any, threads: int | None = None) -> HeadRunner:
@@ -199,9 +221,9 @@ class HeadProposer:
         config = engine.pickers[at].sampler.config
         state = self.rows[at]
         if state.rng is None:
-            # A seeded row drafts reproducibly, on a stream of its own (not its sampler's, not the acceptance's).
-            seed = config.seed
-            state.rng = np.random.default_rng(None if seed is None else (seed, state.row.index, _STREAM))
+            # A seeded row drafts reproducibly, on a stream of its own: a child of the row's acceptance stream
+            # (spawning draws nothing from it), so rows sharing a request's stream draft independently.
+            state.rng = engine.rng_of(at).spawn(1)[0]
         q = target_distribution(logits, config)
         full = np.zeros(self.runner.vocab_size, dtype=np.float64)
         full[token_map] = q
