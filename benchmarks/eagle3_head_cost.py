@@ -133,7 +133,8 @@ def _load() -> str:
         return file.read().strip()
 
 
-def measure(work: Path, context: int, runs: int, threads: int, catch_up: list[int], warmup: int = 3) -> dict[str, Any]:
+def measure(work: Path, context: int, runs: int, threads: int, catch_up: list[int], spinning: bool = True,
+            warmup: int = 3) -> dict[str, Any]:
     """The alternating timing (module docstring): per call, the median ms and every sample."""
     import numpy as np
 
@@ -141,9 +142,9 @@ def measure(work: Path, context: int, runs: int, threads: int, catch_up: list[in
     from kvforge.runtime.drivers.loaded_export import LoadedExport
 
     capacity = context + max([1, *catch_up]) + 8
-    exports = {"with_head": LoadedExport(work / "ort-eagle", threads=threads),
-               "plain": LoadedExport(work / "ort-plain", threads=threads)}
-    runner = HeadRunner(work / "ort-eagle", exports["with_head"].manifest, threads=threads)
+    exports = {"with_head": LoadedExport(work / "ort-eagle", threads=threads, spinning=spinning),
+               "plain": LoadedExport(work / "ort-plain", threads=threads, spinning=spinning)}
+    runner = HeadRunner(work / "ort-eagle", exports["with_head"].manifest, threads=threads, spinning=spinning)
     prompt = np.arange(100, 100 + PROMPT, dtype=np.int64)[None]
     slots = {}
     for name, export in exports.items():
@@ -211,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/eagle3-1b"), help="checkpoints and exports")
     parser.add_argument("--context", type=int, default=512, help="cached positions at each timed call")
-    parser.add_argument("--runs", type=int, default=21, help="rounds (each call once per round)")
+    parser.add_argument("--runs", type=int, default=31, help="rounds (each call once per round)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--catch-up", default="2,3,4", help="head calls over S positions")
     parser.add_argument("--cap-gb", type=float, default=14.0, help="memory cap of each making / export step")
+    parser.add_argument("--no-spinning", dest="spinning", action="store_false",
+                        help="ONNX Runtime's intra-op threads sleep between ops (the runtime's spinning=False): with "
+                             "three sessions taking turns on shared cores, an idle session's spinning threads "
+                             "take CPU from the running one")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -226,13 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         pass
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    measured = measure(work, args.context, args.runs, args.threads, catch_up)
+    measured = measure(work, args.context, args.runs, args.threads, catch_up, args.spinning)
     uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     import onnxruntime
 
     report = {
         "issue": 54, "shape": SHAPE, "dtype": "fp32", "target": "ort", "head": {**HEAD, "aux_layer_ids": [2, 8, 13]},
         "context": args.context, "runs": args.runs, "threads": args.threads,
+        "spinning": args.spinning,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "onnxruntime": onnxruntime.__version__,
         "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), None), "cores": os.cpu_count(),

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvforge.core.errors import InputError
+from kvforge.runtime.drivers.speculation_checks import check_target, open_draft
 from kvforge.serve.guard import ApiError
-from kvforge.tools.speculation import check_target, open_draft
 
 if TYPE_CHECKING:
     from kvforge.runtime import LoadedExport

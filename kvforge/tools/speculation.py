@@ -1,82 +1,12 @@
-"""Speculative decoding's checks against a loaded target and what a command reports of a speculative run: shared by
-the command line (kvforge/cli/speculation.py: generate, chat) and the server (kvforge/serve: serve's flags, its
-request log and /metrics).
-
-Checks, each one InputError of one line: whether the target can speculate at all (a recurrent-state cache cannot
-drop rejected drafts), whether `eagle` / `mtp` find their head in the export (the manifest's "draft" record,
-kvforge/core/draft_manifest.py) on a backend that runs heads, and whether a --draft folder is an export the
-target's backend runs (its vocabulary is the runtime's check, runtime/drivers/draft_checks.py).
-"""
+"""What a command reports of a speculative run (generate's and chat's --json, the stats line), from a
+GenerationResult or a Scheduler's counters. The checks against a loaded target (check_target, open_draft) are the
+runtime's (runtime/drivers/speculation_checks.py), named here for the command line."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvforge.core.errors import InputError, KvforgeError
-
-if TYPE_CHECKING:
-    from kvforge.runtime import LoadedExport
-
-_HEADS = {"eagle": ("eagle3", "EAGLE-3 head"), "mtp": ("mtp", "MTP layer")}  # method -> (manifest kind, its name)
-_HOW = {"eagle": "export with --eagle HEAD_DIR (an EAGLE-3 head trained for this model)",
-        "mtp": "export a checkpoint that ships one (DeepSeek-V3, GLM-4.5, Qwen3-Next) with --mtp, the default"}
-
-
-def check_target(export: LoadedExport, method: str | None, where: str | None = None) -> None:
-    """InputError when the loaded target cannot speculate with `method`: a cache that cannot roll back, or a head
-    method whose head the export does not carry or whose backend runs no head. `where`: what the message names
-    (default: the flag, `--speculate METHOD`)."""
-    if method is None:
-        return
-    where = where or f"--speculate {method}"
-    export.backend.limits.check_speculation(method)
-    if method not in _HEADS:
-        return
-    kind, name = _HEADS[method]
-    record = export.manifest.get("draft")
-    have = record.get("kind") if isinstance(record, dict) else None
-    if have != kind:
-        other = next((m for m, (k, _) in _HEADS.items() if k == have), None)
-        if other is not None:
-            raise InputError(f"{where}: this export carries no {name} but an {_HEADS[other][1]}; speculate with "
-                             f"method {other}")
-        raise InputError(f"{where}: this export carries no {name}; {_HOW[method]}")
-    from kvforge.runtime.backends.target_hidden import HEAD_BACKENDS, heads_refused
-
-    if export.backend_name not in HEAD_BACKENDS:  # a bad choice of backend for this request: bad input, not a 503
-        raise InputError(f"{where}: {heads_refused(export.backend_name)}")
-
-
-def open_draft(folder: Path, target: LoadedExport, **backend_options: Any) -> LoadedExport:
-    """The draft export at `folder` on the target's backend; a folder that is not an export, or one the target's
-    backend cannot run (another target type, a broken export), is one InputError naming --draft."""
-    from kvforge.core.manifest import MANIFEST_NAME
-    from kvforge.runtime import LoadedExport
-
-    if not (folder / MANIFEST_NAME).is_file():
-        raise InputError(f"--draft {folder}: not a kvforge export folder (no {MANIFEST_NAME}); export the draft "
-                         "model with `kvforge export` first")
-    try:
-        return LoadedExport(folder, target.backend_name, **backend_options)
-    except KvforgeError as err:
-        message = f"--draft {folder}: {' '.join(str(err).split())}"
-        theirs, ours = _target_of(folder), target.manifest.get("target")
-        if theirs != ours:  # the usual cause: the draft runs on the target's backend, so it needs its target type
-            message += f" (a draft runs on the target's backend: export it with --target {ours}, as the target was)"
-        raise InputError(message) from err
-
-
-def _target_of(folder: Path) -> Any:
-    """The export target (ort, onnx, trt) an export folder's manifest names, None when it cannot be read."""
-    import json
-
-    from kvforge.core.manifest import MANIFEST_NAME
-
-    try:
-        return json.loads((folder / MANIFEST_NAME).read_text()).get("target")
-    except (OSError, ValueError, AttributeError):
-        return None
+from kvforge.runtime.drivers.speculation_checks import check_target, open_draft  # noqa: F401 (the CLI's checks)
 
 
 def report(method: str, draft_len: int, draft_tokens: int, accepted_tokens: int, drafted_at: list[int],

@@ -47,7 +47,7 @@ def _check_tokens(where: str, draft: tuple[dict[str, int], dict[int, str]],
                   target: tuple[dict[str, int], dict[int, str]]) -> None:
     (draft_vocab, draft_added), (target_vocab, target_added) = draft, target
     if draft_vocab != target_vocab:
-        differing = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda item: item[1])
+        differing = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda item: (item[1], item[0]))
         token, token_id = differing[0]
         raise InputError(f"{where}: its vocabulary differs from the target's ({len(differing)} token/id pairs, "
                          f"first {token!r} = {token_id}); a draft must share the target's token ids")

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvforge.core.errors import InputError
-from kvforge.core.manifest import MANIFEST_NAME
 from kvforge.runtime.controls.acceptance import draw, target_distribution
 from kvforge.runtime.controls.sampling import greedy as greedy_tokens
 from kvforge.runtime.drivers.draft_checks import check_draft_pair
@@ -41,16 +40,13 @@ class DraftModel:
 
     @classmethod
     def open(cls, folder: str | Path | LoadedExport, target: LoadedExport, **backend_options: Any) -> DraftModel:
-        """The draft export at `folder` on the target's backend kind (its own options: threads, ...)."""
+        """The draft export at `folder` on the target's backend (its own options: threads, ...), checked against it."""
         from kvforge.runtime.drivers.loaded_export import LoadedExport
+        from kvforge.runtime.drivers.speculation_checks import open_draft
 
         if isinstance(folder, LoadedExport):
             return cls(folder, target)
-        path = Path(folder)
-        if not (path / MANIFEST_NAME).is_file():
-            raise InputError(f"--draft {path}: not a kvforge export folder (no {MANIFEST_NAME}); export the draft "
-                             "model with `kvforge export` first")
-        return cls(LoadedExport(path, target.backend_name, **backend_options), target)
+        return cls(open_draft(Path(folder), target, **backend_options), target)
 
     def proposer(self) -> DraftModelProposer:
         return DraftModelProposer(self.export)
