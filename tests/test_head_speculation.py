@@ -5,6 +5,8 @@ The heads' graphs against their torch references: tests/test_eagle3_export.py, t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -87,3 +89,17 @@ def test_a_head_the_export_lacks_is_one_line(eagle_exports, exported) -> None:
     with pytest.raises(InputError, match=r"^speculate='eagle': this export carries no EAGLE-3 head; export with "
                                          r"--eagle HEAD_DIR"):
         Generator(exported("llama-tiny", "ort")).generate([PROMPTS[0]], speculate="eagle")
+
+
+def test_inspect_names_the_head(eagle_exports, exported) -> None:
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    shown = CliRunner().invoke(main, ["inspect", str(eagle_exports("llama-tiny", "speculators", "ort"))])
+    assert shown.exit_code == 0, shown.output
+    assert ("  speculation head: EAGLE-3 head, reads layers [0, 1, 3], draft vocabulary 96, in draft.onnx "
+            "(--speculate eagle)") in shown.output.splitlines()
+    assert "  draft: draft.onnx (" in shown.output  # the graph, checked like prefill and decode
+    plain = CliRunner().invoke(main, ["inspect", str(exported("llama-tiny", "ort")), "--json"])
+    assert json.loads(plain.output)["proposer"] is None

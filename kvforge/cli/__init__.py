@@ -319,7 +319,7 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @json_option("the export's description")
 def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
     """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
-    from kvforge.cli.inspect import architecture, describe
+    from kvforge.cli.inspect import architecture, describe, proposer_line
 
     info = describe(export_dir, verify=verify)
     if as_json:
@@ -346,6 +346,7 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
             more = len(graph[kind]) - len(shown)
             items = ", ".join(f"{io['name']} {io.get('dtype', '?')}{io.get('shape', '')}" for io in shown)
             click.echo(f"    {kind}: {items}" + (f", ... (+{more})" if more > 0 else ""))
+    click.echo(proposer_line(info))
     for name, record in info["files"].items():
         click.echo(f"  {name}: {human_bytes(record['bytes'])}")
     click.echo("  verified: every file matches its sha256" if verify else

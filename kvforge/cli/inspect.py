@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvforge.core.contract import PHASES, VISION
+from kvforge.core.contract import DRAFT, PHASES, VISION
 from kvforge.core.engine_plan import (
     ENGINE_DIR_NAME,
     RECORD_DIGEST,
@@ -21,7 +21,8 @@ def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
     """The manifest's view of an export folder, checked as a loader checks it; `verify` re-hashes
     every file (weights and engines included), so `verified` says whether that was done."""
     manifest = load_manifest(export_dir, verify_hashes=verify)
-    for phase in (*PHASES, *([VISION] if manifest.get("vision") is not None else [])):  # as a backend reads them: the files their external data comes from must be listed
+    extra = [name for name in (VISION, DRAFT) if manifest.get(name) is not None]
+    for phase in (*PHASES, *extra):  # as a backend reads them: the files their external data comes from must be listed
         read_graph(export_dir, manifest, phase)
     graphs = {}
     for phase, graph in manifest["graphs"].items():
@@ -33,7 +34,7 @@ def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
             "inputs": graph["inputs"],
             "outputs": graph["outputs"],
         }
-    return {"folder": str(Path(export_dir).resolve()), "verified": verify, "graphs": graphs,
+    return {"folder": str(Path(export_dir).resolve()), "verified": verify, "graphs": graphs, "proposer": proposer(manifest),
             "files": manifest["files"], "manifest": manifest, "engines": describe_engines(export_dir, verify)}
 
 
@@ -45,6 +46,32 @@ def architecture(manifest: dict[str, Any]) -> str:
     if not isinstance(whole, dict) or not whole.get("architecture"):
         return model["architecture"]
     return f"{whole['architecture']} (text model {model['architecture']}, image tower in vision.onnx)"
+
+
+def proposer(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The speculation head an export carries (its manifest's "draft" record), as inspect names it; None without."""
+    record = manifest.get(DRAFT)
+    if not isinstance(record, dict):
+        return None
+    method = {"eagle3": "eagle", "mtp": "mtp"}.get(record.get("kind"))
+    out = {"method": method, "kind": record.get("kind"), "graph": record.get("file")}
+    if record.get("kind") == "eagle3":
+        out.update(aux_layer_ids=record.get("aux_layer_ids"), draft_vocab_size=record.get("draft_vocab_size"))
+    else:
+        out.update(mtp_layers=record.get("mtp_layers"))
+    return out
+
+
+def proposer_line(info: dict[str, Any]) -> str:
+    """inspect's line for the export's speculation head."""
+    head = info.get("proposer")
+    if head is None:
+        return "  speculation head: none (prompt lookup and --draft exports still speculate)"
+    if head["kind"] == "eagle3":
+        what = (f"EAGLE-3 head, reads layers {head['aux_layer_ids']}, draft vocabulary {head['draft_vocab_size']}")
+    else:
+        what = f"MTP layer 1 of {head['mtp_layers']}"
+    return f"  speculation head: {what}, in {head['graph']} (--speculate {head['method']})"
 
 
 def describe_engines(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:

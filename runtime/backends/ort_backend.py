@@ -60,12 +60,11 @@ from kvforge.runtime.backends.ort_sessions import (
 from kvforge.runtime.backends.row_view import row_view
 from kvforge.runtime.backends.target_hidden import before_run, target_hidden
 
-# ort-cuda's decode attention (`decode_attention`): "auto", ONNX Runtime's own choice (cuDNN's SDPA on
-# compute capability >= 9.0, after a kernel that rotates and appends the new rows), the default; or
-# "flash", ONNX Runtime's flash attention first (rotation and append inside its decode kernel), with
-# memory-efficient and unfused attention as its fallbacks. On an H100 "flash" was the slower: SmolLM2-135M
-# shape, fp16, batch 1, a replayed decode step 1.42 ms against 1.11 ms (benchmarks/README.md, "The decode
-# step on an H100"). The CUDA provider's `sdpa_kernel` bits: flash 1, efficient 2, math 16.
+# ort-cuda's decode attention (`decode_attention`): "auto", ONNX Runtime's choice (cuDNN's SDPA on compute capability
+# >= 9.0, after a kernel that rotates and appends the new rows), the default; or "flash": flash attention first (rotation
+# and append inside its kernel), then memory-efficient and unfused. On an H100 "flash" was the slower (SmolLM2-135M
+# shape, fp16, batch 1: a replayed decode step 1.42 vs 1.11 ms; benchmarks/README.md). `sdpa_kernel` bits: flash 1,
+# efficient 2, math 16.
 DECODE_ATTENTION = ("auto", "flash")
 SDPA_FLASH_FIRST = 1 | 2 | 16
 
@@ -109,8 +108,8 @@ class OrtBackend:
     # Tests: run the device code path (device buffers, uploads, row copies through kvforge.core.cuda) on
     # ONNX Runtime CPU, whose "device" memory is host memory (tests/test_device_path.py).
     simulate_device = False
-    target_hidden = target_hidden  # (slot) -> [B, S, Dt] of its last run: a speculation head's input
-    row_view = row_view  # (slot, at) -> a batch-1 slot over row `at` (runtime/backends/row_view.py)
+    # (slot) -> [B, S, Dt] of its last run (a speculation head's input); (slot, at) -> a batch-1 slot over row `at`
+    target_hidden, row_view = target_hidden, row_view
 
     def __init__(
         self,
