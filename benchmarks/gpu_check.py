@@ -14,6 +14,9 @@ result appended to OUT/gpu_check.json as it lands, a log in OUT/gpu_check.log, a
   bf16        llama-tiny bf16 parity
   onnx        the `onnx` target (opset-24 Attention + TensorScatter) on ort-cuda: parity, or why not
   batch       a batch of prompts of different lengths = each prompt alone; prompt-lookup speculation = greedy
+  speculation a draft export (llama-tiny's int4) and an EAGLE-3 head (random, 4-layer llama-tiny): greedy tokens
+              = plain greedy on the GPU backend, the head's logits against the same graph on the CPU
+              (benchmarks/gpu_speculation.py)
   serving     the Scheduler on ort-cuda (chunked prefill, rows moving, a second turn from the prefix store)
               = each request alone; `kvforge serve --backend ort-cuda` over HTTP = the Generator
   new_kinds   issue 35's cache kinds on the GPU, tiny sweep configs in fp16: per-layer KV shapes (gemma4_text),
@@ -176,7 +179,12 @@ def prepare(run: Run) -> dict[str, Any]:
     export(run, "llama-tiny", "onnx", "fp16")
     for model_type in NEW_KINDS:
         tiny_export(run, model_type)
-    return {"exports": made + ["llama-tiny-ort-bf16", "llama-tiny-onnx-fp16"] + [f"{t}-ort-fp16" for t in NEW_KINDS]}
+    from gpu_speculation import draft_export, eagle_export
+
+    draft_export(run.work, hf_folder(run, "llama-tiny"), "fp16")
+    eagle_export(run.work, "fp16")
+    return {"exports": made + ["llama-tiny-ort-bf16", "llama-tiny-onnx-fp16"] + [f"{t}-ort-fp16" for t in NEW_KINDS]
+            + ["llama-tiny-int4-fp16", "eagle3/ort-fp16"]}
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -514,9 +522,17 @@ def step_profile(run: Run) -> dict[str, Any]:
     return {"passed": ok, "summary": text[-300:]}
 
 
+def speculation(run: Run) -> dict[str, Any]:
+    _need_cuda()
+    from gpu_speculation import speculation as check
+
+    return check(run, BACKEND, hf_folder, export)
+
+
 SECTIONS: dict[str, Callable[[Run], Any]] = {
     "env": env, "decode": decode, "families": families, "bf16": bf16, "onnx": onnx_target, "batch": batch,
-    "serving": serving, "new_kinds": new_kinds, "bench": bench, "step_profile": step_profile,
+    "serving": serving, "speculation": speculation, "new_kinds": new_kinds, "bench": bench,
+    "step_profile": step_profile,
 }
 
 
