@@ -67,3 +67,22 @@ def test_a_draft_that_cannot_draft_for_the_target_is_refused(exported, draft_exp
     with pytest.raises(InputError, match=r"^--draft d: its special tokens differ from the target's \(id 0: "
                                          r"'<unk>' vs '<pad>'\)$"):
         _check_tokens("--draft d", (vocab, {0: "<unk>"}), (vocab, {0: "<pad>"}))
+
+
+def test_the_real_models_int4_export_drafts_for_its_fp32_and_fp16_exports(real, tmp_path) -> None:
+    # Self-speculation by quantisation on the real SmolLM2-135M-Instruct: kvforge's default int4 export (HQQ,
+    # 8-bit lm_head) drafts; greedy answers equal plain greedy decoding's, and most drafts are kept.
+    from kvforge.exporter.export import export_model
+
+    draft = tmp_path / "int4"
+    export_model(real["hf"], draft, quantize="int4")
+    fp16 = tmp_path / "fp16"
+    export_model(real["hf"], fp16, dtype="fp16")
+    question = [{"role": "user", "content": "Explain how photosynthesis works in plants."}]
+    for target in (real["ort"], fp16):
+        generator = Generator(target, draft=draft)
+        ids = generator.chat_ids(question)
+        plain = generator.generate([ids], max_new_tokens=48, greedy=True)
+        spec = generator.generate([ids], max_new_tokens=48, greedy=True, speculate="draft", draft_len=4)
+        assert spec.tokens == plain.tokens, target
+        assert spec.accepted_tokens > 0.6 * spec.draft_tokens, (spec.accepted_tokens, spec.draft_tokens)
