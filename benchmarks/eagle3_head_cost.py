@@ -14,8 +14,13 @@ target (LoadedExport(...).backend: allocate / prefill / decode, KV bound in plac
 in which the prefill graph serves the S=1 decode step) and the head (runtime/backends/head_runner.py HeadRunner:
 its own KV cache bound in place). A 16-token prompt is prefilled, then every call runs at --context cached
 positions (the lengths are reset before each call; attention's cost depends on the length, not the values). One
-round times each call once, in a rotating order, so machine noise falls on all alike; the figures are medians over
---runs rounds, and the shares are also given as medians of each round's own ratio (steadier on a shared machine).
+round times each call once, so machine noise falls on all alike; the figures are medians over
+--runs rounds, and the shares are also given as medians of each round's own ratio (steadier on a shared machine). A
+round runs the calls back to back (--gap-ms of idle time between them) in a speculation loop's order (loop_order):
+the head's calls follow the target's step, its catch-up first, then a drafted token.
+By default it times twice, ONNX Runtime's intra-op threads spinning between ops (the runtime's default) and
+sleeping (spinning=False), one after the other: with three sessions taking turns on a few shared cores, an idle
+session's spinning threads take CPU from the running one.
 
     python benchmarks/eagle3_head_cost.py --work /tmp/eagle3-1b --json benchmarks/results/eagle3_head_cost_1b.json
 
@@ -28,6 +33,7 @@ head / target (a decode step at batch 1 is bound by them).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -133,8 +139,18 @@ def _load() -> str:
         return file.read().strip()
 
 
+def loop_order(round_: int, catch_up: list[int]) -> list[str]:
+    """One round's calls in a speculation loop's order: the two targets' steps (which goes first alternates), then
+    the head's catch-up calls (which goes first rotates: the first head call after a target step is the catch-up,
+    and pays for waking the head session's threads), then a drafted token, which follows a head call."""
+    targets = ["target_with_head", "target_plain"][:: 1 if round_ % 2 else -1]
+    turn = round_ % len(catch_up) if catch_up else 0
+    ups = [f"head_s{s}" for s in catch_up[turn:] + catch_up[:turn]]
+    return [*targets, *ups, "head_s1"]
+
+
 def measure(work: Path, context: int, runs: int, threads: int, catch_up: list[int], spinning: bool = True,
-            warmup: int = 3) -> dict[str, Any]:
+            gap_s: float = 0.0, warmup: int = 3) -> dict[str, Any]:
     """The alternating timing (module docstring): per call, the median ms and every sample."""
     import numpy as np
 
@@ -184,7 +200,8 @@ def measure(work: Path, context: int, runs: int, threads: int, catch_up: list[in
     samples: dict[str, list[float]] = {name: [] for name in names}
     load_before, started = _load(), time.perf_counter()
     for round_ in range(runs):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in loop_order(round_, catch_up):
+            time.sleep(gap_s)  # the last call's session's threads stop spinning before this one is timed
             samples[name].append(calls[name]() * 1e3)
     return {"samples_ms": samples, "load_before": load_before, "load_after": _load(),
             "timing_seconds": round(time.perf_counter() - started, 1), "capacity": capacity,
@@ -216,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--catch-up", default="2,3,4", help="head calls over S positions")
     parser.add_argument("--cap-gb", type=float, default=14.0, help="memory cap of each making / export step")
-    parser.add_argument("--no-spinning", dest="spinning", action="store_false",
-                        help="ONNX Runtime's intra-op threads sleep between ops (the runtime's spinning=False): with "
-                             "three sessions taking turns on shared cores, an idle session's spinning threads "
-                             "take CPU from the running one")
+    parser.add_argument("--spinning", choices=("both", "on", "off"), default="both",
+                        help="ONNX Runtime's intra-op threads busy-wait between ops (on: the runtime's default) or "
+                             "sleep (off: spinning=False); both: one timing of each, one after the other. With three "
+                             "sessions taking turns on shared cores, an idle session's spinning threads take CPU "
+                             "from the running one")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="idle time before each timed call, so that the previous call's session's spinning "
+                             "threads have stopped (0: back to back)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -230,23 +251,24 @@ def main(argv: list[str] | None = None) -> int:
         (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         pass
-    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    measured = measure(work, args.context, args.runs, args.threads, catch_up, args.spinning)
-    uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     import onnxruntime
 
-    report = {
+    report: dict[str, Any] = {
         "issue": 54, "shape": SHAPE, "dtype": "fp32", "target": "ort", "head": {**HEAD, "aux_layer_ids": [2, 8, 13]},
-        "context": args.context, "runs": args.runs, "threads": args.threads,
-        "spinning": args.spinning,
+        "context": args.context, "runs": args.runs, "threads": args.threads, "gap_ms": args.gap_ms,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "onnxruntime": onnxruntime.__version__,
         "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), None), "cores": os.cpu_count(),
-        "uptime_before": uptime_before, "uptime_after": uptime_after,
-        **summarise(measured["samples_ms"], catch_up), "weights_share": weights_share(work / "llama-1b", work / "head"),
-        "timing": measured, "making": made,
-    }
-    report["meets_15_percent"] = report["head_step_share"]["median_of_ratios"] <= 0.15
+        "weights_share": weights_share(work / "llama-1b", work / "head"), "making": made, "modes": {}}
+    for mode in ("on", "off") if args.spinning == "both" else (args.spinning,):
+        uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        measured = measure(work, args.context, args.runs, args.threads, catch_up, mode == "on", args.gap_ms / 1e3)
+        uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        gc.collect()  # the mode's sessions (~12 GB) go before the next mode's load
+        summary = summarise(measured["samples_ms"], catch_up)
+        report["modes"][f"spinning_{mode}"] = {
+            "uptime_before": uptime_before, "uptime_after": uptime_after, **summary,
+            "meets_15_percent": summary["head_step_share"]["median_of_ratios"] <= 0.15, "timing": measured}
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:
