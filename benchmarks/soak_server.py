@@ -185,8 +185,8 @@ BAD: list[tuple[str, str, bytes, Any]] = [  # name, path, body, headers (a dict 
      b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "zzz": 1}]}]}', JSON),
     ("unanswered call id", "/v1/chat/completions",
      b'{"messages": [{"role": "tool", "content": "4", "tool_call_id": "c9"}]}', JSON),
-    ("speculate sampling", "/v1/completions",
-     b'{"prompt": "x", "temperature": 0.7, "speculate": {"method": "prompt-lookup"}}', JSON),
+    ("speculate draft_len 99", "/v1/completions",  # (sampling with speculation is allowed since issue 54)
+     b'{"prompt": "x", "temperature": 0.7, "speculate": {"method": "prompt-lookup", "draft_len": 99}}', JSON),
     # issue 53
     ("integer too long", "/v1/completions", b'{"prompt": [5], "max_tokens": 1' + b"0" * 5000 + b"}", JSON),
     ("two Authorization headers", "/v1/completions", b'{"prompt": "x", "max_tokens": 2}',
@@ -283,10 +283,19 @@ with httpx.Client(base_url=sys.argv[1], timeout=10) as client:
 """
 
 
-def soak(export: Path, jobs: list[dict[str, Any]], bad: list, args: argparse.Namespace) -> int:
+def judged(job: dict[str, Any], got: str) -> str | None:
+    """None when `got` answers a good job rightly: its solo answer, or what its own "check" accepts."""
+    if "check" in job:
+        return job["check"](got)
+    return None if got == job["want"] else f"{job['body']} -> {got!r}, alone {job['want']!r}"
+
+
+def soak(export: Path, jobs: list[dict[str, Any]], bad: list, args: argparse.Namespace, serve_args: tuple = (),
+         log: list[str] | None = None) -> int:
+    """Serve `export` (with `serve_args` too) and soak it; `log` collects the server's stderr lines."""
     server = subprocess.Popen([sys.executable, "-m", "kvforge.cli", "serve", str(export), "--port", "0",
-                               "--max-batch", "4", "--max-seq-len", str(MAX_SEQ_LEN), "--max-queue", "256"],
-                              stderr=subprocess.PIPE, text=True)
+                               "--max-batch", "4", "--max-seq-len", str(MAX_SEQ_LEN), "--max-queue", "256",
+                               *serve_args], stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     base = None
     for line in server.stderr:
@@ -296,7 +305,8 @@ def soak(export: Path, jobs: list[dict[str, Any]], bad: list, args: argparse.Nam
     if base is None:
         print(f"FAIL: kvforge serve exited with {server.wait()} before serving")
         return 1
-    threading.Thread(target=lambda: [None for _ in server.stderr], daemon=True).start()  # drain its log
+    threading.Thread(target=lambda: [log is not None and log.append(line) for line in server.stderr],
+                     daemon=True).start()  # drain its log
     process = psutil.Process(server.pid)
     counts: Counter[str] = Counter()
     failures: list[str] = []
@@ -331,15 +341,15 @@ def soak(export: Path, jobs: list[dict[str, Any]], bad: list, args: argparse.Nam
         roll = rng.random()
         job = rng.choice(jobs)
         path = "/v1/chat/completions" if job["kind"] == "chat" else "/v1/completions"
-        tag = " speculative" if "speculate" in job["body"] else ""
+        tag = job.get("tag", " speculative" if "speculate" in job["body"] else "")
         try:
             if roll < 0.45:  # good, not streamed
                 response = client.post(path, json=job["body"])
                 got = text_of(response, job["kind"]) if response.status_code == 200 else response.text
-                note("good" + tag, None if got == job["want"] else f"{job['body']} -> {got!r}, alone {job['want']!r}")
+                note("good" + tag, judged(job, got))
             elif roll < 0.65:  # good, streamed
                 got = streamed_text(client, path, job["body"], job["kind"])
-                note("good streamed" + tag, None if got == job["want"] else f"{job['body']} -> {got!r}, alone {job['want']!r}")
+                note("good streamed" + tag, judged(job, got))
             elif roll < 0.82:  # bad body: a 4xx JSON error
                 what, bad_path, body, headers = rng.choice(bad)
                 response = client.post(bad_path, content=body, headers=headers)

@@ -30,13 +30,9 @@ def target(exported):
 
 
 @pytest.fixture(scope="module")
-def draft(hf_folder, tmp_path_factory):
-    """llama-tiny's int4 export: the draft of self-speculation by quantisation."""
-    from kvforge.exporter.export import export_model
-
-    out = tmp_path_factory.mktemp("spec-draft") / "llama-tiny-int4"
-    export_model(hf_folder("llama-tiny"), out, quantize="int4")
-    return out
+def draft(draft_export):
+    """llama-tiny's int4 export (conftest's draft_export, made once per run): self-speculation by quantisation."""
+    return draft_export("ort")
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +220,13 @@ def test_server_default_override_opt_out_sampling_metrics_and_log(chat_export, c
     lines = [r.kvforge_fields for r in caplog.records if r.name == "kvforge.serve" and
              getattr(r, "kvforge_fields", {}).get("status") == 200]
     assert [line.get("speculate") for line in lines] == [None, None, "draft", "prompt-lookup", "draft", "draft"]
+    # Each request's line carries its own drafts (the scheduler's Done per choice): the opted-out ones none, and
+    # together they are the scheduler's totals.
+    assert [("draft_tokens" in line) for line in lines[:2]] == [False, False]
+    assert all(line["draft_tokens"] > 0 and 0 < line["verify_steps"] <= line["draft_tokens"] for line in lines[2:])
+    for key in ("draft_tokens", "accepted_tokens", "verify_steps"):
+        assert sum(line.get(key, 0) for line in lines) == snapshot[key], key
+    assert lines[2]["acceptance"] == round(lines[2]["accepted_tokens"] / lines[2]["draft_tokens"], 3)
 
 
 def test_the_request_log_sums_each_choices_speculation_where_the_scheduler_reports_it() -> None:

@@ -35,6 +35,11 @@ class Done:
     error: str | None = None
     index: int = 0  # the choice (n > 1); each choice ends with its own Done
     client_error: bool = False  # ERROR caused by the request itself (its grammar failed), not the server
+    # speculation (runtime/drivers/scheduler_speculation.py): this choice's drafted tokens, those the target kept,
+    # and the verification calls that checked its drafts (0 for a row that did not speculate)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 Event = Delta | Done

@@ -438,5 +438,6 @@ class Scheduler:
             error, client_error = row.error, True
         else:
             client_error = False
+        spec = job.speculation[row.index]
         job.handle.emit(Done(reason, len(job.prompt_ids), len(row.tokens), job.prefilled - job.cached, job.cached,
-                             job.ttft_ms, error, row.index, client_error))
+                             job.ttft_ms, error, row.index, client_error, *(spec.counts if spec else ())))

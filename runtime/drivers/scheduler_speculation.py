@@ -57,6 +57,7 @@ class RowSpeculation:
         self.speculation = speculation
         self.proposer = proposer
         self.length = AdaptiveDraftLength(speculation.draft_len) if adaptive else None
+        self.counts = [0, 0, 0]  # drafted, accepted, verify steps: the row's Done reports them
 
     def most(self, row: Row, max_new_tokens: int) -> int:
         """How many tokens the row drafts this step (0: it takes one token, as a plain row)."""
@@ -198,7 +199,12 @@ class Speculator:
                 self.accepted_at[j] += j < accepted
             row = self.engine.rows[at]
             spec = row.owner.speculation[row.index] if row is not None else None
-            if spec is not None and spec.length is not None:
+            if spec is None:
+                continue
+            spec.counts[0] += drafted
+            spec.counts[1] += accepted
+            spec.counts[2] += 1
+            if spec.length is not None:
                 spec.length.update(drafted, accepted)
 
 
