@@ -165,3 +165,59 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.xdist_group("real"))
 
 
+
+
+# -- speculation heads (tests/head_exports.py): made once per run, shared by the head tests' files ----------------
+@pytest.fixture(scope="session")
+def eagle_export(tmp_path_factory: pytest.TempPathFactory):
+    """eagle_export(recipe, target="ort") -> (export folder, source root with hf/ and head/): the LAYERS-layer
+    target of head_exports.EAGLE_FORMS[recipe] exported with its random EAGLE-3 head."""
+    pytest.importorskip("torch")
+    from head_exports import make_eagle_target
+
+    from kvforge.exporter.export import export_model
+
+    root = _shared_folder(tmp_path_factory, "eagle")
+
+    def get(recipe: str, target: str = "ort") -> tuple[Path, Path]:
+        source = _made_once(root, recipe, lambda out: make_eagle_target(recipe, out))
+        folder = _made_once(root, f"{recipe}-{target}",
+                            lambda out: export_model(source / "hf", out, target=target, eagle=source / "head"))
+        return folder, source
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eagle_plain(tmp_path_factory: pytest.TempPathFactory, eagle_export):
+    """eagle_plain(recipe) -> eagle_export's target exported for ort without its head (logits compared exactly)."""
+    from kvforge.exporter.export import export_model
+
+    root = _shared_folder(tmp_path_factory, "eagle")
+
+    def get(recipe: str) -> Path:
+        source = eagle_export(recipe, "ort")[1]
+        return _made_once(root, f"{recipe}-ort-plain", lambda out: export_model(source / "hf", out, target="ort"))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mtp_export(tmp_path_factory: pytest.TempPathFactory):
+    """mtp_export(family) -> root: root/hf the family's tiny checkpoint with one MTP layer, root/mtp its ort export
+    with the head; mtp_export(family, plain=True) -> its ort export with --no-mtp."""
+    pytest.importorskip("torch")
+    from head_exports import make_mtp_export, mtp_registry
+
+    from kvforge.exporter.export import export_model
+
+    root = _shared_folder(tmp_path_factory, "mtp")
+
+    def get(family: str, plain: bool = False) -> Path:
+        source = _made_once(root, family, lambda out: make_mtp_export(family, out))
+        if not plain:
+            return source
+        return _made_once(root, f"{family}-plain", lambda out: export_model(
+            source / "hf", out, target="ort", families=mtp_registry(source / "hf"), mtp=False))
+
+    return get

@@ -1,12 +1,13 @@
 """EAGLE-3 speculation heads exported as draft.onnx (`kvforge export --eagle`, exporter/draft_head.py): 8-layer tiny
 Llama and Qwen3 targets (the recipes' configs with more layers, seeded random weights) with seeded random heads
-(models/eagle3_checkpoint.py: speculators' form for Llama, EAGLE's for Qwen3), exported for ort and onnx.
+(models/eagle3_checkpoint.py: speculators' form for Llama, EAGLE's for Qwen3), exported for ort and onnx once per
+run (tests/head_exports.py through conftest's eagle_export, shared with the other head tests).
 
 draft.onnx, run with ONNX Runtime over its own KV cache (past and present bound to one buffer, as the runtime binds
 it), must equal the torch reference (models/eagle3_reference.py) within 1e-4 in fp32 through a chain: the prompt's
 pairs in one call, a draft from the target's state, two drafts fed the head's own hidden_out, then a
 multi-position catch-up over the drafted positions. The target graphs' `target_hidden` is HF's output_hidden_states
-at the aux layers; the target's logits are those of the export without a head; bad heads and --target trt are
+at the aux layers; the target's logits are HF's within 1e-4 and (Llama, ort) those of the export without a head; bad heads and --target trt are
 refused in one line with nothing written."""
 
 from __future__ import annotations
@@ -27,55 +28,37 @@ pytestmark = pytest.mark.xdist_group("eagle3")
 
 CASES = (("llama-tiny", "speculators", "ort"), ("llama-tiny", "speculators", "onnx"),
          ("qwen3-tiny", "eagle", "ort"), ("qwen3-tiny", "eagle", "onnx"))
-LAYERS = 8  # EAGLE's default aux layers (2, L // 2, L - 3) are distinct from 6 layers on
+LAYERS = 8  # head_exports.LAYERS: EAGLE's default aux layers (2, L // 2, L - 3) are distinct from 7 layers on
 CAPACITY = 32
 TOLERANCE = 1e-4  # fp32: ONNX Runtime's attention over the bound cache against explicit attention in torch
 
 
-def _target_folder(recipe: str, folder) -> object:
-    """The recipe's model with LAYERS layers and seeded random weights, saved as a Hugging Face folder."""
-    import torch
-    import transformers
-
-    from kvforge.models.recipes import get_recipe
-
-    spec = get_recipe(recipe)
-    config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.config, "num_hidden_layers": LAYERS})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    """recipe -> (root, HF model): the target folders, shared by the cases."""
-    built = {}
-    for recipe in sorted({case[0] for case in CASES}):
-        root = tmp_path_factory.mktemp(recipe)
-        built[recipe] = (root, _target_folder(recipe, root / "hf"))
-    return built
+def models(eagle_export):
+    """recipe -> (source root with hf/ and head/, HF model): the targets (tests/head_exports.py), shared by the cases."""
+    from head_exports import load_hf
+
+    return {recipe: (eagle_export(recipe, "ort")[1], load_hf(eagle_export(recipe, "ort")[1] / "hf"))
+            for recipe in sorted({case[0] for case in CASES})}
 
 
 @pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
-def exported(request, targets):
-    """(export folder, HF model, head): the target exported with its head (and, on ort, without one)."""
-    from kvforge.exporter.export import export_model
+def case(request, eagle_export, models):
+    """(export folder, HF model, head): the target exported with its head (conftest's eagle_export)."""
     from kvforge.models.eagle3 import read_eagle3_head
-    from kvforge.models.eagle3_checkpoint import write_random_head
 
     recipe, form, target = request.param
-    root, model = targets[recipe]
-    head_dir = root / f"head-{form}"
-    if not head_dir.exists():  # speculators' form names its aux layers; EAGLE's takes the default (2, 4, 5)
-        write_random_head(root / "hf", head_dir, form=form, draft_vocab_size=96, seed=5,
-                          aux_layer_ids=[1, 3, 6] if form == "speculators" else None,
-                          norm_before_residual=form == "speculators")
-    out = root / f"{target}-eagle"
-    export_model(root / "hf", out, target=target, eagle=head_dir, force=True)
-    if target == "ort":
-        export_model(root / "hf", root / "ort-plain", target="ort", force=True)
-    return out, model, read_eagle3_head(head_dir, model.config)
+    folder, source = eagle_export(recipe, target)
+    model = models[recipe][1]
+    head = read_eagle3_head(source / "head", model.config)
+    assert head.form == form
+    return folder, model, head
+
+
+@pytest.fixture(scope="module")
+def targets(models):
+    """recipe -> (root, HF model), root/hf the target's folder."""
+    return models
 
 
 def _session(path):
@@ -137,12 +120,12 @@ def _aux_states(model, ids: list[int], layer_ids) -> np.ndarray:
     return target_aux_states(model, torch.tensor([ids]), layer_ids)[0].numpy()
 
 
-def test_draft_chain_matches_the_reference(exported) -> None:
+def test_draft_chain_matches_the_reference(case) -> None:
     import torch
 
     from kvforge.models.eagle3_reference import Eagle3Reference
 
-    folder, model, head = exported
+    folder, model, head = case
     rng = np.random.default_rng(11)
     ids = [int(t) for t in rng.integers(3, 500, size=16)]
     n = 9  # the prompt is ids[:n]; the target's states over the longer sequence are its verified ones
@@ -181,8 +164,8 @@ def test_draft_chain_matches_the_reference(exported) -> None:
     assert 0.0 < worst  # the chain compared numbers, not two empty outputs
 
 
-def test_target_hidden_is_hfs_hidden_states_at_the_aux_layers(exported) -> None:
-    folder, model, head = exported
+def test_target_hidden_is_hfs_hidden_states_at_the_aux_layers(case) -> None:
+    folder, model, head = case
     ids = [5, 17, 200, 33, 9, 480, 71, 12, 3, 44]
     want = _aux_states(model, ids, head.aux_layer_ids)
     prefill = _run_target(folder, "prefill", ids[:-1])
@@ -195,23 +178,24 @@ def test_target_hidden_is_hfs_hidden_states_at_the_aux_layers(exported) -> None:
     assert manifest["draft"]["aux_layer_ids"] == list(head.aux_layer_ids)
 
 
-def test_the_targets_logits_are_unchanged_by_the_head(exported) -> None:
+def test_the_targets_logits_are_unchanged_by_the_head(case, eagle_plain) -> None:
     import torch
 
-    folder, model, _ = exported
+    folder, model, _ = case
     ids = [5, 17, 200, 33, 9, 480, 71, 12]
     with_head = _run_target(folder, "prefill", ids)["logits"][0, -1]
-    if folder.name.startswith("ort"):
-        plain = _run_target(folder.parent / "ort-plain", "prefill", ids)["logits"][0, -1]
+    if folder.name == "llama-tiny-ort":  # the export without a head: the same logits (one case suffices: the graph
+        plain_folder = eagle_plain("llama-tiny")  # change is the same for every family and target)
+        plain = _run_target(plain_folder, "prefill", ids)["logits"][0, -1]
         assert np.array_equal(with_head, plain) or np.abs(with_head - plain).max() <= 1e-5
-        assert TARGET_HIDDEN not in [o["name"] for o in load_manifest(folder.parent / "ort-plain")["graphs"]["prefill"]["outputs"]]
+        assert TARGET_HIDDEN not in [o["name"] for o in load_manifest(plain_folder)["graphs"]["prefill"]["outputs"]]
     with torch.no_grad():
         hf = model(torch.tensor([ids])).logits[0, -1].numpy()
     assert np.abs(with_head - hf).max() <= TOLERANCE
 
 
-def test_the_draft_record(exported) -> None:
-    folder, _, head = exported
+def test_the_draft_record(case) -> None:
+    folder, _, head = case
     manifest = load_manifest(folder, verify_hashes=True)
     record = manifest["draft"]
     assert record["kind"] == "eagle3" and record["file"] == "draft.onnx" and "draft.onnx" in manifest["files"]

@@ -178,8 +178,12 @@ def _row(prompt, index: int = 0) -> Row:
 
 
 def _engine(batch: int, capacity: int) -> SimpleNamespace:
+    from kvforge.runtime.drivers.engine import StepEngine
+
     cache = SimpleNamespace(batch=batch, capacity=capacity)
-    return SimpleNamespace(rows=[None] * batch, pickers=[None] * batch, slot=SimpleNamespace(cache=cache))
+    engine = SimpleNamespace(rows=[None] * batch, pickers=[None] * batch, slot=SimpleNamespace(cache=cache))
+    engine.rng_of = lambda at: StepEngine.rng_of(engine, at)  # the engine's own rule: a row's random stream
+    return engine
 
 
 GREEDY = SamplingConfig()
@@ -340,36 +344,13 @@ def test_observe_rewinds_and_skips_and_the_cache_follows_the_engine(head_export)
 
 # -- heads as the exporters write them (exporter/draft_head.py, exporter/mtp_head.py) --------------------------
 @pytest.fixture(scope="module", params=["eagle", "mtp"])
-def real_head(request, tmp_path_factory) -> tuple[Path, str]:
+def real_head(request, eagle_export, mtp_export) -> tuple[Path, str]:
     """eagle: an 8-layer tiny Llama (seeded random weights) with a random speculators-form EAGLE-3 head; mtp: the
-    tiny DeepSeek-V3 checkpoint with one MTP layer (models/mtp_fixture.py). Exported for ort."""
-    import torch
-    import transformers
-
-    from kvforge.exporter.export import export_model
-
-    root = tmp_path_factory.mktemp(request.param)
+    tiny DeepSeek-V3 checkpoint with one MTP layer (models/mtp_fixture.py). Exported for ort, once per run
+    (tests/head_exports.py through conftest's fixtures, shared with the exporters' tests)."""
     if request.param == "mtp":
-        from kvforge.models.families import trial_registry
-        from kvforge.models.mtp_fixture import add_mtp_layers
-        from kvforge.tools.coverage_fixtures import build_tiny
-
-        model = build_tiny("deepseek_v3", root / "hf")
-        add_mtp_layers(root / "hf", seed=7)
-        families = trial_registry(model.config.model_type, type(model).__name__, model.config)
-        export_model(root / "hf", root / "export", target="ort", families=families)
-        return root / "export", "mtp"
-    from kvforge.models.eagle3_checkpoint import write_random_head
-    from kvforge.models.recipes import get_recipe
-
-    spec = get_recipe("llama-tiny")
-    config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.config, "num_hidden_layers": 8})
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(root / "hf")
-    write_random_head(root / "hf", root / "head", form="speculators", draft_vocab_size=96, seed=5,
-                      aux_layer_ids=[1, 3, 6])
-    export_model(root / "hf", root / "export", target="ort", eagle=root / "head")
-    return root / "export", "eagle"
+        return mtp_export("deepseek_v3") / "mtp", "mtp"
+    return eagle_export("llama-tiny", "ort")[0], "eagle"
 
 
 def test_an_exported_head_drafts_through_verification(real_head):

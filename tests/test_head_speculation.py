@@ -1,6 +1,7 @@
 """Speculation with the export's own head through the Generator: EAGLE-3 heads (random weights, both published
-forms) and checkpoints' MTP layers keep greedy output identical to plain greedy decoding, on the ort and onnx
-targets, one row and (onnx) a batch; seeded sampling repeats; a request for a head the export lacks is one line.
+forms; ort and onnx, one row and on onnx a batch) and checkpoints' MTP layers (DeepSeek-V3, GLM-4.5; ort) keep
+greedy output identical to plain greedy decoding (Qwen3-Next's, beside recurrent layers, is refused); seeded
+sampling repeats; a request for a head the export lacks is one line.
 The heads' graphs against their torch references: tests/test_eagle3_export.py, tests/test_mtp_export.py."""
 
 from __future__ import annotations
@@ -16,40 +17,18 @@ from kvforge.runtime import Generator  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("head-speculation")
 
-LAYERS = 4
 PROMPTS = [[1, 17, 230, 41, 9, 77, 12], [1, 5, 6], [1, 300, 2, 301, 44, 45, 46, 47, 48]]
-
-
-def _target(recipe: str, folder) -> None:
-    import torch
-    import transformers
-
-    from kvforge.models.recipes import get_recipe
-
-    spec = get_recipe(recipe)
-    config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.config, "num_hidden_layers": LAYERS})
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+FORMS = {"llama-tiny": "speculators", "qwen3-tiny": "eagle"}  # tests/head_exports.py's EAGLE_FORMS
 
 
 @pytest.fixture(scope="module")
-def eagle_exports(tmp_path_factory):
-    """(recipe, form, target) -> the target exported with a random EAGLE-3 head."""
-    from kvforge.exporter.export import export_model
-    from kvforge.models.eagle3_checkpoint import write_random_head
-
-    made: dict = {}
+def eagle_exports(eagle_export):
+    """(recipe, form, target) -> the 8-layer target exported with a random EAGLE-3 head (tests/head_exports.py
+    through conftest's eagle_export: made once per run, shared with the exporter's tests)."""
 
     def get(recipe: str, form: str, target: str):
-        key = (recipe, form, target)
-        if key not in made:
-            root = tmp_path_factory.mktemp(f"{recipe}-{form}")
-            _target(recipe, root / "hf")
-            write_random_head(root / "hf", root / "head", form=form, draft_vocab_size=96, seed=5,
-                              aux_layer_ids=[0, 1, 3] if form == "speculators" else None)
-            made[key] = root / target
-            export_model(root / "hf", made[key], target=target, eagle=root / "head")
-        return made[key]
+        assert FORMS[recipe] == form
+        return eagle_export(recipe, target)[0]
 
     return get
 
@@ -82,6 +61,20 @@ def test_eagle_sampling_is_reproducible_with_a_seed(eagle_exports) -> None:
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_heads_keep_greedy_output_on_ort(mtp_export, family: str) -> None:
+    generator = Generator(mtp_export(family) / "mtp")
+    for prompt in PROMPTS:
+        for draft_len in (1, 4):
+            _same_as_plain(generator, [prompt], "mtp", draft_len)
+
+
+def test_an_mtp_head_beside_recurrent_layers_is_refused_in_one_line(mtp_export) -> None:
+    # Qwen3-Next's linear-attention layers cannot drop rejected drafts: its MTP head is exported, not run.
+    with pytest.raises(InputError, match=r"^speculative decoding needs a cache that can drop rejected drafts"):
+        Generator(mtp_export("qwen3_next") / "mtp").generate([PROMPTS[0]], max_new_tokens=4, speculate="mtp")
+
+
 def test_a_head_the_export_lacks_is_one_line(eagle_exports, exported) -> None:
     with pytest.raises(InputError, match=r"^speculate='mtp': this export carries no MTP layer but an EAGLE-3 head; "
                                          r"speculate with method eagle$"):
@@ -98,7 +91,7 @@ def test_inspect_names_the_head(eagle_exports, exported) -> None:
 
     shown = CliRunner().invoke(main, ["inspect", str(eagle_exports("llama-tiny", "speculators", "ort"))])
     assert shown.exit_code == 0, shown.output
-    assert ("  speculation head: EAGLE-3 head, reads layers [0, 1, 3], draft vocabulary 96, in draft.onnx "
+    assert ("  speculation head: EAGLE-3 head, reads layers [1, 3, 6], draft vocabulary 96, in draft.onnx "
             "(--speculate eagle)") in shown.output.splitlines()
     assert "  draft: draft.onnx (" in shown.output  # the graph, checked like prefill and decode
     plain = CliRunner().invoke(main, ["inspect", str(exported("llama-tiny", "ort")), "--json"])

@@ -100,14 +100,24 @@ def test_mixed_proposers_in_one_batch_give_plain_greedy(tmp_path: Path, target: 
     wants = _record_wants(scheduler, running, asked)
     handles = [scheduler.submit(_request(p, 30 + i, s)) for i, (p, s) in enumerate(zip(REPEATING, SPECS, strict=True))]
     scheduler.start()
+    dones = []
     try:
         for i, (handle, prompt) in enumerate(zip(handles, REPEATING, strict=True)):
             tokens, _, done = handle.result()
             assert tokens == model.greedy(prompt, 30 + i) and done.finish_reason == "length", i
+            dones.append(done)
         stats = scheduler.snapshot()
     finally:
         scheduler.close()
     assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]  # the draft model is wrong at times
+    # Each request's Done has its own drafts (the request log's), which make up the totals; none for plain rows.
+    assert [done.draft_tokens for done, spec in zip(dones, SPECS, strict=True) if spec is None or spec.off] == [0, 0]
+    assert all(0 < d.accepted_tokens <= d.draft_tokens for d, spec in zip(dones, SPECS, strict=True)
+               if spec is not None and not spec.off)
+    for key in ("draft_tokens", "accepted_tokens"):
+        assert sum(getattr(done, key) for done in dones) == stats[key], key
+    row_verifications = sum(done.verify_steps for done in dones)  # a call that verifies k rows counts once per row
+    assert row_verifications == stats["verify_steps"] if target == "ort" else row_verifications > stats["verify_steps"]
     assert stats["drafted_at"][0] == stats["verify_steps"] if target == "ort" else stats["drafted_at"][0] > 0
     assert stats["drafted_at"][6:] == [0] * 9 and stats["drafted_at"][5] > 0  # the longest draft_len is 6
     assert all(a <= d for a, d in zip(stats["accepted_at"], stats["drafted_at"], strict=True))
@@ -299,21 +309,17 @@ REAL_SPECS = [Speculation("prompt-lookup", 4), Speculation("draft", 3), None, Sp
 
 
 @pytest.fixture(scope="module")
-def real_pair(exported, hf_folder, tmp_path_factory):
+def real_pair(exported, draft_export):
     """real_pair(target) -> a Generator on llama-tiny's export with its draft: the same model's int4 export (`ort`)
-    or fp16 export (`onnx`), made once per module."""
+    or fp16 export (`onnx`) (conftest's draft_export, made once per run), one Generator per module."""
     pytest.importorskip("torch")
-    from kvforge.exporter.export import export_model
     from kvforge.runtime import Generator
 
     made = {}
 
     def get(target: str):
         if target not in made:
-            draft = tmp_path_factory.mktemp("draft") / f"llama-tiny-draft-{target}"
-            export_model(hf_folder("llama-tiny"), draft, target=target, quantize="int4" if target == "ort" else None,
-                         dtype="fp32" if target == "ort" else "fp16")
-            made[target] = Generator(exported("llama-tiny", target), draft=draft)
+            made[target] = Generator(exported("llama-tiny", target), draft=draft_export(target))
         return made[target]
 
     return get
