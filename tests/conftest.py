@@ -205,7 +205,8 @@ def eagle_plain(tmp_path_factory: pytest.TempPathFactory, eagle_export):
 @pytest.fixture(scope="session")
 def mtp_export(tmp_path_factory: pytest.TempPathFactory):
     """mtp_export(family) -> root: root/hf the family's tiny checkpoint with one MTP layer, root/mtp its ort export
-    with the head; mtp_export(family, plain=True) -> its ort export with --no-mtp."""
+    with the head; mtp_export(family, plain=True) -> its ort export with --no-mtp; mtp_export(family,
+    target="onnx") -> a root whose mtp/ is its export with the head on that target."""
     pytest.importorskip("torch")
     from head_exports import make_mtp_export, mtp_registry
 
@@ -213,8 +214,11 @@ def mtp_export(tmp_path_factory: pytest.TempPathFactory):
 
     root = _shared_folder(tmp_path_factory, "mtp")
 
-    def get(family: str, plain: bool = False) -> Path:
+    def get(family: str, plain: bool = False, target: str = "ort") -> Path:
         source = _made_once(root, family, lambda out: make_mtp_export(family, out))
+        if target != "ort":  # root/mtp: the same checkpoint's export with its head on that target
+            return _made_once(root, f"{family}-{target}", lambda out: export_model(
+                source / "hf", out / "mtp", target=target, families=mtp_registry(source / "hf")))
         if not plain:
             return source
         return _made_once(root, f"{family}-plain", lambda out: export_model(

@@ -69,6 +69,10 @@ def test_mtp_heads_keep_greedy_output_on_ort(mtp_export, family: str) -> None:
             _same_as_plain(generator, [prompt], "mtp", draft_len)
 
 
+def test_an_mtp_head_keeps_greedy_output_for_a_batch_on_onnx(mtp_export) -> None:
+    _same_as_plain(Generator(mtp_export("glm4_moe", target="onnx") / "mtp"), PROMPTS, "mtp", 3)
+
+
 def test_an_mtp_head_beside_recurrent_layers_is_refused_in_one_line(mtp_export) -> None:
     # Qwen3-Next's linear-attention layers cannot drop rejected drafts: its MTP head is exported, not run.
     with pytest.raises(InputError, match=r"^speculative decoding needs a cache that can drop rejected drafts"):
