@@ -83,8 +83,10 @@ def export_head(export: Any, method: str) -> HeadRunner:
 def open_head(folder: str | Path, manifest: dict[str, Any], backend: Any, threads: int | None = None) -> HeadRunner:
     """The export's head on the device of the target's `backend` (BackendUnavailableError where it runs none)."""
     refuse_heads(backend)
+    # spinning off: a head's threads spinning between its runs would hold the cores the target's steps need
+    # (runtime/drivers/speculation_checks.py, open_draft)
     return HeadRunner(folder, manifest, device=getattr(backend, "device", "cpu"),
-                      device_id=getattr(backend, "device_id", 0), threads=threads)
+                      device_id=getattr(backend, "device_id", 0), threads=threads, spinning=False)
 
 
 class HeadProposer:
