@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import io as io_module
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -26,25 +26,6 @@ from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge
 
 # The target's token embedding, by the names checkpoints give it (the head reads it where it has none of its own).
 EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
-
-
-@contextlib.contextmanager
-def capture_layer_inputs(stack: Any, layer_ids: tuple[int, ...] | None) -> Iterator[list[torch.Tensor]]:
-    """While open, the hidden state entering each decoder layer of `layer_ids` (of `stack.layers`) is appended to the
-    yielded list, in layer order: the aux states an EAGLE-3 head reads (models/eagle3.py says why inputs)."""
-    captured: dict[int, torch.Tensor] = {}
-    found: list[torch.Tensor] = []
-    handles = []
-    for layer in layer_ids or ():
-        def keep(_module: Any, args: tuple, kwargs: dict, layer: int = layer) -> None:
-            captured[layer] = args[0] if args else kwargs["hidden_states"]
-        handles.append(stack.layers[layer].register_forward_pre_hook(keep, with_kwargs=True))
-    try:
-        yield found
-        found.extend(captured[layer] for layer in sorted(layer_ids or ()))
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def check_target(model_config: Any, family: Any, target: Any, vision: Any) -> None:

@@ -8,6 +8,7 @@ this layer's cache. Positions come from `past_lens` inside the graph, per the KV
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -210,7 +211,6 @@ class GraphWrapper(torch.nn.Module):
         if features is not None:
             embeds = self.model.get_input_embeddings()(input_ids)
             tokens = dict(inputs_embeds=merge_image_features(input_ids, embeds, features, self.image_token_id))
-        from kvforge.exporter.draft_head import capture_layer_inputs
 
         try:
             with own if own is not None else contextlib.nullcontext(), \
@@ -240,3 +240,22 @@ class GraphWrapper(torch.nn.Module):
                 layer_cache = cache[cache_keyword(self.model)].layers[layer]
                 present.append(layer_cache.present.get(kind, named[(layer, kind)]))
         return (logits, *present) + ((torch.cat(aux, -1),) if self.aux_layers else ())
+
+
+@contextlib.contextmanager
+def capture_layer_inputs(stack: Any, layer_ids: tuple[int, ...] | None) -> Iterator[list[torch.Tensor]]:
+    """While open, the hidden state entering each decoder layer of `layer_ids` (of `stack.layers`) is appended to the
+    yielded list, in layer order: the aux states an EAGLE-3 head reads (models/eagle3.py says why inputs)."""
+    captured: dict[int, torch.Tensor] = {}
+    found: list[torch.Tensor] = []
+    handles = []
+    for layer in layer_ids or ():
+        def keep(_module: Any, args: tuple, kwargs: dict, layer: int = layer) -> None:
+            captured[layer] = args[0] if args else kwargs["hidden_states"]
+        handles.append(stack.layers[layer].register_forward_pre_hook(keep, with_kwargs=True))
+    try:
+        yield found
+        found.extend(captured[layer] for layer in sorted(layer_ids or ()))
+    finally:
+        for handle in handles:
+            handle.remove()

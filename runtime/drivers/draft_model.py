@@ -24,10 +24,9 @@ from kvforge.core.errors import InputError
 from kvforge.runtime.controls.acceptance import draw, target_distribution
 from kvforge.runtime.controls.sampling import greedy as greedy_tokens
 from kvforge.runtime.drivers.draft_checks import check_draft_pair
-from kvforge.runtime.drivers.proposers import Draft, context
+from kvforge.runtime.drivers.proposers import Draft, EngineView, context
 
 if TYPE_CHECKING:
-    from kvforge.runtime.drivers.engine import StepEngine
     from kvforge.runtime.drivers.loaded_export import LoadedExport
 
 
@@ -65,7 +64,7 @@ class DraftModelProposer:
         self.rngs: dict[int, np.random.Generator] = {}
         self.views: dict[int, Any] = {}  # batch row -> its one-row view (backend.row_view), where used
 
-    def _slot(self, engine: StepEngine) -> Any:
+    def _slot(self, engine: EngineView) -> Any:
         batch, capacity = engine.slot.cache.batch, engine.slot.cache.capacity
         if self.slot is None or self.slot.cache.batch != batch or self.slot.cache.capacity != capacity:
             if self.slot is not None:
@@ -73,7 +72,7 @@ class DraftModelProposer:
             self.slot = self.backend.allocate(batch, capacity)
         return self.slot
 
-    def propose(self, engine: StepEngine, wants: Mapping[int, int]) -> dict[int, Draft]:
+    def propose(self, engine: EngineView, wants: Mapping[int, int]) -> dict[int, Draft]:
         slot = self._slot(engine)
         ats = sorted(wants)
         contexts = {at: context(engine, at) for at in ats}
@@ -135,10 +134,10 @@ class DraftModelProposer:
                     self.valid[at] = min(self.valid[at], capacity - width)
         return self.backend.prefill(slot, block, last)[:, 0]
 
-    def _greedy(self, engine: StepEngine, at: int) -> bool:
+    def _greedy(self, engine: EngineView, at: int) -> bool:
         return engine.pickers[at].sampler.config.greedy
 
-    def _pick(self, engine: StepEngine, logits: np.ndarray, ats: list[int],
+    def _pick(self, engine: EngineView, logits: np.ndarray, ats: list[int],
               probs: dict[int, list[np.ndarray]]) -> np.ndarray:
         """Each drafting row's next token: the argmax, or a draw from the draft's distribution under the row's
         sampling settings (kept in `probs` for the rejection rule)."""
@@ -156,7 +155,7 @@ class DraftModelProposer:
             probs[at].append(p)
         return picked
 
-    def observe(self, engine: StepEngine, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
+    def observe(self, engine: EngineView, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
         for at, (first, count) in kept.items():
             fed = self.fed.pop(at, None)
             if fed is None:

@@ -34,10 +34,9 @@ from kvforge.core.errors import InputError
 from kvforge.runtime.backends.head_runner import HeadRunner, HeadSlot
 from kvforge.runtime.backends.target_hidden import refuse_heads
 from kvforge.runtime.controls.acceptance import draw, target_distribution
-from kvforge.runtime.drivers.proposers import Draft, context
+from kvforge.runtime.drivers.proposers import Draft, EngineView, context
 
 if TYPE_CHECKING:
-    from kvforge.runtime.drivers.engine import StepEngine
     from kvforge.runtime.drivers.rows import Row
 
 METHODS = {"eagle3": "eagle", "mtp": "mtp"}  # the draft record's kind -> the speculation method
@@ -101,7 +100,7 @@ class HeadProposer:
         self.rows: dict[int, HeadRow] = {}
 
     # -- what the target kept ----------------------------------------------------------------------
-    def observe(self, engine: StepEngine, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
+    def observe(self, engine: EngineView, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
         if hidden is None:
             raise InputError("the head proposer reads the target's hidden states; the engine passed none")
         for at, (first, count) in kept.items():
@@ -118,14 +117,14 @@ class HeadProposer:
             if count > 0:
                 state.pending.append(np.array(hidden[at, :count]))
 
-    def _row(self, engine: StepEngine, at: int) -> HeadRow:
+    def _row(self, engine: EngineView, at: int) -> HeadRow:
         state = self.rows.get(at)
         if state is None or state.row is not engine.rows[at]:
             state = self.rows[at] = HeadRow(engine.rows[at])
         return state
 
     # -- drafting --------------------------------------------------------------------------------
-    def propose(self, engine: StepEngine, wants: Mapping[int, int]) -> dict[int, Draft]:
+    def propose(self, engine: EngineView, wants: Mapping[int, int]) -> dict[int, Draft]:
         slot = self._slot(engine)
         ats = sorted(at for at, most in wants.items() if most >= 1 and self._ready(engine, at))
         if not ats:
@@ -146,7 +145,7 @@ class HeadProposer:
         return {at: Draft(np.array(tokens[at], dtype=np.int64), np.stack(probs[at]) if at in probs else None)
                 for at in ats}
 
-    def _ready(self, engine: StepEngine, at: int) -> bool:
+    def _ready(self, engine: EngineView, at: int) -> bool:
         """Whether row `at` can draft: it has pending positions, and the context holds the token after each."""
         state = self.rows.get(at)
         if state is None or state.row is not engine.rows[at] or not state.waiting:
@@ -154,12 +153,12 @@ class HeadProposer:
         row = state.row
         return len(row.prompt) + len(row.tokens) > state.valid + state.waiting
 
-    def _valid(self, engine: StepEngine, at: int) -> int:
+    def _valid(self, engine: EngineView, at: int) -> int:
         """Where a call starts writing row `at`: after its valid positions (a row the head does not hold: 0)."""
         state = self.rows.get(at)
         return state.valid if state is not None and state.row is engine.rows[at] else 0
 
-    def _catch_up(self, engine: StepEngine, slot: HeadSlot, ats: list[int], first: int,
+    def _catch_up(self, engine: EngineView, slot: HeadSlot, ats: list[int], first: int,
                   cur: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
         """Feed every row of `ats` its pending positions; each row's logits [Vd] and hidden_out [H] at its last.
         Calls of S positions each, S no more than every row of the block has room for (a nearly full row
@@ -210,11 +209,11 @@ class HeadProposer:
             cur[at - first] += 1
         return ({at: logits[at - first, 0] for at in live}, {at: out[at - first, 0] for at in live})
 
-    def _greedy(self, engine: StepEngine, at: int) -> bool:
+    def _greedy(self, engine: EngineView, at: int) -> bool:
         picker = engine.pickers[at]
         return picker is None or picker.sampler.config.greedy
 
-    def _pick(self, engine: StepEngine, at: int, logits: np.ndarray, probs: dict[int, list[np.ndarray]]) -> int:
+    def _pick(self, engine: EngineView, at: int, logits: np.ndarray, probs: dict[int, list[np.ndarray]]) -> int:
         """Row `at`'s next drafted token (a target id) from the head's logits [Vd]: the argmax, or a draw from the
         distribution the row's sampling settings make of them (kept over the target vocabulary in `probs`)."""
         token_map = self.runner.token_map
@@ -233,7 +232,7 @@ class HeadProposer:
         return int(token_map[draw(q, state.rng)])
 
     # -- the head's cache ------------------------------------------------------------------------
-    def _slot(self, engine: StepEngine) -> HeadSlot:
+    def _slot(self, engine: EngineView) -> HeadSlot:
         """The head cache for the engine's batch and capacity (+1: room for a full row's padding); a new one,
         with the rows the head holds copied over, when the engine's changed."""
         batch, capacity = engine.slot.cache.batch, engine.slot.cache.capacity + 1

@@ -16,14 +16,23 @@ draft.onnx over the target's hidden states. A proposer holds per-batch-row state
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from kvforge.runtime.controls.speculate import prompt_lookup
 
-if TYPE_CHECKING:
-    from kvforge.runtime.drivers.engine import StepEngine
+
+class EngineView(Protocol):
+    """What a proposer reads of the step engine (runtime/drivers/engine.py's StepEngine): its rows (Row: prompt,
+    tokens), their pickers (sampling settings), its slot and backend, and each row's random stream."""
+
+    rows: list[Any]
+    pickers: list[Any]
+    slot: Any
+    backend: Any
+
+    def rng_of(self, at: int) -> np.random.Generator: ...
 
 
 class Draft(NamedTuple):
@@ -41,16 +50,16 @@ class Proposer(Protocol):
     method: str
     needs_hidden: bool  # whether observe() needs the target's hidden states (contract.TARGET_HIDDEN)
 
-    def propose(self, engine: StepEngine, wants: Mapping[int, int]) -> dict[int, Draft]: ...
+    def propose(self, engine: EngineView, wants: Mapping[int, int]) -> dict[int, Draft]: ...
 
-    def observe(self, engine: StepEngine, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None: ...
+    def observe(self, engine: EngineView, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None: ...
 
     def release(self, at: int) -> None: ...
 
     def move(self, src: int, dst: int) -> None: ...
 
 
-def context(engine: StepEngine, at: int) -> np.ndarray:
+def context(engine: EngineView, at: int) -> np.ndarray:
     """Row `at`'s whole context, prompt and generated tokens, as int64."""
     row = engine.rows[at]
     size = len(row.prompt) + len(row.tokens)
@@ -63,7 +72,7 @@ class PromptLookup:
     method = "prompt-lookup"
     needs_hidden = False
 
-    def propose(self, engine: StepEngine, wants: Mapping[int, int]) -> dict[int, Draft]:
+    def propose(self, engine: EngineView, wants: Mapping[int, int]) -> dict[int, Draft]:
         drafts = {}
         for at, most in wants.items():
             tokens = prompt_lookup(context(engine, at), most)
@@ -71,7 +80,7 @@ class PromptLookup:
                 drafts[at] = Draft(tokens)
         return drafts
 
-    def observe(self, engine: StepEngine, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
+    def observe(self, engine: EngineView, kept: Mapping[int, tuple[int, int]], hidden: np.ndarray | None) -> None:
         pass
 
     def release(self, at: int) -> None:
