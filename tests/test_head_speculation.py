@@ -100,3 +100,30 @@ def test_inspect_names_the_head(eagle_exports, exported) -> None:
     assert "  draft: draft.onnx (" in shown.output  # the graph, checked like prefill and decode
     plain = CliRunner().invoke(main, ["inspect", str(exported("llama-tiny", "ort")), "--json"])
     assert json.loads(plain.output)["proposer"] is None
+
+
+@pytest.mark.parametrize(("kind", "target"), [("eagle", "ort"), ("eagle", "onnx"), ("mtp", "ort")])
+def test_a_scheduler_mixing_a_head_with_other_proposers_gives_solo_greedy(eagle_exports, mtp_export, kind: str,
+                                                                          target: str) -> None:
+    # Four rows: the head, prompt lookup and none at once, a fifth request joining as a row frees up.
+    from kvforge.runtime import GenerationRequest, Speculation
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.scheduler import Scheduler
+
+    folder = eagle_exports("llama-tiny", "speculators", target) if kind == "eagle" else mtp_export("deepseek_v3") / "mtp"
+    generator = Generator(folder)
+    specs = [Speculation(kind, 3), None, Speculation("prompt-lookup", 4), Speculation(kind, 2), None]
+    prompts = [*PROMPTS, [1, 9, 8, 7, 9, 8, 7, 9, 8], [1, 44, 45]]
+    lengths = [14, 10, 16, 12, 9]
+    plain = [generator.generate([p], max_new_tokens=n, greedy=True, ignore_eos=True).tokens[0]
+             for p, n in zip(prompts, lengths, strict=True)]
+    scheduler = Scheduler(generator, max_batch=4, max_seq_len=64, prefill_chunk=4)
+    handles = [scheduler.submit(GenerationRequest(p, n, SamplingConfig(greedy=True), ignore_eos=True, speculation=s))
+               for p, n, s in zip(prompts, lengths, specs, strict=True)]
+    scheduler.start()
+    try:
+        assert [handle.result()[0] for handle in handles] == plain
+        stats = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert stats["draft_tokens"] > 0 and stats["verify_steps"] > 0
