@@ -61,3 +61,47 @@ def load_hf(folder: Path) -> Any:
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def one_thread_session(path: Path) -> Any:
+    """An ONNX Runtime CPU session of the graph at `path`, one intra-op thread."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class BoundHead:
+    """An export's draft.onnx with its KV cache of `capacity` positions bound in place (past and present one
+    OrtValue), as the runtime binds it; called per step: (past, tokens, target_hidden, draft_hidden) -> (logits,
+    hidden_out, token_map) of the one row."""
+
+    def __init__(self, folder: Path, capacity: int) -> None:
+        import numpy as np
+        import onnxruntime as ort
+
+        from kvforge.core.manifest import load_manifest
+
+        self.session = one_thread_session(folder / "draft.onnx")
+        self.record = load_manifest(folder)["draft"]  # the record and graph checked as the runtime loads them
+        cache = self.record["kv_cache"]
+        shape = [1, cache["num_kv_heads"], capacity, cache["head_dim"]]
+        self.cache = {kind: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for kind in ("key", "value")}
+
+    def __call__(self, past: int, tokens: list[int], target: Any, draft: Any) -> tuple[Any, Any, Any]:
+        import numpy as np
+
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
+        binding.bind_cpu_input("target_hidden", np.ascontiguousarray(target[None], np.float32))
+        binding.bind_cpu_input("draft_hidden", np.ascontiguousarray(draft[None], np.float32))
+        binding.bind_cpu_input("past_lens", np.array([past], np.int32))
+        for name in ("logits", "hidden_out", "token_map"):  # bound first: copy_outputs_to_cpu keeps binding order
+            binding.bind_output(name, "cpu")
+        for kind, value in self.cache.items():
+            binding.bind_ortvalue_input(f"past_{kind}.0", value)
+            binding.bind_ortvalue_output(f"present_{kind}.0", value)
+        self.session.run_with_iobinding(binding)
+        logits, hidden, token_map = binding.copy_outputs_to_cpu()[:3]
+        return logits[0], hidden[0], token_map

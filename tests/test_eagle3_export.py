@@ -17,6 +17,7 @@ import shutil
 
 import numpy as np
 import pytest
+from head_exports import BoundHead, one_thread_session
 
 pytest.importorskip("torch")
 
@@ -61,17 +62,11 @@ def targets(models):
     return models
 
 
-def _session(path):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def _run_target(folder, phase: str, ids: list[int], past: int = 0, cache: dict | None = None) -> dict[str, np.ndarray]:
     """One row through the export's prefill or decode graph: its outputs by name (present_* as the next cache)."""
-    session = _session(folder / f"{phase}.onnx")
+    session = one_thread_session(folder / f"{phase}.onnx")
     feeds = {"input_ids": np.array([ids], np.int64), "past_lens": np.array([past], np.int32)}
     if phase == "prefill":
         feeds["logits_index"] = np.array([[len(ids) - 1]], np.int64)
@@ -84,32 +79,6 @@ def _run_target(folder, phase: str, ids: list[int], past: int = 0, cache: dict |
     return dict(zip(names, session.run(None, feeds), strict=True))
 
 
-class Head:
-    """draft.onnx with its KV cache bound in place (past and present one OrtValue)."""
-
-    def __init__(self, folder) -> None:
-        import onnxruntime as ort
-
-        self.session = _session(folder / "draft.onnx")
-        self.record = load_manifest(folder)["draft"]  # the record and graph checked as the runtime loads them
-        cache = self.record["kv_cache"]
-        shape = [1, cache["num_kv_heads"], CAPACITY, cache["head_dim"]]
-        self.cache = {kind: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for kind in ("key", "value")}
-
-    def __call__(self, past: int, tokens: list[int], target: np.ndarray, draft: np.ndarray):
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
-        binding.bind_cpu_input("target_hidden", np.ascontiguousarray(target[None], np.float32))
-        binding.bind_cpu_input("draft_hidden", np.ascontiguousarray(draft[None], np.float32))
-        binding.bind_cpu_input("past_lens", np.array([past], np.int32))
-        for name in ("logits", "hidden_out", "token_map"):  # bound first: copy_outputs_to_cpu keeps binding order
-            binding.bind_output(name, "cpu")
-        for kind, value in self.cache.items():
-            binding.bind_ortvalue_input(f"past_{kind}.0", value)
-            binding.bind_ortvalue_output(f"present_{kind}.0", value)
-        self.session.run_with_iobinding(binding)
-        logits, hidden, token_map = binding.copy_outputs_to_cpu()[:3]
-        return logits[0], hidden[0], token_map
 
 
 def _aux_states(model, ids: list[int], layer_ids) -> np.ndarray:
@@ -131,7 +100,7 @@ def test_draft_chain_matches_the_reference(case) -> None:
     n = 9  # the prompt is ids[:n]; the target's states over the longer sequence are its verified ones
     states = _aux_states(model, ids, head.aux_layer_ids)
     reference = Eagle3Reference(head, model.get_input_embeddings().weight.detach(), 1, CAPACITY)
-    onnx_head = Head(folder)
+    onnx_head = BoundHead(folder, CAPACITY)
     zeros = lambda count: np.zeros((count, head.hidden_size), np.float32)  # noqa: E731
     worst = 0.0
 

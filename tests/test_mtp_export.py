@@ -15,6 +15,7 @@ import shutil
 
 import numpy as np
 import pytest
+from head_exports import BoundHead, one_thread_session
 
 pytest.importorskip("torch")
 
@@ -47,17 +48,11 @@ def exported(request, mtp_export):
     return root, load_hf(root / "hf"), MtpReference(root / "hf")
 
 
-def _session(path):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def _target(folder, ids: list[int]) -> dict[str, np.ndarray]:
     """The export's prefill graph over `ids` (one row, fresh cache): its outputs by name."""
-    session = _session(folder / "prefill.onnx")
+    session = one_thread_session(folder / "prefill.onnx")
     feeds = {"input_ids": np.array([ids], np.int64), "past_lens": np.zeros(1, np.int32),
              "logits_index": np.array([[len(ids) - 1]], np.int64)}
     for value in session.get_inputs():  # KV buffers of CAPACITY positions, recurrent states at their own size
@@ -68,33 +63,6 @@ def _target(folder, ids: list[int]) -> dict[str, np.ndarray]:
     return dict(zip(names, session.run(None, feeds), strict=True))
 
 
-class Head:
-    """draft.onnx with its KV cache bound in place (past and present one OrtValue), as the runtime binds it."""
-
-    def __init__(self, folder) -> None:
-        import onnxruntime as ort
-
-        self.ort = ort
-        self.session = _session(folder / "draft.onnx")
-        manifest = load_manifest(folder)  # the record and graph checked as the runtime loads them
-        cache = manifest["draft"]["kv_cache"]
-        shape = [1, cache["num_kv_heads"], CAPACITY, cache["head_dim"]]
-        self.cache = {kind: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.float32)) for kind in ("key", "value")}
-
-    def __call__(self, past: int, tokens: list[int], target: np.ndarray, draft: np.ndarray):
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.array([tokens], np.int64))
-        binding.bind_cpu_input("target_hidden", target[None].astype(np.float32))
-        binding.bind_cpu_input("draft_hidden", draft[None].astype(np.float32))
-        binding.bind_cpu_input("past_lens", np.array([past], np.int32))
-        for name in ("logits", "hidden_out", "token_map"):  # bound first: copy_outputs_to_cpu keeps this order
-            binding.bind_output(name, "cpu")
-        for kind, value in self.cache.items():
-            binding.bind_ortvalue_input(f"past_{kind}.0", value)
-            binding.bind_ortvalue_output(f"present_{kind}.0", value)
-        self.session.run_with_iobinding(binding)
-        logits, hidden, token_map = binding.copy_outputs_to_cpu()[:3]
-        return logits[0], hidden[0], token_map
 
 
 def _hf_hidden(model, ids: list[int]) -> np.ndarray:
@@ -122,7 +90,7 @@ def test_draft_chain_matches_the_reference(exported) -> None:
     states = _hf_hidden(model, ids)
     hidden = model.config.hidden_size
     zeros = np.zeros((1, hidden), np.float32)
-    head = Head(root / "mtp")
+    head = BoundHead(root / "mtp", CAPACITY)
     # Head position p holds (token p + 1, hidden state at p): the prompt's pairs, in one call.
     tokens, given = ids[1:n], list(states[: n - 1])
     logits, out, token_map = head(0, tokens, states[: n - 1], np.zeros((n - 1, hidden), np.float32))
