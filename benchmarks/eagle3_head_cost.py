@@ -81,16 +81,17 @@ def timed(command: list[str], cap: list[str], log: Path) -> dict[str, Any]:
     return record
 
 
+def kvforge_command() -> list[str]:
+    """The kvforge CLI of this interpreter's environment (its script where installed, else the module)."""
+    python = sys.executable
+    return [python, "-m", "kvforge.cli"] if not Path(python).with_name("kvforge").exists() \
+        else [str(Path(python).with_name("kvforge"))]
+
+
 def prepare(work: Path, cap_gb: float) -> dict[str, Any]:
     """The checkpoint, the head and both exports in `work`, each made only where missing; the records of the steps
     (this run's, or the run's that made them, kept in work/prepare.json)."""
-    work.mkdir(parents=True, exist_ok=True)
-    saved = work / "prepare.json"
-    records: dict[str, Any] = json.loads(saved.read_text()) if saved.exists() else {}
-    cap, how = memory_cap(cap_gb)
-    python = sys.executable
-    kvforge = [python, "-m", "kvforge.cli"] if not Path(python).with_name("kvforge").exists() \
-        else [str(Path(python).with_name("kvforge"))]
+    python, kvforge = sys.executable, kvforge_command()
     ckpt, head = work / "llama-1b", work / "head"
     steps = [
         ("checkpoint", ckpt / "config.json", [python, str(HERE / "make_real_shape.py"), SHAPE, str(ckpt)]),
@@ -103,6 +104,16 @@ def prepare(work: Path, cap_gb: float) -> dict[str, Any]:
         ("export_plain", work / "ort-plain" / "kvforge.json",
          [*kvforge, "export", str(ckpt), "-o", str(work / "ort-plain"), "--target", "ort", "--force"]),
     ]
+    return run_steps(work, steps, cap_gb)
+
+
+def run_steps(work: Path, steps: list[tuple[str, Path, list[str]]], cap_gb: float) -> dict[str, Any]:
+    """Run each (name, marker, command) whose marker file is missing, timed inside the memory cap; the records
+    (kept in work/prepare.json across runs). Shared with benchmarks/mtp_head_cost.py."""
+    work.mkdir(parents=True, exist_ok=True)
+    saved = work / "prepare.json"
+    records: dict[str, Any] = json.loads(saved.read_text()) if saved.exists() else {}
+    cap, how = memory_cap(cap_gb)
     for name, marker, command in steps:
         if marker.exists():
             records.setdefault(name, {"outcome": "made earlier (no record)"})
@@ -150,17 +161,19 @@ def loop_order(round_: int, catch_up: list[int]) -> list[str]:
 
 
 def measure(work: Path, context: int, runs: int, threads: int, catch_up: list[int], spinning: bool = True,
-            gap_s: float = 0.0, warmup: int = 3) -> dict[str, Any]:
-    """The alternating timing (module docstring): per call, the median ms and every sample."""
+            gap_s: float = 0.0, warmup: int = 3, folders: tuple[str, str] = ("ort-eagle", "ort-plain")
+            ) -> dict[str, Any]:
+    """The alternating timing (module docstring): per call, the median ms and every sample. `folders`: the
+    exports (in `work`) with the head and without it."""
     import numpy as np
 
     from kvforge.runtime.backends.head_runner import HeadRunner
     from kvforge.runtime.drivers.loaded_export import LoadedExport
 
     capacity = context + max([1, *catch_up]) + 8
-    exports = {"with_head": LoadedExport(work / "ort-eagle", threads=threads, spinning=spinning),
-               "plain": LoadedExport(work / "ort-plain", threads=threads, spinning=spinning)}
-    runner = HeadRunner(work / "ort-eagle", exports["with_head"].manifest, threads=threads, spinning=spinning)
+    exports = {"with_head": LoadedExport(work / folders[0], threads=threads, spinning=spinning),
+               "plain": LoadedExport(work / folders[1], threads=threads, spinning=spinning)}
+    runner = HeadRunner(work / folders[0], exports["with_head"].manifest, threads=threads, spinning=spinning)
     prompt = np.arange(100, 100 + PROMPT, dtype=np.int64)[None]
     slots = {}
     for name, export in exports.items():
@@ -225,9 +238,9 @@ def summarise(samples: dict[str, list[float]], catch_up: list[int]) -> dict[str,
             "catch_up_share": {s: share(f"head_s{s}", "target_with_head") for s in catch_up}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/eagle3-1b"), help="checkpoints and exports")
+def add_timing_arguments(parser: argparse.ArgumentParser, work: Path) -> None:
+    """The options of the timing (and of the making steps' cap), shared with benchmarks/mtp_head_cost.py."""
+    parser.add_argument("--work", type=Path, default=work, help="checkpoints and exports")
     parser.add_argument("--context", type=int, default=512, help="cached positions at each timed call")
     parser.add_argument("--runs", type=int, default=31, help="rounds (each call once per round)")
     parser.add_argument("--threads", type=int, default=2)
@@ -241,6 +254,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=0.0,
                         help="idle time before each timed call, so that the previous call's session's spinning "
                              "threads have stopped (0: back to back)")
+
+
+def time_modes(work: Path, args: argparse.Namespace, catch_up: list[int],
+               folders: tuple[str, str] = ("ort-eagle", "ort-plain")) -> dict[str, Any]:
+    """measure + summarise for each spinning mode that args.spinning names, one after the other."""
+    modes = {}
+    for mode in ("on", "off") if args.spinning == "both" else (args.spinning,):
+        uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        measured = measure(work, args.context, args.runs, args.threads, catch_up, mode == "on", args.gap_ms / 1e3,
+                           folders=folders)
+        uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        gc.collect()  # the mode's sessions (~12 GB) go before the next mode's load
+        summary = summarise(measured["samples_ms"], catch_up)
+        modes[f"spinning_{mode}"] = {
+            "uptime_before": uptime_before, "uptime_after": uptime_after, **summary,
+            "meets_15_percent": summary["head_step_share"]["median_of_ratios"] <= 0.15, "timing": measured}
+    return modes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_timing_arguments(parser, Path("/tmp/eagle3-1b"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -260,15 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), None), "cores": os.cpu_count(),
         "weights_share": weights_share(work / "llama-1b", work / "head"), "making": made, "modes": {}}
-    for mode in ("on", "off") if args.spinning == "both" else (args.spinning,):
-        uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        measured = measure(work, args.context, args.runs, args.threads, catch_up, mode == "on", args.gap_ms / 1e3)
-        uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        gc.collect()  # the mode's sessions (~12 GB) go before the next mode's load
-        summary = summarise(measured["samples_ms"], catch_up)
-        report["modes"][f"spinning_{mode}"] = {
-            "uptime_before": uptime_before, "uptime_after": uptime_after, **summary,
-            "meets_15_percent": summary["head_step_share"]["median_of_ratios"] <= 0.15, "timing": measured}
+    report["modes"] = time_modes(work, args, catch_up)
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

@@ -1,10 +1,13 @@
-"""Greedy exactness of speculation on every tiny text recipe: each recipe's fp32 `ort` export, drafted for by its
-fp16 export (a draft model) and by prompt lookup, must give plain greedy decoding's tokens, on a prompt that
-repeats itself (so prompt lookup drafts too) and one that does not.
+"""Greedy exactness of speculation on every tiny text recipe: each recipe's fp32 export (`--target ort` or
+`onnx`), drafted for by its int4 export on `ort` (a draft that is sometimes wrong, so rejections and rollback run;
+its fp16 export on `onnx`, which takes no int4) and
+by prompt lookup, must give plain greedy decoding's tokens, on a prompt that repeats itself (so prompt lookup
+drafts too) and one that does not, at draft lengths 2 and 5.
 
-    python benchmarks/speculation_recipes.py --work /tmp/spec-recipes --json benchmarks/results/speculation_recipes.json
+    python benchmarks/speculation_recipes.py --target ort --json benchmarks/results/speculation_recipes_ort.json
+    python benchmarks/speculation_recipes.py --target onnx --json benchmarks/results/speculation_recipes_onnx.json
 
-Slow (two exports per recipe, minutes on 2 cores); the suite runs the same checks on llama-tiny
+Two exports per recipe, about 30 s a recipe on one thread; the suite runs the same checks on llama-tiny
 (tests/test_draft_model.py, tests/test_speculative.py) and the real SmolLM2.
 """
 
@@ -18,17 +21,20 @@ from pathlib import Path
 PROMPTS = [[1, 50, 60, 70, 80, 50, 60, 70, 80, 50, 60], [1, 17, 230, 41, 9, 77, 12, 300, 5]]
 
 
-def check(recipe: str, work: Path) -> dict:
+def check(recipe: str, work: Path, target_name: str = "ort") -> dict:
     from kvforge.exporter.export import export_model
     from kvforge.models.recipes import materialize
     from kvforge.runtime import Generator
 
-    hf, target, draft = work / f"{recipe}.hf", work / f"{recipe}-fp32", work / f"{recipe}-fp16"
+    hf = work / f"{recipe}.hf"
+    # `onnx` takes no int4 (MatMulNBits is ONNX Runtime's): its draft is the fp16 export
+    quantize, dtype = ("int4", "fp32") if target_name == "ort" else (None, "fp16")
+    target, draft = work / f"{recipe}-{target_name}-fp32", work / f"{recipe}-{target_name}-{quantize or dtype}"
     if not (hf / "config.json").is_file():
         materialize(recipe, hf, force=True)
-    for folder, dtype in ((target, "fp32"), (draft, "fp16")):
+    for folder, options in ((target, {}), (draft, {"quantize": quantize, "dtype": dtype})):
         if not (folder / "kvforge.json").is_file():
-            export_model(hf, folder, dtype=dtype, force=True)
+            export_model(hf, folder, target=target_name, force=True, **options)
     generator = Generator(target, draft=draft)
     row: dict = {}
     for method in ("draft", "prompt-lookup"):
@@ -48,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/spec-recipes"))
     parser.add_argument("--recipes", default="", help="comma-separated (default: every tiny text recipe)")
+    parser.add_argument("--target", default="ort", choices=("ort", "onnx"), help="the exports' target")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from kvforge.models.recipes import FAMILY_RECIPES
@@ -57,7 +64,7 @@ def main() -> None:
     for recipe in recipes:
         started = time.perf_counter()
         try:
-            report[recipe] = check(recipe, args.work)
+            report[recipe] = check(recipe, args.work, args.target)
         except Exception as err:  # noqa: BLE001 (a recipe that fails is reported, the sweep goes on)
             report[recipe] = {"error": f"{type(err).__name__}: {err}"}
         report[recipe]["seconds"] = round(time.perf_counter() - started, 1)

@@ -23,7 +23,7 @@ def _template_layer(config: dict[str, Any]) -> int:
 def add_mtp_layers(folder: str | Path, seed: int = 0, layers: int = 1, scale: float = 0.2) -> list[str]:
     """Write `layers` seeded MTP layers into the one-file checkpoint at `folder` and declare them in its config;
     returns the names written. Norm gains are 1 + noise, every other tensor noise of std `scale` (shaped like the
-    template layer's, models/mtp.py's names and prefixes)."""
+    template layer's, models/mtp.py's names and prefixes), in the template layer's float dtype."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
@@ -44,11 +44,16 @@ def add_mtp_layers(folder: str | Path, seed: int = 0, layers: int = 1, scale: fl
     generator = torch.Generator().manual_seed(seed)
     hidden, vocab = int(config.hidden_size), int(config.vocab_size)
 
+    template = f"model.layers.{_template_layer(raw)}."
+    # The checkpoint's own float dtype (its template layer's): the exporter streams one weights dtype, as real
+    # checkpoints ship their MTP layers in the model's dtype
+    dtype = next((t.dtype for n, t in sorted(tensors.items()) if n.startswith(template) and t.is_floating_point()),
+                 torch.float32)
+
     def noise(shape: tuple[int, ...], norm: bool = False) -> torch.Tensor:
         values = torch.randn(shape, generator=generator) * (0.1 if norm else scale)
-        return (values + 1.0 if norm else values).to(torch.float32)
+        return (values + 1.0 if norm else values).to(dtype)
 
-    template = f"model.layers.{_template_layer(raw)}."
     written: list[str] = []
     for index in range(layers):
         glue_prefix, block_prefix = fmt.glue_prefix(config, index), fmt.block_prefix(config, index)
