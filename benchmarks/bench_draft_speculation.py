@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 QUESTIONS = [
     "Explain how photosynthesis works in plants.",
@@ -82,6 +83,46 @@ def step_costs(target, drafts: dict, lens: list[int]) -> dict:
     return costs
 
 
+
+def _rounds(plain: Any, target: Any, drafts: dict, configs: list, prompts: list, new_tokens: int, repeat: int,
+            most: int) -> dict[str, dict[str, Any]]:
+    """Every configuration takes its turn prompt by prompt, round by round (machine noise falls on all alike).
+    Per configuration: the median tokens/s over (round, prompt) runs, the median of its ratios to plain decoding's
+    run of the same (round, prompt), and acceptance, tokens per step and per-position acceptance over all runs."""
+    totals: dict[str, dict[str, Any]] = {}
+    plain_runs: dict[int, Any] = {}
+    for round_ in range(repeat):
+        for p, ids in enumerate(prompts):
+            for name, method, k in configs:
+                label = name if method is None else f"{name} k={k}"
+                target.draft = drafts.get(name)
+                runner = target if method == "draft" else plain
+                result = runner.generate([ids], max_new_tokens=new_tokens, greedy=True, ignore_eos=True,
+                                         **({"speculate": method, "draft_len": k} if method else {}))
+                if method is None:
+                    plain_runs[p] = result
+                row = totals.setdefault(label, {"speeds": [], "ratios": [], "tokens": 0, "steps": 0, "drafted": 0,
+                                                "kept": 0, "same": True, "at": [[0, 0] for _ in range(most)], "k": k})
+                speed = result.decode_tokens_per_s
+                row["speeds"].append(speed)
+                row["ratios"].append(speed / plain_runs[p].decode_tokens_per_s)
+                row["same"] &= result.tokens == plain_runs[p].tokens
+                row["tokens"] += len(result.tokens[0]) - 1  # the first comes from the prefill
+                row["steps"] += result.steps
+                row["drafted"], row["kept"] = row["drafted"] + result.draft_tokens, row["kept"] + result.accepted_tokens
+                for j, (reached, accepted) in enumerate(zip(result.drafted_at, result.accepted_at, strict=True)):
+                    row["at"][j][0] += reached
+                    row["at"][j][1] += accepted
+        print(f"round {round_ + 1}: " + ", ".join(f"{label} {row['speeds'][-1]:.1f}" for label, row in totals.items()),
+              flush=True)
+    return {label: {"decode_tokens_per_s": statistics.median(row["speeds"]),
+                    "decode_tokens_per_s_spread": [min(row["speeds"]), max(row["speeds"])],
+                    "ratio_over_plain": statistics.median(row["ratios"]),
+                    "tokens_per_step": row["tokens"] / row["steps"], "same_tokens": row["same"],
+                    "acceptance": row["kept"] / row["drafted"] if row["drafted"] else None,
+                    "acceptance_by_position": [a / d if d else None for d, a in row["at"]][:row["k"]]}
+            for label, row in totals.items()}
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, required=True)
@@ -96,8 +137,12 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from kvforge.runtime import Generator
     from kvforge.runtime.drivers.draft_model import DraftModel
+    from kvforge.runtime.drivers.speculation_checks import target_options
 
-    target = Generator(args.target, threads=args.threads)
+    # Each as a user loads it: plain decoding and prompt lookup on the target as loaded by default, a draft with
+    # the target's threads not spinning (its default with a draft: speculation_checks.target_options)
+    plain = Generator(args.target, threads=args.threads)
+    target = Generator(args.target, threads=args.threads, **target_options(args.target, None, "draft", {}))
     drafts = {}
     for spec in args.draft:
         name, _, folder = spec.partition("=")
@@ -107,43 +152,7 @@ def main() -> None:
     configs = [("plain", None, 0)] + [(name, "draft", k) for name in drafts for k in lens]
     if args.prompt_lookup:
         configs += [("prompt-lookup", "prompt-lookup", k) for k in lens]
-    samples: dict[str, list[dict]] = {}
-    plain_tokens: dict[int, list] = {}
-    for round_ in range(args.repeat):
-        for name, method, k in configs:
-            label = name if method is None else f"{name} k={k}"
-            target.draft = drafts.get(name)
-            tokens = steps = drafted = kept = 0
-            decode_s = 0.0
-            drafted_at, accepted_at = [0] * max(lens), [0] * max(lens)
-            same = True
-            for p, ids in enumerate(prompts):
-                result = target.generate([ids], max_new_tokens=args.new_tokens, greedy=True, ignore_eos=True,
-                                         **({"speculate": method, "draft_len": k} if method else {}))
-                if method is None:
-                    plain_tokens[p] = result.tokens
-                same &= result.tokens == plain_tokens[p]
-                tokens += len(result.tokens[0]) - 1  # the first comes from the prefill
-                steps += result.steps
-                decode_s += result.decode_ms / 1e3
-                drafted, kept = drafted + result.draft_tokens, kept + result.accepted_tokens
-                for j, (reached, accepted) in enumerate(zip(result.drafted_at, result.accepted_at, strict=True)):
-                    drafted_at[j] += reached
-                    accepted_at[j] += accepted
-            samples.setdefault(label, []).append({
-                "decode_tokens_per_s": tokens / decode_s, "tokens_per_step": tokens / steps, "same_tokens": same,
-                "acceptance": kept / drafted if drafted else None,
-                "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_at, drafted_at, strict=True)][:k]})
-            print(f"round {round_ + 1} {label}: {tokens / decode_s:.1f} tok/s", flush=True)
-    table = {}
-    for label, rows in samples.items():
-        speed = statistics.median(r["decode_tokens_per_s"] for r in rows)
-        table[label] = {**rows[-1], "decode_tokens_per_s": speed,
-                        "decode_tokens_per_s_spread": [min(r["decode_tokens_per_s"] for r in rows),
-                                                       max(r["decode_tokens_per_s"] for r in rows)],
-                        "same_tokens": all(r["same_tokens"] for r in rows)}
-    for row in table.values():
-        row["ratio_over_plain"] = row["decode_tokens_per_s"] / table["plain"]["decode_tokens_per_s"]
+    table = _rounds(plain, target, drafts, configs, prompts, args.new_tokens, args.repeat, max(lens))
     costs = step_costs(target.export, drafts, lens)
     costs["break_even_acceptance"] = {
         name: {k: _break_even(costs["verify_share"][k] + k * share, k) for k in lens}

@@ -70,12 +70,13 @@ def main() -> None:
     from kvforge.tools.bench import _genai_model
 
     load_before = os.getloadavg()
-    ours = Generator(args.target, threads=args.threads, draft=args.draft)
+    plain_ours = Generator(args.target, threads=args.threads)  # each loaded as a user loads it: with a draft,
+    ours = Generator(args.target, threads=args.threads, draft=args.draft)  # the target's threads do not spin
     folders = {p: _genai_model(args.source, p, print) for p in ("fp32", "int4")}
     peer = load(folders["fp32"], args.threads)
     peer_spec = {k: load(speculative_folder(folders["fp32"], folders["int4"], k), args.threads) for k in args.k}
     prompts = [ours.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
-    systems: dict[str, Any] = {"kvforge fp32": lambda ids: _kvforge(ours, ids, args.new_tokens, None),
+    systems: dict[str, Any] = {"kvforge fp32": lambda ids: _kvforge(plain_ours, ids, args.new_tokens, None),
                                "ort-genai fp32": lambda ids: generate(peer, ids, args.new_tokens, None)}
     for k in args.k:
         systems[f"kvforge fp32 + int4 draft, k={k}"] = lambda ids, k=k: _kvforge(ours, ids, args.new_tokens, k)

@@ -86,3 +86,26 @@ def test_the_real_models_int4_export_drafts_for_its_fp32_and_fp16_exports(real, 
         spec = generator.generate([ids], max_new_tokens=48, greedy=True, speculate="draft", draft_len=4)
         assert spec.tokens == plain.tokens, target
         assert spec.accepted_tokens > 0.6 * spec.draft_tokens, (spec.accepted_tokens, spec.draft_tokens)
+
+
+def _spins(export) -> str:
+    try:
+        return export.backend.sessions["prefill"].get_session_options().get_session_config_entry(
+            "session.intra_op.allow_spinning")
+    except Exception:  # noqa: BLE001 (ONNX Runtime raises where the entry was never set: its default, spinning)
+        return "default"
+
+
+def test_a_target_loaded_to_speculate_with_a_second_session_does_not_spin(exported, draft_export, tmp_path) -> None:
+    # A spinning target holds the cores its draft's calls need between verifications (1.42x -> 1.63x on SmolLM2):
+    # loaded with a draft (or for a head) on ONNX Runtime its threads sleep, unless the caller says otherwise.
+    from kvforge.runtime.drivers.speculation_checks import target_options
+
+    target = exported("llama-tiny", "ort")
+    assert _spins(Generator(target, draft=draft_export("ort")).export) == "0"
+    assert _spins(Generator(target, draft=draft_export("ort"), spinning=True).export) == "default"
+    assert _spins(Generator(target).export) == "default"
+    assert target_options(target, None, "eagle", {"threads": 1}) == {"threads": 1, "spinning": False}
+    assert target_options(target, None, "prompt-lookup", {}) == {}  # one session: nothing takes turns with it
+    assert target_options(target, "emulate", "draft", {}) == {}  # not ONNX Runtime's threads
+    assert target_options(tmp_path, None, "draft", {}) == {}  # not an export: the load says so in its words

@@ -240,9 +240,9 @@ def chat(export_dir: Path, system_text: str | None, max_new_tokens: int, ignore_
 
     check_utf8("--system", system_text)
     check_flags(speculate, draft, draft_len)
+    loading = backend_options(threads=threads, emulation=emulation, spinning=False if no_spin else None)
     export = LoadedExport(export_dir, backend=backend, verify_hashes=verify,
-                          **backend_options(threads=threads, emulation=emulation,
-                                            spinning=False if no_spin else None))
+                          **speculation.target_options(export_dir, backend, speculate, loading))
     if chat_template is not None:  # as `kvforge serve --chat-template`: instead of the export's
         from kvforge.runtime.text.chat import chat_template_override
 

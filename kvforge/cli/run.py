@@ -81,10 +81,11 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
     if options["images"] and len(batch) > 1:
         raise InputError("--image goes with one prompt (one --prompt, --prompt-ids or --chat)")
-    export = LoadedExport(export_dir, backend=options["backend"], verify_hashes=options["verify"],
-                          **backend_options(threads=options["threads"], sessions=options["sessions"],
-                                            engine_dir=options["engine_dir"], emulation=options["emulation"],
-                                            spinning=False if options["no_spin"] else None))
+    loading = backend_options(threads=options["threads"], sessions=options["sessions"],
+                              engine_dir=options["engine_dir"], emulation=options["emulation"],
+                              spinning=False if options["no_spin"] else None)
+    loading = speculation.target_options(export_dir, options["backend"], options["speculate"], loading)
+    export = LoadedExport(export_dir, backend=options["backend"], verify_hashes=options["verify"], **loading)
     speculation.check_target(export, options["speculate"])
     draft = (speculation.open_draft(options["draft"], export, **backend_options(threads=options["threads"]))
              if options["draft"] is not None else None)

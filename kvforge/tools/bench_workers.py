@@ -81,9 +81,12 @@ def _work_kvforge(path: str, prompt_len: int, new: int, batch: int, threads: int
     its drafts verified in one prefill call per step. The tokens go back too, so the two modes can be checked
     for equality."""
     from kvforge.runtime import GenerationRequest, Generator, Speculation
+    from kvforge.tools.speculation import target_options
 
     draft_len = int(draft_len)
-    gen = Generator(path, threads=threads, spinning=spinning, draft=None if draft == "-" else draft)
+    # As the command line loads a target: a speculating one's threads sleep between runs unless told otherwise
+    loading = target_options(path, None, method if draft_len else None, {} if spinning else {"spinning": False})
+    gen = Generator(path, threads=threads, draft=None if draft == "-" else draft, **loading)
     prompts = [prompt_ids(n, b, gen.vocab_size) for b, n in enumerate(row_lengths(prompt_len, batch))]
     speculation = Speculation(method, draft_len) if draft_len else None
     request = GenerationRequest(prompts, new, ignore_eos=True, speculation=speculation)  # greedy

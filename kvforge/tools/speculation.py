@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.runtime.drivers.speculation_checks import check_target, open_draft  # noqa: F401 (the CLI's checks)
+from kvforge.runtime.drivers.speculation_checks import (  # noqa: F401 (the CLI's checks)
+    check_target,
+    open_draft,
+    target_options,
+)
 
 
 def report(method: str, draft_len: int, draft_tokens: int, accepted_tokens: int, drafted_at: list[int],

@@ -63,12 +63,18 @@ class Generator:
         """`export`: a LoadedExport, or an export folder loaded here with LoadedExport's arguments (`backend`: a
         name, a Backend object or None for the export's default; `backend_options` go to the backend;
         `verify_hashes` re-hashes every file, weights included, before loading). `draft`: an export with the
-        target's vocabulary that drafts for `speculate="draft"` (runtime/drivers/draft_model.py)."""
+        target's vocabulary that drafts for `speculate="draft"` (runtime/drivers/draft_model.py); with one, an
+        export loaded here on ONNX Runtime does not spin (speculation_checks.target_options) unless `spinning` is
+        given."""
         if isinstance(export, LoadedExport):
             if backend is not None or backend_options or verify_hashes:
                 raise InputError("a LoadedExport already has its backend: pass no backend options with it")
             self.export = export
         else:
+            if draft is not None:
+                from kvforge.runtime.drivers.speculation_checks import target_options
+
+                backend_options = target_options(export, backend, "draft", backend_options)
             self.export = LoadedExport(export, backend, verify_hashes=verify_hashes, **backend_options)
         # Thread safety: the backend's sessions / engines are shared, each request runs on its own
         # slot (KV cache + bindings) from this pool (runtime/drivers/slot_pool.py).
