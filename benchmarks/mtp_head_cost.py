@@ -196,7 +196,13 @@ def make_checkpoint(folder: Path) -> None:
     config.save_pretrained(folder)
 
 
-def prepare(work: Path, cap_gb: float) -> dict[str, Any]:
+def head_folders(lm_head_bits: int | None) -> tuple[str, str]:
+    """The exports timed: with the head (its lm_head at `lm_head_bits`, exported with --draft-lm-head-bits into
+    its own folder, ort-mtp8 / ort-mtp4; None: fp32, ort-mtp) and without it."""
+    return (FOLDERS[0] if lm_head_bits is None else f"{FOLDERS[0]}{lm_head_bits}", FOLDERS[1])
+
+
+def prepare(work: Path, cap_gb: float, lm_head_bits: int | None = None) -> dict[str, Any]:
     """The checkpoint, its MTP layer and both exports in `work`, each made only where missing (eagle's run_steps:
     timed, peak RSS, in the memory cap)."""
     python, kvforge = sys.executable, eagle.kvforge_command()
@@ -205,10 +211,12 @@ def prepare(work: Path, cap_gb: float) -> dict[str, Any]:
            f"n = a(sys.argv[1], seed=0, layers=1, scale={MTP_SCALE}); "
            f"pathlib.Path(sys.argv[1], {MTP_ADDED!r}).write_text(json.dumps(n))")
     export = [*kvforge, "export", str(ckpt), "--target", "ort", "--force", "-o"]
+    folders = head_folders(lm_head_bits)
+    bits = [] if lm_head_bits is None else ["--draft-lm-head-bits", str(lm_head_bits)]
     steps = [
         ("checkpoint", ckpt / "config.json", [python, str(Path(__file__).resolve()), "--make-checkpoint", str(ckpt)]),
         ("mtp_layer", ckpt / MTP_ADDED, [python, "-c", add, str(ckpt)]),
-        ("export_with_head", work / FOLDERS[0] / "kvforge.json", [*export, str(work / FOLDERS[0])]),
+        (f"export_with_head{'' if lm_head_bits is None else f'_lm{lm_head_bits}'}", work / folders[0] / "kvforge.json", [*export, str(work / folders[0]), *bits]),
         ("export_plain", work / FOLDERS[1] / "kvforge.json", [*export, str(work / FOLDERS[1]), "--no-mtp"]),
     ]
     return eagle.run_steps(work, steps, cap_gb)
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)  # prepare's first step
     parser.add_argument("--weights-only", action="store_true", help="print the weights shares and stop")
+    parser.add_argument("--draft-lm-head-bits", type=int, choices=(4, 8), default=None,
+                        help="time the head exported with --draft-lm-head-bits (its own folder, ort-mtp8 / ort-mtp4): "
+                             "its lm_head as MatMulNBits instead of the fp32 vocabulary matrix")
     args = parser.parse_args(argv)
     if args.make_checkpoint:
         make_checkpoint(args.make_checkpoint)
@@ -232,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     work = args.work.absolute()
     catch_up = [int(s) for s in args.catch_up.split(",") if s]
-    made = prepare(work, args.cap_gb)
+    made = prepare(work, args.cap_gb, args.draft_lm_head_bits)
     try:  # the timing process joins the cap too (both targets and the head are held)
         (eagle.CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
@@ -242,14 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "issue": 54, "shape": "glm4_moe at Llama-3.2-1B's dimensions", "checkpoint": SHAPE_1B,
         "mtp_layer": {"writer": "models/mtp_fixture.py add_mtp_layers", "layers": 1, "seed": 0, "scale": MTP_SCALE,
-                      "template": "layer 15 (MoE)", "head": "full vocabulary (shared_head.head [128256, 2048])"},
+                      "template": "layer 15 (MoE)", "head": "full vocabulary (shared_head.head [128256, 2048])",
+                      "draft_lm_head_bits": args.draft_lm_head_bits},
         "dtype": "fp32", "target": "ort", "context": args.context, "runs": args.runs, "threads": args.threads,
         "gap_ms": args.gap_ms, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "onnxruntime": onnxruntime.__version__,
         "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("model name")), None), "cores": os.cpu_count(),
         "weights_share": weights_shares(work / CHECKPOINT), "making": made}
-    report["modes"] = eagle.time_modes(work, args, catch_up, FOLDERS)
+    report["modes"] = eagle.time_modes(work, args, catch_up, head_folders(args.draft_lm_head_bits))
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

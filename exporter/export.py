@@ -82,6 +82,7 @@ class ExportOptions:
     # where it ships one; False (--no-mtp): the target alone
     mtp: bool = True
     eagle: str | Path | None = None  # an EAGLE-3 head's folder, exported as draft.onnx (exporter/draft_head.py)
+    draft_lm_head_bits: int | None = None  # 8 or 4: draft.onnx's lm_head as MatMulNBits (exporter/draft_quant.py)
 
     def resolve(self) -> ExportTarget:
         """The target, resolved once, after checking every option against it."""
@@ -163,11 +164,9 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
     started = time.perf_counter()
     check_weight_files(model_dir)  # pickle-only folders said as such
     checkpoint = open_checkpoint(model_dir)  # shards checked before anything is written
-    from kvforge.exporter.draft_head import eagle_draft
-    from kvforge.exporter.mtp_head import mtp_draft
+    from kvforge.exporter.draft_quant import export_head
     # --eagle's EAGLE-3 head, else a checkpoint's MTP layer (a target without draft heads: none); checked before writing
-    draft = mtp_draft(config, checkpoint, options.mtp, say, target) \
-        if options.eagle is None else eagle_draft(options.eagle, config, family, target, vision, say)
+    draft = export_head(options, config, checkpoint, family, target, vision, say)
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))

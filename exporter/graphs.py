@@ -85,8 +85,10 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
         lap("vision")
     if work.draft is not None:
         from kvforge.core.contract import DRAFT
+        from kvforge.exporter.draft_quant import quantize_lm_head
 
         made.graphs[DRAFT], made.draft = work.draft.build(work, made.layout)
+        quantize_lm_head(made.graphs[DRAFT], getattr(work.options, "draft_lm_head_bits", None), made.draft)
         lap("draft")
     return made
 

@@ -7,7 +7,8 @@ follows the KV contract: layer 0 of the head, `past_lens` its own length. The gl
 projection in front of the block, the shared head's norm and head behind it) is applied around the block here.
 The target's prefill and decode graphs gain `target_hidden`: the final normed hidden state of every position.
 
-The head is exported in the export's float dtype: `--quantize` and `--kv-cache` apply to the target only.
+The head is exported in the export's float dtype: `--quantize` and `--kv-cache` apply to the target only
+(`--draft-lm-head-bits` makes the head's lm_head a MatMulNBits: exporter/draft_quant.py).
 """
 
 from __future__ import annotations

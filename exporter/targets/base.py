@@ -53,6 +53,10 @@ class ExportTarget:
         if getattr(options, "eagle", None) is not None and not self.drafts:
             raise InputError(f"--eagle is not supported with --target {self.name} (its engines have no draft.onnx path "
                              "yet); export with --target ort or --target onnx")
+        if getattr(options, "draft_lm_head_bits", None) is not None:
+            from kvforge.exporter.draft_quant import check_option
+
+            check_option(options.draft_lm_head_bits, self.name)
         if options.kv_cache is None:
             return
         if options.kv_cache not in KV_CACHE_DTYPES:

@@ -185,12 +185,16 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.option("--eagle", type=click.Path(path_type=Path), default=None, metavar="HEAD_DIR",
               help="An EAGLE-3 speculation head (speculators' or EAGLE's checkpoint folder): exported as draft.onnx "
                    "beside the graphs, which then also output the hidden states it reads (targets ort and onnx).")
+@click.option("--draft-lm-head-bits", type=click.Choice(["4", "8"]), default=None, help="draft.onnx's lm_head "
+              "as an 8- (or 4-) bit MatMulNBits matrix (target ort): the fp32 vocabulary matrix is most of what a "
+              "head reads per drafted token, and verification keeps the output whatever the draft proposes.")
 @revision_option
 @json_option("the manifest")
 def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: str, dtype: str, force: bool,
            hf_dir: Path | None, quantize: str | None, block_size: int, lm_head_bits: int | None, quant_method: str | None,
            accuracy_level: int, kv_cache: str | None, accuracy_check: bool | None, stream: bool, as_json: bool,
-           calibration: Path | None, text_only: bool, revision: str | None, eagle: Path | None, mtp: bool) -> None:
+           calibration: Path | None, text_only: bool, revision: str | None, eagle: Path | None, mtp: bool,
+           draft_lm_head_bits: str | None) -> None:
     """Export MODEL_DIR (a local Hugging Face folder, a .gguf file, or a Hub id `org/name`: from the Hugging Face
     cache, downloaded only where HF_HUB_OFFLINE is unset) or a built-in --recipe to prefill.onnx + decode.onnx."""
     if model_dir is not None and recipe is not None:
@@ -211,7 +215,8 @@ def export(model_dir: Path | None, out_dir: Path, recipe: str | None, target: st
     options = ExportOptions(target=target, dtype=dtype, force=force, hf_dir=hf_dir, quantize=quantize,
                             block_size=block_size, lm_head_bits=lm_head_bits, quant_method=quant_method,
                             accuracy_level=accuracy_level, kv_cache=kv_cache, stream=stream, calibration=calibration,
-                            text_only=text_only, eagle=eagle, mtp=mtp)
+                            text_only=text_only, eagle=eagle, mtp=mtp,
+                            draft_lm_head_bits=None if draft_lm_head_bits is None else int(draft_lm_head_bits))
     if accuracy_check is not None and quantize is None and kv_cache is None:
         raise click.UsageError("--accuracy-check goes with --quantize or --kv-cache")
     options.resolve()  # bad options are said before a recipe is built

@@ -59,6 +59,8 @@ def proposer(manifest: dict[str, Any]) -> dict[str, Any] | None:
         out.update(aux_layer_ids=record.get("aux_layer_ids"), draft_vocab_size=record.get("draft_vocab_size"))
     else:
         out.update(mtp_layers=record.get("mtp_layers"))
+    if record.get("lm_head_bits") is not None:  # --draft-lm-head-bits: a MatMulNBits lm_head
+        out["lm_head_bits"] = record["lm_head_bits"]
     return out
 
 
@@ -71,6 +73,8 @@ def proposer_line(info: dict[str, Any]) -> str:
         what = (f"EAGLE-3 head, reads layers {head['aux_layer_ids']}, draft vocabulary {head['draft_vocab_size']}")
     else:
         what = f"MTP layer 1 of {head['mtp_layers']}"
+    if head.get("lm_head_bits") is not None:
+        what += f", {head['lm_head_bits']}-bit lm_head"
     return f"  speculation head: {what}, in {head['graph']} (--speculate {head['method']})"
 
 

@@ -9,6 +9,9 @@ Record (exporter/draft_head.py writes kind "eagle3"; exporter/mtp_head.py kind "
       "kv_cache": KVLayout,             # the head's own cache (num_layers 1, its kv heads and head_dim, dtype, capacity)
       "hidden_size": 64,                # H: draft_hidden / hidden_out width
       "target_hidden_size": 192,        # Dt: target_hidden width (eagle3: len(aux_layer_ids) * model.hidden_size)
+      # only with --draft-lm-head-bits (absent: the lm_head in the export's float dtype; exporter/draft_quant.py):
+      "lm_head_bits": 8,                # 8 or 4: the lm_head is a MatMulNBits of these bits
+      "lm_head_block_size": 32,
       # eagle3 only:
       "format": "speculators" | "eagle", "source": "/path/to/head", "num_heads": 4,
       "aux_layer_ids": [1, 3, 6],       # the target layers whose *inputs* are concatenated, ascending
@@ -113,6 +116,10 @@ def check_draft(manifest: dict[str, Any], path: Path, layout: KVLayout) -> KVLay
     if head.max_capacity > layout.max_capacity:
         raise ManifestError(f"{path}: draft.kv_cache.max_capacity {head.max_capacity} is beyond the target's "
                             f"{layout.max_capacity}; re-run the export")
+    if record.get("lm_head_bits") not in (None, 4, 8) or \
+            ("lm_head_bits" in record and not is_int(record.get("lm_head_block_size"))):
+        raise ManifestError(f"{path}: draft.lm_head_bits is {record.get('lm_head_bits')!r}, not 4 or 8 with an "
+                            "integer lm_head_block_size; re-run the export")
     hidden = _width(record, "hidden_size", path)
     target_hidden = _width(record, "target_hidden_size", path)
     vocab = _check_eagle3(record, manifest, path, layout.num_layers) if record["kind"] == "eagle3" \

@@ -86,18 +86,17 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     from fastapi.responses import Response
 
     from kvforge.runtime import LoadedExport
+    from kvforge.runtime.drivers.speculation_checks import target_options
     from kvforge.runtime.service import GenerationService
     from kvforge.serve.handlers import GENERATION_PATHS, OpenAIHandlers
     from kvforge.serve.metrics import ServerMetrics
     from kvforge.serve.speculation import scheduler_options
-    from kvforge.tools.speculation import target_options
 
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
         raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
-    options = {key: value for key, value in (("threads", threads), ("engine_dir", engine_dir)) if value is not None}
-    if not spinning:  # only given when asked: backends other than ONNX Runtime's take no such option
-        options["spinning"] = False
+    options = {key: value for key, value in (("threads", threads), ("engine_dir", engine_dir),  # those given:
+                                             ("spinning", None if spinning else False)) if value is not None}
     export = LoadedExport(export_dir, backend=backend, **target_options(export_dir, backend, speculate, options))
     speculation = scheduler_options(export, speculate, draft, draft_len, adaptive_draft,
                                     **({"threads": threads} if threads is not None else {}))
