@@ -9,7 +9,6 @@ ONNX Runtime's CPU and CUDA MatMulNBits only: the ort target.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kvforge.core.errors import ExportError, InputError
@@ -30,17 +29,10 @@ def check_option(bits: int | None, target: str) -> None:
         raise InputError(f"--draft-lm-head-bits goes with --target ort (ONNX Runtime's MatMulNBits), not {target}")
 
 
-def export_head(options: Any, config: Any, checkpoint: Any, family: Any, target: Any, vision: Any,
-                say: Callable[[str], None]) -> Any:
-    """The export's speculation head: --eagle's EAGLE-3 head (exporter/draft_head.py), else the checkpoint's MTP
-    layer (exporter/mtp_head.py), else None; InputError (before anything is written) where
-    --draft-lm-head-bits is given without one."""
-    from kvforge.exporter.draft_head import eagle_draft
-    from kvforge.exporter.mtp_head import mtp_draft
-
-    draft = mtp_draft(config, checkpoint, options.mtp, say, target) if options.eagle is None \
-        else eagle_draft(options.eagle, config, family, target, vision, say)
-    if options.draft_lm_head_bits is not None and draft is None:
+def check_head(bits: int | None, draft: Any) -> Any:
+    """The export's speculation head (`draft`, None without one); InputError (before anything is written) where
+    --draft-lm-head-bits is given without a head."""
+    if bits is not None and draft is None:
         raise InputError(NEEDS_A_HEAD)
     return draft
 

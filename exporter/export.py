@@ -164,9 +164,8 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
     started = time.perf_counter()
     check_weight_files(model_dir)  # pickle-only folders said as such
     checkpoint = open_checkpoint(model_dir)  # shards checked before anything is written
-    from kvforge.exporter.draft_quant import export_head
-    # --eagle's EAGLE-3 head, else a checkpoint's MTP layer (a target without draft heads: none); checked before writing
-    draft = export_head(options, config, checkpoint, family, target, vision, say)
+    from kvforge.exporter.mtp_head import speculation_head
+    draft = speculation_head(options, config, checkpoint, family, target, vision, say)  # checked before writing
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
                       head_dim=family.head_dim(config), dtype=DTYPES[dtype],
                       max_capacity=max_context(config))

@@ -168,6 +168,19 @@ def mtp_draft(config: Any, checkpoint: Any, wanted: bool, say: Callable[[str], N
     return MtpDraft(config, weights, layers)
 
 
+def speculation_head(options: Any, config: Any, checkpoint: Any, family: Any, target: Any, vision: Any,
+                     say: Callable[[str], None]) -> Any:
+    """The export's speculation head: --eagle's EAGLE-3 head (exporter/draft_head.py), else the checkpoint's MTP
+    layer, else None (a target without draft heads: none); checked before anything is written, and
+    --draft-lm-head-bits refused without one (exporter/draft_quant.py)."""
+    from kvforge.exporter.draft_head import eagle_draft
+    from kvforge.exporter.draft_quant import check_head
+
+    draft = mtp_draft(config, checkpoint, options.mtp, say, target) if options.eagle is None \
+        else eagle_draft(options.eagle, config, family, target, vision, say)
+    return check_head(options.draft_lm_head_bits, draft)
+
+
 def expose_final_hidden(prefill: Any) -> None:
     """The hidden states the prefill graph's lm_head gathers at `logits_index` (every position of S, after the
     final norm) become the graph output TARGET_HIDDEN; decode, derived from it, keeps the output ([B, 1, H])."""
