@@ -286,22 +286,31 @@ def main(argv: list[str] | None = None) -> int:
         (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         pass
-    import onnxruntime
-
     report: dict[str, Any] = {
         "issue": 54, "shape": SHAPE, "dtype": "fp32", "target": "ort", "head": {**HEAD, "aux_layer_ids": [2, 8, 13]},
-        "context": args.context, "runs": args.runs, "threads": args.threads, "gap_ms": args.gap_ms,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "onnxruntime": onnxruntime.__version__,
-        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), None), "cores": os.cpu_count(),
-        "weights_share": weights_share(work / "llama-1b", work / "head"), "making": made, "modes": {}}
+        **run_record(args), "weights_share": weights_share(work / "llama-1b", work / "head"), "making": made}
     report["modes"] = time_modes(work, args, catch_up)
+    write_report(report, args.json)
+    return 0
+
+
+def run_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The timing's settings and the machine it ran on (both head-cost scripts' reports)."""
+    import onnxruntime
+
+    return {"context": args.context, "runs": args.runs, "threads": args.threads, "gap_ms": args.gap_ms,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "onnxruntime": onnxruntime.__version__,
+            "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("model name")), None), "cores": os.cpu_count()}
+
+
+def write_report(report: dict[str, Any], path: Path | None) -> None:
+    """The report printed, and written to `path` where given."""
     text = json.dumps(report, indent=1)
     print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -248,25 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         (eagle.CGROUP / "cgroup.procs").write_text(str(os.getpid()))
     except OSError:
         pass
-    import onnxruntime
 
     report: dict[str, Any] = {
         "issue": 54, "shape": "glm4_moe at Llama-3.2-1B's dimensions", "checkpoint": SHAPE_1B,
         "mtp_layer": {"writer": "models/mtp_fixture.py add_mtp_layers", "layers": 1, "seed": 0, "scale": MTP_SCALE,
                       "template": "layer 15 (MoE)", "head": "full vocabulary (shared_head.head [128256, 2048])",
                       "draft_lm_head_bits": args.draft_lm_head_bits},
-        "dtype": "fp32", "target": "ort", "context": args.context, "runs": args.runs, "threads": args.threads,
-        "gap_ms": args.gap_ms, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "onnxruntime": onnxruntime.__version__,
-        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), None), "cores": os.cpu_count(),
+        "dtype": "fp32", "target": "ort", **eagle.run_record(args),
         "weights_share": weights_shares(work / CHECKPOINT), "making": made}
     report["modes"] = eagle.time_modes(work, args, catch_up, head_folders(args.draft_lm_head_bits))
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    eagle.write_report(report, args.json)
     return 0
 
 
