@@ -95,7 +95,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     check_api_key(api_key)
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
         raise InputError(f"max_body_bytes must be an integer of at least 1024, got {max_body_bytes!r}")
-    options = {key: value for key, value in (("threads", threads), ("engine_dir", engine_dir),  # those given:
+    options = {key: value for key, value in (("threads", threads), ("engine_dir", engine_dir),  # only those given
                                              ("spinning", None if spinning else False)) if value is not None}
     export = LoadedExport(export_dir, backend=backend, **target_options(export_dir, backend, speculate, options))
     speculation = scheduler_options(export, speculate, draft, draft_len, adaptive_draft,
