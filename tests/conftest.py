@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from weight_hashes import install as _record_weight_hashes
+
+_record_weight_hashes()  # KVFORGE_WEIGHT_HASHES=FILE: quantised exports' hashes (tests/weight_hashes.py)
 
 
 def _shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
