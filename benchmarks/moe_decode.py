@@ -59,19 +59,19 @@ def build(folder: Path, layers: int, hidden: int) -> None:
 def export(hf_dir: Path, out: Path, variant: str) -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    from kvforge.exporter import moe
+    from kvforge.exporter import experts_routing
     from kvforge.exporter.export import export_model
 
-    saved, gate_form = ALL_EXPERTS_FUNCTIONS["batched_mm"], moe._gate_form
+    saved, gate_form = ALL_EXPERTS_FUNCTIONS["batched_mm"], experts_routing._gate_form
     if not variant.startswith("moe-op"):  # no module is taken for the node: they keep the "batched_mm" form
-        moe._gate_form = lambda module, width: None
+        experts_routing._gate_form = lambda module, width: None
     if variant == "dense":  # ... and "batched_mm" is the dense function
         ALL_EXPERTS_FUNCTIONS["batched_mm"] = dense_experts_forward
     try:
         export_model(hf_dir, out, target="ort", force=True, quantize="int4" if variant.endswith("int4") else None,
                      quant_method="rtn" if variant.endswith("int4") else None)
     finally:
-        ALL_EXPERTS_FUNCTIONS["batched_mm"], moe._gate_form = saved, gate_form
+        ALL_EXPERTS_FUNCTIONS["batched_mm"], experts_routing._gate_form = saved, gate_form
 
 
 def main() -> None:

@@ -120,7 +120,8 @@ def trace_draft(module: DraftModule, layout: KVLayout, torch_dtype: Any) -> Any:
     """draft.onnx's canonical graph (an onnx_ir model): batch, positions and capacity dynamic."""
     from torch.export import Dim
 
-    from kvforge.exporter.trace import OPSET, quiet_logger
+    from kvforge.core.progress import quiet_logger
+    from kvforge.exporter.trace import OPSET
     from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
 
     batch, seq, capacity = Dim("batch"), Dim("seq"), Dim("capacity")

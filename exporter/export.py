@@ -15,7 +15,6 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,9 @@ from kvforge.exporter.checkpoint import open_checkpoint
 from kvforge.exporter.export_manifest import WEIGHTS_NAME, export_manifest
 from kvforge.exporter.graphs import ExportWork, MadeGraphs, make_graphs
 from kvforge.exporter.load import check_model_path, check_weight_files, load_hf_config, one_line
-from kvforge.exporter.quantize import check_options as check_quantize
-from kvforge.exporter.targets import ExportTarget, export_target
+from kvforge.exporter.options import ExportOptions
+from kvforge.exporter.quantization import plan as quantization
+from kvforge.exporter.targets import ExportTarget
 from kvforge.exporter.text_model import text_family
 from kvforge.exporter.weights import save_with_shared_weights
 from kvforge.models.config_values import config_value
@@ -47,58 +47,6 @@ COPIED_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json",
     "chat_template.jinja",
 )
-
-
-@dataclass(frozen=True)
-class ExportOptions:
-    """What `kvforge export` makes of a model (checked by `resolve()` before any work)."""
-
-    target: str = "ort"
-    dtype: str = "fp32"
-    quantize: str | None = None  # "int4" | "int8": MatMulNBits weights (targets with `quantize`)
-    block_size: int = 32
-    accuracy_level: int = 4
-    lm_head_bits: int | None = None  # 8: an 8-bit lm_head with int4
-    # "rtn" | "hqq" | "autoround": how int4 values are chosen (exporter/quantize.py METHODS); None: the default
-    # (exporter/quantize.py default_method: hqq for int4 under 1B parameters in fp32, else autoround or rtn)
-    quant_method: str | None = None
-    calibration: str | Path | None = None  # autoround's calibration text (default: kvforge's own)
-    kv_cache: str | None = None  # "int8": a quantised KV cache (targets with `kv_cache_dtypes`; exporter/kv_quant.py)
-    force: bool = False  # replace an existing export at the output
-    hf_dir: str | Path | None = None  # where a GGUF input is converted (default OUT_DIR.hf)
-    # gate/up MatMuls merged into one: None = where it pays (int4/int8, ort fp16/bf16: optimize.fuse_graph);
-    # the Python API's switch for benchmarks that compare the two graphs
-    merge_pairs: bool | None = None
-    # Stream the weights from the checkpoint's shards into the weights file (exporter/lazy_weights.py) where
-    # the model allows it; False: load the whole model first, as exports did before streaming
-    stream: bool = True
-    # Streamed, trace two of a model's alike layers and stamp the rest (exporter/layer_stamping.py); False:
-    # trace every layer (the Python API's switch, for tests that compare the two)
-    stamp: bool = True
-    # A vision-language checkpoint (models/vision_families.py) is exported whole, vision.onnx included; True: its
-    # text model alone, as exports did before vision.onnx
-    text_only: bool = False
-    # A checkpoint's multi-token-prediction layer exported as the speculation head draft.onnx (exporter/mtp_head.py)
-    # where it ships one; False (--no-mtp): the target alone
-    mtp: bool = True
-    eagle: str | Path | None = None  # an EAGLE-3 head's folder, exported as draft.onnx (exporter/draft_head.py)
-    draft_lm_head_bits: int | None = None  # 8 or 4: draft.onnx's lm_head as MatMulNBits (exporter/draft_quant.py)
-
-    def resolve(self) -> ExportTarget:
-        """The target, resolved once, after checking every option against it."""
-        target = export_target(self.target)
-        if self.dtype not in DTYPES:
-            raise InputError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
-        check_quantize(self.quantize, self.block_size, self.dtype, self.lm_head_bits, self.quant_method,
-                       self.accuracy_level)
-        if self.calibration is not None and self.quant_method not in (None, "autoround"):
-            raise InputError(f"--calibration goes with --quant-method autoround, not {self.quant_method}")
-        if self.quant_method == "autoround" or self.calibration is not None:
-            from kvforge.exporter.calibrate import read_calibration
-
-            read_calibration(self.calibration)  # an empty or binary file is said before any work
-        target.check_options(self)
-        return target
 
 
 def export_model(
@@ -127,14 +75,15 @@ def export_model(
     except TypeError as err:
         raise InputError(f"export_model: {err}") from None
     model_dir = resolve_model(model_dir, revision, progress)  # a Hub id: its cached (or downloaded) snapshot
-    options = _checkpoint_bits(options, model_dir)
+    layout = quantization.read_layout(model_dir)  # a pre-quantised checkpoint's: read once, here
+    options = quantization.with_checkpoint_bits(options, layout, model_dir)
     target = options.resolve()
     check_model_path(model_dir)  # a typo, a file or a Hub id: said at once, before torch loads
     _refuse_images(model_dir, options, target)  # from config.json alone, before anything loads
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()
     with removed_on_failure(conversion_dir(options, out_dir)):
-        manifest = _export(model_dir, out_dir, options, target, say, families)
+        manifest = _export(model_dir, out_dir, options, target, layout, say, families)
     # The manifest's figures, so that whoever reports them (the demo) says the same numbers.
     seconds = manifest["export_seconds"]
     before = f"; converting the GGUF before it took {seconds['gguf_convert']:.1f} s" if "gguf_convert" in seconds else ""
@@ -142,14 +91,18 @@ def export_model(
     return manifest
 
 
-def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target: ExportTarget,
+def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target: ExportTarget, prequantized: Any,
             say: Callable[[str], None], families: Mapping[str, Family] | None) -> dict[str, Any]:
-    """export_model's work once the options are checked: the manifest written with the export at `out_dir`."""
+    """export_model's work once the options are checked: the manifest written with the export at `out_dir`.
+    `prequantized`: a pre-quantised checkpoint's layout (quantization/plan.py read_layout), or None."""
     from kvforge.exporter.lowering import lower
 
     model_dir, gguf_record, converted_s = _gguf_input(model_dir, out_dir, options, say)
-    options, method_default = _default_method(options, model_dir, gguf_record)
-    model_dir, int_weights = _integer_weights(options, model_dir, out_dir, gguf_record, say)
+    int_source = None
+    if prequantized is not None:  # traced from its dequantised twin, its integers carried over
+        hf_dir = conversion_dir(options, out_dir)
+        check_output(out_dir, [model_dir, hf_dir], force=options.force, marker=MANIFEST_NAME)
+        model_dir, int_source = quantization.prequantized_twin(model_dir, prequantized, hf_dir, say)
     dtype = options.dtype
     # Before any work: never replace something that is not an export, or that holds the model.
     check_output(out_dir, [model_dir], force=options.force, marker=MANIFEST_NAME)
@@ -163,7 +116,9 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
 
     started = time.perf_counter()
     check_weight_files(model_dir)  # pickle-only folders said as such
-    checkpoint = open_checkpoint(model_dir)  # shards checked before anything is written
+    checkpoint = open_checkpoint(model_dir)  # shards checked before anything is written; opened once
+    source = quantization.classify(checkpoint, int_source, gguf_record)
+    plan = quantization.QuantPlan.resolve(options, source)  # the method's and the lm_head's defaults, with why
     from kvforge.exporter.mtp_head import speculation_head
     draft = speculation_head(options, config, checkpoint, family, target, vision, say)  # checked before writing
     layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=family.kv_heads(config),
@@ -175,9 +130,10 @@ def _export(model_dir: str | Path, out_dir: Path, options: ExportOptions, target
         assert staged.path is not None
         require_free_space(out_dir.parent, _expected_bytes(checkpoint, options), "the export")
         clock: dict[str, float] = {}
-        int_weights = int_weights or _calibrated(options, model_dir, calibration_work, clock, say)
+        int_weights = quantization.integer_weights(plan, source, model_dir, options.calibration, calibration_work,
+                                                   clock, say)
         work = ExportWork(config, family, target, options, getattr(torch, DTYPES[dtype]), model_dir, checkpoint, say,
-                          int_weights, method_default, gguf_record, vision, draft)
+                          plan=plan, int_weights=int_weights, gguf_record=gguf_record, vision=vision, draft=draft)
         if converted_s is not None:  # the demo reports it beside the export's own total
             clock["gguf_convert"] = converted_s
         try:
@@ -205,7 +161,7 @@ def removed_on_failure(hf_dir: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        from kvforge.models.prequantized import MARKER as PREQUANTIZED_MARKER
+        from kvforge.models.checkpoint_names import PREQUANTIZED_MARKER
 
         # Only a folder kvforge wrote (its marker), never whatever else appeared there meanwhile.
         if made_here and any((hf_dir / marker).is_file() for marker in (GGUF_MARKER, PREQUANTIZED_MARKER)):
@@ -270,36 +226,6 @@ def _gguf_input(model_dir: str | Path, out_dir: Path, options: ExportOptions,
     return Path(folder).resolve(), json.loads((Path(folder) / GGUF_MARKER).read_text()), converted_s
 
 
-def _default_method(options: ExportOptions, model_dir: Path,
-                    gguf_record: dict[str, Any] | None) -> tuple[ExportOptions, str | None]:
-    """The options with --quant-method's default chosen for this model, and why (None: it was given)."""
-    from kvforge.exporter.quantize import default_method
-
-    if options.quant_method is not None:
-        return options, None
-    if options.calibration is not None:  # a calibration text asks for calibration
-        return dataclasses.replace(options, quant_method="autoround"), None
-    parameters = 0
-    if options.quantize is not None and (Path(model_dir) / "config.json").is_file():
-        checkpoint = open_checkpoint(model_dir)
-        parameters = checkpoint.nbytes // {"float32": 4, "float64": 8}.get(checkpoint.dtype or "", 2)
-    method, why = default_method(options.quantize, parameters, gguf_record is not None, options.dtype)
-    return dataclasses.replace(options, quant_method=method), why
-
-
-def _calibrated(options: ExportOptions, model_dir: Path, work: Path, clock: dict[str, float],
-                say: Callable[[str], None]) -> Any:
-    """AutoRound's integer weights (--quant-method autoround), or None."""
-    if options.quant_method != "autoround":
-        return None
-    from kvforge.exporter.calibrate import calibrate
-
-    began = time.perf_counter()
-    source = calibrate(model_dir, 4, options.block_size, options.calibration, work, say)
-    clock["calibrate"] = time.perf_counter() - began
-    return source
-
-
 @contextlib.contextmanager
 def _removed_after(folder: Path) -> Iterator[None]:
     """A work folder (AutoRound's output, read while the weights are written) gone when the export ends."""
@@ -308,52 +234,6 @@ def _removed_after(folder: Path) -> Iterator[None]:
         yield
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _checkpoint_bits(options: ExportOptions, model_dir: str | Path) -> ExportOptions:
-    """A pre-quantised checkpoint's integers are carried over as they are: --quantize takes its bits (given or
-    not); another width or method is refused. A format kvforge does not take is refused here, in one line."""
-    from kvforge.models.prequantized_convert import prequantized_layout
-
-    if not (Path(model_dir) / "config.json").is_file():
-        return options
-    layout = prequantized_layout(Path(model_dir))
-    if layout is None:
-        return options
-    bits = f"int{layout.bits}"
-    if options.quantize not in (None, bits) or options.quant_method not in (None, "rtn"):
-        asked = f"--quantize {options.quantize}" if options.quantize not in (None, bits) else \
-            f"--quant-method {options.quant_method}"
-        raise InputError(f"{model_dir} is {layout.article} {layout.describe()} checkpoint: kvforge carries its integers over as they "
-                         f"are, so {asked} does not apply; drop it")
-    return dataclasses.replace(options, quantize=bits, quant_method="rtn")  # its integers: nothing to calibrate
-
-
-def _integer_weights(options: ExportOptions, model_dir: Path, out_dir: Path, gguf_record: dict[str, Any] | None,
-                     say: Callable[[str], None]) -> tuple[Path, Any]:
-    """Where weights already held as integers come from: a pre-quantised checkpoint (traced from its
-    dequantised twin, its integers carried over) or, with --quantize, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks. Returns the
-    folder to trace and the integer-weight source (None: every weight is rounded)."""
-    from kvforge.models.prequantized_convert import convert_prequantized, prequantized_layout
-
-    if gguf_record is not None:
-        if options.quantize is None or options.quant_method != "rtn":
-            return model_dir, None
-        from kvforge.models.gguf_blocks import gguf_int_weights
-
-        return model_dir, gguf_int_weights(gguf_record["source"], model_dir)
-    layout = prequantized_layout(model_dir)
-    if layout is None:
-        return model_dir, None
-    hf_dir = conversion_dir(options, out_dir)
-    check_output(out_dir, [model_dir, hf_dir], force=options.force, marker=MANIFEST_NAME)
-    from kvforge.models.checkpoint_names import refuse_doubled_layers
-    from kvforge.models.prequantized import PrequantizedWeights
-
-    weights = PrequantizedWeights(model_dir, layout)
-    refuse_doubled_layers(model_dir, weights.prefixes, weights.files)  # before its twin is written
-    folder = convert_prequantized(model_dir, hf_dir, say)
-    return Path(folder).resolve(), weights
 
 
 # A model without a position limit (state-space models, ALiBi) is exported for this many positions.

@@ -23,8 +23,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.exporter.exact_blocks import PARTS_META
-from kvforge.exporter.graph_edit import take_over
+from kvforge.exporter.graph_edit import PARTS_META, take_over
 from kvforge.exporter.lazy_weights import lazy, transposed
 
 

@@ -10,6 +10,9 @@ import onnx_ir as ir
 from kvforge.core.contract import CANONICAL_OP
 
 DOMAIN = CANONICAL_OP.domain  # the canonical node's domain, dropped from the graph once lowered
+# The metadata key a merged MatMul's constant carries: the weights it joins, in order (fusions.py writes it; an
+# import of integer weights, quantization/exact_blocks.py, finds each part's integers by it).
+PARTS_META = "kvforge_parts"
 
 
 def constant(tape: ir.tape.Tape, array: np.ndarray, name: str | None = None) -> ir.Value:

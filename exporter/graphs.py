@@ -18,6 +18,7 @@ from kvforge.core.contract import KVLayout, StateSpec
 from kvforge.core.errors import KvforgeError
 from kvforge.exporter.load import load_hf_model, one_line
 from kvforge.exporter.probe import layer_shapes, probe_states
+from kvforge.exporter.quantization.plan import QuantPlan
 from kvforge.exporter.targets import ExportTarget
 from kvforge.models.families import Family
 from kvforge.models.families.surgery import Patches
@@ -36,10 +37,11 @@ class ExportWork:
     model_dir: Path
     checkpoint: Any  # exporter.checkpoint.Checkpoint
     say: Callable[[str], None]
-    # Weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks): carried into
-    # MatMulNBits as they are (exporter/exact_blocks.py); None: every weight is rounded
+    # What the weights become and why (exporter/quantization/plan.py), resolved once; applied in build_graphs
+    plan: QuantPlan
+    # Weights already held as integers (a pre-quantised checkpoint, a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks, AutoRound's):
+    # carried into MatMulNBits as they are (exporter/quantization/exact_blocks.py); None: every weight is rounded
     int_weights: Any = None
-    method_default: str | None = None  # why --quant-method is what it is, when it was not given
     gguf_record: dict[str, Any] | None = None  # the GGUF the model folder was converted from, if it was
     # A vision-language checkpoint exported whole (models/vision_families.py): its row; None: text only
     vision: Any = None
@@ -85,10 +87,9 @@ def make_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lowe
         lap("vision")
     if work.draft is not None:
         from kvforge.core.contract import DRAFT
-        from kvforge.exporter.draft_quant import quantize_lm_head
 
         made.graphs[DRAFT], made.draft = work.draft.build(work, made.layout)
-        quantize_lm_head(made.graphs[DRAFT], getattr(work.options, "draft_lm_head_bits", None), made.draft)
+        work.plan.apply_to_draft(made.graphs[DRAFT], made.draft)
         lap("draft")
     return made
 
@@ -100,7 +101,7 @@ def _text_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lap
     from kvforge.exporter.lazy_weights import Gap, empty_model, streaming_refusal
 
     say = work.say
-    why = streaming_refusal(work.config, work.options, work.family) if work.options.stream else "--no-stream"
+    why = streaming_refusal(work.config, work.options, work.family, work.plan) if work.options.stream else "--no-stream"
     empty = None
     if why is None:
         empty, why = empty_model(work.config, work.torch_dtype, work.checkpoint, work.family)
@@ -179,16 +180,16 @@ def probe_model(model: Any, work: ExportWork, layout: KVLayout, patches: Patches
     """Prepare the loaded model's experts for export (on `patches`) and check the attention shapes HF really
     passes against the target; the KV layout those shapes give."""
     config, family, say = work.config, work.family, work.say
-    # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (exporter/moe.py;
+    # Mixture-of-experts layers: SwiGLU-gated experts become the canonical MoE node (plugins/moe_op.py;
     # ONNX Runtime's MoE on `ort`, the picked experts gathered on the others); any other gate keeps
     # transformers' "batched_mm" gather form. Its default implementations have no ONNX form.
-    from kvforge.exporter.moe import prepare_looped_experts
+    from kvforge.exporter.experts_routing import prepare_looped_experts
 
     looped = prepare_looped_experts(model, family, patches)  # experts written as a loop over the picked ones
     if looped:
         say(f"experts: {looped} looped MoE layers as the canonical MoE node")
     if getattr(model, "_can_set_experts_implementation", lambda: False)():
-        from kvforge.exporter.moe import prepare_experts, set_experts_implementation
+        from kvforge.exporter.experts_routing import prepare_experts, set_experts_implementation
 
         set_experts_implementation(model, "batched_mm", patches)
         routed = prepare_experts(model, patches)
@@ -218,79 +219,35 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
     quantisation's record and the quantised KV cache's (None when not asked for)."""
     from kvforge.exporter.fusions import rotary_caches
     from kvforge.exporter.optimize import fuse_graph, optimize_graph
-    from kvforge.exporter.quantize import quantize_model
     from kvforge.exporter.trace import derive_decode_graph
 
-    config, target, options, say = work.config, work.target, work.options, work.say
+    target, options, plan, say = work.target, work.options, work.plan, work.say
 
     prefill = _trace(model, work, layout, empty)
     lap("trace")
     optimize_graph(prefill)
     lap("optimize")
-    fused = fuse_graph(prefill, target, quantized=options.quantize is not None, dtype=options.dtype,
+    fused = fuse_graph(prefill, target, quantized=plan.quantize is not None, dtype=options.dtype,
                        merge_pairs=options.merge_pairs)
     lap("fuse")
     say("fused " + ", ".join(f"{count} {name}" for name, count in fused.items() if count))
-    quantization = None
-    if options.quantize is not None:
-        from kvforge.exporter.quantize import default_lm_head_bits
-
-        parameters = sum(p.numel() for p in model.parameters())
-        lm_head_bits, why = options.lm_head_bits, None
-        if lm_head_bits is None and (work.int_weights is None or work.int_weights.rounds_the_rest):
-            lm_head_bits, why = default_lm_head_bits(options.quantize, parameters)
-        say(_quantising_line(options, work, why))
-        prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, int(config.vocab_size),
-                                               options.accuracy_level, lm_head_bits, options.quant_method,
-                                               exact=work.int_weights, say=say)
-        if "integer_weights" in quantization:
-            carried = quantization["integer_weights"]
-            say(f"{carried['carried_over']} weight matrices carried over from the {carried['source']}'s integers as "
-                f"they are; {len(carried['rounded'])} rounded ({', '.join(carried['rounded'][:3]) or 'none'}"
-                f"{', ...' if len(carried['rounded']) > 3 else ''})")
-        if why:
-            quantization["lm_head_bits_default"] = why
-        if work.method_default:
-            quantization["quant_method_default"] = work.method_default
-        quantization["parameters"] = parameters
-        lap("quantize")
-    kv_scales, kv_quant = None, None
-    if options.kv_cache is not None:
-        from kvforge.exporter.kv_quant import calibrate
-
-        say(f"calibrating {options.kv_cache} KV cache scales on kvforge's shipped text (per kv head and channel)")
-        kv_scales, kv_quant = calibrate(model, config, work.family, layout, work.model_dir, options.kv_cache)
-        lap("kv_calibrate")
+    prefill, applied = plan.apply(prefill, model, work, layout, lap)  # weights, KV cache scales, experts' bits
     # After quantisation, not in fuse_graph: the quantiser shares a tied embedding with its lm_head itself.
-    if target.ort_fusions and options.quantize is None:
+    if target.ort_fusions and plan.quantize is None:
         from kvforge.exporter.fusions import pretranspose_tied_lm_head
 
         pretranspose_tied_lm_head(prefill)
     if work.draft is not None:  # the head reads hidden states the target graphs then output too
         work.draft.expose(prefill)
     graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
-    # The experts' weights are quantised by the MoE lowering (ONNX Runtime's QMoE takes its own layout).
-    moe_quantize = None
-    if options.quantize is not None:
-        from kvforge.exporter.moe import INT8_EXPERTS, moe_nodes
-        from kvforge.exporter.quantize import BITS
-
-        experts = len(moe_nodes(prefill.graph))
-        if experts and BITS[options.quantize] == 4:
-            moe_quantize = (4, options.block_size)
-            quantization["moe_experts"] = f"int4, blocks of {options.block_size} (ONNX Runtime's QMoE), {experts} layers"
-            say(f"quantising {experts} MoE layers' experts to int4 (ONNX Runtime's QMoE)")
-        elif experts:
-            quantization["moe_experts"] = INT8_EXPERTS
-            say(f"note: {INT8_EXPERTS}")
     rotary = rotary_caches(model, layout.max_capacity, layout.dtype) \
         if target.ort_fusions else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
-        lower(graph, target, rotary, kv_scales, moe_quantize, attends=bool(layout.layer_shapes()))
+        lower(graph, target, rotary, applied.kv_scales, applied.experts, attends=bool(layout.layer_shapes()))
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
-    return graphs, quantization, kv_quant
+    return graphs, applied.record, applied.kv_record
 
 
 def _image_token(work: ExportWork) -> int | None:
@@ -333,14 +290,3 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
         prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode, aux_layers=aux)
     attach_weights(prefill, empty, work.checkpoint)
     return prefill
-
-
-def _quantising_line(options: Any, work: Any, why: str | None) -> str:
-    """What the quantisation step says: integers placed as they are (a pre-quantised checkpoint), or rounded."""
-    exact = work.int_weights
-    if exact is not None and not exact.rounds_the_rest:  # a pre-quantised checkpoint: nothing is rounded
-        return (f"placing the {exact.kind} checkpoint's {options.quantize} integers into ONNX Runtime's MatMulNBits "
-                f"(blocks of {options.block_size}) as they are")
-    return (f"quantising the weights to {options.quantize} (blocks of {options.block_size}, "
-            f"{options.quant_method.upper()}, ONNX Runtime's MatMulNBits)" + (f"; {why}" if why else "")
-            + (f"; {work.method_default}" if work.method_default else ""))

@@ -58,14 +58,15 @@ class Gap(str):
         return gap
 
 
-def streaming_refusal(config: Any, options: Any, family: Any) -> str | None:
-    """Why this export cannot stream its weights, before any model is built (None: it may)."""
+def streaming_refusal(config: Any, options: Any, family: Any, plan: Any) -> str | None:
+    """Why this export cannot stream its weights, before any model is built (None: it may); `plan`: the export's
+    quantisation plan (exporter/quantization/plan.py)."""
     from kvforge.exporter.text_model import text_of
 
     if options.kv_cache is not None:
         return f"--kv-cache {options.kv_cache} calibrates its scales by running the model"
-    if options.quantize is not None and options.quant_method == "hqq":
-        return f"--quant-method {options.quant_method} runs ONNX Runtime's whole-model quantiser"
+    if plan.quantize is not None and plan.method == "hqq":
+        return f"--quant-method {plan.method} runs ONNX Runtime's whole-model quantiser"
     if text_of(config) is not None:
         return "a multimodal checkpoint's text model is loaded from renamed tensors"
     # A patch that only changes the model's code (its family says so) runs on the fake weights too.
@@ -84,7 +85,7 @@ def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any) -> 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from kvforge.exporter.moe import looped_experts_count
+    from kvforge.exporter.experts_routing import looped_experts_count
 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers computed for real
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch_dtype)

@@ -8,7 +8,7 @@ projection in front of the block, the shared head's norm and head behind it) is 
 The target's prefill and decode graphs gain `target_hidden`: the final normed hidden state of every position.
 
 The head is exported in the export's float dtype: `--quantize` and `--kv-cache` apply to the target only
-(`--draft-lm-head-bits` makes the head's lm_head a MatMulNBits: exporter/draft_quant.py).
+(`--draft-lm-head-bits` makes the head's lm_head a MatMulNBits: exporter/quantization/draft_lm_head.py).
 """
 
 from __future__ import annotations
@@ -168,17 +168,21 @@ def mtp_draft(config: Any, checkpoint: Any, wanted: bool, say: Callable[[str], N
     return MtpDraft(config, weights, layers)
 
 
+NEEDS_A_HEAD = "--draft-lm-head-bits needs a head: --eagle HEAD_DIR or a checkpoint's MTP layer"
+
+
 def speculation_head(options: Any, config: Any, checkpoint: Any, family: Any, target: Any, vision: Any,
                      say: Callable[[str], None]) -> Any:
     """The export's speculation head: --eagle's EAGLE-3 head (exporter/draft_head.py), else the checkpoint's MTP
     layer, else None (a target without draft heads: none); checked before anything is written, and
-    --draft-lm-head-bits refused without one (exporter/draft_quant.py)."""
+    --draft-lm-head-bits (exporter/quantization/draft_lm_head.py) refused without one."""
     from kvforge.exporter.draft_head import eagle_draft
-    from kvforge.exporter.draft_quant import check_head
 
     draft = mtp_draft(config, checkpoint, options.mtp, say, target) if options.eagle is None \
         else eagle_draft(options.eagle, config, family, target, vision, say)
-    return check_head(options.draft_lm_head_bits, draft)
+    if options.draft_lm_head_bits is not None and draft is None:
+        raise InputError(NEEDS_A_HEAD)
+    return draft
 
 
 def expose_final_hidden(prefill: Any) -> None:
@@ -244,8 +248,9 @@ def trace_head(head: MtpHeadModule, layout: KVLayout, torch_dtype: Any) -> Any:
 
     from torch.export import Dim
 
-    from kvforge.exporter.moe import CUSTOM_TRANSLATION_TABLE as MOE_TRANSLATION
-    from kvforge.exporter.trace import OPSET, quiet_logger
+    from kvforge.core.progress import quiet_logger
+    from kvforge.exporter.trace import OPSET
+    from kvforge.plugins.moe_op import CUSTOM_TRANSLATION_TABLE as MOE_TRANSLATION
     from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
 
     batch, seq, capacity = Dim("batch"), Dim("seq"), Dim("capacity")

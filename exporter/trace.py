@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io as io_module
-import logging
 import warnings
 from typing import Any
 
@@ -24,23 +23,11 @@ from kvforge.core.contract import (
     GraphIO,
     KVLayout,
 )
+from kvforge.core.progress import quiet_logger
 
 OPSET = 24
 # Example sizes for tracing; every one of these dimensions is dynamic in the graphs.
 _EXAMPLE_BATCH, _EXAMPLE_SEQ, _EXAMPLE_CAPACITY = 2, 8, 32
-
-
-@contextlib.contextmanager
-def quiet_logger(name: str, level: int = logging.ERROR):
-    """Raise another library's logger level for the duration only, so an embedding application's
-    logging setup is left as it was."""
-    logger = logging.getLogger(name)
-    before = logger.level
-    logger.setLevel(level)
-    try:
-        yield
-    finally:
-        logger.setLevel(before)
 
 
 def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = None, fake_mode: Any = None,
@@ -52,9 +39,9 @@ def trace_prefill(model: Any, layout: KVLayout, torch_dtype: Any, family: Any = 
     import torch
     from torch.export import Dim
 
-    from kvforge.exporter.moe import CUSTOM_TRANSLATION_TABLE as MOE_TRANSLATION
     from kvforge.exporter.recurrent import traceable_recurrences
     from kvforge.exporter.wrapper import GraphWrapper
+    from kvforge.plugins.moe_op import CUSTOM_TRANSLATION_TABLE as MOE_TRANSLATION
     from kvforge.plugins.torch_op import CUSTOM_TRANSLATION_TABLE
 
     batch_dim, seq_dim, capacity_dim, k_dim = Dim("batch"), Dim("seq"), Dim("capacity"), Dim("positions")

@@ -156,7 +156,8 @@ def trace_vision(model: Any, family: VisionFamily, shape: tuple[int, int], torch
     """vision.onnx (an onnx_ir model, one image per call) and the number of image tokens an image gives."""
     import torch
 
-    from kvforge.exporter.trace import OPSET, quiet_logger
+    from kvforge.core.progress import quiet_logger
+    from kvforge.exporter.trace import OPSET
 
     channels = getattr(model.config.vision_config, "num_channels", 3)
     example = torch.zeros(1, channels, *shape, dtype=torch_dtype)

@@ -19,7 +19,7 @@ from kvforge.core.errors import InputError
 
 # The markers of the folders kvforge converts a user's checkpoint into (each records its "source")
 GGUF_MARKER = "kvforge_gguf.json"  # a GGUF's Hugging Face conversion (models/gguf.py)
-PREQUANTIZED_MARKER = "kvforge_prequantized.json"  # a pre-quantised checkpoint's dequantised twin (models/prequantized.py)
+PREQUANTIZED_MARKER = "kvforge_prequantized.json"  # a pre-quantised checkpoint's dequantised twin (exporter/quantization/prequantized.py)
 
 
 def checkpoint_in(model_dir: Path) -> str:

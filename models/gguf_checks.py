@@ -1,5 +1,5 @@
 """A GGUF file's tensors checked before kvforge reads their values: one line naming a corrupt tensor, for the
-whole-file conversion (models/gguf.py) and the carried blocks (models/gguf_blocks.py) alike."""
+whole-file conversion (models/gguf.py) and the carried blocks (exporter/quantization/gguf_blocks.py) alike."""
 
 from __future__ import annotations
 

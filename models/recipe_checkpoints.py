@@ -31,7 +31,7 @@ def prequantise(method: str, model: Any, tokenizer: Any, folder: Path) -> None:
         from auto_round import AutoRound
     except ImportError:
         raise InputError("this recipe is made with the auto-round package: pip install 'kvforge[export]'") from None
-    # kvforge's calibration text (the one exporter/calibrate.py reads), from the package's data
+    # kvforge's calibration text (the one exporter/quantization/autoround.py reads), from the package's data
     ids = tokenizer.encode((resources.files("kvforge") / "data" / "calibration.txt").read_text(encoding="utf-8"))
     samples = [tokenizer.decode(ids[k * _SEQUENCE:(k + 1) * _SEQUENCE]) for k in range(_SAMPLES)]
     work = folder / "autoround-work"

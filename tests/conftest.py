@@ -85,18 +85,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 
 @pytest.fixture(scope="session")
 def chat_export(hf_folder, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a plain chat template (CHAT_TEMPLATE), exported once per session for the
-    server tests (tests/test_server.py, tests/test_server_api.py)."""
-    import shutil
-
+    """The tiny Llama with a plain chat template (CHAT_TEMPLATE), exported once per run (shared by the xdist
+    workers) for the server tests: ROOT/export, its checkpoint beside it in ROOT/model."""
     from kvforge.exporter.export import export_model
 
-    source = tmp_path_factory.mktemp("chat") / "model"
-    shutil.copytree(hf_folder("llama-tiny"), source)
-    (source / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    out = source.parent / "export"
-    export_model(source, out)
-    return out
+    def make(root: Path) -> None:
+        shutil.copytree(hf_folder("llama-tiny"), root / "model")
+        (root / "model" / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        export_model(root / "model", root / "export")
+
+    return _made_once(_shared_folder(tmp_path_factory, "chat"), "llama-tiny", make) / "export"
 
 
 @pytest.fixture(scope="session")

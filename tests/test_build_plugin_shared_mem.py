@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from kvforge.cli import main
 from kvforge.core.engine_plan import ENGINES_MANIFEST, build_key, engines_manifest, resolve_build_options
 from kvforge.core.errors import InputError
+from kvforge.core.targets import get_target
 
 
 def _manifest(target: str = "trt") -> dict:
@@ -30,19 +31,19 @@ def _manifest(target: str = "trt") -> dict:
 
 def test_the_cap_is_a_build_option_in_engines_json_and_the_key(tmp_path) -> None:
     manifest = _manifest()
-    capped = resolve_build_options(manifest, plugin_shared_kib=48)
-    default = resolve_build_options(manifest)
+    capped = resolve_build_options(manifest, get_target("trt"), plugin_shared_kib=48)
+    default = resolve_build_options(manifest, get_target("trt"))
     assert capped.plugin_shared_kib == 48 and default.plugin_shared_kib is None
     trt = {"flavor": "tensorrt", "version": "10.15.1"}
     assert build_key(manifest, capped, trt, "9.0", "0.1.0") != build_key(manifest, default, trt, "9.0", "0.1.0")
     (tmp_path / "kvforge.json").write_text("{}")
     gpu = {"name": "GPU", "compute_capability": "9.0"}
-    record = engines_manifest(tmp_path, manifest, capped, "k", trt, gpu, {}, 1.0, "0.1.0")
+    record = engines_manifest(tmp_path, manifest, get_target("trt"), capped, "k", trt, gpu, {}, 1.0, "0.1.0")
     assert record["options"]["plugin_shared_kib"] == 48
     with pytest.raises(InputError, match="--plugin-shared-mem must be a positive integer, got 0"):
-        resolve_build_options(manifest, plugin_shared_kib=0)
+        resolve_build_options(manifest, get_target("trt"), plugin_shared_kib=0)
     with pytest.raises(InputError, match="an export for the onnx target does not use"):
-        resolve_build_options(_manifest("onnx"), plugin_shared_kib=48)
+        resolve_build_options(_manifest("onnx"), get_target("onnx"), plugin_shared_kib=48)
 
 
 def test_kvforge_build_hands_the_cap_to_the_plugin_and_records_it(monkeypatch, tmp_path) -> None:

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.xdist_group("prequantized")
 def test_autoround_carries_its_integers_with_zero_points_and_says_each_block(hf_folder, tmp_path, monkeypatch):
     import onnx
 
-    from kvforge.exporter import calibrate
     from kvforge.exporter.export import export_model
+    from kvforge.exporter.quantization import autoround as calibrate
 
     monkeypatch.setattr(calibrate, "ITERATIONS", 20)  # the method, not its full tuning: seconds, not a minute
     said = []
@@ -49,8 +49,8 @@ def test_autoround_is_closer_to_fp32_than_rounding(hf_folder, tmp_path, monkeypa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvforge.exporter import calibrate
     from kvforge.exporter.export import export_model
+    from kvforge.exporter.quantization import autoround as calibrate
     from kvforge.runtime import GenerationRequest, Generator
 
     monkeypatch.setattr(calibrate, "ITERATIONS", 50)
@@ -97,21 +97,9 @@ def test_calibration_goes_with_autoround(hf_folder, tmp_path):
     assert result.exit_code == 2 and "--calibration goes with --quant-method autoround, not rtn" in result.stderr
 
 
-def test_the_default_method_is_hqq_under_1b_parameters_autoround_in_fp16_and_rtn_otherwise():
-    from kvforge.exporter.quantize import default_method
-
-    assert default_method("int4", 135_000_000, gguf=False)[0] == "hqq"
-    assert default_method("int4", 135_000_000, gguf=False, dtype="fp16")[0] == "autoround"  # HQQ: fp32 only
-    assert default_method("int4", 8_000_000_000, gguf=False) == (
-        "rtn", "rtn: the default from 1B parameters (8.0B here: HQQ holds the whole model, calibrating would take "
-               "hours on a CPU; --quant-method hqq or autoround anyway)")
-    assert default_method("int4", 135_000_000, gguf=True)[0] == "rtn"  # its Q4_0/Q4_1/Q4_K/Q8_0 blocks are carried over
-    assert default_method("int8", 135_000_000, gguf=False) == ("rtn", None)
-
-
 def test_int4_without_a_method_calibrates_a_small_fp16_model_and_says_why(hf_folder, tmp_path, monkeypatch):
-    from kvforge.exporter import calibrate
     from kvforge.exporter.export import export_model
+    from kvforge.exporter.quantization import autoround as calibrate
 
     monkeypatch.setattr(calibrate, "ITERATIONS", 5)
     manifest = export_model(hf_folder("llama-tiny"), tmp_path / "out", quantize="int4", dtype="fp16")

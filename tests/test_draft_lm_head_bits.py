@@ -1,4 +1,4 @@
-"""`--draft-lm-head-bits` (exporter/draft_quant.py): draft.onnx's lm_head as a MatMulNBits block-quantised matrix.
+"""`--draft-lm-head-bits` (exporter/quantization/draft_lm_head.py): draft.onnx's lm_head as a MatMulNBits block-quantised matrix.
 
 One export of conftest's tiny DeepSeek-V3 checkpoint with its MTP layer (mtp_export, shared with the other head
 tests) at 8 bits: the head's logits MatMul is MatMulNBits and no float vocabulary matrix is left; its logits stay

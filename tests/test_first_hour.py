@@ -100,7 +100,7 @@ def test_the_quantisers_import_leaves_the_root_logger_as_it_was(tmp_path) -> Non
     pytest.importorskip("onnx_ir")
     code = textwrap.dedent("""
         import logging, warnings
-        from kvforge.exporter.quantize import quantizer_class
+        from kvforge.exporter.quantization.matmuls import quantizer_class
         quantizer_class()
         root = logging.getLogger()
         print(root.level, len(root.handlers))

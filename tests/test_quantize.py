@@ -85,12 +85,8 @@ def test_quantized_weights_are_smaller(quantized, exported) -> None:
 
 
 def test_a_small_models_int4_keeps_an_8_bit_lm_head_by_default(quantized) -> None:
-    from kvforge.exporter.quantize import default_lm_head_bits
-
     quant = json.loads((quantized("int4") / "kvforge.json").read_text())["quantization"]
     assert quant["lm_head_bits"] == 8 and "the default for models under 1B parameters" in quant["lm_head_bits_default"]
-    assert default_lm_head_bits("int4", 7_000_000_000) == (None, None)  # a large model: every weight at 4 bits
-    assert default_lm_head_bits("int8", 135_000_000) == (None, None)
     assert "lm_head_bits_default" not in json.loads((quantized("int4", lm_head_bits=4) / "kvforge.json")
                                                     .read_text())["quantization"]
 
@@ -113,7 +109,7 @@ def test_hqq_export_records_its_method_and_keeps_int4_parity(lm_head_bits, quant
     bits = Counter(a.i for n in nodes for a in n.attribute if a.name == "bits")
     assert bits == ({4: 4 * LAYERS, 8: 1} if lm_head_bits == 8 else {4: 4 * LAYERS + 1})
     # HQQ's blocks are asymmetric with float zero points; each 4-bit product runs on the integer kernel (no zero
-    # point input: the default 8) with its blocks' offsets added beside it (exporter/float_offsets.py).
+    # point input: the default 8) with its blocks' offsets added beside it (exporter/quantization/float_offsets.py).
     four = [n for n in nodes if any(a.name == "bits" and a.i == 4 for a in n.attribute)]
     assert all(len(n.input) == 3 for n in four)
     assert ops["ReduceSum"] == ops["MatMul"] == fours and ops["Add"] >= fours
@@ -272,7 +268,7 @@ def _run(model, ids):
 
 @pytest.mark.parametrize("bits", ["int4", "int8"])
 def test_tied_embedding_reads_the_lm_heads_table(bits, monkeypatch) -> None:
-    from kvforge.exporter import quantize as quantize_module
+    from kvforge.exporter.quantization import matmuls as quantize_module
 
     ids = np.arange(64, dtype=np.int64)[None]
     model, weight = _tied_model()

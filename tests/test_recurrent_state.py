@@ -335,7 +335,7 @@ def test_an_int8_kv_cache_refusal_says_what_the_model_keeps(shapes, why) -> None
     # It said the layers "differ" for a model with no KV cache at all (issue 43, 13).
     from types import SimpleNamespace
 
-    from kvforge.exporter.kv_quant import calibrate
+    from kvforge.exporter.quantization.kv_cache import calibrate
 
     states = tuple(StateSpec(i, "recurrent0", (2, 8, 16), "float32") for i, s in enumerate(shapes) if s is None)
     layout = KVLayout.per_layer(shapes, "float32", 64, states)

@@ -59,8 +59,9 @@ def test_a_tied_embedding_is_stored_once(exported):
                                                     ("qwen3-tiny", None, None)])
 def test_int4_rounded_per_tensor_equals_onnx_runtimes_whole_model_quantiser(hf_folder, tmp_path, monkeypatch,
                                                                             recipe, head_bits, chunk):
-    from kvforge.exporter import quantize, quantize_tensors
     from kvforge.exporter.export import export_model
+    from kvforge.exporter.quantization import matmuls as quantize
+    from kvforge.exporter.quantization import rtn as quantize_tensors
 
     if chunk is not None:  # weights quantised in slices of columns (rows of the embedding), as large ones are
         monkeypatch.setattr(quantize_tensors, "CHUNK_ELEMENTS", chunk)

@@ -35,6 +35,7 @@ from kvforge.core.engine_plan import (
 )
 from kvforge.core.errors import InputError
 from kvforge.core.manifest import file_record
+from kvforge.core.targets import get_target
 
 TRT_VERSION = "10.15.1"
 SUCCESS = 0
@@ -290,12 +291,12 @@ def make_backend(monkeypatch, tmp_path):
         engine_dir.mkdir(parents=True)
         manifest = _manifest(target=target)
         (folder / "kvforge.json").write_text(json.dumps(manifest))
-        options = resolve_build_options(manifest, max_batch=2, max_seq_len=256, single_engine=single_engine)
+        options = resolve_build_options(manifest, get_target(target), max_batch=2, max_seq_len=256, single_engine=single_engine)
         names = ["prefill.engine"] if single_engine else ["prefill.engine", "decode.engine"]
         for name in names:
             (engine_dir / name).write_bytes(f"{name} single".encode() if single_engine else name.encode())
         files = {name: file_record(engine_dir / name) for name in names}
-        record = engines_manifest(folder, manifest, options, "key", {"flavor": "tensorrt", "version": TRT_VERSION},
+        record = engines_manifest(folder, manifest, get_target(target), options, "key", {"flavor": "tensorrt", "version": TRT_VERSION},
                                   {"name": "Fake GPU", "compute_capability": "9.0"}, files, 0.0, "test")
         (engine_dir / ENGINES_MANIFEST).write_text(json.dumps(record))
         from kvforge.runtime.backends.trt_backend import TrtBackend

@@ -22,6 +22,7 @@ pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install 
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.engine_plan import ENGINES_MANIFEST, resolve_build_options  # noqa: E402
 from kvforge.core.manifest import load_manifest  # noqa: E402
+from kvforge.core.targets import get_target  # noqa: E402
 from kvforge.core.tensorrt_flavor import load_tensorrt  # noqa: E402
 from kvforge.engines.trt_build import _network, build_engines  # noqa: E402
 from kvforge.models.recipes import FAMILY_RECIPES  # noqa: E402
@@ -32,11 +33,13 @@ MAX_SEQ_LEN = 64
 def _layer_counts(folder, graph: str) -> tuple[dict[str, int], int]:
     trt = load_tensorrt("tensorrt-rtx")
     manifest = load_manifest(folder)
-    options = resolve_build_options(manifest, max_batch=2, max_seq_len=MAX_SEQ_LEN)
+    target = get_target(manifest["target"])
+    options = resolve_build_options(manifest, target, max_batch=2, max_seq_len=MAX_SEQ_LEN)
     from kvforge.engines.trt_build import _Log
 
     log = _Log(trt)
-    network, _parser, softcapped = _network(trt, trt.module.Builder(log.logger), log, folder, manifest, options, graph)
+    network, _parser, softcapped = _network(trt, trt.module.Builder(log.logger), log, folder, manifest, target, options,
+                                         graph)
     counts: dict[str, int] = {}
     for i in range(network.num_layers):
         name = str(network.get_layer(i).type).split(".")[-1]

@@ -9,7 +9,10 @@ from kvforge.core.errors import InputError
 from kvforge.exporter.targets import onnx, ort, trt
 from kvforge.exporter.targets.base import ExportTarget
 
-EXPORT_TARGETS: dict[str, ExportTarget] = {target.name: target for target in (ort.TARGET, onnx.TARGET, trt.TARGET)}
+# Each target is handed the others here, where they are all known (its refusals name them), rather than
+# exporter/targets/base.py importing this registry back.
+_DEFINED = (ort.TARGET, onnx.TARGET, trt.TARGET)
+EXPORT_TARGETS: dict[str, ExportTarget] = {target.name: target.among(_DEFINED) for target in _DEFINED}
 
 
 def export_target(name: str) -> ExportTarget:

@@ -5,8 +5,8 @@ probed). One instance per target module; a target with a kernel of its own adds 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,10 +41,21 @@ class ExportTarget:
     refuse_probed: Callable[..., None] | None = None
     images: bool = True  # a vision-language export (vision.onnx, image features into prefill)
     drafts: bool = True  # `--eagle`: a speculation head's draft.onnx beside the graphs (exporter/draft_head.py)
+    # Every registered target, this one included: what a refusal names instead. Handed in by the registry
+    # (exporter/targets/__init__.py, `among`), so this module never imports it; empty on a module's own TARGET.
+    peers: tuple[ExportTarget, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def name(self) -> str:
         return self.core.name
+
+    def among(self, targets: Iterable[ExportTarget]) -> ExportTarget:
+        """This target as the registry holds it: knowing `targets`, the registered ones."""
+        return replace(self, peers=tuple(targets))
+
+    def others(self, takes: Callable[[ExportTarget], bool]) -> str:
+        """"--target a or --target b": the registered targets without a kernel of their own that `takes` accepts."""
+        return " or ".join(f"--target {t.name}" for t in self.peers if t.refuse_model is None and takes(t))
 
     def check_options(self, options: Any) -> None:
         """The export options this target cannot honour, refused in one line naming another that can."""
@@ -53,18 +64,12 @@ class ExportTarget:
         if getattr(options, "eagle", None) is not None and not self.drafts:
             raise InputError(f"--eagle is not supported with --target {self.name} (its engines have no draft.onnx path "
                              "yet); export with --target ort or --target onnx")
-        if getattr(options, "draft_lm_head_bits", None) is not None:
-            from kvforge.exporter.draft_quant import check_option
-
-            check_option(options.draft_lm_head_bits, self.name)
         if options.kv_cache is None:
             return
         if options.kv_cache not in KV_CACHE_DTYPES:
             raise InputError(f"--kv-cache takes {', '.join(KV_CACHE_DTYPES)}, not {options.kv_cache!r}")
         if options.kv_cache not in self.kv_cache_dtypes:
-            from kvforge.exporter.targets import EXPORT_TARGETS
-
-            able = [t.name for t in EXPORT_TARGETS.values() if options.kv_cache in t.kv_cache_dtypes]
+            able = [t.name for t in self.peers if options.kv_cache in t.kv_cache_dtypes]
             raise InputError(
                 f"--kv-cache {options.kv_cache}: the {self.name} target's attention ({self.core.summary}) has no "
                 f"quantised cache; use --target {' or '.join(able)}"
@@ -85,16 +90,9 @@ class ExportTarget:
                 raise UnsupportedModelError(
                     f"{config.model_type}: its head size {head_dim} is not a multiple of {self.head_dim_multiple}, "
                     f"which --target {self.name}'s attention ({self.core.summary.split(' (')[0]}) needs; use "
-                    f"{others(lambda t, dim=head_dim: dim % t.head_dim_multiple == 0)}")
+                    f"{self.others(lambda t, dim=head_dim: dim % t.head_dim_multiple == 0)}")
         if self.refuse_probed is not None:
             self.refuse_probed(self, config, family, dtype, layout, sinks)
-
-
-def others(takes: Callable[[ExportTarget], bool]) -> str:
-    """"--target a or --target b": the targets without a kernel of their own that `takes` accepts."""
-    from kvforge.exporter.targets import EXPORT_TARGETS
-
-    return " or ".join(f"--target {t.name}" for t in EXPORT_TARGETS.values() if t.refuse_model is None and takes(t))
 
 
 def alibi_input(node: ir.Node) -> ir.Value | None:

@@ -121,9 +121,10 @@ def _with_sink_column(tape: ir.tape.Tape, present_key: ir.Value, present_value: 
 
 
 def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
-    from kvforge.exporter import moe  # torch's op registry: loaded when an export lowers, not before
+    # Imported when an export lowers, not with the target registry (it brings in exporter/quantization).
+    from kvforge.exporter.targets import moe_plain
 
-    return moe.lower_moe_to_plain(graph, quantize)
+    return moe_plain.lower_moe_to_plain(graph, quantize)
 
 
 TARGET = ExportTarget(TARGETS["onnx"], lower_to_onnx, lower_moe)

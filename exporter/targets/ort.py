@@ -31,7 +31,7 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
     applies it right before attention to heads of a multiple of 16 (GQA's own limit), and q/k/v that
     are the three parts of one fused MatMul are passed packed: one node per layer instead of a dozen
     layout and rotary ops. With `kv_scales`
-    (per layer the key and value scales [1, H_kv, 1, D], exporter/kv_quant.py) the cache is int8:
+    (per layer the key and value scales [1, H_kv, 1, D], exporter/quantization/kv_cache.py) the cache is int8:
     GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8."""
     first = canonical[0]
     shared = ir.tape.Tape()
@@ -164,9 +164,10 @@ def _operands(tape: ir.tape.Tape, q: ir.Value, k: ir.Value, v: ir.Value,
 
 
 def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
-    from kvforge.exporter import moe  # torch's op registry: loaded when an export lowers, not before
+    # Imported when an export lowers, not with the target registry (it brings in exporter/quantization).
+    from kvforge.exporter.targets import moe_ort
 
-    return moe.lower_moe_to_ort(graph, quantize)
+    return moe_ort.lower_moe_to_ort(graph, quantize)
 
 
 TARGET = ExportTarget(TARGETS["ort"], lower_to_ort, lower_moe, ort_fusions=True, quantize=True,

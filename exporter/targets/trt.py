@@ -14,7 +14,7 @@ from kvforge.core.contract import ATTENTION_OUTPUTS, PLUGIN, AttentionAttrs, KVL
 from kvforge.core.errors import UnsupportedModelError
 from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, node_attributes, replace_node
-from kvforge.exporter.targets.base import ExportTarget, alibi_input, others
+from kvforge.exporter.targets.base import ExportTarget, alibi_input
 from kvforge.models.config_values import config_value
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
@@ -47,9 +47,10 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = Non
 
 
 def lower_moe(graph: ir.Graph, quantize: tuple[int, int] | None = None) -> int:
-    from kvforge.exporter import moe  # torch's op registry: loaded when an export lowers, not before
+    # Imported when an export lowers, not with the target registry (it brings in exporter/quantization).
+    from kvforge.exporter.targets import moe_plain
 
-    return moe.lower_moe_to_plain(graph, quantize)
+    return moe_plain.lower_moe_to_plain(graph, quantize)
 
 
 def check_kernel_shapes(target: ExportTarget, config: Any, family: Any, head_dim: int, dtype: str,
@@ -67,7 +68,7 @@ def check_kernel_shapes(target: ExportTarget, config: Any, family: Any, head_dim
         raise UnsupportedModelError(
             f"--target {target.name} cannot export {config.model_type} ({err}): kvforge's attention kernel supports "
             f"head_dim {', '.join(map(str, HEAD_DIMS))}, query heads a multiple of the KV heads, and "
-            f"dtype {', '.join(target.core.dtypes)}; use {others(lambda _t: True)} for this model"
+            f"dtype {', '.join(target.core.dtypes)}; use {target.others(lambda _t: True)} for this model"
         ) from err
     if dtype not in target.core.dtypes:
         raise UnsupportedModelError(f"--target {target.name} supports dtype {', '.join(target.core.dtypes)}, not "

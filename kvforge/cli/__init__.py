@@ -324,7 +324,7 @@ def build(export_dir: Path, engine_dir: Path | None, dtype: str | None, max_batc
 @json_option("the export's description")
 def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
     """Show an export folder's graphs, inputs/outputs, sizes and manifest."""
-    from kvforge.cli.inspect import architecture, describe, proposer_line
+    from kvforge.cli.inspect import architecture, describe, proposer_line, quantization_lines
 
     info = describe(export_dir, verify=verify)
     if as_json:
@@ -344,6 +344,8 @@ def inspect(export_dir: Path, verify: bool, as_json: bool) -> None:
         kinds = ", ".join(sorted({spec.kind for spec in kv.states}))
         click.echo(f"  recurrent state: layers {stateful} keep {len(kv.states)} buffers ({kinds}), "
                    f"{kv.bytes(1, 0)} bytes per row")
+    for line in quantization_lines(manifest):
+        click.echo(line)
     for phase, graph in info["graphs"].items():
         click.echo(f"  {phase}: {graph['file']} ({graph['nodes']} nodes; attention: {graph['attention_nodes']})")
         for kind in ("inputs", "outputs"):

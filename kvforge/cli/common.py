@@ -136,7 +136,7 @@ def dequantised_hint(manifest: dict[str, Any]) -> str | None:
     if not quantized or manifest.get("quantization"):
         return None
     weights = sum(r["bytes"] for name, r in manifest["files"].items() if name.endswith(".weights"))
-    from kvforge.models.gguf_blocks import CARRIED
+    from kvforge.exporter.quantization.gguf_blocks import CARRIED
 
     carried = [t for t in quantized if t in CARRIED]
     rounded = "re-quantises them to 4 bits (round-to-nearest, blocks of 32: not the GGUF's own blocks)"
@@ -151,7 +151,7 @@ def checkpoint_bits(model_dir: Path) -> str | None:
     """"int4"/"int8" for a pre-quantised checkpoint (exported with its own integers), None for any other input."""
     if not (Path(model_dir) / "config.json").is_file():
         return None
-    from kvforge.models.prequantized_convert import prequantized_layout
+    from kvforge.exporter.quantization.prequantized_convert import prequantized_layout
 
     layout = prequantized_layout(Path(model_dir))
     return None if layout is None else f"int{layout.bits}"

@@ -64,6 +64,30 @@ def proposer(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def quantization_lines(manifest: dict[str, Any]) -> list[str]:
+    """inspect's lines for the export's quantisation plan: what was made integers, and why where it was a default
+    (the reasons exporter/quantization/plan.py recorded)."""
+    quant, lines = manifest.get("quantization"), []
+    if isinstance(quant, dict):
+        head = f", {quant['lm_head_bits']}-bit lm_head" if quant.get("lm_head_bits") not in (None, quant.get("bits")) else ""
+        lines.append(f"  quantization: int{quant.get('bits')} weights ({quant.get('quant_method', 'rtn')}), blocks of "
+                     f"{quant.get('block_size')}, accuracy level {quant.get('accuracy_level')}{head}; "
+                     f"{quant.get('matmuls_quantized')} MatMulNBits")
+        lines += [f"    why {what}: {quant[key]}" for key, what in (("quant_method_default", "the method"),
+                                                                  ("lm_head_bits_default", "the lm_head"))
+                  if quant.get(key)]
+        carried = quant.get("integer_weights")
+        if isinstance(carried, dict):
+            lines.append(f"    integers: {carried.get('carried_over')} matrices carried over from the "
+                         f"{carried.get('source')} as they are, {len(carried.get('rounded', []))} rounded")
+        if quant.get("moe_experts"):
+            lines.append(f"    experts: {quant['moe_experts']}")
+    kv = manifest.get("kv_cache_quantization")
+    if isinstance(kv, dict):
+        lines.append(f"  KV cache: {kv.get('dtype')}")
+    return lines
+
+
 def proposer_line(info: dict[str, Any]) -> str:
     """inspect's line for the export's speculation head."""
     head = info.get("proposer")

@@ -427,6 +427,6 @@ class PluginIdentity:
 
 
 CANONICAL_OP = OpIdentity(domain="kvforge", op_type="KVCacheAttention", version=1)
-# The canonical mixture-of-experts node (exporter/moe.py defines its inputs and semantics).
+# The canonical mixture-of-experts node (plugins/moe_op.py defines its inputs and semantics).
 MOE_OP = OpIdentity(domain="kvforge", op_type="MoEExperts", version=1)
 PLUGIN = PluginIdentity(name="KVCacheAttention", namespace="kvforge", version="1", onnx_domain="ai.onnx.contrib")

@@ -9,7 +9,7 @@ Record (exporter/draft_head.py writes kind "eagle3"; exporter/mtp_head.py kind "
       "kv_cache": KVLayout,             # the head's own cache (num_layers 1, its kv heads and head_dim, dtype, capacity)
       "hidden_size": 64,                # H: draft_hidden / hidden_out width
       "target_hidden_size": 192,        # Dt: target_hidden width (eagle3: len(aux_layer_ids) * model.hidden_size)
-      # only with --draft-lm-head-bits (absent: the lm_head in the export's float dtype; exporter/draft_quant.py):
+      # only with --draft-lm-head-bits (absent: the lm_head in the export's float dtype; exporter/quantization/draft_lm_head.py):
       "lm_head_bits": 8,                # 8 or 4: the lm_head is a MatMulNBits of these bits
       "lm_head_block_size": 32,
       # eagle3 only:

@@ -36,7 +36,7 @@ from kvforge.core.contract import (
 )
 from kvforge.core.errors import InputError, ManifestError
 from kvforge.core.manifest import MANIFEST_NAME, io_names, sha256_file
-from kvforge.core.targets import get_target
+from kvforge.core.targets import Target
 
 # /2: TensorRT recorded as {flavor, version}, the compute target, per-engine build records.
 ENGINES_FORMAT = "kvforge-engines/2"
@@ -67,11 +67,13 @@ def _positive(name: str, value: Any) -> int:
 
 
 def resolve_build_options(
-    manifest: dict[str, Any], dtype: str | None = None, max_batch: int = 1, max_input_len: int | None = None,
-    max_seq_len: int | None = None, single_engine: bool = False, plugin_shared_kib: int | None = None,
+    manifest: dict[str, Any], target: Target, dtype: str | None = None, max_batch: int = 1,
+    max_input_len: int | None = None, max_seq_len: int | None = None, single_engine: bool = False,
+    plugin_shared_kib: int | None = None,
 ) -> BuildOptions:
-    """Check `kvforge build`'s flags against the export and fill in the defaults."""
-    target, export_dtype = get_target(manifest["target"]), manifest["dtype"]
+    """Check `kvforge build`'s flags against the export (`target`: its manifest's, resolved by the caller that read
+    it) and fill in the defaults."""
+    export_dtype = manifest["dtype"]
     if not target.buildable:
         raise InputError(f"an export of --target {target.name} cannot be built into TensorRT engines ({target.build_refusal})")
     if dtype is not None and dtype != export_dtype:
@@ -98,22 +100,23 @@ def resolve_build_options(
 Shape = tuple[int, ...]
 
 
-def static_capacity(manifest: dict[str, Any]) -> bool:
+def static_capacity(target: Target) -> bool:
     """Whether the engines fix the cache capacity at --max-seq-len. The `onnx` target's TensorScatter
     becomes TensorRT's KV-cache-update layer, which needs the capacity dimension static at build time
     (a dynamic one fails to parse); kvforge's plugin (`trt` target) takes any capacity."""
-    return get_target(manifest["target"]).static_engine_capacity
+    return target.static_engine_capacity
 
 
-def engine_capacity_buckets(manifest: dict[str, Any], options: BuildOptions) -> tuple[int, ...]:
+def engine_capacity_buckets(target: Target, options: BuildOptions) -> tuple[int, ...]:
     """The capacities the runtime may allocate for these engines: every bucket up to --max-seq-len, or
     --max-seq-len alone where the engines fix it."""
-    if static_capacity(manifest):
+    if static_capacity(target):
         return (options.max_seq_len,)
     return capacity_buckets(options.max_seq_len)
 
 
-def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) -> dict[str, tuple[Shape, Shape, Shape]]:
+def profile_shapes(manifest: dict[str, Any], target: Target, options: BuildOptions,
+                   phase: str) -> dict[str, tuple[Shape, Shape, Shape]]:
     """(min, opt, max) per dynamic input for the `phase` profile: batch 1..max_batch, query length
     1..max_input_len for prefill and 1 for decode, cache capacity 1..max_seq_len (or --max-seq-len
     alone where it is static). The optimum is the largest bucket the runtime allocates at and the full
@@ -121,8 +124,8 @@ def profile_shapes(manifest: dict[str, Any], options: BuildOptions, phase: str) 
     kv = KVLayout.from_manifest(manifest)
     b, c = options.max_batch, options.max_seq_len
     s = options.max_input_len if phase == "prefill" else 1
-    opt_c = engine_capacity_buckets(manifest, options)[-1]
-    low_c = c if static_capacity(manifest) else 1
+    opt_c = engine_capacity_buckets(target, options)[-1]
+    low_c = c if static_capacity(target) else 1
     shapes: dict[str, tuple[Shape, Shape, Shape]] = {
         INPUT_IDS: ((1, 1), (b, s), (b, s)) if phase == "prefill" else ((1, 1), (b, 1), (b, 1)),
         PAST_LENS: ((1,), (b,), (b,)),
@@ -163,7 +166,8 @@ def build_key(export_manifest: dict[str, Any], options: BuildOptions, tensorrt: 
 
 
 def engines_manifest(
-    export_dir: Path, export_manifest: dict[str, Any], options: BuildOptions, key: str, tensorrt: dict[str, str],
+    export_dir: Path, export_manifest: dict[str, Any], target: Target, options: BuildOptions, key: str,
+    tensorrt: dict[str, str],
     gpu: dict[str, str], files: dict[str, dict[str, Any]], build_seconds: float, kvforge_version: str,
     builds: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
@@ -172,7 +176,7 @@ def engines_manifest(
     how its attention was built."""
     weights = int(export_manifest.get("weights_sharing", {}).get("weights_bytes", 0))
     engines = engine_layout(options)
-    buckets = engine_capacity_buckets(export_manifest, options)
+    buckets = engine_capacity_buckets(target, options)
     kv = KVLayout.from_manifest(export_manifest)
     return sealed({
         "format": ENGINES_FORMAT,
@@ -183,13 +187,13 @@ def engines_manifest(
         "tensorrt": dict(tensorrt),
         "gpu": gpu,
         "options": asdict(options),
-        "static_capacity": static_capacity(export_manifest),
+        "static_capacity": static_capacity(target),
         "capacity_buckets": list(buckets),
         # The KV cache a request of --max-batch rows holds at the largest capacity (both K and V, all layers).
         "kv_cache_bytes_at_max": kv.bytes(options.max_batch, buckets[-1]),
         "engines": engines,
         "profiles": {phase: {name: [list(s) for s in shapes] for name, shapes in
-                             profile_shapes(export_manifest, options, phase).items()} for phase in engines},
+                             profile_shapes(export_manifest, target, options, phase).items()} for phase in engines},
         # The export's weights, and what the engine files hold (about what they take on the GPU): two engines
         # hold a copy each; one engine with two profiles, built by TensorRT-RTX 1.7, holds most weights once
         # per profile too (docs/tensorrt-and-gpus.md, "One engine or two").

@@ -10,6 +10,8 @@ seconds, so a log never looks stuck.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import threading
 import time
@@ -127,3 +129,16 @@ def _first_part(message: str) -> str:
             break
         i += 1
     return message[:i].strip()
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str, level: int = logging.ERROR):
+    """Raise another library's logger level for the duration only (its INFO lines would bury the progress), so an
+    embedding application's logging setup is left as it was."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)

@@ -48,7 +48,7 @@ from kvforge.core.engine_plan import (
 from kvforge.core.errors import BackendUnavailableError, ExportError, InputError, UnsupportedModelError
 from kvforge.core.manifest import file_record, load_manifest, read_graph
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
-from kvforge.core.targets import get_target
+from kvforge.core.targets import Target, get_target
 from kvforge.core.tensorrt_flavor import RTX_PORTABLE, TensorRT, gpu_refusal, load_tensorrt
 from kvforge.engines.native_stderr import fd2_captured, write_stderr
 from kvforge.engines.trt_graph import tensorrt_graph
@@ -98,9 +98,8 @@ def build_target(trt: TensorRT, say: Callable[[str], None] = lambda _msg: None) 
     return gpu
 
 
-def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] | None:
+def _plugin_identity(trt: TensorRT, target: Target) -> dict[str, str] | None:
     """For the `trt` target: refuse where the plugin cannot be built, else what its PTX depends on."""
-    target = get_target(manifest["target"])
     if target.plugin is None:
         return None
     if trt.plugin_module() is None:
@@ -114,12 +113,12 @@ def _plugin_identity(trt: TensorRT, manifest: dict[str, Any]) -> dict[str, str] 
     return kernel_identity()
 
 
-def _check_plugin_arch(manifest: dict[str, Any], arch: str) -> str:
+def _check_plugin_arch(target: Target, arch: str) -> str:
     from kvforge.plugins import trt_plugin
 
-    if get_target(manifest["target"]).plugin is None:
+    if target.plugin is None:
         raise InputError(f"--arch picks the attention plugin's GPU architecture; an export for the "
-                         f"{manifest['target']} target does not use the plugin")
+                         f"{target.name} target does not use the plugin")
     try:
         return trt_plugin.check_arch(arch)
     except ValueError as err:
@@ -151,14 +150,15 @@ def build_engines(
         raise UnsupportedModelError(f"{export_dir}: this model's recurrent layers keep a state, which kvforge's "
                                     "TensorRT engines do not carry yet; run the export on ONNX Runtime "
                                     "(kvforge generate without --backend tensorrt)")
-    options = resolve_build_options(manifest, dtype, max_batch, max_input_len, max_seq_len, single_engine,
+    target = get_target(manifest["target"])  # resolved once, where the build reads the manifest
+    options = resolve_build_options(manifest, target, dtype, max_batch, max_input_len, max_seq_len, single_engine,
                                     plugin_shared_kib)
     if plugin_arch is not None:
-        plugin_arch = _check_plugin_arch(manifest, plugin_arch)
+        plugin_arch = _check_plugin_arch(target, plugin_arch)
     engine_dir = _engine_folder(export_dir, engine_dir)
     check_output(engine_dir, [], force=True, marker=ENGINES_MANIFEST, what="kvforge engine folder")
     trt = load_tensorrt(tensorrt)
-    plugin = _plugin_identity(trt, manifest)
+    plugin = _plugin_identity(trt, target)
     if plugin is not None and plugin_arch is not None:
         plugin = {**plugin, "arch": plugin_arch}  # PTX for another architecture: other engines
     gpu = build_target(trt, say)
@@ -186,11 +186,11 @@ def build_engines(
           StagedFolder(engine_dir, ENGINES_MANIFEST, what="kvforge engine folder", say=say) as staged):
         staging = staged.path
         assert staging is not None
-        timing = _build_all(trt, export_dir, manifest, options, staging, gpu, timing, builds, say)
+        timing = _build_all(trt, export_dir, manifest, target, options, staging, gpu, timing, builds, say)
         if timing:
             (staging / TIMING_CACHE).write_bytes(timing)
         files = {name: file_record(staging / name) for name in sorted(builds)}
-        record = engines_manifest(export_dir, manifest, options, key, trt.record(), gpu, files,
+        record = engines_manifest(export_dir, manifest, target, options, key, trt.record(), gpu, files,
                                   time.perf_counter() - started, __version__, builds)
         (staging / ENGINES_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
         staged.publish()
@@ -211,8 +211,8 @@ def _engine_folder(export_dir: Path, engine_dir: str | Path | None) -> Path:
     return folder
 
 
-def _build_all(trt: Any, export_dir: Path, manifest: dict[str, Any], options: BuildOptions, staging: Path,
-               gpu: dict[str, Any], timing: bytes, builds: dict[str, dict[str, Any]],
+def _build_all(trt: Any, export_dir: Path, manifest: dict[str, Any], target: Target, options: BuildOptions,
+               staging: Path, gpu: dict[str, Any], timing: bytes, builds: dict[str, dict[str, Any]],
                say: Callable[[str], None]) -> bytes:
     """Build each engine of the layout once into `staging`, recording it in `builds`; the timing cache after."""
     for entry in engine_layout(options).values():
@@ -220,7 +220,7 @@ def _build_all(trt: Any, export_dir: Path, manifest: dict[str, Any], options: Bu
             continue
         say(f"building {entry['file']} from {entry['graph']}.onnx for {gpu['name']} ({trt.label})")
         one = time.perf_counter()
-        data, timing, attention = _build_one(trt, export_dir, manifest, options, entry["graph"], timing, say)
+        data, timing, attention = _build_one(trt, export_dir, manifest, target, options, entry["graph"], timing, say)
         (staging / entry["file"]).write_bytes(data)
         builds[entry["file"]] = {"seconds": round(time.perf_counter() - one, 2), "bytes": len(data),
                                  "attention": attention}
@@ -290,7 +290,7 @@ class _Log:
         self.errors = messages
 
 
-def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest: dict[str, Any],
+def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest: dict[str, Any], target: Target,
              options: BuildOptions, graph: str) -> tuple[Any, Any, int]:
     """Parse `graph` into a strongly typed network (every tensor keeps the export's dtype, plugin IO
     included), as kvforge/engines/trt_graph.py rewrites it for TensorRT; also how many softcapped attention
@@ -299,7 +299,7 @@ def _network(trt: TensorRT, builder: Any, log: _Log, export_dir: Path, manifest:
     path = export_dir / manifest["graphs"][graph]["file"]
     kv = KVLayout.from_manifest(manifest)
     caches = set(kv.cache_inputs()) | set(kv.cache_outputs())
-    proto, decomposed = tensorrt_graph(path, caches, options.max_seq_len if static_capacity(manifest) else None,
+    proto, decomposed = tensorrt_graph(path, caches, options.max_seq_len if static_capacity(target) else None,
                                        ModelSpec.from_manifest(manifest).num_heads, kv.num_kv_heads,
                                        None if kv.layers else kv.head_dim)
     network = builder.create_network(1 << int(trt.module.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
@@ -320,16 +320,16 @@ def _attention_layers(trt: TensorRT, network: Any) -> list[Any]:
     return layers
 
 
-def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], options: BuildOptions, graph: str,
-               timing: bytes, say: Callable[[str], None]) -> tuple[bytes, bytes, str]:
+def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], target: Target, options: BuildOptions,
+               graph: str, timing: bytes, say: Callable[[str], None]) -> tuple[bytes, bytes, str]:
     """One engine's bytes, the updated timing cache, and how its attention was built: "fused"
     (TensorRT's dedicated kernels), "decomposed" (no dedicated kernel for this shape and dtype: marked
     decomposable and rebuilt) or "plugin" (kvforge's kernel)."""
     log = _Log(trt)
     builder = trt.module.Builder(log.logger)
-    network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, options, graph)
+    network, _parser, softcapped = _network(trt, builder, log, export_dir, manifest, target, options, graph)
     # TensorRT's attention layer cannot softcap: those layers are plain ops (kvforge/engines/trt_graph.py).
-    attention = "plugin" if get_target(manifest["target"]).plugin is not None else "decomposed (softcap)" if softcapped else "fused"
+    attention = "plugin" if target.plugin is not None else "decomposed (softcap)" if softcapped else "fused"
     fused_output = ""  # what the library printed on fd 2 during the fused attempt
     for attempt in ("fused", "decomposed"):
         if attempt == "decomposed":
@@ -345,13 +345,13 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
             # Progress said meanwhile would land in the capture too: held, and said after it.
             held: list[str] = []
             with fd2_captured() as captured:
-                config = _config(trt, builder, manifest, options, graph, timing, held.append)
+                config = _config(trt, builder, manifest, target, options, graph, timing, held.append)
                 serialized = builder.build_serialized_network(network, config)
             fused_output = captured.text
             for message in held:
                 say(message)
         else:
-            config = _config(trt, builder, manifest, options, graph, timing, say)
+            config = _config(trt, builder, manifest, target, options, graph, timing, say)
             serialized = builder.build_serialized_network(network, config)
         if serialized is not None:
             if trt.has_timing_cache:
@@ -367,10 +367,10 @@ def _build_one(trt: TensorRT, export_dir: Path, manifest: dict[str, Any], option
     raise ExportError(f"{trt.label} failed to build the {graph} engine: {detail}")
 
 
-def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: BuildOptions, graph: str,
+def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], target: Target, options: BuildOptions, graph: str,
             timing: bytes, say: Callable[[str], None]) -> Any:
     config = builder.create_builder_config()
-    if get_target(manifest["target"]).plugin is not None:
+    if target.plugin is not None:
         # The plugin's present_* outputs alias past_* (in-place cache update).
         feature = getattr(trt.module.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
         if feature is not None:
@@ -380,7 +380,7 @@ def _config(trt: TensorRT, builder: Any, manifest: dict[str, Any], options: Buil
     phases = ["prefill", "decode"] if options.single_engine else [graph]
     for phase in phases:
         profile = builder.create_optimization_profile()
-        for name, (low, opt, high) in profile_shapes(manifest, options, phase).items():
+        for name, (low, opt, high) in profile_shapes(manifest, target, options, phase).items():
             profile.set_shape(name, low, opt, high)
         config.add_optimization_profile(profile)
     monitor = _progress_monitor(trt.module, say)

@@ -242,7 +242,7 @@ def run_parity(
     model_dir = resolve_model(model_dir, say=say)  # a Hub id (org/name): its snapshot in huggingface_hub's cache
     _check_arguments(model_dir, export_dir, new_tokens, atol, perplexity_tokens)
     check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
-    from kvforge.models.prequantized_convert import dequantised_twin
+    from kvforge.exporter.quantization.prequantized_convert import dequantised_twin
 
     model_dir = dequantised_twin(Path(model_dir), load_manifest(export_dir), say)
     quantization = lossy_quantization(load_manifest(export_dir))

@@ -1,6 +1,6 @@
 """DBRX: its experts are a Python loop over the experts a batch picked (a data-dependent loop torch.export cannot
 trace), with their weights in its own layout; the export reads them into the canonical MoE node's layout
-(exporter/moe.py)."""
+(exporter/experts_routing.py)."""
 
 from __future__ import annotations
 

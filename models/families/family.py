@@ -11,7 +11,7 @@ by exactly one stage of the export:
     capacity      the KV layout (exporter/graphs) the most positions an export holds exactly, and why
     patch         after loading (exporter/graphs) put attention where kvforge reaches it, on the export's Patches
     states        probing and tracing            a recurrent state outside transformers' cache: probe / bind
-    looped_experts  probing (exporter/moe)      read experts written as a loop into the MoE node's layout
+    looped_experts  probing (exporter/experts_routing)  read experts written as a loop into the MoE node's layout
     rotary_dims   KV-cache calibration           how many leading channels of a head RoPE rotates
 """
 
@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvforge.core.errors import UnsupportedModelError
 from kvforge.models.config_values import config_value
+
+if TYPE_CHECKING:  # state_binding imports torch; this module is imported without it
+    from kvforge.models.families.state_binding import FamilyStates
 
 # Rotary variants whose tables HF computes from the positions alone, so they trace into the graph.
 # ("longrope" picks its short or long table from the largest position of the call, with torch.where.)
@@ -67,7 +70,7 @@ class Family:
     capacity: Callable[[Any], tuple[int, str] | None] | None = None
     patch: Callable[[Any, Any], str] | None = None
     patch_keeps_weights: bool = False  # the patch changes code only: a streamed export may run it on fake weights
-    states: Any = None
+    states: FamilyStates | None = None
     looped_experts: Callable[[Any], LoopedExperts | None] | None = None
     rotary_dims: Callable[[Any, int], int] | None = None
 

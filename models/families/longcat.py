@@ -1,6 +1,7 @@
 """LongCat-Flash: its experts are a loop over the experts a batch picked, with zero-computation identity experts
 (ids from the routed count on: output = input) beside the routed ones; the export reads the routed experts into
-the canonical MoE node's layout and adds the identity experts' weight times the input (exporter/moe.py)."""
+the canonical MoE node's layout and adds the identity experts' weight times the input
+(exporter/experts_routing.py)."""
 
 from __future__ import annotations
 

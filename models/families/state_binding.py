@@ -13,13 +13,28 @@ resets a buffer. Sequence loops become `torch._higher_order_ops.scan`, so the pr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from kvforge.models.families.surgery import Patches
 
 StateShapes = dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+
+
+class FamilyStates(Protocol):
+    """A family's `states` hook (Family.states): what the export asks of a family whose recurrent state lives outside
+    transformers' cache."""
+
+    def probe(self, model: Any) -> StateShapes:
+        """Each layer's states, {layer: {kind: (shape past the batch, dtype)}}, from the loaded `model`
+        (exporter/probe.py's probe_states)."""
+        ...
+
+    def bind(self, model: Any, past: dict[tuple[int, str], torch.Tensor], past_lens: torch.Tensor) -> StateBinding:
+        """For one traced call: the graph's past buffers by (layer, kind) bound to where `model` reads its states,
+        a row starting afresh where its past_lens is 0 (exporter/wrapper.py)."""
+        ...
 
 
 def fresh(tensor: torch.Tensor, past_lens: torch.Tensor, value: float = 0.0) -> torch.Tensor:

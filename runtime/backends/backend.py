@@ -32,7 +32,7 @@ import numpy as np
 
 from kvforge.core.contract import KVLayout, capacity_buckets
 from kvforge.core.errors import InputError
-from kvforge.core.targets import TARGETS, get_target
+from kvforge.core.targets import TARGETS, Target, get_target
 
 if TYPE_CHECKING:  # the registry is read by the CLI without loading ONNX Runtime
     from kvforge.runtime.backends.kv_cache import CacheState
@@ -54,14 +54,14 @@ class Limits:
     rollback: bool = True
 
     @classmethod
-    def from_manifest(cls, manifest: dict[str, Any], max_batch: int | None = None,
+    def from_manifest(cls, manifest: dict[str, Any], target: Target, max_batch: int | None = None,
                       max_capacity: int | None = None) -> Limits:
+        """The limits of `manifest`'s export, whose target is `target` (resolved once, by its loader)."""
         layout = KVLayout.from_manifest(manifest)
         cap = layout.max_capacity
         if max_capacity is not None:
             cap = min(cap, int(max_capacity))
-        return cls(max_batch, cap, capacity_buckets(cap), get_target(manifest["target"]).continue_batch,
-                   rollback=not layout.states)
+        return cls(max_batch, cap, capacity_buckets(cap), target.continue_batch, rollback=not layout.states)
 
     def check_speculation(self, speculation: Any) -> None:
         """InputError for a speculative request on a cache that cannot roll back rejected drafts."""
@@ -116,7 +116,7 @@ class BackendEntry:
 
     def options(self) -> list[str]:
         """The keyword options a caller may give (the class's, less the ones every backend gets)."""
-        hidden = {"self", "folder", "manifest", *self.fixed}
+        hidden = {"self", "folder", "manifest", "target", *self.fixed}
         return [p for p in inspect.signature(self.load().__init__).parameters if p not in hidden]
 
 
@@ -139,19 +139,23 @@ def supports_rows(backend: Any) -> bool:
     return all(callable(getattr(backend, name, None)) for name in ROW_OPERATIONS)
 
 
-def default_backend(manifest: dict[str, Any]) -> str:
-    """The backend a target runs on when none is named: one that works without a GPU."""
-    return get_target(manifest["target"]).default_backend
+def export_target(manifest: dict[str, Any], target: Target | None = None) -> Target:
+    """`target` as handed in (a LoadedExport's, resolved once when it read the manifest), else the manifest's own:
+    a backend or head built straight from a manifest dict (create_backend's documented form, tests, benchmarks)
+    is the first to read it."""
+    return target if target is not None else get_target(manifest["target"])
 
 
-def create_backend(name: str, folder: str | Path, manifest: dict[str, Any], **options: Any) -> Backend:
-    """The backend `name` for an export folder, with its own keyword options (checked here)."""
+def create_backend(name: str, folder: str | Path, manifest: dict[str, Any], *, target: Target | None = None,
+                   **options: Any) -> Backend:
+    """The backend `name` for an export folder, with its own keyword options (checked here). `target`: the
+    manifest's, where the caller resolved it already (LoadedExport.target)."""
     if name in RENAMED:
         raise InputError(f"backend {name!r} is now called {RENAMED[name]!r}; use backend {RENAMED[name]!r}")
     if name not in REGISTRY:
         raise InputError(f"unknown backend {name!r}; choose one of {', '.join(REGISTRY)}")
     entry = REGISTRY[name]
-    target = get_target(manifest["target"])
+    target = export_target(manifest, target)
     if target.name not in entry.targets:
         runs = [n for n, e in REGISTRY.items() if target.name in e.targets]
         what = f" (its attention is {target.summary})" if target.plugin is not None else ""
@@ -162,4 +166,4 @@ def create_backend(name: str, folder: str | Path, manifest: dict[str, Any], **op
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise InputError(f"backend {name!r} has no option {', '.join(unknown)}; its options are {', '.join(allowed)}")
-    return entry.load()(Path(folder), manifest, **entry.fixed, **options)
+    return entry.load()(Path(folder), manifest, **entry.fixed, **options, target=target)

@@ -41,6 +41,7 @@ from kvforge.core.contract import (
     check_attention_parameters,
 )
 from kvforge.core.errors import BackendUnavailableError, InputError, KvforgeError
+from kvforge.core.targets import Target
 from kvforge.runtime.backends.ort_backend import OrtBackend, OrtSlot
 
 MODES = ("triton", "reference")
@@ -166,6 +167,7 @@ class EmulateBackend(OrtBackend):
         sessions: str = "single",
         max_capacity: int | None = None,
         emulation: str | None = None,
+        target: Target | None = None,
     ) -> None:
         self.emulation = resolve_mode(emulation)
         if manifest["kv_cache"]["dtype"] == "bfloat16":
@@ -179,7 +181,7 @@ class EmulateBackend(OrtBackend):
                 "op bridge has no float16/bfloat16; export with --dtype fp32, or build TensorRT engines"
             )
         self.custom_ops_library = custom_ops_library(self.emulation)
-        super().__init__(folder, manifest, "cpu", device_id, threads, sessions, max_capacity)
+        super().__init__(folder, manifest, "cpu", device_id, threads, sessions, max_capacity, target=target)
         self.name = "emulate"
 
     def _run(self, slot: OrtSlot, phase: str) -> np.ndarray:

@@ -44,7 +44,8 @@ from kvforge.core.contract import (
     cache_output,
 )
 from kvforge.core.errors import CapacityError, InputError, KvforgeError, ManifestError
-from kvforge.core.targets import get_target
+from kvforge.core.targets import Target
+from kvforge.runtime.backends.backend import export_target
 from kvforge.runtime.backends.kv_cache import KVCache
 from kvforge.runtime.backends.ort_sessions import _QUIET_RUN, one_line, open_session, providers_for
 
@@ -80,7 +81,8 @@ class HeadRunner:
     """The head graph of one export folder on ONNX Runtime (`device` "cpu" or "cuda", as the target's backend)."""
 
     def __init__(self, folder: str | Path, manifest: dict[str, Any], device: str = "cpu", device_id: int = 0,
-                 threads: int | None = None, spinning: bool = True) -> None:
+                 threads: int | None = None, spinning: bool = True, target: Target | None = None) -> None:
+        """`target`: the manifest's, where the caller resolved it already (LoadedExport.target)."""
         self.folder, self.manifest, self.device, self.device_id = Path(folder), manifest, device, device_id
         record = head_record(manifest)
         self.kind: str = record["kind"]
@@ -104,7 +106,7 @@ class HeadRunner:
                 raise ManifestError(f"the draft graph's {name} is {inputs.get(name, outputs.get(name)).type}, not "
                                     "float32 or float16; re-run the export")
         self.vocab_size = ModelSpec.from_manifest(manifest).vocab_size
-        self.continue_batch = get_target(manifest["target"]).continue_batch
+        self.continue_batch = export_target(manifest, target).continue_batch
         self.token_map = self._read_token_map()
         self.draft_vocab_size = len(self.token_map)
 

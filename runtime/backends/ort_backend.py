@@ -43,7 +43,8 @@ from kvforge.core.contract import (
     cache_output,
 )
 from kvforge.core.errors import InputError, KvforgeError, ManifestError
-from kvforge.runtime.backends.backend import Limits
+from kvforge.core.targets import Target
+from kvforge.runtime.backends.backend import Limits, export_target
 from kvforge.runtime.backends.device_pick import PICK_DTYPES, DevicePicker, PickBinding
 from kvforge.runtime.backends.kv_cache import KVCache
 from kvforge.runtime.backends.ort_sessions import (
@@ -124,14 +125,16 @@ class OrtBackend:
         cuda_graphs: bool | None = None,
         device_greedy: bool | None = None,
         decode_attention: str = "auto",
+        target: Target | None = None,
     ) -> None:
         self.name = {"cpu": "ort-cpu", "cuda": "ort-cuda"}.get(device, device)
+        target = export_target(manifest, target)  # handed in by a LoadedExport (create_backend), which resolved it
         self.kv = KVLayout.from_manifest(manifest)
         self.folder, self.manifest, self.device, self.device_id = Path(folder), manifest, device, device_id
         self.num_layers = self.kv.num_layers
         self.on_device = device != "cpu" or self.simulate_device
         sessions = sessions if sessions is not None else ("separate" if self.on_device else "single")
-        check_device(self.folder, self.manifest, self.kv, self.device, self.device_id, cuda_graphs, sessions)
+        check_device(self.folder, self.manifest, target, self.kv, self.device, self.device_id, cuda_graphs, sessions)
         check_options(threads, spinning, sessions, max_capacity)
         providers = providers_for(device, device_id)
         self.cuda_graphs = device != "cpu" and sessions != "single" and cuda_graphs is not False
@@ -162,7 +165,7 @@ class OrtBackend:
         self.runs = {"prefill": 0, "decode": 0}
         self.allocations = 0
         self._runs_lock = threading.Lock()
-        self.limits = Limits.from_manifest(manifest, max_capacity=max_capacity)
+        self.limits = Limits.from_manifest(manifest, target, max_capacity=max_capacity)
         if device_greedy is not None and not isinstance(device_greedy, bool):
             raise InputError(f"device_greedy must be True or False, got {device_greedy!r}")
         if device_greedy and not self.on_device:
@@ -171,8 +174,7 @@ class OrtBackend:
         self.picker: DevicePicker | None = None
         if (self.on_device and device_greedy is not False and sessions != "single"
                 and np.dtype(self.logits_dtype) in PICK_DTYPES):
-            self.picker = DevicePicker(np.dtype(self.logits_dtype), device, device_id,
-                                       cuda_graphs=self.cuda_graphs)
+            self.picker = DevicePicker(np.dtype(self.logits_dtype), device, device_id, cuda_graphs=self.cuda_graphs)
         self.device_greedy = self.picker is not None
         self.device_greedy_refused: str | None = None  # why the pick graph stopped running, where it did
 
@@ -437,9 +439,7 @@ class OrtBackend:
         try:
             self.sessions[phase].run_with_iobinding(slot.bindings[phase], options)
         except Exception as err:  # ORT's own exception types; say which graph and why, on one line
-            raise KvforgeError(
-                f"ONNX Runtime failed running the {phase} graph of {self.folder}: {one_line(err)}"
-            ) from err
+            raise KvforgeError(f"ONNX Runtime failed running the {phase} graph of {self.folder}: {one_line(err)}") from err
         with self._runs_lock:
             self.runs[phase] += 1
 

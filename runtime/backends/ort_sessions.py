@@ -13,7 +13,7 @@ import onnxruntime as ort
 from kvforge.core.contract import DRAFT, KV_KINDS, LOGITS, GraphIO, KVLayout, ModelSpec, parse_cache_name
 from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError
 from kvforge.core.manifest import io_entry, io_names, read_graph
-from kvforge.core.targets import get_target
+from kvforge.core.targets import Target
 
 DEVICES = ("cpu", "cuda")
 # "single": the prefill graph serves decode steps too (one session, one weight copy, prepacked);
@@ -90,10 +90,10 @@ def check_options(threads: Any, spinning: Any, sessions: Any, max_capacity: Any)
         raise InputError(f"max_capacity must be a positive integer, got {max_capacity!r}")
 
 
-def check_device(folder: Path, manifest: dict[str, Any], kv: KVLayout, device: str, device_id: int,
+def check_device(folder: Path, manifest: dict[str, Any], target: Target, kv: KVLayout, device: str, device_id: int,
                  cuda_graphs: bool | None, sessions: str) -> None:
     """What the device itself rules out: bf16 on the CPU, an fp32 `ort` export on CUDA, CUDA graphs
-    without a GPU or without decode.onnx's own session."""
+    without a GPU or without decode.onnx's own session. `target`: the manifest's."""
     if kv.dtype == "bfloat16" and device == "cpu":
         raise InputError(
             f"{folder} is a bf16 export: ONNX Runtime CPU has no bfloat16 kernels, so it cannot run here; "
@@ -108,7 +108,7 @@ def check_device(folder: Path, manifest: dict[str, Any], kv: KVLayout, device: s
                          "('single' runs decode steps through the prefill graph, which cannot be captured)")
     if device == "cuda":
         providers_for(device, device_id)  # no CUDA provider: say so before anything else
-        target, dtype = get_target(manifest["target"]), manifest.get("dtype")
+        dtype = manifest.get("dtype")
         if dtype not in target.cuda_dtypes:
             raise InputError(
                 f"{folder} is an {dtype} export of the {target.name} target: {target.cuda_dtypes_why}; export "

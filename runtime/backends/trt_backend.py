@@ -64,9 +64,9 @@ from kvforge.core.errors import (
     KvforgeError,
     ManifestError,
 )
-from kvforge.core.targets import get_target
+from kvforge.core.targets import Target
 from kvforge.core.tensorrt_flavor import gpu_refusal, load_tensorrt
-from kvforge.runtime.backends.backend import Limits
+from kvforge.runtime.backends.backend import Limits, export_target
 from kvforge.runtime.backends.kv_cache import (
     CacheState,
     check_row_arrays,
@@ -92,7 +92,7 @@ class TrtBackend:
     `cuda_graphs` (replay decode steps from a CUDA graph, default True)."""
 
     def __init__(self, folder: str | Path, manifest: dict[str, Any], engine_dir: str | Path | None = None,
-                 device_id: int = 0, cuda_graphs: bool = True) -> None:
+                 device_id: int = 0, cuda_graphs: bool = True, target: Target | None = None) -> None:
         self.name = "tensorrt"
         self.folder = Path(folder)
         self.manifest = manifest
@@ -115,7 +115,7 @@ class TrtBackend:
         if refusal is not None:  # before any engine is read: TensorRT's own error would advise a rebuild
             raise BackendUnavailableError(refusal)
         check_runtime_matches(self.engines_manifest, self.tensorrt.record(), gpu["compute_capability"])
-        if get_target(manifest["target"]).plugin is not None:
+        if export_target(manifest, target).plugin is not None:  # `target`: a LoadedExport's, resolved at its load
             from kvforge.plugins import trt_plugin
 
             trt_plugin.register()  # the plugin's creator, for engines that ask for it at load

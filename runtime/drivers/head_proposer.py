@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvforge.core.errors import InputError
+from kvforge.core.targets import Target
 from kvforge.runtime.backends.head_runner import HeadRunner, HeadSlot
 from kvforge.runtime.backends.target_hidden import refuse_heads
 from kvforge.runtime.controls.acceptance import draw, target_distribution
@@ -76,16 +77,19 @@ def check_head(manifest: dict[str, Any], method: str, where: str) -> None:
 def export_head(export: Any, method: str) -> HeadRunner:
     """The head of a LoadedExport for `method`, on its backend's device (InputError where there is none)."""
     check_head(export.manifest, method, f"speculate={method!r}")
-    return open_head(export.folder, export.manifest, export.backend, getattr(export.backend, "threads", None))
+    return open_head(export.folder, export.manifest, export.backend, getattr(export.backend, "threads", None),
+                     export.target)
 
 
-def open_head(folder: str | Path, manifest: dict[str, Any], backend: Any, threads: int | None = None) -> HeadRunner:
-    """The export's head on the device of the target's `backend` (BackendUnavailableError where it runs none)."""
+def open_head(folder: str | Path, manifest: dict[str, Any], backend: Any, threads: int | None = None,
+              target: Target | None = None) -> HeadRunner:
+    """The export's head on the device of the target's `backend` (BackendUnavailableError where it runs none).
+    `target`: the manifest's, where the caller resolved it already (LoadedExport.target)."""
     refuse_heads(backend)
     # spinning off: a head's threads spinning between its runs would hold the cores the target's steps need
     # (runtime/drivers/speculation_checks.py, open_draft)
     return HeadRunner(folder, manifest, device=getattr(backend, "device", "cpu"),
-                      device_id=getattr(backend, "device_id", 0), threads=threads, spinning=False)
+                      device_id=getattr(backend, "device_id", 0), threads=threads, spinning=False, target=target)
 
 
 class HeadProposer:

@@ -19,7 +19,8 @@ import numpy as np
 from kvforge.core.contract import ModelSpec
 from kvforge.core.errors import InputError, KvforgeError, NumericalError
 from kvforge.core.manifest import load_manifest
-from kvforge.runtime.backends.backend import Backend, create_backend, default_backend
+from kvforge.core.targets import Target, get_target
+from kvforge.runtime.backends.backend import Backend, create_backend
 from kvforge.runtime.controls.logit_controls import RowControls
 from kvforge.runtime.controls.request import GenerationRequest
 from kvforge.runtime.controls.sampling import SamplingConfig
@@ -53,6 +54,8 @@ class LoadedExport:
         every file, weights included, before loading."""
         self.folder = Path(export_dir)
         self.manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
+        # Resolved once, here, where the manifest is read: the backend, heads and drivers ask this.
+        self.target: Target = get_target(self.manifest["target"])
         model = ModelSpec.from_manifest(self.manifest)
         self.vocab_size = model.vocab_size
         # Padding rows only need a real id: -1 (Hugging Face's "none") or none at all pads with 0.
@@ -63,13 +66,14 @@ class LoadedExport:
         self.default_sampling = SamplingConfig.from_generation(generation)
         if backend is not None and not isinstance(backend, str) and backend_options:
             raise InputError("backend options go to create_backend() when passing a Backend object")
-        name = (backend or default_backend(self.manifest)) if backend is None or isinstance(backend, str) else None
+        name = (backend or self.target.default_backend) if backend is None or isinstance(backend, str) else None
         building: Future[Backend] | None = None
         if name in THREADED_LOAD:
             # ONNX Runtime builds a session (graph optimisation, weight prepacking: most of a cold
             # start) with the GIL released, so the tokenizer and chat template load meanwhile.
             with ThreadPoolExecutor(1, thread_name_prefix="kvforge-load") as pool:
-                building = pool.submit(create_backend, name, self.folder, self.manifest, **backend_options)
+                building = pool.submit(create_backend, name, self.folder, self.manifest, target=self.target,
+                                       **backend_options)
                 self._load_text()  # (leaving the block waits for the backend, also on an error here)
         else:
             self._load_text()
@@ -78,7 +82,7 @@ class LoadedExport:
         if building is not None:
             self.backend: Backend = building.result()  # its error, if any, raised here
         elif name is not None:
-            self.backend = create_backend(name, self.folder, self.manifest, **backend_options)
+            self.backend = create_backend(name, self.folder, self.manifest, target=self.target, **backend_options)
         else:
             self.backend = backend
         self.backend_name = self.backend.name

@@ -220,7 +220,8 @@ def _open_head(export: LoadedExport, method: str) -> Proposer:
     if record is None:
         raise InputError(f"speculation method {method!r} needs an export with a speculation head (draft.onnx); "
                          f"{export.folder} has none: export it with one, or speculate with 'prompt-lookup' or 'draft'")
-    proposer = head_proposer.HeadProposer(head_proposer.open_head(export.folder, export.manifest, export.backend))
+    proposer = head_proposer.HeadProposer(head_proposer.open_head(export.folder, export.manifest, export.backend,
+                                                                 target=export.target))
     if proposer.method != method:
         raise InputError(f"speculation method {method!r}: {export.folder}'s head is {proposer.method!r}")
     return proposer

@@ -27,13 +27,14 @@ def target_options(folder: str | Path, backend: Any, method: str | None, options
     import json
 
     from kvforge.core.manifest import MANIFEST_NAME
-    from kvforge.runtime.backends.backend import default_backend
+    from kvforge.core.targets import get_target
 
     if method not in SECOND_SESSION or options.get("spinning") is not None:
         return options
     if backend is None:
+        # Read before the export is loaded (its backend options depend on it), so no LoadedExport to ask yet.
         try:  # an unreadable folder is said by the load that follows, in its own words
-            backend = default_backend(json.loads((Path(folder) / MANIFEST_NAME).read_text()))
+            backend = get_target(json.loads((Path(folder) / MANIFEST_NAME).read_text())["target"]).default_backend
         except (OSError, ValueError, KeyError, KvforgeError):
             return options
     if not isinstance(backend, str) or not backend.startswith("ort"):

@@ -1,5 +1,5 @@
 """Integer weights carried into MatMulNBits as they are: a pre-quantised checkpoint's (GPTQ, AWQ,
-compressed-tensors, AutoRound) or a GGUF's Q4_0 / Q8_0 blocks (kvforge.models.int_weights).
+compressed-tensors, AutoRound) or a GGUF's Q4_0 / Q8_0 blocks (kvforge.exporter.quantization.int_weights).
 
 MatMulNBits' layout: B is uint8 [N, blocks, block_size * bits / 8], the values of a block in input order,
 two 4-bit values a byte with the first in the low nibble; scales [N, blocks] in the activations' dtype;
@@ -16,7 +16,8 @@ from typing import Protocol
 import numpy as np
 import onnx_ir as ir
 
-from kvforge.models.int_weights import IntWeight, WeightSpec
+from kvforge.exporter.graph_edit import PARTS_META
+from kvforge.exporter.quantization.int_weights import IntWeight, WeightSpec
 
 
 class IntWeightSource(Protocol):
@@ -31,8 +32,6 @@ class IntWeightSource(Protocol):
 
     def load(self, name: str) -> IntWeight: ...
 
-
-PARTS_META = "kvforge_parts"  # fusions.py: the weights a merged MatMul's constant joins, in order
 
 
 def source_names(weight: ir.Value) -> list[str]:
@@ -90,7 +89,7 @@ def import_matmul(graph: ir.Graph, node: ir.Node, source: IntWeightSource, specs
     """MatMul(x, W) -> MatMulNBits over the parts' integer weights joined along N, bit for bit. Parts of a
     merged q/k/v or gate/up that differ in width or input order (act-order per layer) get one MatMulNBits
     each, their outputs joined."""
-    from kvforge.exporter.quantize_tensors import _replace
+    from kvforge.exporter.quantization.rtn import _replace
 
     names = [_known(source, name) for name in source_names(node.inputs[1])]
     if _alike(specs):
@@ -112,7 +111,7 @@ def import_matmul(graph: ir.Graph, node: ir.Node, source: IntWeightSource, specs
 def _nbits_inputs(graph: ir.Graph, node: ir.Node, source: IntWeightSource, names: list[str],
                   specs: Sequence[WeightSpec], weight_name: str, accuracy_level: int) -> tuple[list, dict]:
     """A MatMulNBits' inputs (lazy initializers) and attributes for parts of one width and input order."""
-    from kvforge.exporter.quantize_tensors import _initializer, _Parts
+    from kvforge.exporter.quantization.rtn import _initializer, _Parts
 
     first = specs[0]
     bits, block_size, cols = first.bits, first.block_size, first.shape[1]

@@ -5,10 +5,10 @@ The form is the one ONNX Runtime's MatMulNBits reads: rows are output features, 
 consecutive input features share one scale and one zero point, and a value is `scale * (q - zero_point)`.
 The zero points are integers, or floats where the format's block minimum is no whole number of steps
 (a GGUF Q4_1 block, `d * q + m`: zero point `-m / d`); the exporter runs those beside the integer kernel
-(exporter/float_offsets.py). A checkpoint whose groups are not consecutive (GPTQ's act-order `g_idx`)
+(exporter/quantization/float_offsets.py). A checkpoint whose groups are not consecutive (GPTQ's act-order `g_idx`)
 is held with its input features reordered so that they are, and `order` says how: the graph gathers the
 activations in that order before the product. The exporter packs these as they are
-(exporter/exact_blocks.py): nothing is dequantised and rounded again.
+(exporter/quantization/exact_blocks.py): nothing is dequantised and rounded again.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pre-quantised Hugging Face checkpoints read as integer weights (kvforge.models.int_weights): GPTQ,
+"""Pre-quantised Hugging Face checkpoints read as integer weights (kvforge.exporter.quantization.int_weights): GPTQ,
 AWQ, compressed-tensors (llm-compressor's pack-quantized int weights) and AutoRound.
 
 Each format's documented layout, per linear layer with prefix P:
@@ -23,9 +23,16 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
+from kvforge.exporter.quantization.int_weights import IntWeight, WeightSpec, grouped_order
+from kvforge.exporter.quantization.prequantized_checks import (
+    checked,
+    g_idx_fits,
+    inputs_fit,
+    matrix,
+    refuse,
+    shape_is,
+)
 from kvforge.models.checkpoint_names import PREQUANTIZED_MARKER
-from kvforge.models.int_weights import IntWeight, WeightSpec, grouped_order
-from kvforge.models.prequantized_checks import checked, g_idx_fits, inputs_fit, matrix, refuse, shape_is
 
 MARKER = PREQUANTIZED_MARKER
 AWQ_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # output j of a word sits in nibble AWQ_ORDER[j]
@@ -145,7 +152,7 @@ class PrequantizedWeights:
         return [f"{prefix}.weight" for prefix in self.prefixes]
 
     def tensor(self, name: str, role: str = "float") -> np.ndarray:
-        """A tensor as numpy, its dtype (and a float's finiteness) checked for `role` (models/prequantized_checks.py)."""
+        """A tensor as numpy, its dtype (and a float's finiteness) checked for `role` (exporter/quantization/prequantized_checks.py)."""
         from safetensors import safe_open
 
         if name not in self.files:  # a quantised layer's part is missing (its qweight is there)

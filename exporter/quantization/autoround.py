@@ -6,7 +6,7 @@ CPU kernels; see docs/quantisation.md for what it keeps and costs against roundi
 The calibration text is kvforge's own (kvforge/data/calibration.txt: original prose, code and dialogue,
 ~2,400 tokens, not the perplexity text it is measured on) or `--calibration FILE`. Nothing is downloaded.
 AutoRound runs on the fp32 model in torch, block by block, on the CPU; its result is written to a work
-folder beside the export and read from there as a pre-quantised checkpoint is (kvforge.models.prequantized),
+folder beside the export and read from there as a pre-quantised checkpoint is (kvforge.exporter.quantization.prequantized),
 the lm_head and the embedding left to kvforge's own rounding (an 8-bit lm_head under 1B parameters).
 """
 
@@ -149,7 +149,7 @@ class _StepClock:
 def calibrate(model_dir: Path, bits: int, block_size: int, calibration: str | Path | None, work: Path,
               say: Callable[[str], None]) -> Any:
     """AutoRound on the fp32 model of `model_dir`: its integer weights as a source the export carries over
-    (kvforge.models.prequantized.PrequantizedWeights read from `work`)."""
+    (kvforge.exporter.quantization.prequantized.PrequantizedWeights read from `work`)."""
     text, what = read_calibration(calibration)
     try:
         import auto_round.compressors.orchestrator as orchestrator
@@ -160,7 +160,7 @@ def calibrate(model_dir: Path, bits: int, block_size: int, calibration: str | Pa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvforge.models.prequantized import PrequantizedWeights, layout_of
+    from kvforge.exporter.quantization.prequantized import PrequantizedWeights, layout_of
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     samples = [tokenizer.decode(w) for w in windows(tokenizer.encode(text), what)]

@@ -1,4 +1,4 @@
-"""A GGUF's Q4_0, Q4_1, Q4_K and Q8_0 blocks as integer weights (kvforge.models.int_weights), carried into MatMulNBits
+"""A GGUF's Q4_0, Q4_1, Q4_K and Q8_0 blocks as integer weights (kvforge.exporter.quantization.int_weights), carried into MatMulNBits
 as they are instead of dequantised and rounded again.
 
 ggml's layouts (ggml-common.h): a Q4_0 block is 32 weights in 18 bytes, an fp16 scale d then 16 bytes
@@ -6,7 +6,7 @@ whose low nibbles are weights 0-15 and high nibbles weights 16-31, each worth d 
 an fp16 d then 32 int8 weights, each worth d * q. Both are MatMulNBits' symmetric blocks of 32 (zero point
 8, resp. 128 once the int8 is offset to uint8), so the carried weight is exactly the GGUF's. A Q4_1 block
 is an fp16 d and an fp16 minimum m, then Q4_0's 16 bytes, each weight worth d * q + m: a block with the
-float zero point -m / d, which the exporter runs beside the integer kernel (exporter/float_offsets.py); a
+float zero point -m / d, which the exporter runs beside the integer kernel (exporter/quantization/float_offsets.py); a
 Q4_K super-block is eight such sub-blocks of 32 whose scales and minimums are 6-bit multiples of two fp16s.
 The row order is the one the Hugging Face conversion gives (Llama's q/k rows un-permuted by transformers'
 own processor). Other block types (5- and 6-bit values: Q5_x, Q6_K; 2-3-bit k-quants) keep the
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
+from kvforge.exporter.quantization.int_weights import IntWeight, WeightSpec
 from kvforge.models.gguf_checks import finite
-from kvforge.models.int_weights import IntWeight, WeightSpec
 
 CARRIED = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 BLOCK = 32

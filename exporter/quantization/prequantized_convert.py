@@ -4,7 +4,7 @@ transformers loads GPTQ, AWQ and AutoRound checkpoints only through their librar
 export traces a plain fp32 folder instead: each quantised layer's weight is scale * (q - zero) in fp32
 (the same numbers the checkpoint's integers stand for), the other tensors widened to fp32, the config
 without its quantization_config. It is also the reference `kvforge parity` holds the export to. The
-graph's MatMulNBits are packed from the checkpoint's own integers (kvforge.models.prequantized), never
+graph's MatMulNBits are packed from the checkpoint's own integers (kvforge.exporter.quantization.prequantized), never
 from this folder. Made once per checkpoint (the marker records its files) and reused.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from kvforge.core.errors import InputError
 from kvforge.core.output_folder import StagedFolder, check_output, naming_a_full_disk
-from kvforge.models.prequantized import (
+from kvforge.exporter.quantization.prequantized import (
     MARKER,
     Layout,
     PrequantizedWeights,
@@ -57,12 +57,12 @@ class _Planned:
         return [np.ascontiguousarray(entry.make(), dtype=np.float32).reshape(entry.shape)]
 
 
-def convert_prequantized(model_dir: str | Path, hf_dir: str | Path, say: Callable[[str], None]) -> Path:
+def convert_prequantized(model_dir: str | Path, hf_dir: str | Path, say: Callable[[str], None],
+                         weights: PrequantizedWeights) -> Path:
     """The dequantised folder of the pre-quantised checkpoint `model_dir` in `hf_dir` (made, or reused while
-    the checkpoint is unchanged)."""
+    the checkpoint is unchanged), from its integers `weights` (read once by the export: source.py)."""
     model_dir, hf_dir = Path(model_dir).resolve(), Path(hf_dir).absolute()
-    layout = prequantized_layout(model_dir)
-    assert layout is not None
+    layout = weights.layout
     record = {"source": str(model_dir), "format": layout.kind, "packing": layout.packing, "bits": layout.bits,
               "group_size": layout.group_size, "files": _fingerprint(model_dir)}
     marker = hf_dir / MARKER
@@ -74,7 +74,6 @@ def convert_prequantized(model_dir: str | Path, hf_dir: str | Path, say: Callabl
         except ValueError:
             pass
     check_output(hf_dir, [model_dir], force=True, marker=MARKER, what="kvforge dequantised-checkpoint folder")
-    weights = PrequantizedWeights(model_dir, layout)
     say(f"{model_dir.name} is {layout.article} {layout.describe()} checkpoint: its {len(weights.prefixes)} quantised layers are "
         f"carried into MatMulNBits as they are; tracing reads their fp32 values from {hf_dir}")
     with (naming_a_full_disk(hf_dir, "choose another --hf-dir"),

@@ -20,100 +20,13 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common  # noqa: F401  (ir.passes.common below)
 
-from kvforge.core.errors import ExportError, InputError
-from kvforge.exporter.exact_blocks import IntWeightSource, import_matmul, source_names, specs_for
-from kvforge.exporter.float_offsets import move_float_zero_points
+from kvforge.core.errors import ExportError
+from kvforge.core.progress import quiet_logger
 from kvforge.exporter.graph_edit import take_over
-from kvforge.exporter.quantize_tensors import quantizer_class
-from kvforge.exporter.trace import quiet_logger
-
-BITS = {"int4": 4, "int8": 8}
-# How the int4/int8 values are chosen, both ONNX Runtime's: "rtn" rounds each block to its nearest
-# symmetric grid (DefaultWeightOnlyQuantConfig); "hqq" is Half-Quadratic Quantization
-# (HQQWeightOnlyQuantConfig: asymmetric blocks, float zero points fitted by a proximal solver, no
-# calibration data; needs torch). HQQ cannot quantise a Gather: the embedding stays fp32.
-# "autoround": AutoRound's calibrated rounding (exporter/calibrate.py: integer zero points, carried over as
-# a pre-quantised checkpoint's integers are).
-METHODS = ("rtn", "hqq", "autoround")
-BLOCK_SIZES = (16, 32, 64, 128)
-# ONNX Runtime's MatMulNBits accuracy_level 4: int8 activations in the dot products (its fastest CPU path).
-DEFAULT_ACCURACY_LEVEL = 4
-
-
-# ONNX Runtime's MatMulNBits accuracy levels on the CPU: the precision of its dot products' inputs.
-ACCURACY_LEVELS = {1: "fp32", 2: "fp16", 3: "bf16", 4: "int8"}
-
-
-def check_options(quantize: str | None, block_size: int, dtype: str, lm_head_bits: int | None = None,
-                  method: str | None = None, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> None:
-    """Refuse options that cannot go together; `method` None is the default (default_method)."""
-    if method is None:
-        method = "rtn"  # what the default is checked as: it is hqq or autoround only where those take the options
-    if method not in METHODS:
-        raise InputError(f"--quant-method takes {', '.join(METHODS)}, not {method!r}")
-    if isinstance(accuracy_level, bool) or accuracy_level not in ACCURACY_LEVELS:
-        raise InputError(f"--accuracy-level takes {', '.join(f'{k} ({v})' for k, v in ACCURACY_LEVELS.items())}, "
-                         f"not {accuracy_level!r}")
-    if quantize is None:
-        if lm_head_bits is not None:
-            raise InputError("--lm-head-bits goes with --quantize")
-        if accuracy_level != DEFAULT_ACCURACY_LEVEL:
-            raise InputError("--accuracy-level goes with --quantize")
-        if method != "rtn":
-            raise InputError(f"--quant-method {method} goes with --quantize int4")
-        return
-    if method != "rtn" and quantize != "int4":
-        raise InputError(f"--quant-method {method} takes --quantize int4 only (8-bit rounding already costs little): "
-                         f"use --quantize {quantize} with --quant-method rtn")
-    if lm_head_bits not in (None, 8, BITS.get(quantize)):
-        raise InputError(f"--lm-head-bits takes 8 (or the --quantize bits), not {lm_head_bits}")
-    if quantize not in BITS:
-        raise InputError(f"--quantize takes {', '.join(BITS)}, not {quantize!r}")
-    if block_size not in BLOCK_SIZES:
-        raise InputError(f"--block-size takes {', '.join(map(str, BLOCK_SIZES))}, not {block_size}")
-    if dtype != "fp32" and method == "hqq":
-        raise InputError(f"--quant-method {method} runs with fp32 activations only; drop --dtype {dtype} "
-                         "(--quant-method rtn takes fp16 and bf16 activations for ONNX Runtime CUDA)")
-
-
-# int4 on a model under this many parameters keeps its lm_head at 8 bits unless --lm-head-bits says
-# otherwise: there the lm_head (vocab x hidden) is a large share of the weights and carries much of
-# int4's cost. SmolLM2-135M-Instruct: perplexity +21.8% -> +13.3%, "What is the capital of France?"
-# answered instead of rambling, decode 148 -> 137 tokens/s on 2 CPU cores, 89 -> 102 MB
-# (docs/quantisation.md).
-SMALL_MODEL_PARAMETERS = 1_000_000_000
-
-
-def default_method(quantize: str | None, parameters: int, gguf: bool, dtype: str = "fp32") -> tuple[str, str | None]:
-    """--quant-method when it is not given, and why. int4 under 1B parameters is fitted with HQQ, its float zero
-    points run beside the integer kernel (exporter/float_offsets.py): on the real SmolLM2-135M-Instruct it keeps
-    perplexity within 0.3% of fp32 and 94 of 96 greedy tokens, where AutoRound's calibration (integer zero
-    points) keeps +6.1% and 81 and round-to-nearest +13.3% and 69, in seconds, for 0.78x round-to-nearest's
-    decode speed (docs/quantisation.md). HQQ takes fp32 activations only: there AutoRound. From 1B the whole
-    model would have to be held (HQQ) or calibrated for hours (AutoRound); a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks are its
-    model and are carried over as they are."""
-    if quantize != "int4":
-        return "rtn", None
-    if gguf:
-        return "rtn", ("rtn: a GGUF's Q4_0/Q4_1/Q4_K/Q8_0 blocks are carried over as they are and the rest rounded "
-                       "(--quant-method hqq fits the rest instead)")
-    if parameters >= SMALL_MODEL_PARAMETERS:
-        return "rtn", (f"rtn: the default from 1B parameters ({parameters / 1e9:.1f}B here: HQQ holds the whole model, "
-                       "calibrating would take hours on a CPU; --quant-method hqq or autoround anyway)")
-    if dtype != "fp32":
-        return "autoround", (f"autoround: calibrated int4, the default under 1B parameters with --dtype {dtype} (HQQ "
-                             "runs with fp32 activations only; minutes of calibration on a CPU, --quant-method rtn "
-                             "rounds in seconds)")
-    return "hqq", ("hqq: int4 fitted with HQQ, the default under 1B parameters (closest to fp32 of the methods, in "
-                   "seconds; --quant-method rtn decodes faster)")
-
-
-def default_lm_head_bits(quantize: str, parameters: int) -> tuple[int | None, str | None]:
-    """The lm_head's bits when --lm-head-bits is not given, and why (None: as the other weights)."""
-    if quantize == "int4" and parameters < SMALL_MODEL_PARAMETERS:
-        return 8, (f"lm_head at 8 bits: the default for models under 1B parameters (this one has "
-                   f"{parameters / 1e6:.0f}M; --lm-head-bits 4 for all-4-bit)")
-    return None, None
+from kvforge.exporter.quantization.choices import BITS, DEFAULT_ACCURACY_LEVEL
+from kvforge.exporter.quantization.exact_blocks import IntWeightSource, import_matmul, source_names, specs_for
+from kvforge.exporter.quantization.float_offsets import move_float_zero_points
+from kvforge.exporter.quantization.rtn import quantizer_class
 
 
 def _materialise_transposed_weights(model: ir.Model) -> dict[str, str]:
@@ -273,7 +186,7 @@ def _round_tensors(model: ir.Model, bits: int, block_size: int, accuracy_level: 
     4 bits, every lookup of a constant float table but a tied one: the nodes ONNX Runtime's quantiser takes.
     A weight that `exact` holds as integers is carried over as they are instead. Returns how many were, and
     the names of the weights rounded although `exact` was given (they had no integer form there)."""
-    from kvforge.exporter.quantize_tensors import quantize_lookup, quantize_matmul
+    from kvforge.exporter.quantization.rtn import quantize_lookup, quantize_matmul
 
     graph, carried, rounded = model.graph, 0, []
     for node in list(graph):
@@ -327,7 +240,7 @@ def quantize_model(model: ir.Model, quantize: str, block_size: int, vocab_size: 
                    exact: IntWeightSource | None = None,
                    say: Callable[[str], None] | None = None) -> tuple[ir.Model, dict[str, Any]]:
     """The quantised model and a record of what was quantised. RTN rounds weight by weight, lazily
-    (exporter/quantize_tensors.py: the weights are computed as the file is written); HQQ, and RTN with
+    (exporter/quantization/rtn.py: the weights are computed as the file is written); HQQ, and RTN with
     `whole_model` (the reference the tests hold the lazy path to), run ONNX Runtime's whole-model
     quantiser on the model in memory. `lm_head_bits=8`
     with int4 keeps the lm_head at 8 bits: on small models it carries much of int4's accuracy cost

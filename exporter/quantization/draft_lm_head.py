@@ -1,5 +1,5 @@
 """`--draft-lm-head-bits`: draft.onnx's lm_head (the MatMul making the head's vocabulary logits) stored as a
-MatMulNBits block-quantised matrix (exporter/quantize_tensors.py, as --quantize rounds the target's).
+MatMulNBits block-quantised matrix (exporter/quantization/rtn.py, as --quantize rounds the target's).
 
 Why: at a Llama-3.2-1B shape an MTP head's fp32 lm_head is ~79% of what the head reads per drafted token
 (benchmarks/results/mtp_head_cost_1b.json). A draft need not be exact: verification keeps greedy output, and the
@@ -11,30 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.core.errors import ExportError, InputError
+from kvforge.core.errors import ExportError
 
-DRAFT_LM_HEAD_BITS = (4, 8)
-BLOCK_SIZE = 32  # as exporter/quantize.py's default
+BLOCK_SIZE = 32  # as exporter/quantization/plan.py's default block size
 ACCURACY_LEVEL = 4  # int8 activations on the CPU, as --quantize's default
-NEEDS_A_HEAD = "--draft-lm-head-bits needs a head: --eagle HEAD_DIR or a checkpoint's MTP layer"
-
-
-def check_option(bits: int | None, target: str) -> None:
-    """InputError (one line) for bits other than 4 or 8, or a target other than ort."""
-    if bits is None:
-        return
-    if bits not in DRAFT_LM_HEAD_BITS:
-        raise InputError(f"--draft-lm-head-bits takes 4 or 8, not {bits}")
-    if target != "ort":
-        raise InputError(f"--draft-lm-head-bits goes with --target ort (ONNX Runtime's MatMulNBits), not {target}")
-
-
-def check_head(bits: int | None, draft: Any) -> Any:
-    """The export's speculation head (`draft`, None without one); InputError (before anything is written) where
-    --draft-lm-head-bits is given without a head."""
-    if bits is not None and draft is None:
-        raise InputError(NEEDS_A_HEAD)
-    return draft
 
 
 def lm_head_node(model: Any) -> Any:
@@ -57,7 +37,7 @@ def lm_head_node(model: Any) -> Any:
 def quantize_lm_head(model: Any, bits: int | None, record: dict[str, Any]) -> None:
     """Replace draft.onnx's lm_head MatMul by MatMulNBits (`bits`, blocks of BLOCK_SIZE, symmetric), its blocks
     computed as the weights file is written; `record` (the manifest's draft record) says so. None: left float."""
-    from kvforge.exporter.quantize_tensors import quantize_matmul
+    from kvforge.exporter.quantization.rtn import quantize_matmul
 
     if bits is None:
         return

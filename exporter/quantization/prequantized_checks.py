@@ -1,4 +1,4 @@
-"""What a pre-quantised checkpoint's tensors must be before kvforge carries them (models/prequantized.py):
+"""What a pre-quantised checkpoint's tensors must be before kvforge carries them (exporter/quantization/prequantized.py):
 each part's dtype, rank and shape against the others and the config's bits and group size, scales finite,
 an act-order g_idx naming real groups. A corrupt tensor would otherwise be carried as it is (a NaN scale, a
 float qweight read as integers) and the export would answer garbage; each is refused in one line naming
