@@ -63,9 +63,23 @@ class Exported:
         return out[0, len(ids):].tolist()
 
 
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """made(family) -> its Exported, made once: the per-family tests and test_onnx_target_and_fp16_and_the_refusals
+    (llava) share one checkpoint and export, whichever runs first (pytest does not group the two)."""
+    cache: dict[str, Exported] = {}
+
+    def get(family: str) -> Exported:
+        if family not in cache:
+            cache[family] = Exported(family, tmp_path_factory.mktemp("vlm"))
+        return cache[family]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def exported(request, tmp_path_factory) -> Exported:
-    return Exported(request.param, tmp_path_factory.mktemp("vlm"))
+def exported(request, made) -> Exported:
+    return made(request.param)
 
 
 def test_vision_graph_matches_hf_image_features(exported):
@@ -126,18 +140,25 @@ def test_text_only_requests_to_a_vision_export_are_the_text_model(exported):
         text.generate("Describe <image>", images=[_image(1, 30, 30)], max_new_tokens=2)
 
 
-def test_onnx_target_and_fp16_and_the_refusals(tmp_path):
+def test_onnx_target_and_fp16_and_the_refusals(made, tmp_path):
     import json
+    import shutil
 
     from kvforge.core.errors import ManifestError, UnsupportedModelError
     from kvforge.exporter.export import export_model
     from kvforge.runtime import Generator
 
-    build_tiny_vlm("llava", tmp_path / "hf")
+    # The module's llava checkpoint and its ort fp32 export (the defaults), copied: this test edits both.
+    exported = made("llava")
+    shutil.copytree(exported.hf_dir, tmp_path / "hf")
+    shutil.copytree(exported.out, tmp_path / "ort-fp32")
     image = _image(9, 70, 90)
     tokens = {}
     for target, dtype in (("ort", "fp32"), ("onnx", "fp32"), ("onnx", "fp16"), ("ort", "fp16")):
-        manifest = export_model(tmp_path / "hf", tmp_path / f"{target}-{dtype}", target=target, dtype=dtype)
+        if (target, dtype) == ("ort", "fp32"):
+            manifest = exported.manifest
+        else:
+            manifest = export_model(tmp_path / "hf", tmp_path / f"{target}-{dtype}", target=target, dtype=dtype)
         assert manifest["graphs"]["vision"]["inputs"][0]["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
         result = Generator(tmp_path / f"{target}-{dtype}").generate("Describe <image>", images=[image],
                                                                     max_new_tokens=12, greedy=True, ignore_eos=True)
