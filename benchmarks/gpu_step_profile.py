@@ -92,7 +92,7 @@ def _kernels(run_once: Any, steps: int = 20) -> dict[str, Any]:
 def profile_batch(folder: str, batch: int, steps: int) -> dict[str, Any]:
     from kvforge.runtime import Generator
 
-    if os.environ.get("KVFORGE_PROFILE_SIMULATE"):  # the script's own test on the CPU (tests/test_device_path.py's way)
+    if os.environ.get("KVFORGE_PROFILE_SIMULATE"):  # the script's own test on the CPU (tests/runtime/test_device_path.py's way)
         from kvforge.core.manifest import load_manifest
         from kvforge.runtime.backends.ort_backend import OrtBackend
 

@@ -8,7 +8,7 @@ drafts too) and one that does not, at draft lengths 2 and 5.
     python benchmarks/speculation_recipes.py --target onnx --json benchmarks/results/speculation_recipes_onnx.json
 
 Two exports per recipe, about 30 s a recipe on one thread; the suite runs the same checks on llama-tiny
-(tests/test_draft_model.py, tests/test_speculative.py) and the real SmolLM2.
+(tests/runtime/test_draft_model.py, tests/runtime/test_speculative.py) and the real SmolLM2.
 """
 
 from __future__ import annotations

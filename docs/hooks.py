@@ -7,7 +7,7 @@ A page asks for a table with an HTML comment on a line of its own:
     <!-- kvforge:coverage-table -->   kvforge.tools.coverage_table.coverage_table(): the architecture sweep
     <!-- kvforge:commands -->         kvforge.cli.help.markdown_overview(): the commands as --help groups them
 
-README.md carries the support table as text (tests/test_families.py keeps it equal to the registry).
+README.md carries the support table as text (tests/families/test_families.py keeps it equal to the registry).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A torch reference of a checkpoint's MTP layer, for checking draft.onnx (tests/test_mtp_export.py).
+"""A torch reference of a checkpoint's MTP layer, for checking draft.onnx (tests/exporter/test_mtp_export.py).
 
 Written from the published serving code, not from kvforge's exporter: the glue follows vLLM's
 DeepSeekMultiTokenPredictorLayer.forward (vllm/model_executor/models/deepseek_mtp.py; glm4_moe_mtp.py is the same,

@@ -172,8 +172,8 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 
-# The tiny recipes every family's parity tests run (tests/test_families.py: at least one per family). The
-# vision-language recipe is checked by tests/test_vision_first_hour.py (its family by tests/test_vision_language.py).
+# The tiny recipes every family's parity tests run (tests/families/test_families.py: at least one per family). The
+# vision-language recipe is checked by tests/cli/test_vision_first_hour.py (its family by tests/families/test_vision_language.py).
 FAMILY_RECIPES = [name for name, recipe in RECIPES.items() if name.endswith("-tiny") and recipe.image_processor is None]
 
 # A picture to ask a vision-language recipe about (a house under the sun, 128 x 96, shipped in the package).

@@ -21,9 +21,9 @@ shared memory (the default kernels want 70-130 KiB; `KernelLaunchParams` has no 
 `register(max_shared_kib=48)` (`kvforge build --plugin-shared-mem 48`) compiles variants with smaller
 tiles that stay within 48 KiB, which any launch may use.
 What is proven on the CPU and on a GPU without TensorRT: the registration functions against a stand-in
-of `tensorrt.plugin`'s documented API (tests/test_trt_plugin.py), and that the very PTX, grid and
+of `tensorrt.plugin`'s documented API (tests/engines/test_trt_plugin.py), and that the very PTX, grid and
 arguments the ahead-of-time function returns compute the attention when launched through the CUDA
-driver in TensorRT's parameter order (tests/test_attention_kernel_gpu.py).
+driver in TensorRT's parameter order (tests/engines/test_attention_kernel_gpu.py).
 
 This module must not use `from __future__ import annotations`: `tensorrt.plugin` reads the decorated
 functions' annotations as live types.

@@ -1,38 +1,28 @@
-"""Shared fixtures: built-in recipes materialised and exported once per test run (shared by the xdist workers)."""
+"""Shared fixtures: built-in recipes materialised and exported once per test run (shared by the xdist workers).
+
+The tests are grouped by layer (core, exporter, families, quantization, runtime, serve, cli, engines, faults); a
+fixture used by one folder's tests lives in that folder's conftest.py, one several folders use lives here, as do
+the helper modules several folders import (fake_backend, serving, head_exports, gguf_tiny, ...)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-from collections.abc import Callable
+import sys
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
+from shared_exports import CHAT_TEMPLATE
+from shared_exports import made_once as _made_once
+from shared_exports import shared_folder as _shared_folder
 from weight_hashes import install as _record_weight_hashes
 
+# A few tests import another folder's test module for its helpers (test_device_path's simulated device, the
+# documentation blocks of test_readme_examples): every layer folder is importable by module name, whichever
+# folder pytest collects first.
+sys.path[1:1] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                 if folder.is_dir() and not folder.name.startswith((".", "__"))]
+
 _record_weight_hashes()  # KVFORGE_WEIGHT_HASHES=FILE: quantised exports' hashes (tests/weight_hashes.py)
-
-
-def _shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A folder every pytest-xdist worker of this run sees (the parent of the workers' own temp
-    folders), so a fixture's product is made by one worker and read by the others."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
-    root.mkdir(exist_ok=True)
-    return root
-
-
-def _made_once(root: Path, name: str, make: Callable[[Path], object]) -> Path:
-    """root/name, made by `make(root/name)` in the first worker to ask; the others wait for it.
-    Tests treat these folders as read-only (a test that edits one copies it first)."""
-    out, done = root / name, root / f"{name}.done"
-    with FileLock(str(root / f"{name}.lock")):
-        if not done.exists():
-            shutil.rmtree(out, ignore_errors=True)  # a half-made folder of a worker that failed
-            make(out)
-            done.touch()
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -79,9 +69,6 @@ def draft_export(tmp_path_factory: pytest.TempPathFactory, hf_folder):
     return get
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-
 
 @pytest.fixture(scope="session")
 def chat_export(hf_folder, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -121,7 +108,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return folders
 
 
-# Real TensorRT builds (tests/test_trt_build_real.py, tests/test_real_model.py) report what they built here;
+# Real TensorRT builds (tests/engines/test_trt_build_real.py, tests/exporter/test_real_model.py) report what they built here;
 # the lines are printed at the end of the run, so CI's log shows every engine's build time and size.
 ENGINE_BUILDS: list[str] = []
 
@@ -185,20 +172,6 @@ def eagle_export(tmp_path_factory: pytest.TempPathFactory):
         folder = _made_once(root, f"{recipe}-{target}",
                             lambda out: export_model(source / "hf", out, target=target, eagle=source / "head"))
         return folder, source
-
-    return get
-
-
-@pytest.fixture(scope="session")
-def eagle_plain(tmp_path_factory: pytest.TempPathFactory, eagle_export):
-    """eagle_plain(recipe) -> eagle_export's target exported for ort without its head (logits compared exactly)."""
-    from kvforge.exporter.export import export_model
-
-    root = _shared_folder(tmp_path_factory, "eagle")
-
-    def get(recipe: str) -> Path:
-        source = eagle_export(recipe, "ort")[1]
-        return _made_once(root, f"{recipe}-ort-plain", lambda out: export_model(source / "hf", out, target="ort"))
 
     return get
 

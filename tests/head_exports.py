@@ -2,8 +2,8 @@
 `eagle_export`, `eagle_plain` and `mtp_export`; read-only to the tests): EAGLE-3 targets (the recipes' configs with
 LAYERS layers, seeded random weights) with seeded random heads in speculators' form (Llama, explicit aux ids) and
 EAGLE's form (Qwen3, the default aux ids), and tiny MTP checkpoints (models/mtp_fixture.py) per family.
-Used by tests/test_eagle3_export.py, tests/test_mtp_export.py, tests/test_head_runtime.py and
-tests/test_head_speculation.py."""
+Used by tests/exporter/test_eagle3_export.py, tests/exporter/test_mtp_export.py, tests/runtime/test_head_runtime.py and
+tests/runtime/test_head_speculation.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import onnx_ir as ir
 
-# Measured with onnxruntime 1.32 (tests/test_moe_node.py): its CPU QMoE computes 4-bit block-wise experts
+# Measured with onnxruntime 1.32 (tests/families/test_moe_node.py): its CPU QMoE computes 4-bit block-wise experts
 # exactly as dequantised, but 8-bit block-wise ones 0.25 off at outputs of ~20; 8-bit per-row ones agree,
 # and ONNX Runtime's quantiser makes those only for input sizes of at most 256.
 INT8_EXPERTS = ("the experts stay fp32 with --quantize int8: ONNX Runtime's CPU QMoE disagrees with its own 8-bit "

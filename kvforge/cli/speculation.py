@@ -21,7 +21,7 @@ from click import Command
 from kvforge.core.errors import InputError
 
 # runtime/controls/speculate.py's METHODS, DEFAULT_DRAFT_LEN and MAX_DRAFT_LEN (not imported here: startup time;
-# tests/test_speculation_cli.py checks they agree).
+# tests/cli/test_speculation_cli.py checks they agree).
 METHODS = ("prompt-lookup", "draft", "eagle", "mtp")
 DEFAULT_DRAFT_LEN = 6
 MAX_DRAFT_LEN = 15

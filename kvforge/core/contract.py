@@ -8,7 +8,7 @@
 The exporter names graph values from here, every backend binds them from here and the manifest
 stores them in the form written here. Plain Python: no torch, onnx or onnxruntime import, so the
 runtime and the engine plan can read it. Nothing else in kvforge spells an IO name or the plugin
-identity (tests/test_contract.py greps for them).
+identity (tests/core/test_contract.py greps for them).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ STAGING = "kvforge-staging"
 ASIDE = "kvforge-old"
 # Earlier kvforge versions named their staging folders `.NAME.partial.XXXX`; clean those up too.
 LEGACY_STAGING = "partial"
-# The named steps of a write, where the fault suite (tests/test_kill.py) adds a hook that stops the
+# The named steps of a write, where the fault suite (tests/faults/test_kill.py) adds a hook that stops the
 # process as a power cut or `kill -9` would. Shipped code adds none: the calls then do nothing.
 FAULT_HOOKS: list[Callable[[str], None]] = []
 

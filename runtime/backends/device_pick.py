@@ -25,7 +25,7 @@ import numpy as np
 import onnxruntime as ort
 
 # numpy dtype of the logits -> the pick graph for them (numpy has no bfloat16). The graphs are stored
-# files, ~250 bytes each, so the runtime needs no `onnx` package; tests/test_device_path.py rebuilds
+# files, ~250 bytes each, so the runtime needs no `onnx` package; tests/runtime/test_device_path.py rebuilds
 # them with onnx.helper and checks the files are exactly that graph (dims "batch" and "vocab", opset 18).
 PICK_DTYPES = {np.dtype(np.float16): "device_pick_float16.onnx", np.dtype(np.float32): "device_pick_float32.onnx"}
 

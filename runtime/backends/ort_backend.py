@@ -107,7 +107,7 @@ class OrtBackend:
 
     custom_ops_library: str | None = None  # registered on every session (the emulation's plugin op)
     # Tests: run the device code path (device buffers, uploads, row copies through kvforge.core.cuda) on
-    # ONNX Runtime CPU, whose "device" memory is host memory (tests/test_device_path.py).
+    # ONNX Runtime CPU, whose "device" memory is host memory (tests/runtime/test_device_path.py).
     simulate_device = False
     # (slot) -> [B, S, Dt] of its last run (a speculation head's input); (slot, at) -> a batch-1 slot over row `at`
     target_hidden, row_view = target_hidden, row_view

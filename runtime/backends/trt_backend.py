@@ -24,7 +24,7 @@
 
 TensorRT and cuda-python are imported when the backend is created, never at `import kvforge.runtime`.
 Not verified on a GPU with TensorRT (none was available); engines are built for real with TensorRT-RTX
-on the CPU, and the logic here is tested against stand-ins (tests/test_trt_backend_glue.py).
+on the CPU, and the logic here is tested against stand-ins (tests/engines/test_trt_backend_glue.py).
 """
 
 from __future__ import annotations
