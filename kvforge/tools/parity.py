@@ -16,26 +16,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvforge.core.errors import InputError, NumericalError
 from kvforge.core.manifest import load_manifest
-
-DEFAULT_PROMPTS = (
-    "Once upon a time",
-    "The quick brown fox jumps over the lazy dog. Attention lets every token look back",
-    "def main(): return 42",
+from kvforge.tools.parity_reference import (  # noqa: F401  (DEFAULT_PROMPTS, PERPLEXITY_TEXT, PERPLEXITY_WINDOW: read from here)
+    DEFAULT_PERPLEXITY_TOKENS,
+    DEFAULT_PROMPTS,
+    PERPLEXITY_TEXT,
+    PERPLEXITY_WINDOW,
+    _check_arguments,
+    _scored,
+    perplexity_windows,
 )
+
+if TYPE_CHECKING:
+    from kvforge.tools.parity_reference import HFReference, LiveHF
+
 DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 0.15, "bf16": 0.5}
-# Perplexity on a fixed text shipped with kvforge (kvforge/data/perplexity.txt, ~3000 tokens of
-# original prose), in independent windows, HF vs export. Tolerance on |ppl_export / ppl_hf - 1|.
-PERPLEXITY_TEXT = Path(str(resources.files("kvforge") / "data" / "perplexity.txt"))
-PERPLEXITY_WINDOW = 256
-DEFAULT_PERPLEXITY_TOKENS = 1024
 PERPLEXITY_RTOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 5e-2}
 # A weight-quantised export is not expected to give HF's logits or every greedy token: it passes when
 # its perplexity on the shipped text is at most this much above HF's (fp32); logit error and greedy
@@ -199,20 +200,6 @@ def lossy_quantization(manifest: dict[str, Any]) -> dict[str, Any] | None:
     return {"bits": 8, "kv_cache": kv["dtype"]} if kv else None
 
 
-def _check_arguments(model_dir: str | Path, export_dir: str | Path, new_tokens: int, atol: float | None,
-                     perplexity_tokens: int) -> None:
-    """run_parity's arguments, each refused in one line before anything loads."""
-    if new_tokens < 1:
-        raise InputError(f"--new-tokens must be >= 1, got {new_tokens}")
-    if atol is not None and not atol > 0:
-        raise InputError(f"--atol must be > 0, got {atol}")
-    if isinstance(perplexity_tokens, bool) or not isinstance(perplexity_tokens, int) or perplexity_tokens < 0:
-        raise InputError(f"--perplexity-tokens must be an integer >= 0, got {perplexity_tokens!r}")
-    if (Path(model_dir) / "kvforge.json").is_file() and not (Path(export_dir) / "kvforge.json").is_file():
-        raise InputError(f"{model_dir} is a kvforge export and {export_dir} is not: the arguments are swapped? "
-                         f"The order is MODEL_DIR EXPORT_DIR: kvforge parity {export_dir} {model_dir}")
-
-
 def run_parity(
     model_dir: str | Path,
     export_dir: str | Path,
@@ -226,17 +213,17 @@ def run_parity(
     backend_options: dict[str, Any] | None = None,
     perplexity_tokens: int = DEFAULT_PERPLEXITY_TOKENS,
     hf_model: Any = None,
+    reference: HFReference | None = None,
 ) -> ParityReport:
     """Check `backend` (default: what `kvforge generate` runs, the export's default backend in its
     default session mode) against Hugging Face eager; `sessions` picks an ONNX Runtime session mode
     ("shared" runs decode.onnx too); `against` also compares with another backend; the perplexity of
-    the first `perplexity_tokens` tokens of the shipped text is compared too (0 skips it)."""
-    from transformers import GenerationConfig
-
-    from kvforge.exporter.load import load_hf_model
+    the first `perplexity_tokens` tokens of the shipped text is compared too (0 skips it). `reference`
+    (parity_reference.hf_reference): HF eager's side computed once for this model, checked to be this run's."""
     from kvforge.models.hub import resolve_model
     from kvforge.runtime import Generator
     from kvforge.tools.parity_model import check_same_model
+    from kvforge.tools.parity_reference import hf_side, parity_inputs
 
     say = progress or (lambda _msg: None)
     model_dir = resolve_model(model_dir, say=say)  # a Hub id (org/name): its snapshot in huggingface_hub's cache
@@ -244,7 +231,7 @@ def run_parity(
     check_same_model(Path(model_dir), load_manifest(export_dir), Path(export_dir))
     from kvforge.exporter.quantization.prequantized_convert import dequantised_twin
 
-    model_dir = dequantised_twin(Path(model_dir), load_manifest(export_dir), say)
+    hf_dir = dequantised_twin(Path(model_dir), load_manifest(export_dir), say)
     quantization = lossy_quantization(load_manifest(export_dir))
     if quantization is not None and perplexity_tokens < 2:
         raise InputError(f"{export_dir} is quantised to int{quantization['bits']}; its parity gate is perplexity, "
@@ -260,42 +247,35 @@ def run_parity(
         raise InputError(f"{export_dir} has no tokenizer.json; parity needs text prompts it can tokenize")
     dtype = manifest["dtype"]
     atol = DEFAULT_ATOL[dtype] if atol is None else atol
-    if hf_model is None:
-        say(f"loading Hugging Face eager reference from {model_dir} ({dtype})")
-    model = hf_model if hf_model is not None else load_hf_model(model_dir, dtype)
+    texts = list(prompts or DEFAULT_PROMPTS)
+    run = parity_inputs(model_dir, hf_dir, manifest, generator.tokenizer, texts, new_tokens, perplexity_tokens)
+    hf = hf_side(run, hf_dir, reference, hf_model, say)
     report = ParityReport(str(export_dir), manifest["target"], dtype, backend,
                           getattr(generator.backend, "session_mode", None), atol, new_tokens,
                           against=other.backend_name if other is not None else None, quantization=quantization)
-    no_eos = GenerationConfig(
-        max_new_tokens=new_tokens, min_new_tokens=0, do_sample=False, eos_token_id=None,
-        pad_token_id=manifest["model"].get("pad_token_id") or 0,
-    )
-    texts = list(prompts or DEFAULT_PROMPTS)
     began = time.perf_counter()
     for k, text in enumerate(texts):
-        ids = generator.tokenizer.encode(text)
+        ids = list(run.prompt_ids[k])
         # After the first prompt, an estimate from the prompts so far (they take alike: new_tokens steps each).
         left = (time.perf_counter() - began) / k * (len(texts) - k) if k else None
         say(f"prompt {k + 1} of {len(texts)} ({len(ids)} tokens, {text[:40]!r}"
             + (f"; about {left:.0f} s of prompts left" if left is not None else "") + ")")
-        report.prompts.append(_prompt_parity(generator, other, model, text, ids, new_tokens, atol, no_eos))
+        report.prompts.append(_prompt_parity(generator, other, hf, text, ids, new_tokens, atol))
     if perplexity_tokens:
-        ids = generator.tokenizer.encode(PERPLEXITY_TEXT.read_text())[:perplexity_tokens]
+        ids = list(run.perplexity_ids)
         say(f"perplexity on the first {len(ids)} tokens of {PERPLEXITY_TEXT.name}, in windows of {PERPLEXITY_WINDOW} "
             f"(each window's first token is context, not scored: {_scored(len(ids))} scored)")
-        report.perplexity = _perplexity(generator, model, ids, dtype)
+        report.perplexity = _perplexity(generator, hf, ids, dtype)
         if quantization is not None:
             report.perplexity["tolerance"] = QUANTIZED_PERPLEXITY_RISE[int(quantization.get("gate_bits",
                                                                                        quantization["bits"]))]
     return report
 
 
-def _prompt_parity(generator: Any, other: Any, model: Any, text: str, ids: list[int], new_tokens: int, atol: float,
-                   no_eos: Any) -> PromptParity:
+def _prompt_parity(generator: Any, other: Any, hf: LiveHF, text: str, ids: list[int], new_tokens: int,
+                   atol: float) -> PromptParity:
     """One prompt: the export's greedy tokens and logits against HF eager's teacher-forced logits and its
     own cached generate; with `other`, that backend's tokens and logits against the export's."""
-    import torch
-
     from kvforge.runtime import GenerationRequest
 
     try:
@@ -305,10 +285,8 @@ def _prompt_parity(generator: Any, other: Any, model: Any, text: str, ids: list[
         return PromptParity(text, len(ids), [], [], [], [], [], [], error=f"the export's logits are NaN at step {err.step}")
     tokens = result.tokens[0]
     export_logits = np.stack([step[0] for step in result.logits]).astype(np.float32)  # [N, V]
-    with torch.no_grad():
-        full = torch.tensor([ids + tokens[:-1]])
-        ref = model(full).logits[0, len(ids) - 1 :].float().numpy()  # [N, V]
-        generated = model.generate(torch.tensor([ids]), generation_config=no_eos)[0, len(ids):].tolist()
+    ref = hf.teacher_forced(ids, tokens)  # [N, V]
+    generated = hf.generate(ids, new_tokens)
     err = np.abs(export_logits - ref).max(axis=-1)
     top2 = np.sort(ref, axis=-1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
@@ -329,29 +307,16 @@ def _prompt_parity(generator: Any, other: Any, model: Any, text: str, ids: list[
     return entry
 
 
-def _scored(tokens: int) -> int:
-    """How many of `tokens` consecutive tokens perplexity scores: all but each window's first (nothing before it
-    to predict it from); a window of one token scores none and is dropped."""
-    full, rest = divmod(tokens, PERPLEXITY_WINDOW)
-    return full * (PERPLEXITY_WINDOW - 1) + max(rest - 1, 0)
-
-
-def _perplexity(generator: Any, model: Any, ids: list[int], dtype: str) -> dict[str, Any]:
+def _perplexity(generator: Any, hf: LiveHF, ids: list[int], dtype: str) -> dict[str, Any]:
     """Perplexity of the export and of HF eager on the same windows of `ids` (the shipped text's first tokens)."""
-    import torch
-
-    windows = [ids[i : i + PERPLEXITY_WINDOW] for i in range(0, len(ids), PERPLEXITY_WINDOW)]
-    windows = [w for w in windows if len(w) >= 2]
+    windows = perplexity_windows(ids)
     ours, theirs = [], []
     for window in windows:
         try:
             ours.append(generator.score(window))
         except NumericalError:
             ours.append(np.full(len(window) - 1, np.nan))
-        with torch.no_grad():
-            logits = model(torch.tensor([window])).logits[0, :-1].double()
-        targets = torch.tensor(window[1:])[:, None]
-        theirs.append(torch.log_softmax(logits, dim=-1).gather(1, targets)[:, 0].numpy())
+        theirs.append(hf.window_logprobs(window))
     export_ppl = float(np.exp(-np.concatenate(ours).mean()))
     hf_ppl = float(np.exp(-np.concatenate(theirs).mean()))
     return {

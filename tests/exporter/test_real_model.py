@@ -3,8 +3,9 @@
 Exported from the GGUF file for both CPU targets; Hugging Face eager on the converted folder is the
 reference. Stated tolerances (fp32): max abs logit error <= 1e-3 per step, exact greedy agreement
 for 32 new tokens on real prompts (teacher-forced and via HF's generate()), perplexity on 1024 tokens
-of kvforge/data/perplexity.txt within a relative 1e-3 of HF's. Skipped (with the reason) where the
-wheel is not installed; README's install line installs it, so CI runs these.
+of kvforge/data/perplexity.txt within a relative 1e-3 of HF's. The two targets' parity runs share one
+Hugging Face eager reference (kvforge/tools/parity_reference.py; the same numbers as computing it in each run).
+Skipped (with the reason) where the wheel is not installed; README's install line installs it, so CI runs these.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvforge.cli.demo import REAL_NAME, installed_real_model  # noqa: E402
 from kvforge.exporter.export import export_model  # noqa: E402
 from kvforge.runtime import Generator  # noqa: E402
 from kvforge.tools.parity import run_parity  # noqa: E402
+from kvforge.tools.parity_reference import hf_reference  # noqa: E402
 
 GGUF = installed_real_model()
 if GGUF is None:
@@ -37,9 +39,15 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def real_reference(real):
+    """HF eager's side of both targets' parity runs (prompts, generate(), perplexity), computed once."""
+    return hf_reference(real["hf"], real["ort"], prompts=PROMPTS, new_tokens=32)
+
+
 @pytest.mark.parametrize("target", ["ort", "onnx"])
-def test_real_model_greedy_parity_and_perplexity(target, real) -> None:
-    report = run_parity(real["hf"], real[target], prompts=PROMPTS, new_tokens=32, atol=1e-3)
+def test_real_model_greedy_parity_and_perplexity(target, real, real_reference) -> None:
+    report = run_parity(real["hf"], real[target], prompts=PROMPTS, new_tokens=32, atol=1e-3, reference=real_reference)
     print(report.summary())
     for prompt in report.prompts:
         assert len(prompt.export_tokens) == 32
