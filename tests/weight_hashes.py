@@ -37,9 +37,13 @@ def install() -> None:
         draft = manifest.get("draft") or {}
         if quantised or draft.get("lm_head_bits"):
             digest = hashlib.sha256((Path(out_dir) / "model.weights").read_bytes()).hexdigest()
-            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("/")[-1]
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("/")[-1].split("@")[0]
+            # what was asked, so that a fixture's several exports in one folder keep apart
+            quant = manifest.get("quantization") or {}
+            asked = "/".join(str(quant.get(k)) for k in ("bits", "quant_method", "lm_head_bits", "block_size",
+                                                          "accuracy_level"))
             with log.open("a") as out:
-                out.write(json.dumps({"key": f"{test}|{_key(Path(out_dir))}", "sha256": digest}) + "\n")
+                out.write(json.dumps({"key": f"{test}|{_key(Path(out_dir))}|{asked}", "sha256": digest}) + "\n")
         return manifest
 
     export.export_model = recorded
