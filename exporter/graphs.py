@@ -141,6 +141,8 @@ def add_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[str, Any]
         vision_record,
     )
 
+    if work.vision.patches:
+        return _add_patch_vision_graph(graphs, work)
     processor = processor_record(work.model_dir)
     work.say(f"tracing the image tower and projector of {work.vision.model_type} (vision.onnx)")
     model = load_vision_language_model(work.model_dir, work.options.dtype)
@@ -240,14 +242,47 @@ def build_graphs(model: Any, work: ExportWork, layout: KVLayout, lap: Clock, low
     if work.draft is not None:  # the head reads hidden states the target graphs then output too
         work.draft.expose(prefill)
     graphs = {"prefill": prefill, "decode": derive_decode_graph(prefill)}
+    # An M-RoPE prefill rotates by the positions it is given (three streams), not by past_lens: RoPE stays in the graph.
     rotary = rotary_caches(model, layout.max_capacity, layout.dtype) \
-        if target.ort_fusions else None
+        if target.ort_fusions and not _mrope(work) else None
     for phase, graph in graphs.items():
         say(f"lowering {phase} attention for target {target.name}")
         lower(graph, target, rotary, applied.kv_scales, applied.experts, attends=bool(layout.layer_shapes()))
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     lap("derive_and_lower")
     return graphs, applied.record, applied.kv_record
+
+
+def _add_patch_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[str, Any]:
+    """vision.onnx of a tower that takes images at their own size (exporter/vision_patches.py) and its record."""
+    from kvforge.core.contract import VISION
+    from kvforge.exporter.vision import load_vision_language_model, vision_record
+    from kvforge.exporter.vision_mrope import image_processor_record, patch_vision_fields
+    from kvforge.exporter.vision_patches import patch_vision_io, trace_patch_vision
+
+    processor = image_processor_record(work.model_dir)
+    work.say(f"tracing the image tower and merger of {work.vision.model_type} (vision.onnx, images at their own size)")
+    model = load_vision_language_model(work.model_dir, work.options.dtype)
+    graphs[VISION] = trace_patch_vision(model, work.vision.model_type, work.torch_dtype)
+    inputs, _ = patch_vision_io(work.vision.model_type)
+    deepstack = work.vision.deepstack(model.config) if work.vision.deepstack is not None else 0
+    return {**vision_record(model, work.vision, processor, (0, 0), 0, work.model_dir),
+            **patch_vision_fields(model, inputs[1:], deepstack)}
+
+
+def _mrope(work: ExportWork) -> bool:
+    """Whether the export's prefill takes multimodal positions (a whole Qwen-VL checkpoint; its --text-only export
+    has the three streams equal to past_lens + t)."""
+    return work.vision is not None and work.family.mrope
+
+
+def _deepstack(work: ExportWork) -> int:
+    """How many text layers add an image token's DeepStack features (its features row's further blocks)."""
+    if work.vision is None or work.vision.deepstack is None:
+        return 0
+    from transformers import AutoConfig
+
+    return work.vision.deepstack(AutoConfig.from_pretrained(work.model_dir, local_files_only=True))
 
 
 def _image_token(work: ExportWork) -> int | None:
@@ -268,7 +303,7 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     if empty is None:
         work.say("tracing the model once (torch.onnx, dynamo); the decode graph is derived from it")
         return trace_prefill(model, layout, work.torch_dtype, work.family, image_token_id=_image_token(work),
-                             aux_layers=aux)
+                             aux_layers=aux, mrope=_mrope(work), deepstack=_deepstack(work))
     from kvforge.exporter.layer_stamping import StampRefused, stamp_layers, stamp_plan, traced_prefix
     from kvforge.exporter.lazy_weights import attach_weights
 

@@ -86,11 +86,17 @@ def text_of(config: Any) -> dict[str, Any] | None:
 
 
 def _causal_lm_class(text: Any, model_type: str, architecture: str) -> type:
-    """transformers' causal-LM class for a text config: the one its model_type maps to, else the one the
-    checkpoint's type maps to when that class is made for this config (Emu3ForCausalLM for emu3_text_model)."""
+    """transformers' causal-LM class for a text config: the checkpoint family's own (its `text_class`), else the one
+    its model_type maps to, else the one the checkpoint's type maps to when that class is made for this config
+    (Emu3ForCausalLM for emu3_text_model)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from kvforge.models.families import family_modules
+
+    own = family_modules().get(model_type)
+    if own is not None and own.text_class is not None:  # transformers ships the text model without a head
+        return own.text_class(text)
     for key in (text.model_type, model_type):
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(key, ""), None)
         if cls is not None and (key == text.model_type or getattr(cls, "config_class", None) is type(text)):

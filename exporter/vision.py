@@ -18,6 +18,7 @@ from typing import Any
 
 from kvforge.core.contract import IMAGE_FEATURES, IMAGE_PROCESSORS, PIXEL_VALUES
 from kvforge.core.errors import InputError, UnsupportedModelError
+from kvforge.models.families.gemma3 import refuse_pan_and_scan
 from kvforge.models.vision_families import VisionFamily, image_token_id
 
 # The image processor fields the runtime replays (runtime/media/preprocess.py), as transformers resolved them.
@@ -97,6 +98,9 @@ def processor_record(model_dir: Path) -> dict[str, Any]:
     if record["class"] not in IMAGE_PROCESSORS:
         raise UnsupportedModelError(f"{model_dir}: its image processor {record['class']} is not one kvforge's runtime "
                                     f"reproduces without torch ({', '.join(IMAGE_PROCESSORS)}); export with --text-only")
+    if getattr(processor, "do_pan_and_scan", None) is not None:  # Gemma 3's (only where a processor has it)
+        record["do_pan_and_scan"] = bool(processor.do_pan_and_scan)
+        refuse_pan_and_scan(record, str(model_dir))
     if record.get("crop_to_patches"):
         raise UnsupportedModelError(
             f"{model_dir}: its image processor tiles each image (crop_to_patches), and kvforge's image path takes one "
@@ -203,4 +207,8 @@ def vision_record(model: Any, family: VisionFamily, processor: dict[str, Any], s
         "after_ids": list(after),
         "prompt_prefix": family.prompt_prefix(_processor_settings(model_dir)) if family.prompt_prefix else "",
         "processor": processor,
+        # Gemma 3's: text tokenized with the prompt around an image, and image blocks seen both ways (kept whole).
+        **({"text_before": family.text_before, "text_after": family.text_after} if family.text_before
+           or family.text_after else {}),
+        **({"image_blocks": True} if family.bidirectional_images else {}),
     }

@@ -15,6 +15,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvforge.core.contract import KV_KINDS, STATE_KIND, AttentionAttrs, KVLayout
+from kvforge.exporter.image_blocks import image_block_ids
 from kvforge.exporter.recurrent import note_recurrent_state
 from kvforge.models.families import Family, family_for
 from kvforge.models.families.state_binding import present_state
@@ -34,6 +35,7 @@ class _CacheState:
         self.past = past
         self.past_lens = past_lens
         self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
+        self.block_ids: torch.Tensor | None = None  # image blocks seen both ways (exporter/image_blocks.py)
 
 
 def kvforge_attention(
@@ -76,6 +78,7 @@ def kvforge_attention(
         None if s_aux is None else s_aux.to(query.dtype),
         # ALiBi slopes [H] fp32, set on the module by its family module (models/families/alibi.py: BLOOM, MPT).
         getattr(module, "alibi_slopes", None),
+        state.block_ids,
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
     state.present[layer] = (present_key, present_value)
@@ -165,9 +168,12 @@ class GraphWrapper(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, phase: str, family: Family | None = None,
                  layout: KVLayout | None = None, image_token_id: int | None = None,
-                 aux_layers: tuple[int, ...] | None = None) -> None:
+                 aux_layers: tuple[int, ...] | None = None, mrope: bool = False, deepstack: int = 0) -> None:
         """`layout`: the cache's buffers, in graph order (default: a key and a value per layer). `image_token_id`:
         a vision-language export's prefill, which takes IMAGE_FEATURES after logits_index (merge_image_features).
+        `mrope`: a prefill that takes each token's multimodal positions (contract.POSITION_IDS [3, B, S]) next.
+        `deepstack`: the layers that add an image token's further features (Qwen3-VL's DeepStack), which follow its
+        embedding in its IMAGE_FEATURES row.
         `aux_layers`: an export with a speculation head, whose graphs also output the inputs of those decoder layers
         concatenated (contract.TARGET_HIDDEN, last; exporter/draft_head.py)."""
         super().__init__()
@@ -179,6 +185,10 @@ class GraphWrapper(torch.nn.Module):
         self.layout = layout
         self.image_token_id = image_token_id
         self.aux_layers = aux_layers
+        if mrope and phase != "prefill":
+            raise ValueError("multimodal positions are a prefill input; decode is derived from prefill")
+        self.mrope = mrope
+        self.deepstack = deepstack
 
     def forward(self, input_ids: torch.Tensor, past_lens: torch.Tensor, *rest: torch.Tensor):
         features = None
@@ -188,6 +198,9 @@ class GraphWrapper(torch.nn.Module):
                 features, past_flat = past_flat[0], past_flat[1:]
         else:
             logits_index, past_flat = None, rest
+        given_positions = None  # contract.POSITION_IDS: an M-RoPE export's prefill (decode derives them)
+        if self.mrope:
+            given_positions, past_flat = past_flat[0], past_flat[1:]
         layers = self.layout.num_layers if self.layout is not None else len(past_flat) // 2
         buffers = self.layout.buffers() if self.layout is not None else [
             (layer, kind) for layer in range(layers) for kind in KV_KINDS]
@@ -195,13 +208,15 @@ class GraphWrapper(torch.nn.Module):
         past = [(named[(layer, "key")], named[(layer, "value")]) if (layer, "key") in named else None
                 for layer in range(layers)]
         state = _CacheState(past, past_lens)
+        state.block_ids = image_block_ids(self, input_ids)  # None unless the family's image tokens attend both ways
         states = self.layout is not None and bool(self.layout.states)
         # A family whose recurrent state lives outside transformers' cache binds it its own way (its `states`).
         own = self.family.states.bind(self.model, named, past_lens) if states and self.family.states else None
         cache = own.kwargs if own is not None else (
             {cache_keyword(self.model): _state_cache(self.layout, named, past_lens)} if states else {})
         seq = input_ids.shape[1]
-        position_ids = past_lens.to(torch.int64)[:, None] + torch.arange(seq, dtype=torch.int64)
+        position_ids = past_lens.to(torch.int64)[:, None] + torch.arange(seq, dtype=torch.int64) \
+            if given_positions is None else given_positions
         # Route attention through the fused op only for this call, so the same model object can
         # still serve as the HF eager reference (parity) afterwards.
         config = self.model.config
@@ -210,7 +225,12 @@ class GraphWrapper(torch.nn.Module):
         tokens: dict[str, torch.Tensor] = dict(input_ids=input_ids)  # HF's keyword (a vision export: the embeddings)
         if features is not None:
             embeds = self.model.get_input_embeddings()(input_ids)
-            tokens = dict(inputs_embeds=merge_image_features(input_ids, embeds, features, self.image_token_id))
+            width = embeds.shape[-1]
+            rows = features[:, :width] if self.deepstack else features
+            tokens = dict(inputs_embeds=merge_image_features(input_ids, embeds, rows, self.image_token_id))
+            if self.deepstack:  # the family's own text model adds them (its deepstack hook makes that traceable)
+                tokens.update(visual_pos_masks=input_ids == self.image_token_id, deepstack_visual_embeds=[
+                    features[:, width * (1 + k): width * (2 + k)] for k in range(self.deepstack)])
 
         try:
             with own if own is not None else contextlib.nullcontext(), \

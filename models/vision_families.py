@@ -68,6 +68,34 @@ class VisionFamily:
     # Cohere 2 logit_scale to its head's output): every export of the checkpoint, --text-only too, and parity's
     # reference follow the whole model.
     text_overrides: tuple[tuple[str, Any], ...] = ()
+    # Its tower takes each image at its own size, as patches (Qwen2-VL's: exporter/vision_patches.py), so an image's
+    # token count follows its size; its text model then takes multimodal positions (Family.mrope).
+    patches: bool = False
+    # How many text layers add each image token's features of a further tower stage (Qwen3-VL's DeepStack): its
+    # features row holds them after its embedding, and the prefill graph adds them (from the checkpoint's config).
+    deepstack: Callable[[Any], int] | None = None
+    # Text the processor writes around an image's tokens that it tokenizes with the prompt's text (Gemma 3's "\n\n"):
+    # the runtime adds it to the text pieces around a placeholder before tokenizing them.
+    text_before: str = ""
+    text_after: str = ""
+    # An image's tokens attend to each other both ways in prefill (Gemma 3): the fused op's block ids
+    # (exporter/image_blocks.py), and the runtime keeps each image's block inside one prefill call.
+    bidirectional_images: bool = False
+
+
+def _gemma3_row() -> VisionFamily:
+    from kvforge.models.families import gemma3
+
+    return VisionFamily(gemma3.MODEL_TYPE, gemma3.image_features, before=gemma3.BEFORE, after=gemma3.AFTER,
+                        placeholder=gemma3.PLACEHOLDER, chat_placeholder=gemma3.PLACEHOLDER,
+                        text_before=gemma3.IMAGE_TEXT_BEFORE, text_after=gemma3.IMAGE_TEXT_AFTER,
+                        bidirectional_images=True)
+
+
+def _deepstack_layers(config: Any) -> int:
+    from kvforge.models.families.qwen_vl import deepstack_layers
+
+    return deepstack_layers(config)
 
 
 VISION_FAMILIES: dict[str, VisionFamily] = {
@@ -84,6 +112,12 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("deepseek_vl", chat_placeholder="<image_placeholder>"),
         VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",),
                      chat_placeholder="<image_placeholder>", prompt_prefix=janus_prompt_prefix),
+        _gemma3_row(),
+        # Qwen's processor expands only "<|image_pad|>": its chat template writes "<|vision_start|>" ... around it.
+        *(VisionFamily(name, before=("<|vision_start|>",), after=("<|vision_end|>",), patches=True,
+                       chat_placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+                       deepstack=_deepstack_layers if name == "qwen3_vl" else None)
+          for name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")),
     )
 }
 

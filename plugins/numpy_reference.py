@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvforge.core.contract import AttentionAttrs, attention_parameters, check_attention_parameters
+from kvforge.core.contract import (
+    ATTENTION_OPTIONAL_INPUTS,
+    AttentionAttrs,
+    attention_parameters,
+    check_attention_parameters,
+)
 
 
 def kv_cache_attention_(
@@ -20,9 +25,13 @@ def kv_cache_attention_(
     past_value: np.ndarray,
     past_lens: np.ndarray,
     attrs: AttentionAttrs,
+    sinks: np.ndarray | None = None,
+    alibi_slopes: np.ndarray | None = None,
+    block_ids: np.ndarray | None = None,
 ) -> np.ndarray:
     """Append k/v at past_lens[b] + t into the caches (in place) and return the attention output
-    [B, S, H*D] in q's dtype. Scores and softmax in float64 (an oracle, not a fast path)."""
+    [B, S, H*D] in q's dtype. Scores and softmax in float64 (an oracle, not a fast path). The optional
+    inputs mean what plugins/reference.py says."""
     num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
     softcap, sliding_window = attrs.softcap, attrs.sliding_window
     batch, seq, _ = q.shape
@@ -43,15 +52,27 @@ def kv_cache_attention_(
     if softcap > 0.0:
         scores = softcap * np.tanh(scores / softcap)
     cache_pos = np.arange(capacity)
+    if alibi_slopes is not None:
+        distance = (cache_pos[None, None, :] - positions[:, :, None]).astype(np.float64)  # [B, S, C]
+        scores = scores + alibi_slopes.astype(np.float64).reshape(1, num_heads, 1, 1) * distance[:, None]
     allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
+    if block_ids is not None:
+        offset = cache_pos[None, :] - past_lens.astype(np.int64)[:, None]  # [B, C]: the new token at c, if any
+        inside = (offset >= 0) & (offset < seq)
+        key_block = np.take_along_axis(block_ids, np.clip(offset, 0, seq - 1), axis=1) * inside
+        allowed |= (block_ids[:, :, None] == key_block[:, None, :]) & (block_ids[:, :, None] > 0)
     if sliding_window > 0:
         allowed &= cache_pos[None, None, :] > positions[:, :, None] - sliding_window
     scores = np.where(allowed[:, None], scores, -np.inf)
+    if sinks is not None:  # one more softmax column per head, with no value
+        sink = np.broadcast_to(sinks.astype(np.float64).reshape(1, num_heads, 1, 1), (batch, num_heads, seq, 1))
+        scores = np.concatenate([scores, sink], axis=-1)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
+    probs = probs[..., :capacity]
     out = (probs @ values).astype(q.dtype)  # [B, H, S, D]
     return out.transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head_dim)
 
 
-check_attention_parameters(kv_cache_attention_, attention_parameters(spelled=False))
+check_attention_parameters(kv_cache_attention_, attention_parameters(spelled=False) + ATTENTION_OPTIONAL_INPUTS)

@@ -6,10 +6,12 @@ Inputs (kvforge.core.contract.ATTENTION_INPUTS of the canonical node, kvforge.co
   past_lens [B] int32                                (cached tokens per row before this call)
   sinks [H], optional (ATTENTION_OPTIONAL_INPUTS)    (a per-head logit that joins each softmax)
   alibi_slopes [H] fp32, optional                    (ALiBi: score += slope_h * (key_pos - query_pos))
+  block_ids [B, S] int64, optional                   (0: a causal token; k > 0: image block k, seen both ways)
 Attributes: kvforge.core.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
 Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
 New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
-0 .. past_lens[b] + t (and, with a sliding window W, only those > past_lens[b] + t - W).
+0 .. past_lens[b] + t (and, with a sliding window W, only those > past_lens[b] + t - W). With block_ids, a token of
+block k > 0 also attends the later new tokens of block k (the window still bounds the earlier positions only).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def kv_cache_attention(
     attrs: AttentionAttrs,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
     softcap, sliding_window = attrs.softcap, attrs.sliding_window
@@ -62,6 +65,8 @@ def kv_cache_attention(
         distance = (cache_pos[None, None, :] - positions[:, :, None]).float()  # [B, S, C]
         scores = scores + alibi_slopes.float().reshape(1, num_heads, 1, 1) * distance[:, None]
     allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
+    if block_ids is not None:
+        allowed = allowed | same_block(block_ids, past_lens, capacity)
     if sliding_window > 0:
         allowed &= cache_pos[None, None, :] > positions[:, :, None] - sliding_window
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
@@ -73,6 +78,16 @@ def kv_cache_attention(
     out = torch.matmul(probs, values).to(q.dtype)
     out = out.transpose(1, 2).reshape(batch, seq, num_heads * head_dim)
     return out, present_key, present_value
+
+
+def same_block(block_ids: torch.Tensor, past_lens: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[B, S, C]: whether cache position c holds a new token of the same image block (k > 0) as new token t. The
+    new tokens are at past_lens[b] + 0..S-1; earlier positions belong to no block of this call."""
+    seq = block_ids.shape[1]
+    offset = torch.arange(capacity, device=block_ids.device)[None, :] - past_lens.to(torch.int64)[:, None]  # [B, C]
+    inside = (offset >= 0) & (offset < seq)
+    key_block = torch.gather(block_ids, 1, offset.clamp(0, seq - 1)) * inside  # [B, C]: 0 outside this call
+    return (block_ids[:, :, None] == key_block[:, None, :]) & (block_ids[:, :, None] > 0)
 
 
 check_attention_parameters(kv_cache_attention, attention_parameters(spelled=False) + ATTENTION_OPTIONAL_INPUTS)

@@ -35,6 +35,7 @@ def _kv_cache_attention(
     past_lens: torch.Tensor,
     sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
+    block_ids: torch.Tensor | None,
     num_heads: int,
     kv_num_heads: int,
     scale: float,
@@ -42,7 +43,7 @@ def _kv_cache_attention(
     sliding_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
-    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks, alibi_slopes)
+    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks, alibi_slopes, block_ids)
 
 
 check_attention_parameters(_kv_cache_attention, attention_parameters(sinks=True))
@@ -59,7 +60,7 @@ _ONNX_ATTR_TYPES = {int: onnx.defs.OpSchema.AttrType.INT, float: onnx.defs.OpSch
 
 
 # Optional inputs whose type is not the activations' (T).
-_OPTIONAL_TYPES = {"alibi_slopes": "F"}
+_OPTIONAL_TYPES = {"alibi_slopes": "F", "block_ids": "L"}
 
 
 def _register_schema() -> None:
@@ -79,6 +80,7 @@ def _register_schema() -> None:
             ("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations and cache"),
             ("I", ["tensor(int32)"], "cached tokens per row"),
             ("F", ["tensor(float)"], "per-head ALiBi slopes, fp32 whatever the activations' dtype"),
+            ("L", ["tensor(int64)"], "per-token image block ids (0: causal)"),
         ],
         attributes=[
             onnx.defs.OpSchema.Attribute(name, _ONNX_ATTR_TYPES[kind], f"kvforge.core.contract.AttentionAttrs.{name}")
@@ -92,11 +94,11 @@ _register_schema()
 _opset = osv.Opset(CANONICAL_OP.domain, CANONICAL_OP.version)
 
 
-def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, alibi_slopes, num_heads, kv_num_heads, scale,
-                     softcap, sliding_window):
+def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, alibi_slopes, block_ids, num_heads, kv_num_heads,
+                     scale, softcap, sliding_window):
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
     node = getattr(_opset, CANONICAL_OP.op_type)
-    optional = [sinks, alibi_slopes]
+    optional = [sinks, alibi_slopes, block_ids]
     while optional and optional[-1] is None:  # trailing absent inputs are left off; a middle one stays empty
         optional.pop()
     inputs = [q, k, v, past_key, past_value, past_lens, *optional]

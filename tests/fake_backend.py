@@ -179,10 +179,10 @@ class FakeBackend:
                                   [v[b, 0, : pos + 1] for _, v in cache.layers])
 
     def prefill(self, slot: FakeSlot, input_ids: np.ndarray, logits_index: np.ndarray,
-                image_features: np.ndarray | None = None) -> np.ndarray:
+                image_features: np.ndarray | None = None, positions: np.ndarray | None = None) -> np.ndarray:
         """input_ids [B, S] at each row's past_lens; logits_index [B] -> [B, V] (the slot's buffer), or
         [B, K] -> [B, K, V]. Writes positions past_lens[b] + 0..S-1 of every row, padding included."""
-        assert image_features is None, "the fake model takes no images"
+        assert image_features is None and positions is None, "the fake model takes no images"
         cache = slot.cache
         ids = np.asarray(input_ids, dtype=np.int64)
         cache.check_fits(ids.shape[1])

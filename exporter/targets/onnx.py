@@ -9,6 +9,7 @@ import onnx_ir as ir
 from kvforge.core.errors import ExportError
 from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, constant, node_attributes, replace_node
+from kvforge.exporter.image_blocks import block_ids_input, same_block_mask
 from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
 
 
@@ -16,24 +17,8 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
     if graph.opset_imports.get("", 0) < 24:
         raise ExportError("the `onnx` target needs the graph exported at opset >= 24 (Attention + TensorScatter)")
     first = canonical[0]
-    q0, past_key0, past_lens = first.inputs[0], first.inputs[3], first.inputs[5]
     shared = ir.tape.Tape()
-    zero = constant(shared, np.array(0, np.int64), "kvforge_zero")
-    one = constant(shared, np.array(1, np.int64), "kvforge_one")
-    seq = shared.op("Squeeze", [shared.op("Shape", [q0], attributes={"start": 1, "end": 2})])
-    capacity = shared.op("Squeeze", [shared.op("Shape", [past_key0], attributes={"start": 2, "end": 3})])
-    write_index = shared.op("Cast", [past_lens], attributes={"to": ir.DataType.INT64})  # [B]
-    # positions[b, t] = past_lens[b] + t ; cache_pos[c] = c
-    positions = shared.op(
-        "Add",
-        [
-            shared.op("Unsqueeze", [write_index, constant(shared, np.array([1], np.int64), "kvforge_axis1")]),
-            shared.op("Range", [zero, seq, one]),
-        ],
-    )
-    query_pos = shared.op("Unsqueeze", [positions, constant(shared, np.array([1, 3], np.int64), "kvforge_axes13")])
-    cache_pos = shared.op("Range", [zero, capacity, one])  # broadcasts as [1, 1, 1, C]
-    causal = shared.op("LessOrEqual", [cache_pos, query_pos])  # [B, 1, S, C]
+    write_index, query_pos, cache_pos, causal, attended = _positions(shared, first)
     graph.insert_before(first, shared.nodes)
 
     masks: dict[int, ir.Value] = {0: causal}
@@ -60,6 +45,9 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
         if attrs["softcap"] > 0:
             attention["softcap"] = attrs["softcap"]
         keys, values, mask = present_key, present_value, masks[window]
+        if attended is not None:  # the positions written so far (_positions)
+            keys, values = (tape.op("Slice", [x, constant(tape, np.array([0], np.int64), None), attended,
+                                              constant(tape, np.array([2], np.int64), None)]) for x in (keys, values))
         slopes = alibi_input(node)
         if slopes is not None:
             if sinks is not None:
@@ -78,7 +66,7 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
             if attrs["softcap"] > 0:
                 raise ExportError(f"attention node {node.name} has both sinks and a softcap; the `onnx` target's "
                                   "Attention would cap the sink too")
-            keys, values, mask = _with_sink_column(tape, present_key, present_value, mask, sinks, query_pos, heads,
+            keys, values, mask = _with_sink_column(tape, keys, values, mask, sinks, query_pos, heads,
                                                    q.dtype, sink_masks, window)
         y = tape.op("Attention", [heads_first(q, heads), keys, values, mask], attributes=attention)
         out = tape.op(
@@ -89,6 +77,38 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
             ],
         )
         replace_node(graph, node, tape, [out, present_key, present_value])
+
+
+def _positions(shared: ir.tape.Tape, first: ir.Node) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value, ir.Value | None]:
+    """Built once for every layer: the write index past_lens [B] (int64), the query positions [B, 1, S, 1], the key
+    positions [C] and the mask [B, 1, S, C] of causal attention; and with image blocks (exporter/image_blocks.py), the
+    attended length T = max(past_lens) + S: keys, positions and mask then cover the T positions written so far, not
+    the whole capacity (prefill attends S x T scores, not S x C), and the mask adds each token's own block."""
+    q0, past_key0, past_lens = first.inputs[0], first.inputs[3], first.inputs[5]
+    zero = constant(shared, np.array(0, np.int64), "kvforge_zero")
+    one = constant(shared, np.array(1, np.int64), "kvforge_one")
+    seq = shared.op("Squeeze", [shared.op("Shape", [q0], attributes={"start": 1, "end": 2})])
+    capacity = shared.op("Squeeze", [shared.op("Shape", [past_key0], attributes={"start": 2, "end": 3})])
+    write_index = shared.op("Cast", [past_lens], attributes={"to": ir.DataType.INT64})  # [B]
+    block_ids = block_ids_input(first)
+    if block_ids is not None:
+        capacity = shared.op("Add", [shared.op("ReduceMax", [write_index], attributes={"keepdims": 0}), seq])
+    # positions[b, t] = past_lens[b] + t ; cache_pos[c] = c
+    positions = shared.op(
+        "Add",
+        [
+            shared.op("Unsqueeze", [write_index, constant(shared, np.array([1], np.int64), "kvforge_axis1")]),
+            shared.op("Range", [zero, seq, one]),
+        ],
+    )
+    query_pos = shared.op("Unsqueeze", [positions, constant(shared, np.array([1, 3], np.int64), "kvforge_axes13")])
+    cache_pos = shared.op("Range", [zero, capacity, one])  # broadcasts as [1, 1, 1, C]
+    causal = shared.op("LessOrEqual", [cache_pos, query_pos])  # [B, 1, S, C]
+    if block_ids is None:
+        return write_index, query_pos, cache_pos, causal, None
+    causal = shared.op("Or", [causal, same_block_mask(shared, block_ids, past_lens, cache_pos)])
+    return write_index, query_pos, cache_pos, causal, shared.op("Unsqueeze", [capacity, constant(shared, np.array(
+        [0], np.int64), None)])
 
 
 def _with_sink_column(tape: ir.tape.Tape, present_key: ir.Value, present_value: ir.Value, mask: ir.Value,

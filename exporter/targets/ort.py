@@ -19,6 +19,7 @@ from kvforge.exporter.graph_edit import (
     split_output,
 )
 from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
+from kvforge.exporter.targets.block_attention import lower_image_blocks
 
 # The head sizes GroupQueryAttention applies RoPE itself for (do_rotary=1).
 ROTARY_HEAD_MULTIPLE = 16
@@ -32,7 +33,11 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
     are the three parts of one fused MatMul are passed packed: one node per layer instead of a dozen
     layout and rotary ops. With `kv_scales`
     (per layer the key and value scales [1, H_kv, 1, D], exporter/quantization/kv_cache.py) the cache is int8:
-    GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8."""
+    GQA quantises the rows it writes and dequantises what it reads, and the cache IO becomes int8. Nodes with
+    image blocks (`block_ids`, Gemma 3's prefill) take the `onnx` target's form (exporter/image_blocks.py says why)."""
+    canonical = lower_image_blocks(graph, canonical, kv_scales)
+    if not canonical:
+        return
     first = canonical[0]
     shared = ir.tape.Tape()
     seqlens_k, total_len = _lengths(graph, first, shared)

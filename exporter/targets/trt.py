@@ -14,6 +14,7 @@ from kvforge.core.contract import ATTENTION_OUTPUTS, PLUGIN, AttentionAttrs, KVL
 from kvforge.core.errors import UnsupportedModelError
 from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, node_attributes, replace_node
+from kvforge.exporter.image_blocks import block_ids_input
 from kvforge.exporter.targets.base import ExportTarget, alibi_input
 from kvforge.models.config_values import config_value
 
@@ -32,6 +33,9 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = Non
         if alibi_input(node) is not None:
             raise UnsupportedModelError("the model's attention uses ALiBi position biases, which kvforge's TensorRT "
                                         "kernel does not implement; use --target ort or --target onnx")
+        if block_ids_input(node) is not None:
+            raise UnsupportedModelError("the model's image tokens attend both ways, which kvforge's TensorRT kernel "
+                                        "does not implement; use --target ort or --target onnx")
         attrs = AttentionAttrs.from_mapping(node_attributes(node))
         tape = ir.tape.Tape()
         outputs = tape.op_multi_out(

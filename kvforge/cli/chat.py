@@ -179,7 +179,7 @@ class ChatSession:
 
         ids, images = self.export.chat_inputs([*self.messages, question],
                                               special_tokens_in_content=self.special_tokens_in_content)
-        expanded = len(ids) + (len(images) * (self.export.images.run_length() - 1) if images else 0)
+        expanded = self.export.images.prompt_length(ids, images) if images else len(ids)
         room = self.scheduler.capacity - expanded + 1  # the last generated token is never fed back
         if room < 1:
             raise InputError(f"the conversation ({len(ids)} tokens) no longer fits in the {self.scheduler.capacity} "

@@ -41,13 +41,18 @@ LOGITS_INDEX = "logits_index"  # prefill only, [B, K] int64: the positions of S 
 # its input_ids, row-major (row 0's image tokens in order, then row 1's...), one row of IMAGE_FEATURES per token
 # equal to the image token id; [0, hidden] when there are none. The graph writes them over those tokens' embeddings.
 IMAGE_FEATURES = "image_features"  # [N, hidden] float (the export's dtype)
+# M-RoPE (Qwen-VL's temporal, height, width positions): prefill takes each token's three as get_rope_index computes
+# them; decode a per-row offset, the new token's three being past_lens[b] + ROPE_DELTAS[b] (0 for a text row). A text
+# call passes past_lens[b] + t + ROPE_DELTAS[b] in all three.
+POSITION_IDS = "position_ids"  # prefill only, [3, B, S] int64
+ROPE_DELTAS = "rope_deltas"  # decode only, [B] int64
 # The third graph of a vision-language export, `vision.onnx`: images in, the image tokens' embeddings out.
 VISION = "vision"
 PIXEL_VALUES = "pixel_values"  # [images, channels, height, width] float: preprocessed (runtime/media/)
 # The image processors (transformers' class names) whose pipeline the runtime reproduces without torch
 # (runtime/media/preprocess.py); the exporter refuses a checkpoint with another, or with tiling on.
 IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
-                    "DeepseekVLImageProcessor", "JanusImageProcessor")
+                    "DeepseekVLImageProcessor", "JanusImageProcessor", "Gemma3ImageProcessor")
 # Speculation's head graph, `draft.onnx` (an EAGLE-3 head or a checkpoint's MTP layer, manifest record "draft"):
 # one decoder layer with its own KV cache (the contract below, layers 0..n-1 of the head, `past_lens` as ever).
 # Its cached position p holds the pair (token p + 1, the target's hidden state at p) and predicts token p + 2.
@@ -301,15 +306,26 @@ class GraphIO:
     outputs: tuple[str, ...]
 
     @classmethod
-    def of(cls, phase: str, layout: KVLayout, images: bool = False, hidden: bool = False) -> GraphIO:
+    def of(cls, phase: str, layout: KVLayout, images: bool = False, hidden: bool = False,
+           mrope: bool = False) -> GraphIO:
         """A phase's IO; `images`: the prefill graph of a vision-language export (it takes IMAGE_FEATURES);
-        `hidden`: an export with a speculation head (both graphs also output TARGET_HIDDEN, last)."""
+        `hidden`: an export with a speculation head (both graphs also output TARGET_HIDDEN, last); `mrope`: an
+        export with multimodal positions (prefill takes POSITION_IDS, decode ROPE_DELTAS)."""
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
         head = (INPUT_IDS, PAST_LENS) + ((LOGITS_INDEX,) if phase == "prefill" else ())
         head += (IMAGE_FEATURES,) if images and phase == "prefill" else ()
+        head += ((POSITION_IDS if phase == "prefill" else ROPE_DELTAS),) if mrope else ()
         outputs = (LOGITS, *layout.cache_outputs()) + ((TARGET_HIDDEN,) if hidden else ())
         return cls(phase, head + tuple(layout.cache_inputs()), outputs)
+
+    @classmethod
+    def of_manifest(cls, phase: str, layout: KVLayout, manifest: Mapping[str, Any]) -> GraphIO:
+        """A phase's IO as an export's manifest declares it: images and multimodal positions from its `vision`
+        record, TARGET_HIDDEN from its `draft` record."""
+        vision = manifest.get("vision")
+        return cls.of(phase, layout, images=vision is not None, hidden=manifest.get(DRAFT) is not None,
+                      mrope=isinstance(vision, Mapping) and vision.get("positions") == "mrope")
 
     @classmethod
     def draft(cls, layout: KVLayout) -> GraphIO:
@@ -318,10 +334,10 @@ class GraphIO:
                    (LOGITS, HIDDEN_OUT, TOKEN_MAP, *layout.cache_outputs()))
 
     @classmethod
-    def vision(cls) -> GraphIO:
+    def vision(cls, tower_inputs: tuple[str, ...] = ()) -> GraphIO:
         """The vision graph's IO: preprocessed images in, their image tokens' embeddings out ([images * tokens,
-        hidden], image by image)."""
-        return cls(VISION, (PIXEL_VALUES,), (IMAGE_FEATURES,))
+        hidden], image by image); `tower_inputs`: a patch tower's other arrays (the manifest's vision record's)."""
+        return cls(VISION, (PIXEL_VALUES, *tower_inputs), (IMAGE_FEATURES,))
 
     def check(self, inputs: list[str], outputs: list[str], where: str) -> None:
         """ManifestError unless `inputs` / `outputs` (any order) are exactly this graph's."""
@@ -342,8 +358,9 @@ ATTENTION_OUTPUTS = ("out", "present_key", "present_value")
 # Granite SWA). The `ort` and `onnx` lowerings carry it; the TensorRT kernel has no sinks, so the `trt`
 # target refuses a model that uses them (the plugin's inputs stay ATTENTION_INPUTS). `alibi_slopes` [H] fp32:
 # ALiBi (BLOOM, MPT), the score of query position i for key position j gains slope_h * (j - i); the `trt`
-# target refuses it the same way.
-ATTENTION_OPTIONAL_INPUTS = ("sinks", "alibi_slopes")
+# target refuses it the same way. `block_ids` [B, S] int64 (prefill; Gemma 3's images): 0 a causal token, k > 0 image
+# block k, whose tokens also see its later ones (exporter/image_blocks.py; the runtime never splits a block).
+ATTENTION_OPTIONAL_INPUTS = ("sinks", "alibi_slopes", "block_ids")
 
 
 @dataclass(frozen=True)

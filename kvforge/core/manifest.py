@@ -56,16 +56,15 @@ from kvforge.core.contract import (
     KV_KINDS,
     LOGITS,
     PHASES,
-    VISION,
     GraphIO,
     KVLayout,
     ModelSpec,
     check_token_ids,
-    is_int,
     parse_cache_name,
 )
 from kvforge.core.errors import ManifestError
 from kvforge.core.external_data import MalformedGraph, external_data_locations
+from kvforge.core.vision_manifest import check_vision_manifest
 
 FORMAT = "kvforge/3"
 MANIFEST_NAME = "kvforge.json"
@@ -222,12 +221,10 @@ def _validate(manifest: Any, path: Path) -> None:
             entries = graph.get(kind)
             if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
                 raise ManifestError(f"{path}: graphs.{phase}.{kind} must be a list of {{'name': ...}}; re-run the export")
-        images = manifest.get("vision") is not None
-        hidden = manifest.get("draft") is not None  # a speculation head's export: TARGET_HIDDEN out too
-        GraphIO.of(phase, layout, images, hidden).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
+        GraphIO.of_manifest(phase, layout, manifest).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
         _check_declared_shapes(manifest, phase, layout, path)
     if manifest.get("vision") is not None:
-        _check_vision(manifest, path, spec.vocab_size)
+        check_vision_manifest(manifest, path, spec.vocab_size)
     if manifest.get("draft") is not None:  # a speculation head (kvforge/core/draft_manifest.py)
         from kvforge.core.draft_manifest import check_draft
 
@@ -236,44 +233,6 @@ def _validate(manifest: Any, path: Path) -> None:
     if weights is not None and (not isinstance(weights, str) or weights not in files):
         raise ManifestError(f"{path}: the weights file {weights!r} is not listed in 'files'; re-run the export")
     _check_generation(manifest.get("generation"), path, spec.vocab_size)
-
-
-# The vision record's integer fields and the largest value each may take (the runtime allocates by them).
-_VISION_INTS = {"image_token_id": None, "tokens_per_image": 1 << 16, "hidden_size": 1 << 20, "channels": 4}
-
-
-def _check_vision(manifest: dict[str, Any], path: Path, vocab_size: int) -> None:
-    """A vision-language export's `vision` record (exporter/vision.py) and its graph, checked like the others."""
-    vision, graph = manifest["vision"], manifest["graphs"].get(VISION)
-    if not isinstance(vision, dict) or not isinstance(graph, dict) or graph.get("file") not in manifest["files"]:
-        raise ManifestError(f"{path}: a vision record needs an object and a listed {VISION!r} graph; re-run the export")
-    for kind in ("inputs", "outputs"):
-        if not isinstance(graph.get(kind), list) or not all(isinstance(e, dict) for e in graph[kind]):
-            raise ManifestError(f"{path}: graphs.{VISION}.{kind} must be a list of {{'name': ...}}; re-run the export")
-    GraphIO.vision().check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
-    for field, most in _VISION_INTS.items():
-        value = vision.get(field)
-        top = vocab_size - 1 if most is None else most
-        if not is_int(value) or not 0 <= value <= top or (field != "image_token_id" and value == 0):
-            raise ManifestError(f"{path}: vision.{field} is {value!r}, not an integer in 1..{top}; re-run the export")
-    size = vision.get("image_size")
-    if not (isinstance(size, list) and len(size) == 2 and all(is_int(v) and 0 < v <= 1 << 14 for v in size)):
-        raise ManifestError(f"{path}: vision.image_size is {size!r}, not [height, width]; re-run the export")
-    for field in ("before_ids", "after_ids"):
-        ids = vision.get(field)
-        if not isinstance(ids, list) or not all(is_int(i) and 0 <= i < vocab_size for i in ids):
-            raise ManifestError(f"{path}: vision.{field} must be a list of token ids below {vocab_size}; re-run the "
-                                "export")
-    if not isinstance(vision.get("processor"), dict) or not isinstance(vision.get("placeholder"), str) \
-            or not vision["placeholder"]:
-        raise ManifestError(f"{path}: vision.processor must be an object and vision.placeholder a text; re-run the "
-                            "export")
-    chat, prefix = vision.get("chat_placeholder"), vision.get("prompt_prefix")  # absent in older exports
-    if chat is not None and (not isinstance(chat, str) or not chat):
-        raise ManifestError(f"{path}: vision.chat_placeholder must be a text; re-run the export")
-    if prefix is not None and (not isinstance(prefix, str) or len(prefix) > 4096):
-        raise ManifestError(f"{path}: vision.prompt_prefix must be a text of at most 4096 characters; re-run the "
-                            "export")
 
 
 def _check_declared_shapes(manifest: dict[str, Any], phase: str, layout: KVLayout, path: Path) -> None:

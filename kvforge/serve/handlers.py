@@ -121,7 +121,7 @@ class OpenAIHandlers:
                            "--chat-template FILE", kind="server_error", code="chat_template_error")
         constraint = self._tool_grammar(tools)
         # Without max_tokens a chat answer may use the rest of the context, as OpenAI's does.
-        length = len(ids) + (len(images) * (self.service.export.images.run_length() - 1) if images else 0)
+        length = self.service.export.images.prompt_length(ids, images) if images else len(ids)
         generation = self.generation_request(body, ids, max(1, self.service.capacity - length + 1), constraint,
                                              images)
         return Prepared([Job(ids, generation, positions=length)], body.stream, body, tools)

@@ -92,10 +92,11 @@ NOT_SWEPT["gemma3n"] = ("a multimodal checkpoint whose tiny form is not built he
                         "kvforge does not install): not swept, though its text model, gemma3n_text, passes")
 
 def causal_lm_types() -> list[str]:
-    """Every model type transformers maps to a causal-LM class, sorted."""
+    """Every model type the sweep covers, sorted: each transformers maps to a causal-LM class, and the multimodal
+    types whose text model it ships without one (Qwen-VL's: kvforge makes it, models/families/qwen_vl.py)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MULTIMODAL_TYPES))
 
 
 # What `real=True` still shrinks: the layer count (as below) and what is not a layer's shape.
@@ -179,7 +180,8 @@ def tiny_config(model_type: str, real: bool = False) -> Any:
 # text config by tiny_config's rules, and kvforge exports its text model (kvforge/exporter/text_model.py).
 MULTIMODAL_TYPES = (
     "dots3_note", "emu3", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "llama4", "mllama",
-    "moss_transcribe_diarize", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+    "moss_transcribe_diarize", "phi4_multimodal", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl",
+    "qwen4_exp",
 )
 _TOWER_SMALL = {
     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -205,6 +207,22 @@ _MULTIMODAL_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
+def _tie_qwen_vl(model_type: str, fields: dict[str, dict[str, Any]]) -> None:
+    """Qwen-VL's sizes tied across its sub-configs: the tower's merger outputs the text model's hidden size, and the
+    M-RoPE sections (temporal, height, width) split half the text head size, as the default's split 128."""
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        return
+    text, vision = fields["text_config"], fields["vision_config"]
+    out = "hidden_size" if model_type == "qwen2_vl" else "out_hidden_size"
+    vision.update({out: text["hidden_size"]}, **({"embed_dim": 32} if model_type == "qwen2_vl" else {}))
+    half = (text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]) // 2
+    rope = dict(text.get("rope_parameters") or {})
+    default = rope.get("mrope_section") or [16, 24, 24]
+    section = [half * part // sum(default) for part in default]
+    section[0] += half - sum(section)
+    text["rope_parameters"] = {**rope, "mrope_section": section}
+
+
 def tiny_multimodal_config(model_type: str, real: bool = False) -> Any:
     """A multimodal type's default config at test sizes: its text config as tiny_config(text type, real)
     makes it (or, for a type that is its own text config, Phi-4-multimodal, the top level), its vision /
@@ -225,6 +243,7 @@ def tiny_multimodal_config(model_type: str, real: bool = False) -> Any:
             values.update({key: min(value, values[key]) for key, value in _TOWER_SMALL.items()
                            if isinstance(values.get(key), int) and not isinstance(values.get(key), bool)})
         fields[name] = {**values, **overrides.get(name, {})}
+    _tie_qwen_vl(model_type, fields)
     top = {} if "text_config" in fields else tiny_config(model_type, real).to_dict()
     top.pop("model_type", None)
     return AutoConfig.for_model(model_type, **{**top, **fields, **overrides.get("", {})})

@@ -45,7 +45,8 @@ def check_target(model_type: str, hf_dir: Path, out: Path, target: str, hf_model
     from kvforge.tools.parity import run_parity
 
     started = time.perf_counter()
-    export_model(hf_dir, out, target=target, force=True, families=families)
+    # A multimodal checkpoint's text model is what the sweep checks (the tiny folder has no image processor).
+    export_model(hf_dir, out, target=target, force=True, families=families, text_only=model_type in MULTIMODAL_TYPES)
     options = {"emulation": "reference"} if target == "trt" else {}  # the numpy kernel: the Triton one is slow here
     report = run_parity(hf_dir, out, list(PROMPTS), NEW_TOKENS, ATOL, backend_options=options,
                         perplexity_tokens=0, hf_model=hf_model)
@@ -132,7 +133,8 @@ def rtx_one(model_type: str) -> dict[str, Any]:
             model = build_tiny(model_type, hf_dir)
             reference = _text_reference(model, hf_dir, {}) if model_type in MULTIMODAL_TYPES else model
             export_model(hf_dir, out, target="onnx", families=trial_registry(model_type, type(model).__name__,
-                                                                             reference.config))
+                                                                             reference.config),
+                         text_only=model_type in MULTIMODAL_TYPES)
         except Exception as err:  # noqa: BLE001 - no export to build from: the sweep's row says why
             return {"status": "unexported", "error": _one_line(err)[:200]}
         started = time.perf_counter()

@@ -16,7 +16,7 @@ def coverage_table(coverage: dict[str, Any] | None = None) -> str:
     refused = sorted(t for t, r in rows.items() if r["status"] == "refused")
     scope = sorted(t for t, r in rows.items() if r["status"] == "out of scope")
     lines = [f"{len(passing)} model types pass, {len(refused)} are refused, {len(scope)} are out of scope "
-             f"(transformers {coverage.get('transformers', '?')}, {len(rows)} causal-LM types).", "",
+             f"(transformers {coverage.get('transformers', '?')}, {len(rows)} causal-LM and multimodal types).", "",
              "| model_type | " + " | ".join(f"`{t}`" for t in SWEEP_TARGETS)
              + " | TensorRT-RTX build | max logit error | real layer shape (hidden, heads, MLP) |",
              "|---|" + "---|" * len(SWEEP_TARGETS) + "---|---|---|"]

@@ -20,6 +20,25 @@ SIDE = 56  # the images' side after preprocessing: 16 patches of 14 pixels
 _CLIP = ("CLIPImageProcessor", {"size": {"shortest_edge": SIDE}, "crop_size": {"height": SIDE, "width": SIDE}})
 _SQUARE = {"size": {"height": SIDE, "width": SIDE}}
 _TOWER = {"num_hidden_layers": 2, "image_size": SIDE, "patch_size": 14}
+# Qwen VL: the tokens around an image (ids TEXT_VOCAB, TEXT_VOCAB + 1 in the built-in tokenizer), and an image
+# processor whose pixel bounds give images of 28..300 pixels different grids (4 to 144 patches of 14 pixels).
+_QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>")
+_QWEN_IDS = {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID + 1,
+             "vision_start_token_id": TEXT_VOCAB, "vision_end_token_id": TEXT_VOCAB + 1}
+# The towers' weights at the text model's scale (tiny_config's 0.2, not HF's 0.02): attention then depends on
+# which patches it sees, so a wrong mask or window shows in the features.
+_QWEN_INIT = {"initializer_range": 0.2}
+_QWEN_TOWER = {**_QWEN_INIT, "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+               "out_hidden_size": 64}
+_QWEN_PROCESSOR = ("Qwen2VLImageProcessor", {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 36})
+
+
+def _qwen_text(**rope: Any) -> dict[str, Any]:
+    """The text config's M-RoPE parameters (head_dim 16: sections of 2 + 3 + 3 frequencies)."""
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3],
+                                **rope}}
+
+
 TINY_VLMS: dict[str, dict[str, Any]] = {
     "llava": {"config": {"image_token_id": IMAGE_TOKEN_ID}, "vision_config": _TOWER, "processor": _CLIP},
     "vipllava": {"config": {"image_token_id": IMAGE_TOKEN_ID, "vision_feature_layers": [-2, -1]},
@@ -46,6 +65,36 @@ TINY_VLMS: dict[str, dict[str, Any]] = {
               "vision_config": {"num_hidden_layers": 2, "image_size": 64, "patch_size": 16, "projection_dim": 64},
               "processor": ("JanusImageProcessor", {"size": {"height": 64, "width": 64}, "min_size": 14}),
               "tokens": ("<begin_of_image>", "<end_of_image>")},
+    # Gemma 3: 16 soft tokens an image (4x4 patches, pooled 1:1) seen both ways, a sliding window (8) shorter than
+    # an image's block; its boi / eoi tokens at TEXT_VOCAB, TEXT_VOCAB + 1 and the soft token at IMAGE_TOKEN_ID.
+    "gemma3": {"config": {"image_token_id": IMAGE_TOKEN_ID, "boi_token_id": TEXT_VOCAB, "eoi_token_id": TEXT_VOCAB + 1,
+                          "mm_tokens_per_image": 16},
+               # Gemma 3 initialises its projector's weight to zeros (every image's features would be 0) and its norms'
+               # (1 + weight) to ones: its post-block norms drawn wider, its blocks outweigh the echoed input token.
+               "normal": {"mm_input_projection_weight": 0.2, "post_attention_layernorm.weight": 2.0,
+                          "post_feedforward_layernorm.weight": 2.0},
+               "text_config": {"sliding_window": 8}, "vision_config": _TOWER,
+               "processor": ("Gemma3ImageProcessor", _SQUARE),
+               "tokens": ("<start_of_image>", "<end_of_image>", *[f"<unused{i}>" for i in range(6)],
+                          "<image_soft_token>")},
+    # Qwen2-VL / 2.5-VL / 3-VL: towers that take each image at its own size (pixel_values [patches, C*T*P*P] with
+    # grid_thw; exporter/vision_patches.py). Text hidden 64, head_dim 16: mrope_section sums to 8.
+    "qwen2_vl": {"config": _QWEN_IDS, "text_config": _qwen_text(), "processor": _QWEN_PROCESSOR,
+                 "vision_config": {**_QWEN_INIT, "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                                   "mlp_ratio": 2},
+                 "tokens": _QWEN_TOKENS},
+    # Block 1 attends over the whole image, blocks 0 and 2 within windows of 2x2 merged tokens (56 pixels).
+    "qwen2_5_vl": {"config": _QWEN_IDS, "text_config": _qwen_text(), "processor": _QWEN_PROCESSOR,
+                   "vision_config": {**_QWEN_TOWER, "window_size": 56, "fullatt_block_indexes": [1]},
+                   "tokens": _QWEN_TOKENS},
+    # DeepStack features after blocks 0 and 1; an 8x8 learned position grid, resampled to each image's grid.
+    "qwen3_vl": {"config": _QWEN_IDS, "text_config": _qwen_text(mrope_interleaved=True),
+                 "vision_config": {**_QWEN_TOWER, "patch_size": 16, "num_position_embeddings": 64,
+                                   "deepstack_visual_indexes": [0, 1]},
+                 "processor": ("Qwen2VLImageProcessor", {"min_pixels": 32 * 32, "max_pixels": 32 * 32 * 36,
+                                                         "patch_size": 16, "image_mean": [0.5] * 3,
+                                                         "image_std": [0.5] * 3}),
+                 "tokens": _QWEN_TOKENS},
 }
 
 
@@ -84,6 +133,9 @@ def build_tiny_vlm(model_type: str, folder: Path, seed: int = 0) -> Any:
         for name, param in model.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param.mul_(2.0)
+            for suffix, std in TINY_VLMS[model_type].get("normal", {}).items():  # weights initialised to zeros
+                if name.endswith(suffix):
+                    param.normal_(0.0, std)
     model.save_pretrained(folder, safe_serialization=True)
     save_tiny_processor(model_type, folder)
     tokenizer = build_tokenizer(TEXT_VOCAB)

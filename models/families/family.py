@@ -8,6 +8,8 @@ by exactly one stage of the export:
 
     refuse        loading (Family.check)        an option of the family kvforge cannot export
     text_config   loading (exporter/text_model)  a multimodal type that is its own text config: the text type
+    text_class    loading (exporter/text_model)  the causal-LM class of a text model transformers ships none for
+    mrope         tracing (exporter/wrapper)     three rotary position streams: prefill takes position_ids
     capacity      the KV layout (exporter/graphs) the most positions an export holds exactly, and why
     patch         after loading (exporter/graphs) put attention where kvforge reaches it, on the export's Patches
     states        probing and tracing            a recurrent state outside transformers' cache: probe / bind
@@ -73,6 +75,10 @@ class Family:
     states: FamilyStates | None = None
     looped_experts: Callable[[Any], LoopedExperts | None] | None = None
     rotary_dims: Callable[[Any, int], int] | None = None
+    text_class: Callable[[Any], type] | None = None
+    # Multimodal rotary positions (Qwen2-VL's M-RoPE: temporal, height, width): a whole-model export's prefill takes
+    # contract.POSITION_IDS and its decode contract.ROPE_DELTAS; its text-only export keeps past_lens + t.
+    mrope: bool = False
 
     # First guesses from the config (the export probes the shapes each layer really has); 1 for a model
     # without attention heads (a state-space model), which keeps no KV.

@@ -83,10 +83,10 @@ class Backend(Protocol):
 
     def allocate(self, batch: int, capacity: int) -> Slot: ...
 
-    # image_features: a vision-language export's (contract.IMAGE_FEATURES), None for none; a backend that runs no
-    # such export refuses any.
+    # image_features: a vision-language export's (contract.IMAGE_FEATURES), None for none; positions: an M-RoPE
+    # export's [3, B, S] (contract.POSITION_IDS), None for a text call; a backend that runs no such export refuses any.
     def prefill(self, slot: Slot, input_ids: np.ndarray, logits_index: np.ndarray,
-                image_features: np.ndarray | None = None) -> np.ndarray: ...
+                image_features: np.ndarray | None = None, positions: np.ndarray | None = None) -> np.ndarray: ...
 
     def decode(self, slot: Slot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray: ...
 

@@ -84,6 +84,9 @@ class CacheState:
         self.capacity = capacity
         self.max_capacity = max_capacity if max_capacity is not None else capacity
         self.past_lens = np.zeros(batch, dtype=np.int32)
+        # An M-RoPE export's per-row offset of the rotary positions from past_lens (contract.ROPE_DELTAS), set
+        # when a row's prompt is placed; 0 for a text row, and unused by any other export.
+        self.rope_deltas = np.zeros(batch, dtype=np.int64)
 
     @property
     def batch(self) -> int:
@@ -112,7 +115,14 @@ class CacheState:
     def reset(self) -> None:
         """Forget the contents (stale rows are overwritten before they are ever attended; a row's recurrent
         state is read as zeros by a graph run at its position 0)."""
-        self.past_lens[:] = 0
+        self.past_lens[:] = 0  # (rope_deltas belong to the rows placed: the engine sets them as it places rows)
+
+    def text_positions(self, seq: int) -> np.ndarray:
+        """[3, B, seq] int64: the multimodal positions of a call of text tokens (contract.POSITION_IDS), the three
+        streams equal to past_lens[b] + t + rope_deltas[b]."""
+        row = self.past_lens.astype(np.int64) + self.rope_deltas
+        return np.ascontiguousarray(np.broadcast_to(row[:, None] + np.arange(seq, dtype=np.int64),
+                                                    (3, self.batch, seq)))
 
     def first_rows(self, rows: int) -> CacheState:
         """The state of the first `rows` rows: the same `past_lens` memory (a view), a smaller batch."""
@@ -121,6 +131,7 @@ class CacheState:
         view = copy.copy(self)
         view.shape = (int(rows), *self.shape[1:])
         view.past_lens = self.past_lens[:rows]
+        view.rope_deltas = self.rope_deltas[:rows]
         return view
 
     def check_row(self, row: int, positions: int) -> None:

@@ -20,9 +20,9 @@ address, the decode step is captured once per slot as a CUDA graph (ONNX Runtime
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +36,17 @@ from kvforge.core.contract import (
     LOGITS_INDEX,
     LOGITS_POSITIONS,
     PAST_LENS,
+    POSITION_IDS,
+    ROPE_DELTAS,
+    GraphIO,
     KVLayout,
     ModelSpec,
-    buffer_name,
-    cache_input,
     cache_output,
 )
 from kvforge.core.errors import InputError, KvforgeError, ManifestError
 from kvforge.core.targets import Target
 from kvforge.runtime.backends.backend import Limits, export_target
-from kvforge.runtime.backends.device_pick import PICK_DTYPES, DevicePicker, PickBinding
+from kvforge.runtime.backends.device_pick import PICK_DTYPES, DevicePicker
 from kvforge.runtime.backends.kv_cache import KVCache
 from kvforge.runtime.backends.ort_sessions import (
     _QUIET_RUN,
@@ -58,6 +59,7 @@ from kvforge.runtime.backends.ort_sessions import (
     open_session,
     providers_for,
 )
+from kvforge.runtime.backends.ort_slot import OrtSlot, bind_buffer, device_array
 from kvforge.runtime.backends.row_view import row_view
 from kvforge.runtime.backends.target_hidden import before_run, target_hidden
 
@@ -68,27 +70,6 @@ from kvforge.runtime.backends.target_hidden import before_run, target_hidden
 # efficient 2, math 16.
 DECODE_ATTENTION = ("auto", "flash")
 SDPA_FLASH_FIRST = 1 | 2 | 16
-
-
-@dataclass
-class OrtSlot:
-    """A KV cache bound to the backend's sessions: what one request (or one thread) runs on."""
-
-    cache: KVCache
-    bindings: dict[str, ort.IOBinding]
-    output_order: dict[str, list[str]]
-    logits: np.ndarray  # [B, V], bound as the logits output of both phases
-    decode_ids: np.ndarray  # [B, 1], bound as the decode input_ids
-    decode_index: np.ndarray  # [B, 1] zeros: single mode's logits_index for S=1
-    host_values: dict[str, ort.OrtValue] = field(default_factory=dict)
-    prefill_inputs: tuple[np.ndarray, ...] = ()  # kept alive until the run (bind_cpu_input does not copy)
-    # ort-cuda: past_lens, the decode token ids, single mode's logits index and the decode logits, on
-    # the device (fixed addresses: what a CUDA graph replays); and the decode runs' options (graph id).
-    device_values: dict[str, ort.OrtValue] = field(default_factory=dict)
-    decode_options: ort.RunOptions | None = None
-    # ort-cuda with device greedy: the pick graph's binding over the decode logits and the device buffer
-    # it fills (each row's argmax, and its logits' sum: the NaN check), runtime/backends/device_pick.py
-    pick: PickBinding | None = None
 
 
 class OrtBackend:
@@ -162,6 +143,8 @@ class OrtBackend:
         # A vision-language export's prefill graph takes image features: none ([0, hidden]) unless a prefill has some.
         self.no_features = None if manifest.get("vision") is None else \
             np.zeros((0, manifest["vision"]["hidden_size"]), feature_dtype(manifest))
+        # An M-RoPE export: prefill takes each token's three positions, decode the rows' offsets (contract).
+        self.mrope = POSITION_IDS in GraphIO.of_manifest("prefill", self.kv, manifest).inputs
         self.runs = {"prefill": 0, "decode": 0}
         self.allocations = 0
         self._runs_lock = threading.Lock()
@@ -215,8 +198,8 @@ class OrtBackend:
         return self.bind(cache)
 
     def prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray,
-                image_features: np.ndarray | None = None) -> np.ndarray:
-        return self.run_prefill(slot, input_ids, logits_index, image_features)
+                image_features: np.ndarray | None = None, positions: np.ndarray | None = None) -> np.ndarray:
+        return self.run_prefill(slot, input_ids, logits_index, image_features, positions)
 
     def decode(self, slot: OrtSlot, token_ids: np.ndarray, running: np.ndarray | None = None) -> np.ndarray:
         return self.run_decode(slot, token_ids, running)
@@ -249,16 +232,18 @@ class OrtBackend:
             LOGITS_POSITIONS: ort.OrtValue.ortvalue_from_numpy(slot.logits.reshape(batch, 1, self.vocab_size)),
             "decode_index": ort.OrtValue.ortvalue_from_numpy(slot.decode_index),
         }
+        if self.mrope:
+            slot.host_values[ROPE_DELTAS] = ort.OrtValue.ortvalue_from_numpy(cache.rope_deltas)
         inputs = slot.host_values
         if self.on_device:
             single = self.session_mode == "single"
-            slot.device_values = {
-                PAST_LENS: self._device_array(np.zeros(batch, np.int32)),
-                "decode_ids": self._device_array(slot.decode_ids),
-                "decode_index": self._device_array(slot.decode_index),
-                LOGITS: self._device_array(np.zeros((batch, 1, self.vocab_size) if single else (batch, self.vocab_size),
-                                                    self.logits_dtype)),
-            }
+            on = functools.partial(device_array, self.device, self.device_id)
+            logits_shape = (batch, 1, self.vocab_size) if single else (batch, self.vocab_size)
+            slot.device_values = {PAST_LENS: on(np.zeros(batch, np.int32)), "decode_ids": on(slot.decode_ids),
+                                  "decode_index": on(slot.decode_index),
+                                  LOGITS: on(np.zeros(logits_shape, self.logits_dtype))}
+            if self.mrope:
+                slot.device_values[ROPE_DELTAS] = on(cache.rope_deltas)
             inputs = slot.device_values
             slot.decode_options = self._decode_run_options()
             if self.picker is not None:
@@ -271,6 +256,8 @@ class OrtBackend:
                 binding.bind_ortvalue_input(INPUT_IDS, inputs["decode_ids"])
                 if self.session_mode == "single":
                     binding.bind_ortvalue_input(LOGITS_INDEX, inputs["decode_index"])
+                elif self.mrope:
+                    binding.bind_ortvalue_input(ROPE_DELTAS, inputs[ROPE_DELTAS])
             per_position = phase == "prefill" or self.session_mode == "single"  # the prefill graph runs
             if per_position and self.no_features is not None:
                 binding.bind_cpu_input(IMAGE_FEATURES, self.no_features)
@@ -280,32 +267,11 @@ class OrtBackend:
                 binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS if per_position else LOGITS])
             order.append(LOGITS)
             for layer, kind in self.kv.buffers():
-                self._bind_cache(binding, cache, layer, kind)
+                bind_buffer(binding, cache, layer, kind, self.device, self.device_id)
                 order.append(cache_output(kind, layer))
             slot.bindings[phase] = binding
             slot.output_order[phase] = order
         return slot
-
-    def _bind_cache(self, binding: ort.IOBinding, cache: KVCache, layer: int, kind: str) -> None:
-        """Bind one cache buffer as both past_* and present_*: its OrtValue, or (a device view, which has
-        none) its address with the view's shape."""
-        name = buffer_name(kind, layer)
-        if cache.buffer_values:
-            buffer = cache.buffer_values[name]
-            binding.bind_ortvalue_input(cache_input(kind, layer), buffer)
-            binding.bind_ortvalue_output(cache_output(kind, layer), buffer)
-            return
-        index = cache.buffers().index((layer, kind))
-        pointer, dtype = cache.buffer_pointers()[index], cache.host_dtypes[index]
-        shape = list(cache.buffer_shape(layer, kind))
-        binding.bind_input(cache_input(kind, layer), self.device, self.device_id, dtype, shape, pointer)
-        binding.bind_output(cache_output(kind, layer), self.device, self.device_id, dtype, shape, pointer)
-
-    def _device_array(self, array: np.ndarray) -> ort.OrtValue:
-        """A device OrtValue holding a copy of `array` (so it starts initialised)."""
-        value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, self.device, self.device_id)
-        value.update_inplace(np.ascontiguousarray(array))
-        return value
 
     def _decode_run_options(self) -> ort.RunOptions:
         """Decode runs' options: quiet, and with CUDA graphs the slot's own graph id (its buffers differ
@@ -344,11 +310,13 @@ class OrtBackend:
 
     # -- running --------------------------------------------------------------------------------
     def run_prefill(self, slot: OrtSlot, input_ids: np.ndarray, logits_index: np.ndarray,
-                    image_features: np.ndarray | None = None) -> np.ndarray:
+                    image_features: np.ndarray | None = None, positions: np.ndarray | None = None) -> np.ndarray:
         """input_ids [B, S] int64 (right-padded); logits_index [B] -> logits [B, V] float32, or
         [B, K] (K positions per row, e.g. to verify speculative drafts) -> logits [B, K, V].
         Writes positions past_lens[b] + 0..S-1 of every row; the caller advances past_lens. `image_features`: a
-        vision-language export's, one row per image token of `input_ids`, row-major (contract.IMAGE_FEATURES)."""
+        vision-language export's, one row per image token of `input_ids`, row-major (contract.IMAGE_FEATURES).
+        `positions`: an M-RoPE export's [3, B, S] (contract.POSITION_IDS); None: a text call's
+        (CacheState.text_positions)."""
         slot.cache.check_fits(input_ids.shape[1])
         binding = slot.bindings["prefill"]
         index = np.ascontiguousarray(logits_index, dtype=np.int64)
@@ -363,6 +331,13 @@ class OrtBackend:
                                             dtype=self.no_features.dtype)
             slot.prefill_inputs += (features,)
             binding.bind_cpu_input(IMAGE_FEATURES, features)
+        if self.mrope:
+            given = slot.cache.text_positions(input_ids.shape[1]) if positions is None else \
+                np.ascontiguousarray(positions, dtype=np.int64)
+            slot.prefill_inputs += (given,)
+            binding.bind_cpu_input(POSITION_IDS, given)
+        elif positions is not None:
+            raise InputError("positions are an input of an export with multimodal rotary positions (M-RoPE) only")
         if index.shape[1] == 1:
             binding.bind_ortvalue_output(LOGITS, slot.host_values[LOGITS_POSITIONS])
             logits = self._run(slot, "prefill")
@@ -377,7 +352,15 @@ class OrtBackend:
         capacity is checked for the `running` rows only (finished rows are frozen by the caller)."""
         slot.cache.check_fits(1, running)
         slot.decode_ids[:, 0] = token_ids
+        self._bind_decode_positions(slot)
         return self._run(slot, "decode")
+
+    def _bind_decode_positions(self, slot: OrtSlot) -> None:
+        """An M-RoPE export's decode step through the prefill graph (session mode "single"): the new token's
+        positions, past_lens + rope_deltas (decode.onnx computes them itself from contract.ROPE_DELTAS)."""
+        if self.mrope and self.session_mode == "single":
+            slot.decode_positions = slot.cache.text_positions(1)
+            slot.bindings["decode"].bind_cpu_input(POSITION_IDS, slot.decode_positions)
 
     def decode_greedy(self, slot: OrtSlot, token_ids: np.ndarray,
                       running: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -386,6 +369,7 @@ class OrtBackend:
         logits stay in the device buffer."""
         slot.cache.check_fits(1, running)
         slot.decode_ids[:, 0] = token_ids
+        self._bind_decode_positions(slot)
         with self._device_lock:
             self._run_on_device(slot, "decode", logits_back=False)
             if self.picker is not None:
@@ -420,6 +404,9 @@ class OrtBackend:
         if phase == "decode":
             values["decode_ids"].update_inplace(slot.decode_ids)
             binding.bind_ortvalue_input(INPUT_IDS, values["decode_ids"])
+            if self.mrope and self.session_mode != "single":  # bound again for the reason past_lens is
+                values[ROPE_DELTAS].update_inplace(slot.cache.rope_deltas)
+                binding.bind_ortvalue_input(ROPE_DELTAS, values[ROPE_DELTAS])
         binding.synchronize_inputs()
         self._session_run(slot, phase, slot.decode_options if phase == "decode" else _QUIET_RUN)
         binding.synchronize_outputs()

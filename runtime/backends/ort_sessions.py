@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.core.contract import DRAFT, KV_KINDS, LOGITS, GraphIO, KVLayout, ModelSpec, parse_cache_name
+from kvforge.core.contract import KV_KINDS, LOGITS, GraphIO, KVLayout, ModelSpec, parse_cache_name
 from kvforge.core.errors import BackendUnavailableError, InputError, ManifestError
 from kvforge.core.manifest import io_entry, io_names, read_graph
 from kvforge.core.targets import Target
@@ -124,7 +124,7 @@ def feature_dtype(manifest: dict[str, Any]) -> Any:
 
 def check_session_io(manifest: dict[str, Any], kv: KVLayout, phase: str, session: ort.InferenceSession) -> None:
     """The session's IO names, dtypes and fixed dimensions are the manifest's (ManifestError otherwise)."""
-    want = GraphIO.of(phase, kv, images=manifest.get("vision") is not None, hidden=manifest.get(DRAFT) is not None)
+    want = GraphIO.of_manifest(phase, kv, manifest)
     file = manifest["graphs"][phase]["file"]
     have_in = [node.name for node in session.get_inputs()]
     have_out = [node.name for node in session.get_outputs()]

@@ -30,6 +30,7 @@ def row_cache(cache: KVCache, at: int) -> KVCache | None:
     view = copy.copy(cache)
     view.shape = (1, *cache.shape[1:])
     view.past_lens = cache.past_lens[at: at + 1]
+    view.rope_deltas = cache.rope_deltas[at: at + 1]
     view.row_offset = at
     if cache.on_device:
         view._base = cache._base or cache

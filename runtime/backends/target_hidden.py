@@ -22,6 +22,7 @@ import onnxruntime as ort
 
 from kvforge.core.contract import TARGET_HIDDEN
 from kvforge.core.errors import BackendUnavailableError, ManifestError
+from kvforge.runtime.backends.ort_slot import device_array
 
 HEAD_BACKENDS = ("ort-cpu", "ort-cuda")  # the backends that run a head (draft.onnx) beside the target
 _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -108,7 +109,7 @@ def before_run(backend: Any, slot: Any, phase: str) -> None:
     if phase not in state.bound:
         shape = (slot.cache.batch, 1, width)
         if backend.on_device:
-            state.device = backend._device_array(np.zeros(shape, dtype))
+            state.device = device_array(backend.device, backend.device_id, np.zeros(shape, dtype))
             binding.bind_ortvalue_output(TARGET_HIDDEN, state.device)
         else:
             state.decode = np.zeros(shape, dtype)

@@ -248,9 +248,9 @@ class TrtBackend:
         return self._kv_host_dtype.itemsize
 
     def prefill(self, slot: TrtSlot, input_ids: np.ndarray, logits_index: np.ndarray,
-                image_features: np.ndarray | None = None) -> np.ndarray:
+                image_features: np.ndarray | None = None, positions: np.ndarray | None = None) -> np.ndarray:
         """logits_index [B] -> logits [B, V]; [B, K] -> [B, K, V] (K <= MAX_POSITIONS)."""
-        if image_features is not None:  # the trt target exports no vision-language model
+        if image_features is not None or positions is not None:  # the trt target exports no vision-language model
             raise InputError("the tensorrt backend takes no images: its exports are text models")
         batch, seq = input_ids.shape
         slot.cache.check_fits(seq)

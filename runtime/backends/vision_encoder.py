@@ -52,3 +52,36 @@ class VisionEncoder:
             raise ManifestError(f"vision.onnx gave features of shape {out.shape}, its manifest says "
                                 f"{(self.tokens, self.hidden)}; re-run the export")
         return out
+
+
+class PatchEncoder:
+    """A tower that takes each image at its own size (Qwen2-VL's): encode(pixel_values [patches, C*T*P*P], the
+    tower's other inputs, tokens) -> features [tokens, hidden]. The other inputs (the tower's positions and attention
+    segments, named as the manifest records them) come from the image's grid (runtime/media/mrope.py)."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
+        options = ort.SessionOptions()
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+        self.session = ort.InferenceSession(read_graph(folder, manifest, VISION), sess_options=options,
+                                            providers=["CPUExecutionProvider"])
+        vision = manifest["vision"]
+        self.inputs = tuple(vision["tower_inputs"])
+        have = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
+        want = GraphIO.vision(self.inputs)
+        if tuple(have[0]) != want.inputs or tuple(have[1]) != want.outputs:
+            raise ManifestError(f"{folder}/vision.onnx has IO {have}, not {want.inputs} -> {want.outputs}; the "
+                                "folder was modified, re-run the export")
+        self.hidden = vision["hidden_size"]
+        self.dtype = feature_dtype(manifest)
+
+    def encode(self, pixels: np.ndarray, arrays: dict[str, np.ndarray], tokens: int) -> np.ndarray:
+        """`arrays`: the tower's other inputs by name (the runtime's media computes them from the image's grid);
+        `tokens`: how many the image gives."""
+        feeds = {PIXEL_VALUES: pixels.astype(self.dtype), **{name: arrays[name] for name in self.inputs}}
+        out = self.session.run([IMAGE_FEATURES], feeds)[0]
+        if out.shape != (tokens, self.hidden):
+            raise ManifestError(f"vision.onnx gave features of shape {out.shape}, not {(tokens, self.hidden)}; re-run "
+                                "the export")
+        return out

@@ -93,6 +93,7 @@ class StepEngine:
         if self.rows[at] is not None:
             self.release(at)
         self.rows[at], self.pickers[at], self.proposers[at] = row, picker, proposer
+        self.cache.rope_deltas[at] = row.rope_delta
         self._picking += not _bare(row, picker)
 
     def release(self, at: int) -> Row | None:
@@ -104,6 +105,7 @@ class StepEngine:
             self.proposers[at].release(at)
         self.rows[at], self.pickers[at], self.proposers[at] = None, None, None
         self.cache.past_lens[at] = 0
+        self.cache.rope_deltas[at] = 0
         return row
 
     def free_rows(self) -> list[int]:
@@ -150,6 +152,8 @@ class StepEngine:
             n = int(past_lens[last])
             self.backend.copy_rows(self.slot, last, self.slot, free, n)
             past_lens[free], past_lens[last] = n, 0
+            deltas = self.cache.rope_deltas
+            deltas[free], deltas[last] = deltas[last], 0
             self.rows[free], self.pickers[free] = self.rows[last], self.pickers[last]
             self.proposers[free] = self.proposers[last]
             if self.proposers[free] is not None:
@@ -169,7 +173,8 @@ class StepEngine:
             ids = np.full((len(prompts), int(lens.max())), self.pad, dtype=np.int64)
             for b, prompt in enumerate(prompts):
                 ids[b, : len(prompt)] = prompt
-            logits = self.check(self.backend.prefill(self.slot, ids, lens - 1, self._images(len(prompts))), 0)
+            logits = self.check(self.backend.prefill(self.slot, ids, lens - 1, self._images(len(prompts)),
+                                                     self._positions(len(prompts), ids.shape[1])), 0)
         self.cache.past_lens[:] = lens
         accepted, failed = self._pick_accept(range(len(prompts)), logits, 0)
         self._observe({b: (0, int(lens[b])) for b in range(len(prompts)) if self.proposers[b] is not None})
@@ -181,6 +186,18 @@ class StepEngine:
         features = [row.image_features for row in self.rows[first:first + rows]
                     if row is not None and row.image_features is not None]
         return np.concatenate(features) if features else None
+
+    def _positions(self, rows: int, seq: int, first: int = 0) -> np.ndarray | None:
+        """The M-RoPE positions [3, rows, seq] of a prefill of rows first..first+rows-1 from position 0: each row's
+        prompt positions, a text row's (and the padding's) past_lens + t; None when no row has any."""
+        placed = self.rows[first:first + rows]
+        if all(row is None or row.positions is None for row in placed):
+            return None
+        out = np.broadcast_to(np.arange(seq, dtype=np.int64), (3, rows, seq)).copy()
+        for b, row in enumerate(placed):
+            if row is not None and row.positions is not None:
+                out[:, b, : row.positions.shape[1]] = row.positions
+        return out
 
     def _prefill_alone(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
         """Prompts of different lengths for a model with recurrent layers: right padding would run pad tokens
@@ -196,7 +213,8 @@ class StepEngine:
         for b, prompt in enumerate(prompts):
             staging.cache.reset()  # position 0: the graph reads the row's states as zeros
             logits = self.backend.prefill(staging, np.asarray([prompt], dtype=np.int64),
-                                          np.array([len(prompt) - 1], dtype=np.int64), self._images(1, b))
+                                          np.array([len(prompt) - 1], dtype=np.int64), self._images(1, b),
+                                          self._positions(1, len(prompt), b))
             out.append(logits.copy())  # the slot's logits buffer, which the next row's run overwrites
             self.backend.copy_rows(staging, 0, self.slot, b, len(prompt))
         return np.concatenate(out, axis=0)

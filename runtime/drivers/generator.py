@@ -224,7 +224,8 @@ class Generator:
                     self.row_controls(request, prompt), keep_logprobs=request.logprobs is not None)
                 for prompt in ids]  # a grammar that fails, fails here, before a slot is taken
         for row, row_images in zip(rows, images or (), strict=False):
-            row.image_features = row_images.features if row_images is not None else None
+            if row_images is not None:
+                row_images.attach(row)
         # n choices: each its own stream, as its own Scheduler choice draws (seed + i); else one for the batch.
         n = request.n
         picker = Picker(request.sampling, [choice_seed(request.sampling.seed, b % n) for b in range(len(ids))]

@@ -25,6 +25,15 @@ class RowImages:
 
     features: np.ndarray  # [images * tokens_per_image, hidden]
     digests: tuple[str, ...]
+    # An M-RoPE export's: the prompt row's positions [3, S] and its later positions' offset (contract.POSITION_IDS,
+    # ROPE_DELTAS); None and 0 elsewhere.
+    positions: np.ndarray | None = None
+    rope_delta: int = 0
+    counts: tuple[int, ...] = ()  # each image's token count (its features' rows)
+
+    def attach(self, row: Any) -> None:
+        """Give a Row (runtime/drivers/rows.py) its prompt's image features and positions."""
+        row.image_features, row.positions, row.rope_delta = self.features, self.positions, self.rope_delta
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,7 @@ class EncodedImage(LoadedImage):
     so admission never encodes (and never depends on the kept features' cache)."""
 
     features: np.ndarray | None = None
+    grid: tuple[int, int, int] | None = None  # a family whose images take tokens by size: its (t, h, w) patch grid
 
 
 class Images:
@@ -49,26 +59,47 @@ class Images:
         self.limits = limits
         self._encoder: Any = None
         self._lock = threading.Lock()
-        self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[np.ndarray, tuple[int, int, int] | None]] = OrderedDict()
 
-    def prompt_rows(self, prompts: list[Any], images: list[list[Any]], encode: Any) -> list[list[int]]:
-        """Each prompt (text or token ids) with its image places expanded."""
+    def encode_rows(self, images: list[list[Any]]) -> list[list[EncodedImage]]:
+        """Each row's images read, checked and encoded (their token counts decide their prompt runs)."""
+        if any(len(row) > self.limits.max_images for row in images):
+            raise InputError(f"too many images: at most {self.limits.max_images} per prompt")
+        return [self.encode(row) for row in images]
+
+    def prompt_rows(self, prompts: list[Any], images: list[list[EncodedImage]], encode: Any) -> list[list[int]]:
+        """Each prompt (text or token ids) with its image places expanded, each to its image's token count."""
         rows = []
         for i, (prompt, row_images) in enumerate(zip(prompts, images, strict=True)):
             ids = text_with_images(prompt, self.vision, encode) if isinstance(prompt, str) else list(prompt)
-            rows.append(expand_images(ids, len(row_images), self.vision, f"prompt {i}"))
+            rows.append(expand_images(ids, [len(one.features) for one in row_images], self.vision, f"prompt {i}"))
         return rows
 
-    def encode_rows(self, images: list[list[Any]]) -> list[RowImages | None]:
-        """The features of each row's images (None for a row without)."""
-        if any(len(row) > self.limits.max_images for row in images):
-            raise InputError(f"too many images: at most {self.limits.max_images} per prompt")
+    def row_images(self, rows: list[list[int]], images: list[list[EncodedImage]]) -> list[RowImages | None]:
+        """What the engine feeds each row's prefill (None for a row without images): its images' features, and an
+        M-RoPE export's positions."""
         out: list[RowImages | None] = []
-        for row in images:
-            encoded = self.encode(row)
+        for ids, encoded in zip(rows, images, strict=True):
+            if not encoded:
+                out.append(None)
+                continue
+            positions, delta = self._positions(ids, encoded)
             out.append(RowImages(np.concatenate([one.features for one in encoded]),
-                                 tuple(one.digest for one in encoded)) if encoded else None)
+                                 tuple(one.digest for one in encoded), positions, delta,
+                                 tuple(len(one.features) for one in encoded)))
         return out
+
+    def _positions(self, ids: list[int], encoded: list[EncodedImage]) -> tuple[np.ndarray | None, int]:
+        """An M-RoPE export's prompt positions [3, S] and rope delta (runtime/media/mrope.py); (None, 0) elsewhere."""
+        if self.vision.get("positions") != "mrope":
+            return None, 0
+        from kvforge.runtime.media.mrope import OPTIONS, mrope_positions
+
+        record = self.vision["mrope"]
+        return mrope_positions(ids, [one.grid for one in encoded], image_token_id=record["image_token_id"],
+                               video_token_id=record["video_token_id"],
+                               spatial_merge_size=record["spatial_merge_size"],
+                               **{key: record[key] for key in OPTIONS if record.get(key) is not None})
 
     def encode(self, sources: list[Any]) -> list[EncodedImage]:
         """Each image read, checked and encoded in turn, with its features. Its decoded pixels are dropped once it is
@@ -77,31 +108,53 @@ class Images:
         out = []
         for source in sources:
             one = load_image(source, self.limits)
-            out.append(one if isinstance(one, EncodedImage) else EncodedImage(None, one.digest, self._features(one)))
+            out.append(one if isinstance(one, EncodedImage) else EncodedImage(None, one.digest, *self._features(one)))
             del one  # the decoded pixels go before the next image is decoded
         return out
 
-    def run_length(self) -> int:
-        """The tokens one image takes in a prompt (its run: before_ids, its image tokens, after_ids)."""
+    def prompt_length(self, ids: list[int], images: list[Any]) -> int:
+        """The length of a prompt whose image places (one id each among `ids`) are expanded: each image's run is
+        before_ids, its image tokens (an encoded image's feature rows; tokens_per_image for one not yet encoded)
+        and after_ids."""
         v = self.vision
-        return len(v["before_ids"]) + v["tokens_per_image"] + len(v["after_ids"])
+        around = len(v["before_ids"]) + len(v["after_ids"]) - 1
+        return len(ids) + sum(around + (len(one.features) if getattr(one, "features", None) is not None
+                                        else v["tokens_per_image"]) for one in images)
 
     def key(self, ids: list[int], row: RowImages | None) -> list[int]:
         """A prompt row's prefix-cache key (image tokens keyed by their image)."""
-        return ids if row is None else image_key(ids, list(row.digests), self.vision)
+        return ids if row is None else image_key(ids, list(row.digests), self.vision, row.counts)
 
-    def _features(self, loaded: Any) -> np.ndarray:
+    def _features(self, loaded: Any) -> tuple[np.ndarray, tuple[int, int, int] | None]:
+        """An image's features (kept by digest) and, for a family whose images take tokens by size, its grid."""
         with self._lock:
             kept = self._kept.get(loaded.digest)
             if kept is not None:
                 self._kept.move_to_end(loaded.digest)
                 return kept
             if self._encoder is None:
-                from kvforge.runtime.backends.vision_encoder import VisionEncoder
+                from kvforge.runtime.backends.vision_encoder import PatchEncoder, VisionEncoder
 
-                self._encoder = VisionEncoder(self.folder, self.manifest)
-            features = self._encoder.encode(preprocess(loaded.image, self.vision["processor"]))
-            self._kept[loaded.digest] = features
+                patches = self.vision.get("input") == "patches"
+                self._encoder = (PatchEncoder if patches else VisionEncoder)(self.folder, self.manifest)
+            if self.vision.get("input") == "patches":
+                made = self._patch_features(loaded.image)
+            else:
+                made = (self._encoder.encode(preprocess(loaded.image, self.vision["processor"])), None)
+            self._kept[loaded.digest] = made
             if len(self._kept) > self.KEPT:
                 self._kept.popitem(last=False)
-            return features
+            return made
+
+    def _patch_features(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """A tower of images at their own size (Qwen-VL's): the image's patches and grid, the tower's other inputs
+        from the grid, its features."""
+        from kvforge.runtime.media.mrope import tower_inputs
+        from kvforge.runtime.media.qwen_vl_preprocess import preprocess_qwen
+
+        pixels, grid = preprocess_qwen(image, self.vision["processor"])
+        record = self.vision["mrope"]
+        merge = record["spatial_merge_size"]
+        arrays = tower_inputs([grid], merge, record.get("window_size"), record.get("patch_size"),
+                              record.get("num_position_embeddings"))
+        return self._encoder.encode(pixels, arrays, grid[0] * grid[1] * grid[2] // merge**2), grid

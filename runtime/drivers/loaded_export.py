@@ -206,10 +206,11 @@ class LoadedExport:
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so prompts must be token ids, not text")
         tokenizer = self.tokenizer
-        rows = self.images.prompt_rows(prompts, images, lambda text, special: tokenizer.encode(text, special))
+        encoded = self.images.encode_rows(images)  # first: an image's token count is known once it is encoded
+        rows = self.images.prompt_rows(prompts, encoded, lambda text, special: tokenizer.encode(text, special))
         rows, _ = parse_prompts(rows, self.tokenizer, self.vocab_size, self.folder)  # the ids checked
         text_mode = isinstance(request.prompts, RenderedChat) or any(isinstance(p, str) for p in prompts)
-        return rows, text_mode, self.images.encode_rows(images)
+        return rows, text_mode, self.images.row_images(rows, encoded)
 
     def checked_ids(self, ids: list[int]) -> list[int]:
         """One row of token ids, checked against the vocabulary (parse_prompts' messages)."""

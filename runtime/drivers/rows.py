@@ -43,6 +43,10 @@ class Row:
         self.error: str | None = None  # why the row failed (FinishReason.ERROR), a client's grammar
         # A vision-language export's prompt images: their features, one row per image token (contract.IMAGE_FEATURES)
         self.image_features: np.ndarray | None = None
+        # An M-RoPE export's prompt: each prompt token's three positions [3, len(prompt)] (contract.POSITION_IDS) and
+        # the offset of the row's later positions from past_lens (contract.ROPE_DELTAS); None and 0 for a text row.
+        self.positions: np.ndarray | None = None
+        self.rope_delta = 0
 
     def fail(self, error: GrammarError) -> None:
         """End this row alone: its controls failed (the request's own grammar)."""

@@ -62,6 +62,7 @@ from kvforge.runtime.controls.sampling import choice_seed
 from kvforge.runtime.controls.speculate import DEFAULT_DRAFT_LEN
 from kvforge.runtime.drivers.engine import Accepted, Step, StepEngine
 from kvforge.runtime.drivers.handles import Delta, Done, Event, RequestHandle
+from kvforge.runtime.drivers.image_blocks import block_token, chunk_end, prefix_end
 from kvforge.runtime.drivers.loaded_export import LoadedExport
 from kvforge.runtime.drivers.prefix_store import PrefixStore
 from kvforge.runtime.drivers.rows import Picker, Row
@@ -186,6 +187,8 @@ class Scheduler:
         pickers = [Picker(sampling.with_overrides(seed=choice_seed(sampling.seed, index)), logprobs=request.logprobs)
                    for index in range(request.n)]
         row_images = images[0] if images else None
+        for row in choices if row_images is not None else ():
+            row_images.attach(row)
         key = self.export.images.key(prompt, row_images) if row_images is not None else None
         job = _Request(handle, prompt, choices, pickers, row_images, key, proposer,
                        self.speculation.rows(speculation, proposer, request.n))
@@ -307,8 +310,10 @@ class Scheduler:
             cached, kv = self.prefixes.lookup(job.key) if not job.needs_hidden else (0, None)
             if cached:
                 self.backend.write_rows(self.stage, 0, kv, cached)
+            cached = prefix_end(job.prompt_ids, cached, block_token(self.export))  # image blocks stay whole
             job.cached = job.prefilled = cached
             self.stage.cache.past_lens[0] = cached
+            self.stage.cache.rope_deltas[0] = job.images.rope_delta if job.images is not None else 0
         job = self._prefilling
         if job.handle.cancelled.is_set():
             self._prefilling = None
@@ -316,10 +321,11 @@ class Scheduler:
                 self._finish(row, -1, FinishReason.CANCELLED, keep=False)
             return
         prompt = job.prompt_ids
-        chunk = prompt[job.prefilled: job.prefilled + self.prefill_chunk]
+        end = chunk_end(prompt, job.prefilled, job.prefilled + self.prefill_chunk, block_token(self.export))
+        chunk = prompt[job.prefilled: end]
         logits = self.export.check_logits(
             self.backend.prefill(self.stage, np.array([chunk], np.int64), np.array([len(chunk) - 1], np.int64),
-                                 self._chunk_images(job, len(chunk))), 0)
+                                 job.chunk_images(self.export.images, len(chunk)), job.chunk_positions(len(chunk))), 0)
         if job.needs_hidden:
             job.hidden.append(np.array(self.backend.target_hidden(self.stage)))  # valid until the next run: a copy
         job.prefilled += len(chunk)
@@ -340,16 +346,6 @@ class Scheduler:
         self.stats["ttft_count"] += 1
         self._deliver(step.positions)
         self._end_failed(step.failed)
-
-    def _chunk_images(self, job: _Request, length: int) -> np.ndarray | None:
-        """The image features of the chunk of `length` tokens from job.prefilled: those of the image tokens in it
-        (the cached or earlier chunks' skipped), or None."""
-        if job.images is None:
-            return None
-        token = self.export.images.vision["image_token_id"]
-        before = job.prompt_ids[:job.prefilled].count(token)
-        inside = job.prompt_ids[job.prefilled:job.prefilled + length].count(token)
-        return job.images.features[before:before + inside] if inside else None
 
     def _decode_step(self) -> None:
         for at, row in enumerate(self.engine.rows):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from kvforge.runtime.drivers.handles import RequestHandle
-from kvforge.runtime.drivers.images import RowImages
+from kvforge.runtime.drivers.images import Images, RowImages
 from kvforge.runtime.drivers.proposers import Proposer
 from kvforge.runtime.drivers.rows import Picker, Row
 from kvforge.runtime.drivers.scheduler_speculation import RowSpeculation
@@ -42,3 +42,19 @@ class Job:
     def needs_hidden(self) -> bool:
         """Whether its proposer reads the target's hidden states (a head): of every prompt position."""
         return self.proposer is not None and self.proposer.needs_hidden
+
+    def chunk_images(self, images: Images, length: int) -> np.ndarray | None:
+        """The image features of the chunk of `length` tokens from `prefilled`: those of the image tokens in it (the
+        cached or earlier chunks' skipped), or None."""
+        if self.images is None:
+            return None
+        token = images.vision["image_token_id"]
+        before = self.prompt_ids[:self.prefilled].count(token)
+        inside = self.prompt_ids[self.prefilled:self.prefilled + length].count(token)
+        return self.images.features[before:before + inside] if inside else None
+
+    def chunk_positions(self, length: int) -> np.ndarray | None:
+        """An M-RoPE prompt's positions [3, 1, length] of the chunk from `prefilled`, or None."""
+        if self.images is None or self.images.positions is None:
+            return None
+        return self.images.positions[:, None, self.prefilled:self.prefilled + length]

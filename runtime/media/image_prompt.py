@@ -8,7 +8,7 @@ graph writes the image's features over those image tokens (contract.IMAGE_FEATUR
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvforge.core.errors import InputError
@@ -19,6 +19,10 @@ def text_with_images(text: str, vision: dict[str, Any], encode: Callable[[str, b
     piece by piece, the first with the tokenizer's special tokens, as a processor's added image token splits it).
     (expand_images puts the images of a prompt without a placeholder before its text.)"""
     pieces = text.split(vision["placeholder"])
+    before, after = vision.get("text_before") or "", vision.get("text_after") or ""
+    if before or after:  # text the processor writes around each image and tokenizes with the prompt (Gemma 3's)
+        last = len(pieces) - 1
+        pieces = [(after if i else "") + piece + (before if i < last else "") for i, piece in enumerate(pieces)]
     ids = encode(pieces[0], True)
     for piece in pieces[1:]:
         ids.append(vision["image_token_id"])
@@ -40,33 +44,38 @@ def chat_placeholder(vision: dict[str, Any]) -> str:
     return vision.get("chat_placeholder") or vision["placeholder"]
 
 
-def expand_images(ids: list[int], images: int, vision: dict[str, Any], where: str) -> list[int]:
-    """`ids` with each image token replaced by an image's run (before_ids, tokens_per_image image tokens,
-    after_ids). A prompt with no image token and images gets them at its start (after a leading BOS)."""
+def expand_images(ids: list[int], images: int | Sequence[int], vision: dict[str, Any], where: str) -> list[int]:
+    """`ids` with each image token replaced by an image's run (before_ids, its image tokens, after_ids): `images`
+    is how many images (each `tokens_per_image` tokens) or each image's token count (a family whose images take
+    tokens by their size). A prompt with no image token and images gets them at its start (after a leading BOS)."""
+    counts = [vision["tokens_per_image"]] * images if isinstance(images, int) else list(images)
     token = vision["image_token_id"]
     marks = ids.count(token)
-    if marks == 0 and images:
+    if marks == 0 and counts:
         start = 1 if ids and ids[0] == vision.get("bos_token_id") else 0
-        ids, marks = ids[:start] + [token] * images + ids[start:], images
-    if marks != images:
-        raise InputError(f"{where} marks {marks} image place(s) ({vision['placeholder']!r}) but comes with {images} "
-                         "image(s): give one image per place")
-    run = [*vision["before_ids"], *[token] * vision["tokens_per_image"], *vision["after_ids"]]
+        ids, marks = ids[:start] + [token] * len(counts) + ids[start:], len(counts)
+    if marks != len(counts):
+        raise InputError(f"{where} marks {marks} image place(s) ({vision['placeholder']!r}) but comes with "
+                         f"{len(counts)} image(s): give one image per place")
     out: list[int] = []
+    runs = iter(counts)
     for i in ids:
-        out.extend(run if i == token else (i,))
+        out.extend([*vision["before_ids"], *[token] * next(runs), *vision["after_ids"]] if i == token else (i,))
     return out
 
 
-def image_key(ids: list[int], digests: list[str], vision: dict[str, Any]) -> list[int]:
+def image_key(ids: list[int], digests: list[str], vision: dict[str, Any],
+              counts: Sequence[int] | None = None) -> list[int]:
     """Expanded `ids` as a cached prefix's key: the k-th image token replaced by an id drawn from its image's
     digest (negative, so never a real token), so two prompts share a prefix only where their images are the same
-    image."""
-    token, per_image = vision["image_token_id"], vision["tokens_per_image"]
+    image. `counts`: each image's token count (default: tokens_per_image each)."""
+    token = vision["image_token_id"]
+    owners = [d for digest, n in zip(digests, counts or [vision["tokens_per_image"]] * len(digests), strict=True)
+              for d in [digest] * n]
     key, seen = [], 0
     for i in ids:
-        if i == token and digests:
-            key.append(-1 - int(digests[min(seen // per_image, len(digests) - 1)][:15], 16))
+        if i == token and owners:
+            key.append(-1 - int(owners[min(seen, len(owners) - 1)][:15], 16))
             seen += 1
         else:
             key.append(i)

@@ -28,6 +28,8 @@ def check_processor(record: dict[str, Any]) -> None:
     if record.get("class") not in PROCESSORS:
         raise InputError(f"image processor {record.get('class')!r} is not reproduced by kvforge's runtime (it "
                          f"reproduces {', '.join(PROCESSORS)})")
+    if record.get("do_pan_and_scan"):
+        raise InputError("image processor do_pan_and_scan (Gemma 3's extra crops) is not reproduced by kvforge's runtime")
     if record.get("crop_to_patches"):
         raise InputError("image processor crop_to_patches (tiling an image into patches) is not reproduced by "
                          "kvforge's runtime yet; export a checkpoint whose processor has it off")

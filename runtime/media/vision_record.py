@@ -14,7 +14,8 @@ from kvforge.core.manifest import io_entry
 
 MAX_SIDE = 4096  # the largest image side a vision graph may take (released towers take 224..1024)
 MAX_FEATURES = 1 << 26  # tokens_per_image x hidden_size: 256 MiB of float32 features per image at most
-_FLAGS = ("do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_pad", "crop_to_patches")
+_FLAGS = ("do_convert_rgb", "do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_pad", "crop_to_patches",
+          "do_pan_and_scan")
 _SIZE_KEYS = ("shortest_edge", "longest_edge", "height", "width")
 
 
@@ -23,6 +24,9 @@ def check_vision_record(folder: Path, manifest: dict[str, Any]) -> None:
     [1, channels, height, width] and image_features [tokens_per_image, hidden_size], the prefill graph's
     image_features [*, hidden_size], and its processor makes images of image_size."""
     vision, where = manifest["vision"], f"{folder}/kvforge.json"
+    if vision.get("input") == "patches":
+        _check_patch_record(manifest, vision, where)
+        return
     height, width = vision["image_size"]
     if max(height, width) > MAX_SIDE:
         raise ManifestError(f"{where}: vision.image_size {vision['image_size']} is over {MAX_SIDE} pixels a side; "
@@ -42,6 +46,22 @@ def check_vision_record(folder: Path, manifest: dict[str, Any]) -> None:
             raise ManifestError(f"{where}: vision.{' and vision.'.join(fields)} say {name} {want} in the {phase} "
                                 f"graph, which declares {shape}; the manifest was modified: re-run the export")
     check_processor_record(vision, where)
+
+
+def _check_patch_record(manifest: dict[str, Any], vision: dict[str, Any], where: str) -> None:
+    """A tower of images at their own size (Qwen2-VL's): the prefill graph's image_features [*, hidden_size] and its
+    processor record (runtime/media/qwen_vl_preprocess.py)."""
+    from kvforge.runtime.media.qwen_vl_preprocess import check_qwen_record
+
+    entry = io_entry(manifest, "prefill", IMAGE_FEATURES)
+    shape = entry.get("shape") if entry is not None else None
+    if not isinstance(shape, list) or len(shape) != 2 or (isinstance(shape[1], int) and shape[1] != vision["hidden_size"]):
+        raise ManifestError(f"{where}: vision.hidden_size says {IMAGE_FEATURES} [*, {vision['hidden_size']}] in the "
+                            f"prefill graph, which declares {shape}; the manifest was modified: re-run the export")
+    try:
+        check_qwen_record(vision["processor"])
+    except InputError as err:
+        raise ManifestError(f"{where}: vision.processor: {err}") from None
 
 
 def check_processor_record(vision: dict[str, Any], where: str) -> None:

@@ -356,7 +356,7 @@ def test_a_crafted_chat_placeholder_is_refused_at_load(llava) -> None:
     import json
 
     from kvforge.core.errors import ManifestError
-    from kvforge.core.manifest import _check_vision
+    from kvforge.core.vision_manifest import check_vision_manifest as _check_vision
 
     manifest = json.loads((llava.out / "kvforge.json").read_text())
     assert manifest["vision"]["chat_placeholder"] == "<image>"

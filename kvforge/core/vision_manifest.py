@@ -1,0 +1,90 @@
+"""A vision-language export's manifest `vision` record (exporter/vision.py) and its graph, checked as kvforge.json's
+other sections are (kvforge/core/manifest.py): types, bounds and the graph's IO, before anything is allocated by it.
+
+Two kinds of tower: one fixed-size image in ([1, C, H, W], `tokens_per_image` tokens out), or images at their own
+size (`input: "patches"`, Qwen2-VL's: patches in with the arrays `tower_inputs` names, tokens by the image's size;
+its prompts carry multimodal positions, `positions: "mrope"`, from the `mrope` record's fields).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvforge.core.contract import VISION, GraphIO
+from kvforge.core.errors import ManifestError
+from kvforge.core.model_spec import is_int
+
+# The arrays a patch tower takes beside pixel_values (models/families/qwen_vl_tower.py names them as transformers'
+# helpers do).
+TOWER_ARRAYS = ("position_ids", "cu_seqlens", "window_index", "cu_window_seqlens", "interp_indices", "interp_weights")
+_MROPE_INTS = ("image_token_id", "video_token_id", "spatial_merge_size", "patch_size")
+
+
+def _names(graph: dict[str, Any], kind: str) -> list[str]:
+    return [entry["name"] for entry in graph[kind]]
+
+
+# The vision record's integer fields and the largest value each may take (the runtime allocates by them).
+_VISION_INTS = {"image_token_id": None, "tokens_per_image": 1 << 16, "hidden_size": 1 << 20, "channels": 4}
+
+
+def check_vision_manifest(manifest: dict[str, Any], path: Path, vocab_size: int) -> None:
+    """A vision-language export's `vision` record (exporter/vision.py) and its graph, checked like the others."""
+    vision, graph = manifest["vision"], manifest["graphs"].get(VISION)
+    if not isinstance(vision, dict) or not isinstance(graph, dict) or graph.get("file") not in manifest["files"]:
+        raise ManifestError(f"{path}: a vision record needs an object and a listed {VISION!r} graph; re-run the export")
+    for kind in ("inputs", "outputs"):
+        if not isinstance(graph.get(kind), list) or not all(isinstance(e, dict) for e in graph[kind]):
+            raise ManifestError(f"{path}: graphs.{VISION}.{kind} must be a list of {{'name': ...}}; re-run the export")
+    patches = vision.get("input") == "patches"
+    tower = _tower_inputs(vision, path) if patches else ()
+    GraphIO.vision(tower).check(_names(graph, "inputs"), _names(graph, "outputs"), str(path))
+    for field, most in _VISION_INTS.items():
+        if patches and field in ("tokens_per_image", "channels"):  # tokens by each image's size, channels in patches
+            continue
+        value = vision.get(field)
+        top = vocab_size - 1 if most is None else most
+        if not is_int(value) or not 0 <= value <= top or (field != "image_token_id" and value == 0):
+            raise ManifestError(f"{path}: vision.{field} is {value!r}, not an integer in 1..{top}; re-run the export")
+    size = vision.get("image_size")
+    if not patches and not (isinstance(size, list) and len(size) == 2
+                            and all(is_int(v) and 0 < v <= 1 << 14 for v in size)):
+        raise ManifestError(f"{path}: vision.image_size is {size!r}, not [height, width]; re-run the export")
+    if vision.get("positions") not in (None, "mrope") or (vision.get("positions") == "mrope") != patches:
+        raise ManifestError(f"{path}: vision.positions is {vision.get('positions')!r}: \"mrope\" with a patch tower "
+                            "(vision.input \"patches\"), absent otherwise; re-run the export")
+    for field in ("before_ids", "after_ids"):
+        ids = vision.get(field)
+        if not isinstance(ids, list) or not all(is_int(i) and 0 <= i < vocab_size for i in ids):
+            raise ManifestError(f"{path}: vision.{field} must be a list of token ids below {vocab_size}; re-run the "
+                                "export")
+    if not isinstance(vision.get("processor"), dict) or not isinstance(vision.get("placeholder"), str) \
+            or not vision["placeholder"]:
+        raise ManifestError(f"{path}: vision.processor must be an object and vision.placeholder a text; re-run the "
+                            "export")
+    chat, prefix = vision.get("chat_placeholder"), vision.get("prompt_prefix")  # absent in older exports
+    if chat is not None and (not isinstance(chat, str) or not chat):
+        raise ManifestError(f"{path}: vision.chat_placeholder must be a text; re-run the export")
+    if any(vision.get(k) is not None and (not isinstance(vision[k], str) or len(vision[k]) > 64)
+           for k in ("text_before", "text_after")) or vision.get("image_blocks") not in (None, True, False):
+        raise ManifestError(f"{path}: vision.text_before / text_after must be short texts and vision.image_blocks a "
+                            "boolean; re-run the export")
+    if prefix is not None and (not isinstance(prefix, str) or len(prefix) > 4096):
+        raise ManifestError(f"{path}: vision.prompt_prefix must be a text of at most 4096 characters; re-run the "
+                            "export")
+
+
+def _tower_inputs(vision: dict[str, Any], path: Path) -> tuple[str, ...]:
+    """A patch tower's array names (of TOWER_ARRAYS) and its `mrope` record's sizes, checked."""
+    names, record = vision.get("tower_inputs"), vision.get("mrope")
+    if not isinstance(names, list) or not all(name in TOWER_ARRAYS for name in names) or len(set(names)) != len(names):
+        raise ManifestError(f"{path}: vision.tower_inputs is {str(names)[:80]!r}, not a list of {', '.join(TOWER_ARRAYS)}; "
+                            "re-run the export")
+    if not isinstance(record, dict) or not all(is_int(record.get(k)) and 0 <= record[k] < 1 << 24 for k in _MROPE_INTS):
+        raise ManifestError(f"{path}: vision.mrope must hold the integers {', '.join(_MROPE_INTS)}; re-run the export")
+    for key in ("window_size", "num_position_embeddings"):
+        if record.get(key) is not None and not (is_int(record[key]) and 0 < record[key] < 1 << 24):
+            raise ManifestError(f"{path}: vision.mrope.{key} is {record[key]!r}, not a positive integer; re-run the "
+                                "export")
+    return tuple(names)

@@ -1,0 +1,194 @@
+"""Qwen2-VL and Qwen2.5-VL exported whole (kvforge/tools/vlm_fixtures.py rows): images at their own size, each taking
+its own number of tokens, and multimodal positions (M-RoPE: the prefill takes position_ids [3, B, S], decode the
+rows' rope_deltas). Against Hugging Face's generate with the processor's pixel values and grids: 32 greedy tokens and
+the logits at every step with one image and with two images of different sizes; a batch against each alone; the
+decode graph's own path (separate sessions); prompt lookup; the Scheduler's second turn from the prefix store; text
+requests; `kvforge parity`; and the onnx target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_vision_language import _image  # noqa: E402
+
+from kvforge.tools.vlm_fixtures import build_tiny_vlm  # noqa: E402
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+NEW_TOKENS = 32
+pytestmark = pytest.mark.xdist_group("qwen-vl")  # each family exported once, on one worker
+# Two images of different sizes and aspect ratios (grids (1, 4, 6) and (1, 10, 6) at the fixture's pixel bounds).
+IMAGES = ((3, 60, 90), (4, 130, 70))
+
+
+class QwenExport:
+    """A family's tiny checkpoint, its fp32 export (ort), the HF model and processor, and a Generator over it."""
+
+    def __init__(self, family: str, root: Path) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        from kvforge.exporter.export import export_model
+        from kvforge.runtime import Generator
+
+        self.family, self.hf_dir, self.out = family, root / family, root / f"{family}.export"
+        self.model = build_tiny_vlm(family, self.hf_dir)
+        self.config = self.model.config
+        self.manifest = export_model(self.hf_dir, self.out)
+        self.processor = AutoImageProcessor.from_pretrained(self.hf_dir, backend="pil")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
+        self.gen = Generator(self.out)
+
+    def hf_inputs(self, pieces: list[str], images: list) -> dict:
+        """What HF's processor makes of pieces[0] <image> pieces[1] <image> ...: the ids with each image's run
+        (vision_start, its tokens, vision_end), the pixel values, grids and token types."""
+        out = self.processor(images=images, return_tensors="pt") if images else {}
+        merge = self.config.vision_config.spatial_merge_size
+        ids = self.tokenizer(pieces[0])["input_ids"]
+        for k, piece in enumerate(pieces[1:]):
+            tokens = int(out["image_grid_thw"][k].prod()) // merge**2
+            ids += [self.config.vision_start_token_id, *[self.config.image_token_id] * tokens,
+                    self.config.vision_end_token_id]
+            ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        ids = torch.tensor([ids])
+        extra = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if images else {}
+        return {"input_ids": ids, "mm_token_type_ids": (ids == self.config.image_token_id).int(), **extra}
+
+    def hf_greedy(self, inputs: dict, new: int = NEW_TOKENS) -> list[int]:
+        with torch.no_grad():
+            out = self.model.generate(**inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+    def hf_logits(self, inputs: dict, tokens: list[int]) -> np.ndarray:
+        """HF's logits over the prompt and `tokens`, teacher-forced (the generated tokens at their M-RoPE positions)."""
+        ids = torch.cat([inputs["input_ids"], torch.tensor([tokens])], 1)
+        with torch.no_grad():
+            return self.model(**{**inputs, "input_ids": ids, "mm_token_type_ids": (ids == self.config.image_token_id)
+                                 .int()}).logits[0].numpy()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def qwen(request, tmp_path_factory) -> QwenExport:
+    return QwenExport(request.param, tmp_path_factory.mktemp("qwen-vl"))
+
+
+def _images(*which: int) -> list:
+    return [_image(*IMAGES[i]) for i in which]
+
+
+def test_the_graphs_take_multimodal_positions(qwen):
+    prefill = [entry["name"] for entry in qwen.manifest["graphs"]["prefill"]["inputs"]]
+    decode = [entry["name"] for entry in qwen.manifest["graphs"]["decode"]["inputs"]]
+    assert "position_ids" in prefill and "rope_deltas" not in prefill
+    assert "rope_deltas" in decode and "position_ids" not in decode and "image_features" not in decode
+    assert qwen.manifest["vision"]["positions"] == "mrope" and qwen.manifest["vision"]["tokens_per_image"] is None
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_images_at_their_own_size_match_hf_at_every_step(qwen, count):
+    images = _images(*range(count))
+    pieces = ["Describe ", *[" and "] * (count - 1), " in a few words"]
+    result = qwen.gen.generate("<image>".join(pieces), images=images, max_new_tokens=NEW_TOKENS, greedy=True,
+                               ignore_eos=True, keep_logits=True)
+    inputs = qwen.hf_inputs(pieces, images)
+    prompt = inputs["input_ids"].shape[1]
+    assert result.prompt_tokens[0] == prompt
+    assert result.tokens[0] == qwen.hf_greedy(inputs)
+    steps = np.stack([np.asarray(step)[0] for step in result.logits])
+    np.testing.assert_allclose(steps, qwen.hf_logits(inputs, result.tokens[0])[prompt - 1: prompt - 1 + len(steps)],
+                               atol=1e-3, rtol=0)
+
+
+def test_a_batch_with_different_images_and_the_decode_graph_equal_each_alone(qwen):
+    from kvforge.runtime import Generator
+
+    images = _images(0, 1)
+    prompts = ["<image> What is this?", "Look at it: <image> and tell me what the picture shows, please"]
+    batch = qwen.gen.generate(prompts, images=[[images[0]], [images[1]]], max_new_tokens=16, greedy=True,
+                              ignore_eos=True)
+    separate = Generator(qwen.out, sessions="separate")  # decode.onnx: positions from past_lens + rope_deltas
+    assert separate.generate(prompts, images=[[images[0]], [images[1]]], max_new_tokens=16, greedy=True,
+                             ignore_eos=True).tokens == batch.tokens
+    for i, prompt in enumerate(prompts):
+        alone = qwen.gen.generate(prompt, images=[images[i]], max_new_tokens=16, greedy=True, ignore_eos=True)
+        assert batch.tokens[i] == alone.tokens[0]
+        assert batch.tokens[i] == qwen.hf_greedy(qwen.hf_inputs(prompt.split("<image>"), [images[i]]), 16)
+    assert batch.tokens[0] != batch.tokens[1]
+
+
+def test_prompt_lookup_with_multimodal_positions_gives_the_same_tokens(qwen):
+    images = _images(1)
+    prompt = "Repeat: one two three one two three <image> one two three one two"
+    plain = qwen.gen.generate(prompt, images=images, max_new_tokens=24, greedy=True, ignore_eos=True)
+    drafted = qwen.gen.generate(prompt, images=images, max_new_tokens=24, greedy=True, ignore_eos=True,
+                                speculate="prompt-lookup", draft_len=3)
+    assert drafted.tokens == plain.tokens
+    assert drafted.draft_tokens > 0 and drafted.verify_steps > 0  # drafts were checked at the rows' M-RoPE positions
+
+
+def test_a_second_turn_about_the_same_image_takes_its_prefix_from_the_store(qwen):
+    import queue
+
+    from kvforge.runtime.drivers.handles import Done
+    from kvforge.runtime.drivers.scheduler import Scheduler
+
+    image = _images(1)[0]
+    scheduler = Scheduler(qwen.gen.export, max_batch=2, max_seq_len=256, prefill_chunk=8).start()
+    try:
+        def turn(prompt: str) -> tuple[list[int], Done]:
+            events: queue.Queue = queue.Queue()
+            scheduler.submit(qwen.gen.request(prompt, 8, greedy=True, ignore_eos=True, images=[image]),
+                             on_event=events.put)
+            tokens = []
+            while not isinstance(event := events.get(timeout=60), Done):
+                tokens.extend(event.token_ids)
+            return tokens, event
+
+        first, done = turn("Look: <image> What is it?")
+        assert done.cached_tokens == 0
+        assert first == qwen.gen.generate("Look: <image> What is it?", images=[image], max_new_tokens=8,
+                                          greedy=True, ignore_eos=True).tokens[0]
+        follow = f"Look: <image> What is it?{qwen.tokenizer.decode(first)} And the colours?"
+        second, done = turn(follow)
+        assert done.cached_tokens > 15  # the image's 15 tokens and the text before them
+        assert second == qwen.gen.generate(follow, images=[image], max_new_tokens=8, greedy=True,
+                                           ignore_eos=True).tokens[0]
+    finally:
+        scheduler.close()
+
+
+def test_text_requests_are_the_text_model_and_parity_passes(qwen):
+    from kvforge.tools.parity import run_parity
+
+    inputs = qwen.hf_inputs(["Once upon a time"], [])
+    result = qwen.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True)
+    assert result.tokens[0] == qwen.hf_greedy(inputs, 16)
+    report = run_parity(qwen.hf_dir, qwen.out, new_tokens=8, perplexity_tokens=0)
+    assert report.passed, report.summary()
+
+
+def test_the_onnx_target_and_the_text_only_export(qwen, tmp_path):
+    from kvforge.core.errors import InputError
+    from kvforge.exporter.export import export_model
+    from kvforge.runtime import Generator
+
+    if qwen.family != "qwen2_5_vl":
+        pytest.skip("one family is enough for the other targets (the same graphs)")
+    images = _images(0, 1)
+    want = qwen.gen.generate("First <image> then <image> compare", images=images, max_new_tokens=12, greedy=True,
+                             ignore_eos=True).tokens
+    export_model(qwen.hf_dir, tmp_path / "onnx", target="onnx")
+    assert Generator(tmp_path / "onnx").generate("First <image> then <image> compare", images=images,
+                                                 max_new_tokens=12, greedy=True, ignore_eos=True).tokens == want
+    manifest = export_model(qwen.hf_dir, tmp_path / "text", text_only=True)
+    assert "position_ids" not in [entry["name"] for entry in manifest["graphs"]["prefill"]["inputs"]]
+    text = Generator(tmp_path / "text")
+    assert text.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens == \
+        qwen.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens
+    with pytest.raises(InputError, match="image place"):
+        qwen.gen.generate("two <image> places <image>", images=_images(0), max_new_tokens=2)
