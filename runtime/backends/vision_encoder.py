@@ -16,16 +16,21 @@ from kvforge.core.manifest import read_graph
 from kvforge.runtime.backends.ort_sessions import feature_dtype
 
 
+def _session(folder: Path, manifest: dict[str, Any], threads: int | None) -> ort.InferenceSession:
+    """vision.onnx on ONNX Runtime CPU, from the bytes the manifest checks, its weights from the shared file."""
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    return ort.InferenceSession(read_graph(folder, manifest, VISION), sess_options=options,
+                                providers=["CPUExecutionProvider"])
+
+
 class VisionEncoder:
     """encode(pixels [C, H, W] float32) -> features [tokens_per_image, hidden] in the export's dtype."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
-        options = ort.SessionOptions()
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        self.session = ort.InferenceSession(read_graph(folder, manifest, VISION), sess_options=options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = _session(folder, manifest, threads)
         have = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
         want = GraphIO.vision()
         if tuple(have[0]) != want.inputs or tuple(have[1]) != want.outputs:
@@ -60,12 +65,7 @@ class PatchEncoder:
     segments, named as the manifest records them) come from the image's grid (runtime/media/mrope.py)."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
-        options = ort.SessionOptions()
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-        self.session = ort.InferenceSession(read_graph(folder, manifest, VISION), sess_options=options,
-                                            providers=["CPUExecutionProvider"])
+        self.session = _session(folder, manifest, threads)
         vision = manifest["vision"]
         self.inputs = tuple(vision["tower_inputs"])
         have = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])

@@ -11,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from test_vision_language import scheduled_turn  # noqa: E402
+
 from kvforge.tools.vlm_fixtures import IMAGE_TOKEN_ID, build_tiny_vlm  # noqa: E402
 
 NEW_TOKENS = 32
@@ -136,9 +138,6 @@ def test_text_only_equals_hf_text_model(g3):
 def test_chunked_prefill_and_prefix_reuse_keep_image_blocks_whole(g3):
     """The scheduler's chunks of 8 tokens would cut the 16-token block; the runtime moves the cut to its edge, and a
     second turn's reused prefix ends before an image or after it, never inside. Both equal the Generator's answer."""
-    import queue
-
-    from kvforge.runtime.drivers.handles import Done
     from kvforge.runtime.drivers.image_blocks import chunk_end, prefix_end
     from kvforge.runtime.drivers.scheduler import Scheduler
 
@@ -150,16 +149,8 @@ def test_chunked_prefill_and_prefix_reuse_keep_image_blocks_whole(g3):
     gen, image = g3.gens["ort"], _image(21, 90, 70)
     scheduler = Scheduler(gen.export, max_batch=2, max_seq_len=256, prefill_chunk=8).start()
     try:
-        def turn(prompt: str) -> tuple[list[int], Done]:
-            events: queue.Queue = queue.Queue()
-            scheduler.submit(gen.request(prompt, 8, greedy=True, ignore_eos=True, images=[image]), on_event=events.put)
-            tokens = []
-            while not isinstance(event := events.get(timeout=60), Done):
-                tokens.extend(event.token_ids)
-            return tokens, event
-
         for prompt in ("Look: <start_of_image> What is it?", "Look: <start_of_image> What is it? And the colours?"):
-            tokens, _ = turn(prompt)
+            tokens, _ = scheduled_turn(scheduler, gen, prompt, image)
             alone = gen.generate(prompt, images=[image], max_new_tokens=8, greedy=True, ignore_eos=True)
             assert tokens == alone.tokens[0]
     finally:

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_vision_language import _image  # noqa: E402
+from test_vision_language import _image, scheduled_turn  # noqa: E402
 
 from kvforge.tools.vlm_fixtures import build_tiny_vlm  # noqa: E402
 
@@ -132,22 +132,13 @@ def test_prompt_lookup_with_multimodal_positions_gives_the_same_tokens(qwen):
 
 
 def test_a_second_turn_about_the_same_image_takes_its_prefix_from_the_store(qwen):
-    import queue
-
-    from kvforge.runtime.drivers.handles import Done
     from kvforge.runtime.drivers.scheduler import Scheduler
 
     image = _images(1)[0]
     scheduler = Scheduler(qwen.gen.export, max_batch=2, max_seq_len=256, prefill_chunk=8).start()
     try:
-        def turn(prompt: str) -> tuple[list[int], Done]:
-            events: queue.Queue = queue.Queue()
-            scheduler.submit(qwen.gen.request(prompt, 8, greedy=True, ignore_eos=True, images=[image]),
-                             on_event=events.put)
-            tokens = []
-            while not isinstance(event := events.get(timeout=60), Done):
-                tokens.extend(event.token_ids)
-            return tokens, event
+        def turn(prompt: str) -> tuple[list[int], object]:
+            return scheduled_turn(scheduler, qwen.gen, prompt, image)
 
         first, done = turn("Look: <image> What is it?")
         assert done.cached_tokens == 0

@@ -209,10 +209,23 @@ def test_bad_image_requests_are_refused(exported):
         exported.gen.generate("remote <image>", images=["http://example.com/a.png"], max_new_tokens=2)
 
 
+def scheduled_turn(scheduler, gen, prompt: str, image) -> tuple[list[int], object]:
+    """One greedy 8-token request with `image` through a running Scheduler: its tokens and its Done event."""
+    import queue
+
+    from kvforge.runtime.drivers.handles import Done
+
+    events: queue.Queue = queue.Queue()
+    scheduler.submit(gen.request(prompt, 8, greedy=True, ignore_eos=True, images=[image]), on_event=events.put)
+    tokens = []
+    while not isinstance(event := events.get(timeout=60), Done):
+        tokens.extend(event.token_ids)
+    return tokens, event
+
+
 def test_a_second_turn_about_the_same_image_reuses_the_cache(exported):
     """Through the Scheduler (what serving runs): the second turn's prefix, the image's tokens included, comes
     from the prefix store, and its answer equals the Generator's for the whole conversation."""
-    import queue
 
     from kvforge.runtime.drivers.handles import Done
     from kvforge.runtime.drivers.scheduler import Scheduler
@@ -221,13 +234,7 @@ def test_a_second_turn_about_the_same_image_reuses_the_cache(exported):
     scheduler = Scheduler(exported.gen.export, max_batch=2, max_seq_len=256, prefill_chunk=8).start()
     try:
         def turn(prompt: str) -> tuple[list[int], Done]:
-            events: queue.Queue = queue.Queue()
-            scheduler.submit(exported.gen.request(prompt, 8, greedy=True, ignore_eos=True, images=[image]),
-                             on_event=events.put)
-            tokens = []
-            while not isinstance(event := events.get(timeout=60), Done):
-                tokens.extend(event.token_ids)
-            return tokens, event
+            return scheduled_turn(scheduler, exported.gen, prompt, image)
 
         first, done = turn("Look: <image> What is it?")
         assert done.cached_tokens == 0
