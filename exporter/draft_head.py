@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvforge.core.contract import DRAFT, DTYPES, AttentionAttrs, GraphIO, KVLayout
+from kvforge.core.contract import ATTENTION_OPTIONAL_INPUTS, DRAFT, DTYPES, AttentionAttrs, GraphIO, KVLayout
 from kvforge.core.errors import InputError
 from kvforge.models.eagle3 import Eagle3Head
 from kvforge.plugins import torch_op  # noqa: F401  (registers torch.ops.kvforge.kv_cache_attention)
@@ -104,7 +104,7 @@ class DraftModule(torch.nn.Module):
         attrs = AttentionAttrs(head.num_heads, head.num_kv_heads, float(head.head_dim ** -0.5))
         out, present_key, present_value = torch.ops.kvforge.kv_cache_attention(
             q.transpose(1, 2).reshape(batch, seq, -1), k.transpose(1, 2).reshape(batch, seq, -1), self.v_proj(x),
-            past_key, past_value, past_lens, None, None, *attrs.as_dict().values())
+            past_key, past_value, past_lens, *[None] * len(ATTENTION_OPTIONAL_INPUTS), *attrs.as_dict().values())
         hidden = residual + self.o_proj(out)
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         logits = self.lm_head(self.norm(hidden)).float()

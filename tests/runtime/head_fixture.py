@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from kvforge.core.contract import TARGET_HIDDEN
+from kvforge.core.contract import ATTENTION_OPTIONAL_INPUTS, TARGET_HIDDEN
 from kvforge.core.manifest import file_record, io_spec, write_manifest
 from kvforge.runtime.drivers.rows import Row
 
@@ -40,8 +40,8 @@ class TinyHead(torch.nn.Module):
         pos = past_lens.to(torch.int64)[:, None] + torch.arange(input_ids.shape[1])
         x = self.embed(input_ids) + self.fc(target_hidden) + draft_hidden + self.pos(pos)
         out, key, value = torch.ops.kvforge.kv_cache_attention(
-            self.q(x), self.k(x), self.v(x), past_key, past_value, past_lens, None, None, 2, KV_HEADS,
-            HEAD_DIM ** -0.5, 0.0, 0)
+            self.q(x), self.k(x), self.v(x), past_key, past_value, past_lens,
+            *[None] * len(ATTENTION_OPTIONAL_INPUTS), 2, KV_HEADS, HEAD_DIM ** -0.5, 0.0, 0)
         h = x + self.o(out)
         h = h + torch.tanh(h)
         return self.lm(h), h, self.tmap + 0, key, value
