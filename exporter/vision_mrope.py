@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
+from kvforge.models.families.qwen_vl import mrope_record
 
 # The processor attributes the runtime reads (besides class, backend, min_pixels and max_pixels).
 FIELDS = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
@@ -50,13 +51,6 @@ def qwen_processor_record(processor: Any) -> dict[str, Any]:
     return record
 
 
-def mrope_config_record(config: Any) -> dict[str, Any]:
-    """The fields of a Qwen-VL config the runtime's mrope_positions and tower_inputs read (its family's record)."""
-    from kvforge.models.families.qwen_vl import mrope_record
-
-    return mrope_record(config)
-
-
 def image_processor_record(model_dir: Path) -> dict[str, Any]:
     """The checkpoint's image processor, in its PIL form (the runtime's Pillow pipeline is that one's)."""
     from transformers import AutoImageProcessor
@@ -75,6 +69,6 @@ def patch_vision_fields(model: Any, tower_inputs: tuple[str, ...], deepstack: in
     """The record's fields of a patch tower (merged into exporter/vision.py's vision_record). With DeepStack layers,
     an image token's features row holds them after its embedding: `hidden_size` is the row's width."""
     hidden = int(model.get_input_embeddings().weight.shape[-1])
-    return {"input": "patches", "positions": "mrope", "mrope": mrope_config_record(model.config),
+    return {"input": "patches", "positions": "mrope", "mrope": mrope_record(model.config),
             "tower_inputs": list(tower_inputs), "tokens_per_image": None, "image_size": None,
             "hidden_size": hidden * (1 + deepstack), **({"deepstack": deepstack} if deepstack else {})}

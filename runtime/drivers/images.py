@@ -132,12 +132,12 @@ class Images:
             if kept is not None:
                 self._kept.move_to_end(loaded.digest)
                 return kept
+            patches = self.vision.get("input") == "patches"  # a tower of images at their own size
             if self._encoder is None:
                 from kvforge.runtime.backends.vision_encoder import PatchEncoder, VisionEncoder
 
-                patches = self.vision.get("input") == "patches"
                 self._encoder = (PatchEncoder if patches else VisionEncoder)(self.folder, self.manifest)
-            if self.vision.get("input") == "patches":
+            if patches:
                 made = self._patch_features(loaded.image)
             else:
                 made = (self._encoder.encode(preprocess(loaded.image, self.vision["processor"])), None)

@@ -10,7 +10,8 @@ import pytest
 from test_vision_inputs import IMAGES, _image
 
 from kvforge.core.errors import InputError
-from kvforge.exporter.vision_mrope import mrope_config_record, qwen_processor_record
+from kvforge.exporter.vision_mrope import qwen_processor_record
+from kvforge.models.families.qwen_vl import mrope_record
 from kvforge.runtime.media.antialias_resize import resize_uint8
 from kvforge.runtime.media.mrope import mrope_positions, tower_inputs
 from kvforge.runtime.media.qwen_vl_preprocess import (
@@ -204,7 +205,7 @@ def test_mrope_positions_equal_get_rope_index(model_type: str) -> None:
     import torch
 
     model = _model(model_type)
-    config, record = model.config, mrope_config_record(model.config)
+    config, record = model.config, mrope_record(model.config)
     qwen3 = model_type == "qwen3_vl"
     for name, parts in PROMPTS.items():
         ids = _prompt(parts, config, qwen3)
@@ -248,7 +249,7 @@ def test_tower_inputs_equal_transformers(model_type: str) -> None:
     )
 
     model = _model(model_type)
-    vision, record = model.visual, mrope_config_record(model.config)
+    vision, record = model.visual, mrope_record(model.config)
     merge = record["spatial_merge_size"]
     extra = {"window_size": record["window_size"], "patch_size": record["patch_size"]} \
         if model_type == "qwen2_5_vl" else {}
