@@ -143,10 +143,16 @@ def add_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[str, Any]
 
     if work.vision.patches:
         return _add_patch_vision_graph(graphs, work)
-    processor = processor_record(work.model_dir)
+    processor = processor_record(work.model_dir, work.vision)
     work.say(f"tracing the image tower and projector of {work.vision.model_type} (vision.onnx)")
     model = load_vision_language_model(work.model_dir, work.options.dtype)
     shape = image_shape(processor, model.config)
+    if work.vision.tiling:  # an image's tiles as one batch (exporter/vision_tiles.py)
+        from kvforge.exporter.vision_tiles import tiles_fields, trace_tiles
+
+        graphs[VISION], per_tile = trace_tiles(model, work.vision, shape, work.torch_dtype)
+        return {**vision_record(model, work.vision, processor, shape, per_tile, work.model_dir),
+                **tiles_fields(model, work.vision, work.model_dir, per_tile)}
     graphs[VISION], tokens = trace_vision(model, work.vision, shape, work.torch_dtype)
     return vision_record(model, work.vision, processor, shape, tokens, work.model_dir)
 

@@ -68,10 +68,11 @@ def checkpoint_image_token(model_dir: Path) -> int:
     return image_token_id(AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False))
 
 
-def processor_record(model_dir: Path) -> dict[str, Any]:
+def processor_record(model_dir: Path, family: VisionFamily | None = None) -> dict[str, Any]:
     """The checkpoint's image processor as transformers resolves it (preprocessor_config.json, or the
     "image_processor" entry of processor_config.json as transformers 5 saves a processor, with its class's defaults):
-    its class name and PROCESSOR_FIELDS, JSON-ready."""
+    its class name and PROCESSOR_FIELDS (and a tiled family's own fields), JSON-ready. A tiled family's tiling
+    (runtime/media/tiling.py) checks its record; any other's must be a processor the runtime's pipeline replays."""
     from transformers import AutoImageProcessor
 
     if not (model_dir / "preprocessor_config.json").is_file() and not _has_image_processor_entry(model_dir):
@@ -82,7 +83,8 @@ def processor_record(model_dir: Path) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, backend="pil")
     record: dict[str, Any] = {"class": type(processor).__name__.removesuffix("Pil").removesuffix("Fast")}
-    for field in PROCESSOR_FIELDS:
+    tiled = family is not None and bool(family.tiling)
+    for field in (*PROCESSOR_FIELDS, *(family.processor_fields if family is not None else ())):
         value = getattr(processor, field, None)
         if dataclasses.is_dataclass(value):  # transformers' SizeDict
             value = dataclasses.asdict(value)
@@ -95,6 +97,8 @@ def processor_record(model_dir: Path) -> dict[str, Any]:
         elif isinstance(value, tuple):
             value = list(value)
         record[field] = value
+    if tiled:
+        return record
     if record["class"] not in IMAGE_PROCESSORS:
         raise UnsupportedModelError(f"{model_dir}: its image processor {record['class']} is not one kvforge's runtime "
                                     f"reproduces without torch ({', '.join(IMAGE_PROCESSORS)}); export with --text-only")

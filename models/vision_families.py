@@ -81,6 +81,19 @@ class VisionFamily:
     # An image's tokens attend to each other both ways in prefill (Gemma 3): the fused op's block ids
     # (exporter/image_blocks.py), and the runtime keeps each image's block inside one prefill call.
     bidirectional_images: bool = False
+    # An image cut into tiles by its processor (InternVL, Aya Vision, ...): the runtime's tiling of that name
+    # (runtime/media/tiling.py TILINGS) makes the tiles and the image's text; vision.onnx takes the tiles as one batch
+    # ([tiles, C, H, W]; `features` gives their rows in the text's order). `prompt_record(model_dir, config)`: the
+    # Processor's settings the tiling reads, with `image_token` the text of the image (feature) token;
+    # `processor_fields`: the image processor's fields it reads beyond PROCESSOR_FIELDS (exporter/vision.py).
+    tiling: str = ""
+    prompt_record: Callable[[Any, Any], dict[str, Any]] | None = None
+    processor_fields: tuple[str, ...] = ()
+    # The runtime's arrangement of a tiled image's feature rows (runtime/media/tiling.py PACKS; "" = as they come),
+    # and the vision graph's outputs it reads beside them (contract.VISION_EXTRA_OUTPUTS): `features` then returns
+    # (features, *extras).
+    pack: str = ""
+    extra_outputs: tuple[str, ...] = ()
 
 
 def _gemma3_row() -> VisionFamily:
@@ -90,6 +103,15 @@ def _gemma3_row() -> VisionFamily:
                         placeholder=gemma3.PLACEHOLDER, chat_placeholder=gemma3.PLACEHOLDER,
                         text_before=gemma3.IMAGE_TEXT_BEFORE, text_after=gemma3.IMAGE_TEXT_AFTER,
                         bidirectional_images=True)
+
+
+def _tiled_row(model_type: str, **fields: Any) -> VisionFamily:
+    """A family whose images are tiled (its module in models/families/ names its tiling and prompt record)."""
+    import importlib
+
+    module = importlib.import_module(f"kvforge.models.families.{model_type}")
+    return VisionFamily(model_type, tiling=module.TILING, prompt_record=module.prompt_record,
+                        processor_fields=module.PROCESSOR_FIELDS, **fields)
 
 
 def _deepstack_layers(config: Any) -> int:
@@ -103,12 +125,12 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("llava"),
         VisionFamily("vipllava"),
         VisionFamily("video_llava"),
-        VisionFamily("internvl", before=("<img>",), after=("</img>",), chat_placeholder="<IMG_CONTEXT>"),
+        # Tiled as released (models/families/internvl.py): "<img>", a tile's context tokens for each tile, "</img>".
+        _tiled_row("internvl", chat_placeholder="<IMG_CONTEXT>"),
         # Its processor expands only "<imgpad>": a chat template writes the "<img>" ... "</img>" around it.
         VisionFamily("got_ocr2", before=("<img>",), after=("</img>",), chat_placeholder="<img><imgpad></img>"),
-        # One tile (the processor's crop_to_patches off): the global tile's marker, its patches, the end.
-        VisionFamily("aya_vision", before=("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>"), after=("<|END_OF_IMG|>",),
-                     text_overrides=(("logit_scale", 1.0),)),
+        # Tiled as released (models/families/aya_vision.py); its chat templates write the processor's "<image>".
+        _tiled_row("aya_vision", text_overrides=(("logit_scale", 1.0),)),
         VisionFamily("deepseek_vl", chat_placeholder="<image_placeholder>"),
         VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",),
                      chat_placeholder="<image_placeholder>", prompt_prefix=janus_prompt_prefix),

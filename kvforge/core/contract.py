@@ -49,6 +49,9 @@ ROPE_DELTAS = "rope_deltas"  # decode only, [B] int64
 # The third graph of a vision-language export, `vision.onnx`: images in, the image tokens' embeddings out.
 VISION = "vision"
 PIXEL_VALUES = "pixel_values"  # [images, channels, height, width] float: preprocessed (runtime/media/)
+# What a tiled family's vision graph may give beside IMAGE_FEATURES, for the runtime's arrangement of the tiles'
+# features (runtime/media/tiling.py): LLaVA-NeXT's image_newline [hidden], the row that ends each row of tiles.
+VISION_EXTRA_OUTPUTS = ("image_newline",)
 # The image processors (transformers' class names) whose pipeline the runtime reproduces without torch
 # (runtime/media/preprocess.py); the exporter refuses a checkpoint with another, or with tiling on.
 IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
@@ -334,10 +337,11 @@ class GraphIO:
                    (LOGITS, HIDDEN_OUT, TOKEN_MAP, *layout.cache_outputs()))
 
     @classmethod
-    def vision(cls, tower_inputs: tuple[str, ...] = ()) -> GraphIO:
-        """The vision graph's IO: preprocessed images in, their image tokens' embeddings out ([images * tokens,
-        hidden], image by image); `tower_inputs`: a patch tower's other arrays (the manifest's vision record's)."""
-        return cls(VISION, (PIXEL_VALUES, *tower_inputs), (IMAGE_FEATURES,))
+    def vision(cls, tower_inputs: tuple[str, ...] = (), extra_outputs: tuple[str, ...] = ()) -> GraphIO:
+        """The vision graph's IO: preprocessed images (or one image's tiles) in, their image tokens' embeddings out
+        ([images * tokens, hidden], image by image); `tower_inputs`: a patch tower's other arrays, `extra_outputs`
+        (of VISION_EXTRA_OUTPUTS) what a tiled family's runtime arranges the features with (the vision record's)."""
+        return cls(VISION, (PIXEL_VALUES, *tower_inputs), (IMAGE_FEATURES, *extra_outputs))
 
     def check(self, inputs: list[str], outputs: list[str], where: str) -> None:
         """ManifestError unless `inputs` / `outputs` (any order) are exactly this graph's."""

@@ -1,9 +1,11 @@
 """A vision-language export's manifest `vision` record (exporter/vision.py) and its graph, checked as kvforge.json's
 other sections are (kvforge/core/manifest.py): types, bounds and the graph's IO, before anything is allocated by it.
 
-Two kinds of tower: one fixed-size image in ([1, C, H, W], `tokens_per_image` tokens out), or images at their own
+Three kinds of tower: one fixed-size image in ([1, C, H, W], `tokens_per_image` tokens out); images at their own
 size (`input: "patches"`, Qwen2-VL's: patches in with the arrays `tower_inputs` names, tokens by the image's size;
-its prompts carry multimodal positions, `positions: "mrope"`, from the `mrope` record's fields).
+its prompts carry multimodal positions, `positions: "mrope"`, from the `mrope` record's fields); or an image's tiles
+as one batch (`input: "tiles"`, InternVL's: the runtime's `tiling` cuts them and writes the image's text from the
+`prompt` record, `tokens_per_tile` rows a tile, the graph's `extra_outputs` for its `pack`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvforge.core.contract import VISION, GraphIO
+from kvforge.core.contract import VISION, VISION_EXTRA_OUTPUTS, GraphIO
 from kvforge.core.errors import ManifestError
 from kvforge.core.model_spec import is_int
 
@@ -37,18 +39,22 @@ def check_vision_manifest(manifest: dict[str, Any], path: Path, vocab_size: int)
     for kind in ("inputs", "outputs"):
         if not isinstance(graph.get(kind), list) or not all(isinstance(e, dict) for e in graph[kind]):
             raise ManifestError(f"{path}: graphs.{VISION}.{kind} must be a list of {{'name': ...}}; re-run the export")
-    patches = vision.get("input") == "patches"
+    patches, tiled = vision.get("input") == "patches", vision.get("input") == "tiles"
+    if vision.get("input") not in (None, "patches", "tiles"):
+        raise ManifestError(f"{path}: vision.input is {str(vision.get('input'))[:40]!r}, not \"patches\", \"tiles\" "
+                            "or absent; re-run the export")
     tower = _tower_inputs(vision, path) if patches else ()
-    GraphIO.vision(tower).check(_names(graph, "inputs"), _names(graph, "outputs"), str(path))
+    extras = _tiles_fields(vision, path) if tiled else ()
+    GraphIO.vision(tower, extras).check(_names(graph, "inputs"), _names(graph, "outputs"), str(path))
     for field, most in _VISION_INTS.items():
-        if patches and field in ("tokens_per_image", "channels"):  # tokens by each image's size, channels in patches
-            continue
+        if (patches and field in ("tokens_per_image", "channels")) or (tiled and field == "tokens_per_image"):
+            continue  # tokens by each image's size or tiles; a patch tower's channels are in its patches
         value = vision.get(field)
         top = vocab_size - 1 if most is None else most
         if not is_int(value) or not 0 <= value <= top or (field != "image_token_id" and value == 0):
             raise ManifestError(f"{path}: vision.{field} is {value!r}, not an integer in 1..{top}; re-run the export")
     size = vision.get("image_size")
-    if not patches and not (isinstance(size, list) and len(size) == 2
+    if not patches and not (tiled and size is None) and not (isinstance(size, list) and len(size) == 2
                             and all(is_int(v) and 0 < v <= 1 << 14 for v in size)):
         raise ManifestError(f"{path}: vision.image_size is {size!r}, not [height, width]; re-run the export")
     if vision.get("positions") not in (None, "mrope") or (vision.get("positions") == "mrope") != patches:
@@ -73,6 +79,26 @@ def check_vision_manifest(manifest: dict[str, Any], path: Path, vocab_size: int)
     if prefix is not None and (not isinstance(prefix, str) or len(prefix) > 4096):
         raise ManifestError(f"{path}: vision.prompt_prefix must be a text of at most 4096 characters; re-run the "
                             "export")
+
+
+def _tiles_fields(vision: dict[str, Any], path: Path) -> tuple[str, ...]:
+    """A tiled tower's record (its tiling's name, the Processor's prompt settings, the rows a tile gives) and the
+    vision graph's extra outputs, checked."""
+    tiling, prompt, extras = vision.get("tiling"), vision.get("prompt"), vision.get("extra_outputs") or []
+    if not isinstance(tiling, str) or not isinstance(prompt, dict) or not isinstance(prompt.get("image_token"), str) \
+            or not prompt["image_token"]:
+        raise ManifestError(f"{path}: a tiled vision record needs vision.tiling (a name) and vision.prompt with an "
+                            "image_token text; re-run the export")
+    per_tile = vision.get("tokens_per_tile")
+    if per_tile is not None and not (is_int(per_tile) and 0 < per_tile <= 1 << 16):
+        raise ManifestError(f"{path}: vision.tokens_per_tile is {per_tile!r}, not an integer in 1..65536; re-run the "
+                            "export")
+    if not isinstance(extras, list) or not all(name in VISION_EXTRA_OUTPUTS for name in extras) \
+            or len(set(extras)) != len(extras) or not isinstance(vision.get("pack", ""), str):
+        raise ManifestError(f"{path}: vision.extra_outputs is {str(extras)[:80]!r} and vision.pack "
+                            f"{str(vision.get('pack'))[:40]!r}: a list of {', '.join(VISION_EXTRA_OUTPUTS)} and a "
+                            "name; re-run the export")
+    return tuple(extras)
 
 
 def _tower_inputs(vision: dict[str, Any], path: Path) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ image token (and a family's tokens around an image) cannot be typed as text.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,28 @@ _QWEN_IDS = {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID 
 # The towers' weights at the text model's scale (tiny_config's 0.2, not HF's 0.02): attention then depends on
 # which patches it sees, so a wrong mask or window shows in the features.
 _QWEN_INIT = {"initializer_range": 0.2}
+_FILLER = tuple(f"<unused{i}>" for i in range(8))  # tokens that put a family's image token at IMAGE_TOKEN_ID
 _QWEN_TOWER = {**_QWEN_INIT, "depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                "out_hidden_size": 64}
 _QWEN_PROCESSOR = ("Qwen2VLImageProcessor", {"min_pixels": 28 * 28, "max_pixels": 28 * 28 * 36})
+_NEXT_PINPOINTS = [[SIDE, 2 * SIDE], [2 * SIDE, SIDE], [2 * SIDE, 2 * SIDE], [3 * SIDE, SIDE], [SIDE, 3 * SIDE]]
+_ONEVISION_PINPOINTS = [[SIDE * i, SIDE * j] for i in range(1, 4) for j in range(1, 4)]
+_LLAVA_TOKENS = (*[f"<unused{i}>" for i in range(8)], "<image>", "<video>")
+# Idefics3 / SmolVLM: tiles of 64 pixels (the tower's image_size), an image's longest edge resized to 128, so images
+# split into 1x2, 2x1 or 2x2 tiles plus the global one (3 or 5 tiles); 16 image tokens a tile after the pixel
+# shuffle (Idefics3: 8x8 patches / 2^2, SmolVLM: 16x16 / 4^2). The processor's tokens take ids 512..519 and its
+# "<image>" IMAGE_TOKEN_ID; the Processor's image_seq_len is in processor_config.json, as released.
+_IDEFICS_TOKENS = ("<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                   *[f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], "<video>", "<image>")
+
+
+def _idefics(processor: str, patch: int, scale: int) -> dict[str, Any]:
+    return {"config": {"image_token_id": IMAGE_TOKEN_ID, "scale_factor": scale},
+            "vision_config": {"num_hidden_layers": 2, "image_size": 64, "patch_size": patch, "initializer_range": 0.2},
+            "processor": (f"{processor}ImageProcessorPil", {"size": {"longest_edge": 128},
+                                                            "max_image_size": {"longest_edge": 64}}),
+            "settings": {"image_seq_len": 16, "processor_class": f"{processor}Processor"},
+            "tokens": _IDEFICS_TOKENS}
 
 
 def _qwen_text(**rope: Any) -> dict[str, Any]:
@@ -45,13 +65,19 @@ TINY_VLMS: dict[str, dict[str, Any]] = {
                  "vision_config": _TOWER, "processor": _CLIP},
     "video_llava": {"config": {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID + 1},
                     "vision_config": _TOWER, "processor": ("VideoLlavaImageProcessor", _CLIP[1])},
+    # InternVL and Aya Vision tile an image (up to 4 tiles and a thumbnail here; the Processors pass
+    # crop_to_patches=True whatever the image processor says); the image token is a tokenizer token at IMAGE_TOKEN_ID.
     "internvl": {"config": {"image_token_id": IMAGE_TOKEN_ID},
                  "vision_config": {"num_hidden_layers": 2, "image_size": [SIDE, SIDE], "patch_size": [14, 14]},
-                 "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": False}),
-                 "tokens": ("<img>", "</img>")},
+                 "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": True, "max_patches": 4}),
+                 "processor_settings": {"image_seq_length": 4},
+                 "tokens": ("<img>", "</img>", *_FILLER[:6], "<IMG_CONTEXT>")},
     "aya_vision": {"config": {"image_token_id": IMAGE_TOKEN_ID}, "vision_config": _TOWER,
-                   "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": False}),
-                   "tokens": ("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>", "<|END_OF_IMG|>")},
+                   "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": True, "max_patches": 4}),
+                   "processor_settings": {"img_size": SIDE, "patch_size": 14, "downsample_factor": 2,
+                                          "tile_global_token": "<|IMG_TILE_GLOBAL|>"},
+                   "tokens": ("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>", "<|END_OF_IMG|>", *_FILLER[:5],
+                              "<|IMG_PATCH|>")},
     "got_ocr2": {"config": {"image_token_id": IMAGE_TOKEN_ID},
                  "vision_config": {"num_hidden_layers": 2, "image_size": 128, "patch_size": 16, "hidden_size": 32,
                                    "mlp_dim": 64, "output_channels": 16, "num_attention_heads": 2, "window_size": 4,
@@ -95,6 +121,26 @@ TINY_VLMS: dict[str, dict[str, Any]] = {
                                                          "patch_size": 16, "image_mean": [0.5] * 3,
                                                          "image_std": [0.5] * 3}),
                  "tokens": _QWEN_TOKENS},
+    # LLaVA-NeXT / OneVision ("anyres"): 56-pixel tiles of 4x4 patches, the released grids' shapes at 1/6 size, so
+    # images of 60..200 pixels take different grids. "<image>" at IMAGE_TOKEN_ID ("<video>" after it); "settings":
+    # the Processor's own (processor_config.json), as the released checkpoints save them.
+    "llava_next": {"config": {"image_token_id": IMAGE_TOKEN_ID, "image_grid_pinpoints": _NEXT_PINPOINTS},
+                   "vision_config": _TOWER,
+                   "processor": ("LlavaNextImageProcessor", {**_CLIP[1], "image_grid_pinpoints": _NEXT_PINPOINTS}),
+                   "settings": {"patch_size": 14, "vision_feature_select_strategy": "default",
+                                "num_additional_image_tokens": 1},
+                   "tokens": _LLAVA_TOKENS},
+    # anyres_max_4 of 16-token tiles: grids of more than 4 tiles' features (2x3, 3x3) are pooled down.
+    "llava_onevision": {"config": {"image_token_id": IMAGE_TOKEN_ID, "video_token_id": IMAGE_TOKEN_ID + 1,
+                                   "image_grid_pinpoints": _ONEVISION_PINPOINTS, "vision_aspect_ratio": "anyres_max_4"},
+                        "vision_config": _TOWER,
+                        "processor": ("LlavaOnevisionImageProcessor", {**_SQUARE,
+                                                                       "image_grid_pinpoints": _ONEVISION_PINPOINTS}),
+                        "settings": {"num_image_tokens": 16, "vision_feature_select_strategy": "full",
+                                     "vision_aspect_ratio": "anyres_max_4"},
+                        "tokens": _LLAVA_TOKENS},
+    "idefics3": _idefics("Idefics3", 8, 2),
+    "smolvlm": _idefics("SmolVLM", 4, 4),
 }
 
 
@@ -157,3 +203,9 @@ def save_tiny_processor(model_type: str, folder: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         getattr(transformers, processor_class)(**fields).save_pretrained(folder)
+    settings = TINY_VLMS[model_type].get("processor_settings")
+    if settings:  # the Processor's own settings (its image text), as processor_config.json holds them
+        (Path(folder) / "processor_config.json").write_text(json.dumps(settings), encoding="utf-8")
+    settings = TINY_VLMS[model_type].get("settings")
+    if settings:  # the Processor's own settings, beside its image processor's (transformers 4.x's layout)
+        (Path(folder) / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")

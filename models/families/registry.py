@@ -54,7 +54,7 @@ HAND_WRITTEN: dict[str, Family] = {
 
 
 # Modules of this folder that hold no family.
-_NOT_FAMILIES = {"family", "registry", "surgery", "state_binding", "qwen_vl_tower"}
+_NOT_FAMILIES = {"family", "registry", "surgery", "state_binding", "qwen_vl_tower", "processor_settings"}
 
 
 @functools.cache

@@ -85,3 +85,39 @@ class PatchEncoder:
             raise ManifestError(f"vision.onnx gave features of shape {out.shape}, not {(tokens, self.hidden)}; re-run "
                                 "the export")
         return out
+
+
+class TileEncoder:
+    """A tiled family's tower (InternVL's, ...): encode(tiles [N, C, H, W]) -> (features [rows, hidden], the graph's
+    extra outputs), one image's tiles as one batch (the manifest's vision record: `input: "tiles"`)."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], threads: int | None = None) -> None:
+        self.session = _session(folder, manifest, threads)
+        vision = manifest["vision"]
+        self.extras = tuple(vision.get("extra_outputs") or ())
+        have = ([i.name for i in self.session.get_inputs()], [o.name for o in self.session.get_outputs()])
+        want = GraphIO.vision((), self.extras)
+        if tuple(have[0]) != want.inputs or tuple(have[1]) != want.outputs:
+            raise ManifestError(f"{folder}/vision.onnx has IO {have}, not {want.inputs} -> {want.outputs}; the "
+                                "folder was modified, re-run the export")
+        self.hidden = vision["hidden_size"]
+        size = vision.get("image_size")
+        self.shape = (vision["channels"], *(size or (None, None)))
+        pixels, features = self.session.get_inputs()[0].shape, self.session.get_outputs()[0].shape
+        if len(pixels) != 4 or any(isinstance(d, int) and w is not None and d != w
+                                   for d, w in zip(pixels[1:], self.shape, strict=True)) \
+                or len(features) != 2 or (isinstance(features[1], int) and features[1] != self.hidden):
+            raise ManifestError(f"{folder}/kvforge.json: vision.channels, image_size and hidden_size say "
+                                f"{PIXEL_VALUES} [tiles, {', '.join(map(str, self.shape))}] -> [rows, {self.hidden}], "
+                                f"but vision.onnx takes {pixels} -> {features}; re-run the export")
+        self.outputs = list(want.outputs)
+        self.dtype = feature_dtype(manifest)
+
+    def encode(self, tiles: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        if tiles.ndim != 4 or any(w is not None and d != w for d, w in zip(tiles.shape[1:], self.shape, strict=True)):
+            raise ValueError(f"tiles of shape {tiles.shape}, the vision graph takes [tiles, {self.shape}]")
+        out = self.session.run(self.outputs, {PIXEL_VALUES: tiles.astype(self.dtype)})
+        if out[0].ndim != 2 or out[0].shape[1] != self.hidden:
+            raise ManifestError(f"vision.onnx gave features of shape {out[0].shape}, not [rows, {self.hidden}]; "
+                                "re-run the export")
+        return out[0], list(out[1:])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,10 @@ from kvforge.runtime.media.image_prompt import expand_images, image_key, text_wi
 from kvforge.runtime.media.images import DEFAULT_LIMITS, ImageLimits, LoadedImage, load_image
 from kvforge.runtime.media.preprocess import preprocess
 from kvforge.runtime.media.vision_record import check_vision_record
+
+# An image's features, its patch grid (a family whose images take tokens by size) and its run of prompt ids (a tiled
+# family's).
+Made = tuple[np.ndarray, tuple[int, int, int] | None, tuple[int, ...] | None]
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class EncodedImage(LoadedImage):
 
     features: np.ndarray | None = None
     grid: tuple[int, int, int] | None = None  # a family whose images take tokens by size: its (t, h, w) patch grid
+    run: tuple[int, ...] | None = None  # a tiled family's: the ids its Processor writes for the image (tiling.py)
 
 
 class Images:
@@ -52,14 +58,15 @@ class Images:
     KEPT = 16
 
     def __init__(self, folder: Path, manifest: dict[str, Any], bos_token_id: int | None,
-                 limits: ImageLimits = DEFAULT_LIMITS) -> None:
+                 limits: ImageLimits = DEFAULT_LIMITS, encode: Callable[[str, bool], list[int]] | None = None) -> None:
         self.folder, self.manifest = folder, manifest
         check_vision_record(folder, manifest)  # a crafted record is one line naming its field, here at load
         self.vision = {**manifest["vision"], "bos_token_id": bos_token_id}
         self.limits = limits
+        self._text_ids = encode  # (text, special tokens?) -> ids: a tiled image's text (None: no tokenizer)
         self._encoder: Any = None
         self._lock = threading.Lock()
-        self._kept: OrderedDict[str, tuple[np.ndarray, tuple[int, int, int] | None]] = OrderedDict()
+        self._kept: OrderedDict[str, Made] = OrderedDict()
 
     def encode_rows(self, images: list[list[Any]]) -> list[list[EncodedImage]]:
         """Each row's images read, checked and encoded (their token counts decide their prompt runs)."""
@@ -72,7 +79,8 @@ class Images:
         rows = []
         for i, (prompt, row_images) in enumerate(zip(prompts, images, strict=True)):
             ids = text_with_images(prompt, self.vision, encode) if isinstance(prompt, str) else list(prompt)
-            rows.append(expand_images(ids, [len(one.features) for one in row_images], self.vision, f"prompt {i}"))
+            rows.append(expand_images(ids, [len(one.features) for one in row_images], self.vision, f"prompt {i}",
+                                      [one.run for one in row_images] if self.tiled else None))
         return rows
 
     def row_images(self, rows: list[list[int]], images: list[list[EncodedImage]]) -> list[RowImages | None]:
@@ -118,15 +126,22 @@ class Images:
         and after_ids."""
         v = self.vision
         around = len(v["before_ids"]) + len(v["after_ids"]) - 1
-        return len(ids) + sum(around + (len(one.features) if getattr(one, "features", None) is not None
-                                        else v["tokens_per_image"]) for one in images)
+        return len(ids) + sum(len(one.run) - 1 if getattr(one, "run", None) is not None else
+                              around + (len(one.features) if getattr(one, "features", None) is not None
+                                        else v["tokens_per_image"] or 1) for one in images)
 
     def key(self, ids: list[int], row: RowImages | None) -> list[int]:
         """A prompt row's prefix-cache key (image tokens keyed by their image)."""
         return ids if row is None else image_key(ids, list(row.digests), self.vision, row.counts)
 
-    def _features(self, loaded: Any) -> tuple[np.ndarray, tuple[int, int, int] | None]:
-        """An image's features (kept by digest) and, for a family whose images take tokens by size, its grid."""
+    @property
+    def tiled(self) -> bool:
+        """Whether the export's images are tiled (runtime/media/tiling.py)."""
+        return self.vision.get("input") == "tiles"
+
+    def _features(self, loaded: Any) -> Made:
+        """An image's features (kept by digest); for a family whose images take tokens by size, its grid; for a tiled
+        family, its run of prompt ids."""
         with self._lock:
             kept = self._kept.get(loaded.digest)
             if kept is not None:
@@ -134,17 +149,33 @@ class Images:
                 return kept
             patches = self.vision.get("input") == "patches"  # a tower of images at their own size
             if self._encoder is None:
-                from kvforge.runtime.backends.vision_encoder import PatchEncoder, VisionEncoder
+                from kvforge.runtime.backends.vision_encoder import PatchEncoder, TileEncoder, VisionEncoder
 
-                self._encoder = (PatchEncoder if patches else VisionEncoder)(self.folder, self.manifest)
+                kind = PatchEncoder if patches else TileEncoder if self.tiled else VisionEncoder
+                self._encoder = kind(self.folder, self.manifest)
             if patches:
-                made = self._patch_features(loaded.image)
+                made: Made = (*self._patch_features(loaded.image), None)
+            elif self.tiled:
+                made = self._tile_features(loaded.image)
             else:
-                made = (self._encoder.encode(preprocess(loaded.image, self.vision["processor"])), None)
+                made = (self._encoder.encode(preprocess(loaded.image, self.vision["processor"])), None, None)
             self._kept[loaded.digest] = made
             if len(self._kept) > self.KEPT:
                 self._kept.popitem(last=False)
             return made
+
+    def _tile_features(self, image: Any) -> Made:
+        """A tiled family's image: its tiles through vision.onnx as one batch, the rows arranged as its prompt takes
+        them, and the ids its Processor writes for it."""
+        from kvforge.runtime.media.tiling import image_run, pack_features, tile_image
+
+        if self._text_ids is None:
+            raise InputError(f"{self.folder} has no tokenizer.json, which a tiled image's text needs (its Processor "
+                             "writes each tile's tokens); add the checkpoint's tokenizer to the export folder")
+        tiled = tile_image(image, self.vision)
+        features, extras = self._encoder.encode(np.stack(tiled.tiles))
+        features = pack_features(features, extras, tiled, self.vision)
+        return features, None, tuple(image_run(tiled.text, self.vision, self._text_ids, len(features)))
 
     def _patch_features(self, image: Any) -> tuple[np.ndarray, tuple[int, int, int]]:
         """A tower of images at their own size (Qwen-VL's): the image's patches and grid, the tower's other inputs

@@ -88,7 +88,10 @@ class LoadedExport:
         self.backend_name = self.backend.name
         self.max_capacity = self.backend.limits.max_capacity
         # A vision-language export's image path (runtime/drivers/images.py); None: the export takes no images.
-        self.images = Images(self.folder, self.manifest, model.bos_token_id) if self.manifest.get("vision") else None
+        tokenizer = self.tokenizer
+        text_ids = None if tokenizer is None else lambda text, special: tokenizer.encode(text, special)
+        self.images = Images(self.folder, self.manifest, model.bos_token_id,
+                             encode=text_ids) if self.manifest.get("vision") else None
 
     def _load_text(self) -> None:
         """The tokenizer and the chat template."""

@@ -44,10 +44,12 @@ def chat_placeholder(vision: dict[str, Any]) -> str:
     return vision.get("chat_placeholder") or vision["placeholder"]
 
 
-def expand_images(ids: list[int], images: int | Sequence[int], vision: dict[str, Any], where: str) -> list[int]:
+def expand_images(ids: list[int], images: int | Sequence[int], vision: dict[str, Any], where: str,
+                  runs: Sequence[Sequence[int] | None] | None = None) -> list[int]:
     """`ids` with each image token replaced by an image's run (before_ids, its image tokens, after_ids): `images`
     is how many images (each `tokens_per_image` tokens) or each image's token count (a family whose images take
-    tokens by their size). A prompt with no image token and images gets them at its start (after a leading BOS)."""
+    tokens by their size); `runs`: each image's whole run instead (a tiled family's, runtime/media/tiling.py). A
+    prompt with no image token and images gets them at its start (after a leading BOS)."""
     counts = [vision["tokens_per_image"]] * images if isinstance(images, int) else list(images)
     token = vision["image_token_id"]
     marks = ids.count(token)
@@ -57,10 +59,13 @@ def expand_images(ids: list[int], images: int | Sequence[int], vision: dict[str,
     if marks != len(counts):
         raise InputError(f"{where} marks {marks} image place(s) ({vision['placeholder']!r}) but comes with "
                          f"{len(counts)} image(s): give one image per place")
+    made = [list(run) if runs is not None and run is not None
+            else [*vision["before_ids"], *[token] * count, *vision["after_ids"]]
+            for count, run in zip(counts, runs or [None] * len(counts), strict=True)]
     out: list[int] = []
-    runs = iter(counts)
+    each = iter(made)
     for i in ids:
-        out.extend([*vision["before_ids"], *[token] * next(runs), *vision["after_ids"]] if i == token else (i,))
+        out.extend(next(each) if i == token else (i,))
     return out
 
 

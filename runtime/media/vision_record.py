@@ -27,6 +27,9 @@ def check_vision_record(folder: Path, manifest: dict[str, Any]) -> None:
     if vision.get("input") == "patches":
         _check_patch_record(manifest, vision, where)
         return
+    if vision.get("input") == "tiles":
+        _check_tiled_record(manifest, vision, where)
+        return
     height, width = vision["image_size"]
     if max(height, width) > MAX_SIDE:
         raise ManifestError(f"{where}: vision.image_size {vision['image_size']} is over {MAX_SIDE} pixels a side; "
@@ -62,6 +65,36 @@ def _check_patch_record(manifest: dict[str, Any], vision: dict[str, Any], where:
         check_qwen_record(vision["processor"])
     except InputError as err:
         raise ManifestError(f"{where}: vision.processor: {err}") from None
+
+
+def _check_tiled_record(manifest: dict[str, Any], vision: dict[str, Any], where: str) -> None:
+    """A tiled tower's record (runtime/media/tiling.py): a tiling this runtime has, the prefill graph's
+    image_features [*, hidden_size], and the tiling applied to a small image: tiles of image_size, the image's text
+    holding its image tokens."""
+    from PIL import Image
+
+    from kvforge.runtime.media.tiling import PACKS, TILINGS, tile_image
+
+    if vision["tiling"] not in TILINGS or (vision.get("pack") and vision["pack"] not in PACKS):
+        raise ManifestError(f"{where}: vision.tiling {str(vision['tiling'])[:40]!r} (pack {vision.get('pack')!r}) is "
+                            f"not one this kvforge has ({', '.join(TILINGS)}); re-run the export with this version")
+    entry = io_entry(manifest, "prefill", IMAGE_FEATURES)
+    shape = entry.get("shape") if entry is not None else None
+    if not isinstance(shape, list) or len(shape) != 2 or (isinstance(shape[1], int) and shape[1] != vision["hidden_size"]):
+        raise ManifestError(f"{where}: vision.hidden_size says {IMAGE_FEATURES} [*, {vision['hidden_size']}] in the "
+                            f"prefill graph, which declares {shape}; the manifest was modified: re-run the export")
+    try:
+        tiled = tile_image(Image.new("RGB", (8, 8)), vision)
+    except (InputError, ValueError, TypeError, KeyError) as err:
+        raise ManifestError(f"{where}: vision.processor and vision.prompt cannot be applied ({type(err).__name__}: "
+                            f"{err}); re-run the export") from None
+    size = vision.get("image_size")
+    if size is not None and any(tuple(tile.shape) != (vision["channels"], *size) for tile in tiled.tiles):
+        raise ManifestError(f"{where}: vision.processor makes tiles of shape {list(tiled.tiles[0].shape)}, but "
+                            f"vision.channels and vision.image_size say {[vision['channels'], *size]}; re-run the export")
+    if tiled.text.count(vision["prompt"]["image_token"]) != tiled.image_tokens:
+        raise ManifestError(f"{where}: vision.prompt.image_token is not the token its tiling writes for an image's "
+                            "features; re-run the export")
 
 
 def check_processor_record(vision: dict[str, Any], where: str) -> None:
