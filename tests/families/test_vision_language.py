@@ -15,11 +15,11 @@ pytest.importorskip("transformers")
 from kvforge.models.vision_families import VISION_FAMILIES  # noqa: E402
 from kvforge.tools.vlm_fixtures import TINY_VLMS, build_tiny_vlm  # noqa: E402
 
-# Families of one fixed-size image per place; those whose images take tokens by their size (Qwen-VL) and the rows not
-# exported whole yet are tested in their own files (test_qwen_vl.py; Gemma 3, whose image tokens attend both ways:
-# test_gemma3_vision.py).
+# Families of one fixed-size image per place; those whose images take tokens by their size (Qwen-VL), are tiled
+# (test_tiled_vision.py, ...) and the rows not exported whole yet are tested in their own files (test_qwen_vl.py;
+# Gemma 3, whose image tokens attend both ways: test_gemma3_vision.py).
 FAMILIES = sorted(name for name in TINY_VLMS if name in VISION_FAMILIES and not VISION_FAMILIES[name].patches
-                  and not VISION_FAMILIES[name].bidirectional_images)
+                  and not VISION_FAMILIES[name].bidirectional_images and not VISION_FAMILIES[name].tiling)
 NEW_TOKENS = 32
 # One worker takes every test here (pytest-xdist --dist loadgroup): each family's checkpoint and export are made once.
 pytestmark = pytest.mark.xdist_group("vision-language")
