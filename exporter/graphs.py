@@ -263,7 +263,11 @@ def _add_patch_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[st
     """vision.onnx of a tower that takes images at their own size (exporter/vision_patches.py) and its record."""
     from kvforge.core.contract import VISION
     from kvforge.exporter.vision import load_vision_language_model, vision_record
-    from kvforge.exporter.vision_mrope import image_processor_record, patch_vision_fields
+    from kvforge.exporter.vision_mrope import (
+        image_processor_record,
+        patch_vision_fields,
+        video_processor_record,
+    )
     from kvforge.exporter.vision_patches import patch_vision_io, trace_patch_vision
 
     processor = image_processor_record(work.model_dir)
@@ -272,8 +276,12 @@ def _add_patch_vision_graph(graphs: dict[str, Any], work: ExportWork) -> dict[st
     graphs[VISION] = trace_patch_vision(model, work.vision.model_type, work.torch_dtype)
     inputs, _ = patch_vision_io(work.vision.model_type)
     deepstack = work.vision.deepstack(model.config) if work.vision.deepstack is not None else 0
+    video = video_processor_record(work.model_dir, processor, work.vision.model_type)
     return {**vision_record(model, work.vision, processor, (0, 0), 0, work.model_dir),
-            **patch_vision_fields(model, inputs[1:], deepstack)}
+            **patch_vision_fields(model, inputs[1:], deepstack),
+            # Its videos: the video processor's record, and where a prompt and a chat template put one.
+            **({"video": video, "video_placeholder": "<video>",
+                "video_chat_placeholder": "<|vision_start|><|video_pad|><|vision_end|>"} if video else {})}
 
 
 def _mrope(work: ExportWork) -> bool:
@@ -313,14 +321,16 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     from kvforge.exporter.layer_stamping import StampRefused, stamp_layers, stamp_plan, traced_prefix
     from kvforge.exporter.lazy_weights import attach_weights
 
+    images = {"image_token_id": _image_token(work), "mrope": _mrope(work), "deepstack": _deepstack(work)}
     plan = "--no-stamp" if not work.options.stamp else "an EAGLE-3 head reads chosen layers' inputs" \
-        if aux is not None else stamp_plan(model, work.config, layout, work.family)
+        if aux is not None else "image features are added at chosen layers (DeepStack)" if images["deepstack"] \
+        else stamp_plan(model, work.config, layout, work.family)
     prefill = None
     if not isinstance(plan, str):
         work.say(f"tracing 2 of the {plan.total} alike layers (torch.onnx, dynamo) and stamping the rest; "
                  "the decode graph is derived from it")
         with traced_prefix(model, plan, layout) as short:
-            prefill = trace_prefill(model, short, work.torch_dtype, work.family, empty.fake_mode)
+            prefill = trace_prefill(model, short, work.torch_dtype, work.family, empty.fake_mode, **images)
         try:
             stamp_layers(prefill, plan, layout)
         except StampRefused as why:
@@ -328,6 +338,7 @@ def _trace(model: Any, work: ExportWork, layout: KVLayout, empty: Any) -> Any:
     if prefill is None:
         work.say(f"tracing the model once (torch.onnx, dynamo; every layer: {plan}); the decode graph is derived "
                  "from it")
-        prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode, aux_layers=aux)
+        prefill = trace_prefill(model, layout, work.torch_dtype, work.family, empty.fake_mode, aux_layers=aux,
+                                **images)
     attach_weights(prefill, empty, work.checkpoint)
     return prefill

@@ -72,3 +72,38 @@ def patch_vision_fields(model: Any, tower_inputs: tuple[str, ...], deepstack: in
     return {"input": "patches", "positions": "mrope", "mrope": mrope_record(model.config),
             "tower_inputs": list(tower_inputs), "tokens_per_image": None, "image_size": None,
             "hidden_size": hidden * (1 + deepstack), **({"deepstack": deepstack} if deepstack else {})}
+
+
+# Qwen2VLVideoProcessor's own pixel bounds (transformers 5.24), where the folder's config names none.
+VIDEO_PIXELS = (128 * 28 * 28, 768 * 28 * 28)
+
+
+def video_processor_record(model_dir: Path, image_record: dict[str, Any], model_type: str) -> dict[str, Any] | None:
+    """The checkpoint's video processor (Qwen2-VL / Qwen2.5-VL; None for a family whose videos the runtime does not
+    take: Qwen3-VL writes timestamps between frame groups). transformers' video processors need torchvision; without
+    it the record is made as they resolve their config: video_preprocessor_config.json, else preprocessor_config.json
+    (the image processor's file), over the class's pixel bounds, with the image processor's other fields."""
+    import json
+
+    if model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        return None
+    try:
+        from transformers import AutoVideoProcessor
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return qwen_processor_record(AutoVideoProcessor.from_pretrained(model_dir, local_files_only=True))
+    except (ImportError, OSError, ValueError):
+        pass
+    saved: dict[str, Any] = {}
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (model_dir / name).is_file():
+            saved = json.loads((model_dir / name).read_text(encoding="utf-8"))
+            break
+    size = saved.get("size") if isinstance(saved.get("size"), dict) else {}
+    low = saved.get("min_pixels") or size.get("shortest_edge") or VIDEO_PIXELS[0]
+    high = saved.get("max_pixels") or size.get("longest_edge") or VIDEO_PIXELS[1]
+    return {**image_record, "class": "Qwen2VLVideoProcessor", "backend": "torchvision", "min_pixels": int(low),
+            "max_pixels": int(high), "cap_pixels_per_frame": False, "max_video_tokens": None,
+            "do_sample_frames": False, "fps": float(saved.get("fps") or 2.0), "num_frames": None, "min_frames": None,
+            "max_frames": None}

@@ -114,6 +114,21 @@ def _tiled_row(model_type: str, **fields: Any) -> VisionFamily:
                         processor_fields=module.PROCESSOR_FIELDS, **fields)
 
 
+def _idefics3_features(model: Any, pixel_values: Any) -> Any:
+    from kvforge.models.families.idefics3 import image_features as features
+
+    return features(model, pixel_values)
+
+
+def _llava_next_row(model_type: str) -> VisionFamily:
+    """LLaVA-NeXT / OneVision: tiled "anyres", the tiles' rows packed by the image's size with image_newline."""
+    from kvforge.models.families import llava_next
+
+    return VisionFamily(model_type, llava_next.image_features, tiling=model_type, pack=model_type,
+                        prompt_record=llava_next.prompt_record, processor_fields=llava_next.PROCESSOR_FIELDS,
+                        extra_outputs=llava_next.EXTRA_OUTPUTS)
+
+
 def _deepstack_layers(config: Any) -> int:
     from kvforge.models.families.qwen_vl import deepstack_layers
 
@@ -135,6 +150,11 @@ VISION_FAMILIES: dict[str, VisionFamily] = {
         VisionFamily("janus", before=("<begin_of_image>",), after=("<end_of_image>",),
                      chat_placeholder="<image_placeholder>", prompt_prefix=janus_prompt_prefix),
         _gemma3_row(),
+        # Split as released (models/families/idefics3.py; SmolVLM's code is Idefics3's): per tile a fake token, its
+        # row/column tag and its image tokens, then the global image's; prompts and chat templates write "<image>".
+        *(_tiled_row(name, features=_idefics3_features) for name in ("idefics3", "smolvlm")),
+        # Tiled "anyres" (models/families/llava_next.py): the runtime packs the tiles' rows by the image's size.
+        *(_llava_next_row(name) for name in ("llava_next", "llava_onevision")),
         # Qwen's processor expands only "<|image_pad|>": its chat template writes "<|vision_start|>" ... around it.
         *(VisionFamily(name, before=("<|vision_start|>",), after=("<|vision_end|>",), patches=True,
                        chat_placeholder="<|vision_start|><|image_pad|><|vision_end|>",

@@ -22,6 +22,7 @@ _LAZY = {
     "SamplingConfig": "kvforge.runtime.controls.sampling",
     "Speculation": "kvforge.runtime.controls.request",
     "StepEvent": "kvforge.runtime.drivers.decode_loop",
+    "Video": "kvforge.runtime.media.video",
 }
 __all__ = sorted(_LAZY)
 

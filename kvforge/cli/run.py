@@ -37,6 +37,7 @@ from kvforge.tools import speculation
 
 if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startup time)
     from kvforge.runtime import GenerationRequest, Generator
+    from kvforge.runtime.media.video import Video
 
 
 @click.command()
@@ -48,6 +49,10 @@ if TYPE_CHECKING:  # the runtime is imported by the commands that run it (startu
 @click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), help="A vision-language export: "
               "an image file for the one prompt (repeatable), at each '<image>' in it, else before its text; with "
               "--chat, an image part before the message's text, placed by the chat template.")
+@click.option("--video", "videos", multiple=True, help="A vision-language export that takes videos (Qwen2-VL, "
+              "Qwen2.5-VL): a folder of frame images (in name order) or comma-separated frame files, already sampled, "
+              "at each '<video>' of the prompt (repeatable); with --chat, a video part.")
+@click.option("--video-fps", type=float, default=None, help="The rate --video's frames were sampled at (default 2).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=int, help="Most tokens generated per prompt.")
 @sampling_options
 @click.option("--capacity", type=int, help="KV cache capacity (default: longest prompt + max new tokens).")
@@ -79,8 +84,8 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     for option in ("chat_text", "system_text"):  # (--prompt texts are checked with the prompts)
         check_utf8(f"--{option.removesuffix('_text')}", options[option])
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
-    if options["images"] and len(batch) > 1:
-        raise InputError("--image goes with one prompt (one --prompt, --prompt-ids or --chat)")
+    if (options["images"] or options["videos"]) and len(batch) > 1:
+        raise InputError("--image and --video go with one prompt (one --prompt, --prompt-ids or --chat)")
     loading = backend_options(threads=options["threads"], sessions=options["sessions"],
                               engine_dir=options["engine_dir"], emulation=options["emulation"],
                               spinning=False if options["no_spin"] else None)
@@ -140,18 +145,29 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
                    "raise --max-new-tokens for a longer answer", err=True)
 
 
+def _video(value: str, fps: float | None) -> Video:
+    """--video's value: a folder of frames, or comma-separated frame files."""
+    from kvforge.runtime.media.video import Video, video_from_path
+
+    if "," in value:
+        return Video(tuple(Path(part) for part in value.split(",") if part), fps)
+    return video_from_path(value, fps)
+
+
 def _generation_request(generator: Generator, batch: list[Any], options: dict[str, Any]) -> GenerationRequest:
     """The GenerationRequest of `kvforge generate`'s options: the prompts (`batch`) or the chat,
     sampling, limits, speculation."""
+    from kvforge.runtime.media.video import Video
     from kvforge.runtime.text.prompts import RenderedChat
 
-    images = list(options["images"]) or None
+    images = [*options["images"], *(_video(path, options["video_fps"]) for path in options["videos"])] or None
     if options["chat_text"] is not None:
         messages = ([{"role": "system", "content": options["system_text"]}] if options["system_text"] is not None
                     else [])
         messages.append({"role": "user", "content": options["chat_text"]})
         if generator.images is not None:  # image parts: the template says where they go, as the processor's
-            messages[-1]["content"] = [*({"type": "image", "image": image} for image in images or ()),
+            messages[-1]["content"] = [*({"type": "video", "video": one} if isinstance(one, Video) else
+                                         {"type": "image", "image": one} for one in images or ()),
                                        {"type": "text", "text": options["chat_text"]}]
             ids, images = generator.chat_inputs(messages)
             images = images or None
@@ -159,7 +175,7 @@ def _generation_request(generator: Generator, batch: list[Any], options: dict[st
             ids = generator.chat_ids(messages)
         prompts: Any = RenderedChat(ids)
     else:
-        prompts = batch[0] if options["images"] else batch
+        prompts = batch[0] if images else batch
     sampling = sampling_keywords(options)  # speculation keeps either: greedy's tokens, or sampling's distribution
     return generator.request(prompts, options["max_new_tokens"], capacity=options["capacity"],
                              ignore_eos=options["ignore_eos"], speculate=options["speculate"],

@@ -76,6 +76,11 @@ def check_vision_manifest(manifest: dict[str, Any], path: Path, vocab_size: int)
            for k in ("text_before", "text_after")) or vision.get("image_blocks") not in (None, True, False):
         raise ManifestError(f"{path}: vision.text_before / text_after must be short texts and vision.image_blocks a "
                             "boolean; re-run the export")
+    if vision.get("video") is not None and (not patches or not all(
+            isinstance(vision.get(k), str) and 0 < len(vision[k]) <= 64 for k in ("video_placeholder",
+                                                                                   "video_chat_placeholder"))):
+        raise ManifestError(f"{path}: vision.video goes with a patch tower and short video_placeholder / "
+                            "video_chat_placeholder texts; re-run the export")
     if prefix is not None and (not isinstance(prefix, str) or len(prefix) > 4096):
         raise ManifestError(f"{path}: vision.prompt_prefix must be a text of at most 4096 characters; re-run the "
                             "export")

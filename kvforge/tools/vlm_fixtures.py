@@ -70,11 +70,11 @@ TINY_VLMS: dict[str, dict[str, Any]] = {
     "internvl": {"config": {"image_token_id": IMAGE_TOKEN_ID},
                  "vision_config": {"num_hidden_layers": 2, "image_size": [SIDE, SIDE], "patch_size": [14, 14]},
                  "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": True, "max_patches": 4}),
-                 "processor_settings": {"image_seq_length": 4},
+                 "settings": {"image_seq_length": 4},
                  "tokens": ("<img>", "</img>", *_FILLER[:6], "<IMG_CONTEXT>")},
     "aya_vision": {"config": {"image_token_id": IMAGE_TOKEN_ID}, "vision_config": _TOWER,
                    "processor": ("GotOcr2ImageProcessor", {**_SQUARE, "crop_to_patches": True, "max_patches": 4}),
-                   "processor_settings": {"img_size": SIDE, "patch_size": 14, "downsample_factor": 2,
+                   "settings": {"img_size": SIDE, "patch_size": 14, "downsample_factor": 2,
                                           "tile_token": "<|IMG_TILE|>", "tile_global_token": "<|IMG_TILE_GLOBAL|>"},
                    "tokens": ("<|START_OF_IMG|>", "<|IMG_TILE_GLOBAL|>", "<|END_OF_IMG|>", "<|IMG_TILE|>",
                               *_FILLER[:4], "<|IMG_PATCH|>")},
@@ -203,9 +203,6 @@ def save_tiny_processor(model_type: str, folder: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         getattr(transformers, processor_class)(**fields).save_pretrained(folder)
-    settings = TINY_VLMS[model_type].get("processor_settings")
-    if settings:  # the Processor's own settings (its image text), as processor_config.json holds them
-        (Path(folder) / "processor_config.json").write_text(json.dumps(settings), encoding="utf-8")
     settings = TINY_VLMS[model_type].get("settings")
-    if settings:  # the Processor's own settings, beside its image processor's (transformers 4.x's layout)
+    if settings:  # the Processor's own settings (its image text), beside its image processor's (4.x's layout)
         (Path(folder) / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")

@@ -28,9 +28,12 @@ def check_draft_pair(draft: LoadedExport, target: LoadedExport) -> None:
     if draft.eos_token_ids != target.eos_token_ids:
         raise InputError(f"{where}: its end-of-sequence ids {sorted(draft.eos_token_ids)} differ from the target's "
                          f"{sorted(target.eos_token_ids)}")
-    if (draft.manifest.get("vision") is None) != (target.manifest.get("vision") is None):
-        raise InputError(f"{where}: a draft for a vision-language target must take the same images (and a text "
-                         "target's draft none)")
+    if draft.manifest.get("vision") is not None:
+        # A draft sees the row's tokens only (an image's placeholder ids among them), never its images: a
+        # vision-language target drafts with a text export (plain positions: the target alone keeps the rows'
+        # M-RoPE positions and rope_deltas, and verifies every drafted token at them).
+        raise InputError(f"{where}: a draft drafts from tokens alone and takes no images; export the draft model "
+                         "with --text-only")
 
 
 def _vocabulary(export: LoadedExport) -> tuple[dict[str, int], dict[int, str]]:

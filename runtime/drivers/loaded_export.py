@@ -210,7 +210,8 @@ class LoadedExport:
             raise InputError(f"{self.folder} has no {TOKENIZER_FILE}, so prompts must be token ids, not text")
         tokenizer = self.tokenizer
         encoded = self.images.encode_rows(images)  # first: an image's token count is known once it is encoded
-        rows = self.images.prompt_rows(prompts, encoded, lambda text, special: tokenizer.encode(text, special))
+        rows, encoded = self.images.prompt_rows(prompts, encoded,
+                                                lambda text, special: tokenizer.encode(text, special))
         rows, _ = parse_prompts(rows, self.tokenizer, self.vocab_size, self.folder)  # the ids checked
         text_mode = isinstance(request.prompts, RenderedChat) or any(isinstance(p, str) for p in prompts)
         return rows, text_mode, self.images.row_images(rows, encoded)

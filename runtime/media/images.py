@@ -30,6 +30,7 @@ class ImageLimits:
     min_side: int = 2
     max_aspect: float = 200.0
     max_images: int = 8
+    max_frames: int = 32  # the frames of one video (runtime/media/video.py)
 
 
 DEFAULT_LIMITS = ImageLimits()
@@ -183,7 +184,7 @@ def check_image_parts(messages: Any) -> int:
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("image_url", "image"):
+            if kind not in ("image_url", "image", "video"):
                 continue
             count += 1
             image = part.get("image_url")

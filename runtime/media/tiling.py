@@ -14,20 +14,32 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError, ManifestError
+from kvforge.runtime.media.llava_next_pack import llava_onevision_image, pack_llava_next, pack_llava_onevision
 from kvforge.runtime.media.tile_ops import TiledImage
 from kvforge.runtime.media.tiles_got_ocr2 import aya_vision_image, internvl_image
+from kvforge.runtime.media.tiles_idefics3 import idefics3_image
+from kvforge.runtime.media.tiles_llava_next import llava_next_image
 
 TILINGS: dict[str, Callable[[Any, dict[str, Any], dict[str, Any]], TiledImage]] = {
     "internvl": internvl_image,
     "aya_vision": aya_vision_image,
+    "idefics3": idefics3_image,
+    "llava_next": llava_next_image, "llava_onevision": llava_onevision_image,
 }
-PACKS: dict[str, Callable[[np.ndarray, TiledImage, dict[str, Any], list[np.ndarray]], np.ndarray]] = {}
+PACKS: dict[str, Callable[[np.ndarray, TiledImage, dict[str, Any], list[np.ndarray]], np.ndarray]] = {
+    "llava_next": pack_llava_next, "llava_onevision": pack_llava_onevision,
+}
 MAX_TILES = 64  # the most tiles one image may give (released processors: 6..13)
+# Tilings whose image is made otherwise when its prompt holds several images (LLaVA-OneVision: each is one tile,
+# padded to a square, as LlavaOnevisionProcessor's batch_num_images says): they take whole=True then.
+SEVERAL = frozenset({"llava_onevision"})
 
 
-def tile_image(image: Any, vision: dict[str, Any]) -> TiledImage:
-    """The image's tiles and text by the record's tiling; an InputError for an image the tiling cannot take."""
-    tiled = TILINGS[vision["tiling"]](image, vision["processor"], vision["prompt"])
+def tile_image(image: Any, vision: dict[str, Any], several: bool = False) -> TiledImage:
+    """The image's tiles and text by the record's tiling (several: its prompt holds more images than this one); an
+    InputError for an image the tiling cannot take."""
+    whole = {"whole": True} if several and vision["tiling"] in SEVERAL else {}
+    tiled = TILINGS[vision["tiling"]](image, vision["processor"], vision["prompt"], **whole)
     if not 0 < len(tiled.tiles) <= MAX_TILES:
         raise InputError(f"an image gave {len(tiled.tiles)} tiles; kvforge takes 1..{MAX_TILES} an image")
     return tiled

@@ -61,10 +61,15 @@ def _check_patch_record(manifest: dict[str, Any], vision: dict[str, Any], where:
     if not isinstance(shape, list) or len(shape) != 2 or (isinstance(shape[1], int) and shape[1] != vision["hidden_size"]):
         raise ManifestError(f"{where}: vision.hidden_size says {IMAGE_FEATURES} [*, {vision['hidden_size']}] in the "
                             f"prefill graph, which declares {shape}; the manifest was modified: re-run the export")
-    try:
-        check_qwen_record(vision["processor"])
-    except InputError as err:
-        raise ManifestError(f"{where}: vision.processor: {err}") from None
+    for field in ("processor", "video"):
+        if field == "video" and vision.get("video") is None:
+            continue
+        try:
+            if not isinstance(vision[field], dict):
+                raise InputError("not an object")
+            check_qwen_record(vision[field])
+        except InputError as err:
+            raise ManifestError(f"{where}: vision.{field}: {err}") from None
 
 
 def _check_tiled_record(manifest: dict[str, Any], vision: dict[str, Any], where: str) -> None:

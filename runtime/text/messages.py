@@ -101,12 +101,22 @@ IMAGE_PART_KEYS = {"url", "detail"}
 
 def _image_parts(content: Any, i: int) -> bool:
     """Whether `content` is a list with OpenAI image_url parts (each checked: {"type": "image_url", "image_url":
-    {"url": str, ["detail"]}}); its text parts are checked later, by _content_text, once the images are taken."""
+    {"url": str, ["detail"]}}) or kvforge's video parts ({"type": "video", "video": {"frames": [url, ...],
+    ["fps": number]}}: OpenAI's format has none); its text parts are checked later, by _content_text."""
     if not isinstance(content, list):
         return False
     found = False
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") != "image_url":
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "video":
+            video = part.get("video")
+            if set(part) != {"type", "video"} or not isinstance(video, dict) or set(video) - {"frames", "fps"} \
+                    or not isinstance(video.get("frames"), list) or not all(isinstance(f, str) for f in video["frames"]):
+                raise InputError(f"messages[{i}].content[{j}] must be {{'type': 'video', 'video': {{'frames': [url, "
+                                 "...], 'fps': number}}}} (each frame a data:image URL)")
+            found = True
+            continue
+        if kind != "image_url":
             continue
         image = part.get("image_url")
         if set(part) != {"type", "image_url"} or not isinstance(image, dict) or not isinstance(image.get("url"), str) \
@@ -140,10 +150,11 @@ def _text_part(part: Any, i: int, j: int) -> str:
 
 def _content_parts(content: Any, i: int) -> Any:
     """A content list as a list of checked parts: text parts ({"type": "text", "text": str}) and image places
-    ({"type": "image"}, what take_image_parts leaves of an image part); a str (or None) as it is."""
+    ({"type": "image"} or {"type": "video"}, what take_image_parts leaves of a media part); a str (or None) as it
+    is."""
     if not isinstance(content, list):
         return content
-    return [{"type": "image"} if part == {"type": "image"} else {"type": "text", "text": _text_part(part, i, j)}
+    return [part if part in ({"type": "image"}, {"type": "video"}) else {"type": "text", "text": _text_part(part, i, j)}
             for j, part in enumerate(content)]
 
 

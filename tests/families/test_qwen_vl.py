@@ -183,3 +183,110 @@ def test_the_onnx_target_and_the_text_only_export(qwen, tmp_path):
         qwen.gen.generate("Once upon a time", max_new_tokens=16, greedy=True, ignore_eos=True).tokens
     with pytest.raises(InputError, match="image place"):
         qwen.gen.generate("two <image> places <image>", images=_images(0), max_new_tokens=2)
+
+
+def test_a_four_frame_video_and_an_image_match_hf_at_every_step(qwen):
+    """A video of 4 frames (kvforge.runtime.Video, sampled at 1 fps: Qwen2.5-VL's temporal positions advance 2 *
+    tokens_per_second a frame pair) beside an image, against HF given the same pixel_values_videos (the numpy
+    video processor equals transformers' where torchvision is installed: tests/runtime/test_qwen_vl_inputs.py)."""
+    from kvforge.core.errors import InputError
+    from kvforge.runtime.media.qwen_vl_preprocess import preprocess_qwen_video
+    from kvforge.runtime.media.video import Video
+
+    frames = [_image(50 + i, 70, 98) for i in range(4)]
+    image = _images(0)
+    prompt = "Describe <video> please, and then <image> too"
+    if qwen.family == "qwen3_vl":  # timestamps between its frame groups: not taken yet (docs/vision.md)
+        with pytest.raises(InputError, match="takes no videos"):
+            qwen.gen.generate(prompt, images=[Video(frames), *image], max_new_tokens=2)
+        return
+    result = qwen.gen.generate(prompt, images=[Video(frames, fps=1.0), *image], max_new_tokens=NEW_TOKENS,
+                               greedy=True, ignore_eos=True, keep_logits=True)
+    pixels, grid = preprocess_qwen_video(frames, qwen.manifest["vision"]["video"])
+    assert grid[0] == 2  # 4 frames: two temporal patches
+    merge, config = qwen.config.vision_config.spatial_merge_size, qwen.config
+    images = qwen.hf_inputs(["", ""], image)
+    run = [config.vision_start_token_id, *[config.video_token_id] * (int(np.prod(grid)) // merge**2),
+           config.vision_end_token_id]
+    ids = qwen.tokenizer("Describe ")["input_ids"] + run
+    ids += qwen.tokenizer(" please, and then ", add_special_tokens=False)["input_ids"]
+    image_run = images["input_ids"][0].tolist()[len(qwen.tokenizer("")["input_ids"]):]  # without the BOS
+    ids += image_run + qwen.tokenizer(" too", add_special_tokens=False)["input_ids"]
+    extra = {"second_per_grid_ts": torch.tensor([2.0])} if qwen.family == "qwen2_5_vl" else {}
+    inputs = {"pixel_values_videos": torch.from_numpy(pixels), "video_grid_thw": torch.tensor([grid]),
+              "pixel_values": images["pixel_values"], "image_grid_thw": images["image_grid_thw"], **extra}
+
+    def typed(ids: torch.Tensor) -> dict:
+        types = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+        return {"input_ids": ids, "mm_token_type_ids": types, "attention_mask": torch.ones_like(ids)}
+
+    assert result.prompt_tokens[0] == len(ids)
+    with torch.no_grad():
+        want = qwen.model.generate(**inputs, **typed(torch.tensor([ids])), max_new_tokens=NEW_TOKENS,
+                                   min_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+        full = qwen.model(**inputs, **typed(torch.tensor([ids + result.tokens[0]]))).logits[0].numpy()
+    assert result.tokens[0] == want
+    steps = np.stack([np.asarray(step)[0] for step in result.logits])
+    np.testing.assert_allclose(steps, full[len(ids) - 1:len(ids) - 1 + len(steps)], atol=1e-3, rtol=0)
+
+
+# A chat template that writes Qwen's image and video places for content parts (the tiny tokenizer has none).
+VIDEO_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for p in m.content %}{% if p.type == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+                  "{% elif p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}"
+                  "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+                  "{% endif %}")
+
+
+def test_a_video_from_the_cli_and_as_a_frame_list_over_the_api(qwen, tmp_path):
+    """`kvforge generate --video DIR` and a chat's video part ({"type": "video", "video": {"frames": [data URLs],
+    "fps": 1}}, kvforge's: OpenAI's format has no video part) give the Python API's tokens; too many frames is one
+    line naming the limit (InputError; a 400 over HTTP)."""
+    import io
+    import json
+
+    from click.testing import CliRunner
+    from serving import data_url, serving, with_template
+
+    from kvforge.cli import main
+    from kvforge.core.errors import InputError
+    from kvforge.runtime.media.video import Video
+
+    if qwen.family != "qwen2_5_vl":
+        pytest.skip("one family is enough for the request paths (the same code)")
+    frames = [_image(50 + i, 70, 98) for i in range(4)]
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for i, frame in enumerate(frames):
+        frame.save(folder / f"{i:03d}.png")
+    want = qwen.gen.generate("Describe <video> please", images=[Video(frames, fps=1.0)], max_new_tokens=8,
+                             greedy=True, ignore_eos=True).tokens[0]
+    out = CliRunner().invoke(main, ["generate", str(qwen.out), "--prompt", "Describe <video> please", "--video",
+                                    str(folder), "--video-fps", "1", "--max-new-tokens", "8", "--greedy",
+                                    "--ignore-eos", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["tokens"][0] == want, out.stdout
+    with pytest.raises(InputError, match="1..32 frames"):
+        qwen.gen.generate("<video>", images=[Video([frames[0]] * 33)], max_new_tokens=1)
+
+    import openai  # noqa: E402
+
+    from kvforge.serve.app import create_app
+
+    def png(image) -> str:
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return data_url(buffer.getvalue())
+
+    served = with_template(qwen.out, tmp_path / "served", VIDEO_TEMPLATE)
+    chat = [{"role": "user", "content": [{"type": "video", "video": {"frames": [png(f) for f in frames], "fps": 1}},
+                                         {"type": "text", "text": "What happens?"}]}]
+    local = qwen.gen.__class__(served).chat(chat, max_new_tokens=8, greedy=True, ignore_eos=True).text[0]
+    with serving(create_app(served, max_batch=2, max_seq_len=256, model_name="qwen")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="qwen", messages=chat, max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == local
+        too_many = [{"role": "user", "content": [{"type": "video", "video": {"frames": [png(frames[0])] * 33}}]}]
+        with pytest.raises(openai.BadRequestError, match="1..32 frames"):
+            client.chat.completions.create(model="qwen", messages=too_many, max_tokens=2)

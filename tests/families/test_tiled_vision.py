@@ -53,7 +53,7 @@ class Tiled:
         self.model = build_tiny_vlm(family, self.hf_dir)
         self.manifest = export_model(self.hf_dir, self.out, target="ort")
         self.vision = self.manifest["vision"]
-        settings = TINY_VLMS[family].get("processor_settings", {})
+        settings = TINY_VLMS[family].get("settings", {})
         image_processor = AutoImageProcessor.from_pretrained(self.hf_dir, backend="pil")
         if family == "internvl":
             names = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",

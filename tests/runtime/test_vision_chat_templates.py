@@ -105,9 +105,8 @@ def hf_processor(family: str, folder: Path, template: str) -> Any:
 
 
 def hf_ids(processor: Any, messages: list[dict]) -> list[int]:
-    """The processor's apply_chat_template(..., tokenize=True) ids (one tile per image, as kvforge exports take)."""
-    tiles = (transformers.AyaVisionProcessor, transformers.InternVLProcessor)
-    one_tile = {"crop_to_patches": False} if isinstance(processor, tiles) else {}
+    """The processor's apply_chat_template(..., tokenize=True) ids (InternVL and Aya Vision tile each image)."""
+    one_tile = {}
     if isinstance(processor, transformers.GotOcr2Processor):  # apply_chat_template nests a prompt's images (pages)
         one_tile = {"multi_page": True}
     with warnings.catch_warnings():
@@ -140,7 +139,33 @@ def kvforge_ids(family: str, folder: Path, template: str, messages: list[dict], 
     ids = image_chat_ids(lambda ms: chat.render(ms, True), check_messages(parts, content_parts=True), tokenizer, chat,
                          vision, lambda text: tokenizer.encode(text, False))
     check_image_places(ids, images, vision, "the template")
+    if family_row.tiling:  # each image's tiles and the text its Processor writes for them (runtime/media/tiling.py)
+        return expand_images(ids, [0] * len(images), vision, "the conversation",
+                             _tiled_runs(family, folder, images, tokenizer))
     return expand_images(ids, len(images), vision, "the conversation")
+
+
+# The Processor settings hf_processor gives InternVL and Aya Vision, as their prompt records hold them.
+TILED_PROMPTS = {"internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
+                              "context_image_token": "<IMG_CONTEXT>", "image_seq_length": 4, "crop_to_patches": True,
+                              "image_token": "<IMG_CONTEXT>"},
+                 "aya_vision": {"patch_size": 14, "img_size": 56, "downsample_factor": 2, "crop_to_patches": True,
+                                "tile_global_token": "<|IMG_TILE_GLOBAL|>", "image_token": "<|IMG_PATCH|>"}}
+
+
+def _tiled_runs(family: str, folder: Path, images: list[Any], tokenizer: Any) -> list[list[int]]:
+    from kvforge.exporter.vision import processor_record
+    from kvforge.runtime.media.tiling import image_run, tile_image
+    from kvforge.tools.vlm_fixtures import save_tiny_processor
+
+    save_tiny_processor(family, folder)
+    vision = {"image_token_id": IMAGE_TOKEN_ID, "tiling": VISION_FAMILIES[family].tiling,
+              "processor": processor_record(folder, VISION_FAMILIES[family]), "prompt": TILED_PROMPTS[family]}
+    runs = []
+    for image in images:
+        tiled = tile_image(image, vision)
+        runs.append(image_run(tiled.text, vision, tokenizer.encode, tiled.image_tokens))
+    return runs
 
 
 def _conversation(first: Any, second: Any = None) -> list[dict]:

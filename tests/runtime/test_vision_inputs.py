@@ -36,7 +36,8 @@ def _families() -> list[str]:
     from kvforge.tools.vlm_fixtures import TINY_VLMS
 
     # One fixed-size image per place; Qwen-VL's processors (images at their own size): test_qwen_vl_inputs.py.
-    return sorted(name for name in TINY_VLMS if name in VISION_FAMILIES and not VISION_FAMILIES[name].patches)
+    return sorted(name for name in TINY_VLMS if name in VISION_FAMILIES and not VISION_FAMILIES[name].patches
+                  and not VISION_FAMILIES[name].tiling)  # tiled: test_tiling_inputs.py
 
 
 @pytest.mark.parametrize("family", _families())
