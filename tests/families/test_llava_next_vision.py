@@ -73,17 +73,6 @@ class Anyres:
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def _several_images(anyres, request) -> None:
-    """OneVision tiles an image of a prompt with several as one padded tile (LlavaOnevisionProcessor's
-    batch_num_images): the runtime's Images driver must tell the tiling so (runtime/media/tiling.py SEVERAL). Until
-    that hook is there, such a test is expected to fail (and fails as XPASS once it passes)."""
-    from kvforge.runtime.media import tiling
-
-    if anyres.family == "llava_onevision" and not hasattr(tiling, "SEVERAL"):
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason="the runtime does not yet tell OneVision's "
-                                                                      "tiling that a prompt holds several images"))
-
-
 def _turn(scheduler, gen, prompt: str, images: list) -> tuple[list[int], Any]:
     """One greedy 8-token request with `images` through a running Scheduler: its tokens and its Done event."""
     import queue
@@ -134,9 +123,7 @@ def test_vision_graph_and_pack_match_hf_image_features(anyres):
 
 
 @pytest.mark.parametrize("images", [1, 2])
-def test_images_match_hf_generate_and_logits_at_every_step(anyres, images, request):
-    if images > 1:
-        _several_images(anyres, request)
+def test_images_match_hf_generate_and_logits_at_every_step(anyres, images):
     pictures = [_image(10 + i, 80 + 70 * i, 100 - 40 * i) for i in range(images)]
     prompt = "Describe <image> in a few words" + (" and compare it with <image>" if images == 2 else "")
     inputs = anyres.hf_inputs(prompt, pictures)
@@ -153,9 +140,8 @@ def test_images_match_hf_generate_and_logits_at_every_step(anyres, images, reque
     np.testing.assert_allclose(steps, full[len(ids) - 1:len(ids) - 1 + len(steps)].numpy(), atol=1e-3, rtol=0)
 
 
-def test_the_runtime_writes_the_processors_ids(anyres, request):
+def test_the_runtime_writes_the_processors_ids(anyres):
     """The expanded prompt, id for id, is the Processor's; two images of different sizes take different counts."""
-    _several_images(anyres, request)
     pictures = [_image(3, 150, 60), _image(4, 60, 70)]
     prompt = "A <image> and B <image> ?"
     want = anyres.hf_inputs(prompt, pictures)["input_ids"][0].tolist()
@@ -195,12 +181,11 @@ def test_a_second_turn_about_the_same_image_reuses_the_cache(anyres):
         scheduler.close()
 
 
-def test_an_image_among_several_is_not_its_prefix_alone(anyres, request):
+def test_an_image_among_several_is_not_its_prefix_alone(anyres):
     """OneVision: an image alone (tiled) and the same image in a prompt with two (one tile) are different features,
     so a turn with both after one with it alone takes no image token from the store, and equals HF."""
     if anyres.family != "llava_onevision":
         pytest.skip("LLaVA-NeXT tiles an image the same way whatever the prompt holds")
-    _several_images(anyres, request)
     from kvforge.runtime.drivers.scheduler import Scheduler
 
     pictures = [_image(31, 150, 90), _image(32, 70, 60)]

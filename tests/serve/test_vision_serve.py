@@ -172,7 +172,7 @@ def test_generate_image_and_chat_image_commands(folder, tmp_path) -> None:
     assert turns[1]["cached_tokens"] >= 16  # the second turn's prefix, the image's tokens included, was kept
 
     out = CliRunner().invoke(main, ["generate", str(folder), "--prompt", "a", "--prompt", "b", "--image", str(image)])
-    assert out.exit_code == 2 and "--image goes with one prompt" in out.output
+    assert out.exit_code == 2 and "--image and --video go with one prompt" in out.output
     broken = tmp_path / "broken.png"
     broken.write_bytes(image.read_bytes()[:60])
     for bad, says in ((tmp_path / "missing.png", "is not a file"), (broken, "could not be decoded")):
