@@ -160,6 +160,22 @@ def _features_module(model: Any, family: VisionFamily) -> Any:
     return Features()
 
 
+def output_shape(module: Any, example: Any) -> tuple[int, ...]:
+    """The shape of `module(example)` (its first output): propagated with fake tensors, which compute nothing (an
+    eager fp16 tower at a real size takes many minutes on a CPU); run for real where an op needs the values."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.no_grad():
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                out = module(mode.from_tensor(example))
+        except Exception:  # noqa: BLE001 - a data-dependent op (a boolean mask's count): run it
+            out = module(example)
+    first = out[0] if isinstance(out, tuple) else out
+    return tuple(int(d) for d in first.shape)
+
+
 def trace_vision(model: Any, family: VisionFamily, shape: tuple[int, int], torch_dtype: Any) -> tuple[Any, int]:
     """vision.onnx (an onnx_ir model, one image per call) and the number of image tokens an image gives."""
     import torch
@@ -170,8 +186,7 @@ def trace_vision(model: Any, family: VisionFamily, shape: tuple[int, int], torch
     channels = getattr(model.config.vision_config, "num_channels", 3)
     example = torch.zeros(1, channels, *shape, dtype=torch_dtype)
     wrapper = _features_module(model, family)
-    with torch.no_grad():
-        tokens = int(wrapper(example).shape[0])
+    tokens = int(output_shape(wrapper, example)[0])
     with warnings.catch_warnings(), contextlib.redirect_stdout(io_module.StringIO()), quiet_logger("torch.onnx"):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(wrapper, (example,), dynamo=True, input_names=[PIXEL_VALUES],

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvforge.core.contract import IMAGE_FEATURES, PIXEL_VALUES
 from kvforge.core.errors import UnsupportedModelError
+from kvforge.exporter.vision import output_shape
 from kvforge.models.vision_families import VisionFamily
 
 EXAMPLE_TILES = 2  # traced with two tiles, so the batch dimension is not specialised to one
@@ -48,8 +49,7 @@ def trace_tiles(model: Any, family: VisionFamily, shape: tuple[int, int], torch_
     channels = getattr(model.config.vision_config, "num_channels", 3)
     example = torch.zeros(EXAMPLE_TILES, channels, *shape, dtype=torch_dtype)
     wrapper = _tiles_module(model, family)
-    with torch.no_grad():
-        rows = int(wrapper(example)[0].shape[0])
+    rows = output_shape(wrapper, example)[0]
     if rows % EXAMPLE_TILES:
         raise UnsupportedModelError(f"{family.model_type}: {EXAMPLE_TILES} tiles gave {rows} feature rows, not a "
                                     "whole number a tile")
