@@ -104,7 +104,12 @@ def _text_graphs(work: ExportWork, layout: KVLayout, laps: dict[str, float], lap
     why = streaming_refusal(work.config, work.options, work.family, work.plan) if work.options.stream else "--no-stream"
     empty = None
     if why is None:
-        empty, why = empty_model(work.config, work.torch_dtype, work.checkpoint, work.family)
+        from kvforge.exporter.text_model import text_of
+        from kvforge.exporter.text_stream import stream_text_model
+
+        # A multimodal checkpoint's text model: its tensors found under their renamed names (text_stream.py).
+        make_empty = stream_text_model if text_of(work.config) is not None else empty_model
+        empty, why = make_empty(work.config, work.torch_dtype, work.checkpoint, work.family)
     if empty is not None:
         gb = work.checkpoint.nbytes / 1e9
         say(f"streaming {gb:.2f} GB of weights from the checkpoint, tensor by tensor (the model is traced without them)")

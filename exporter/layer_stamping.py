@@ -25,7 +25,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from kvforge.core.contract import GraphIO, KVLayout
+from kvforge.core.contract import IMAGE_FEATURES, POSITION_IDS, GraphIO, KVLayout
 from kvforge.models.families import Family
 
 SCOPES = "pkg.torch.onnx.name_scopes"
@@ -203,9 +203,10 @@ def _copy_layer(graph: ir.Graph, template: list[ir.Node], k: int, links: tuple[i
 
 
 def _order_io(graph: ir.Graph, layout: KVLayout) -> None:
-    """Inputs and outputs in the contract's order for the whole layout."""
-    io = GraphIO.of("prefill", layout)
+    """Inputs and outputs in the contract's order for the whole layout (a vision-language prefill's image features
+    and multimodal positions, where the trace took them, among them)."""
     inputs = {value.name: value for value in graph.inputs}
+    io = GraphIO.of("prefill", layout, images=IMAGE_FEATURES in inputs, mrope=POSITION_IDS in inputs)
     outputs = {value.name: value for value in graph.outputs}
     if set(inputs) != set(io.inputs) or set(outputs) != set(io.outputs):
         raise RuntimeError(f"stamped graph IO {sorted(set(inputs) ^ set(io.inputs))} "

@@ -8,9 +8,9 @@ file is written, one tensor at a time, cast to the export's dtype there. Fusions
 compose lazy tensors the same way (`lazy`), so the export's memory is bounded by its largest tensor.
 
 A model streams when transformers would load its checkpoint by plain names (each parameter one
-tensor of the same shape) and nothing in the export computes new weights from the loaded values
-(family adapters, experts rewritten for the MoE node, a multimodal checkpoint's renamed text model,
-a calibrated KV cache, HQQ's whole-model quantiser); otherwise it is loaded whole, as before, and
+tensor of the same shape; a multimodal checkpoint's text model by its renamed tensors: exporter/text_stream.py)
+and nothing in the export computes new weights from the loaded values (family adapters, experts rewritten for
+the MoE node, a calibrated KV cache, HQQ's whole-model quantiser); otherwise it is loaded whole, as before, and
 the export says why.
 """
 
@@ -61,22 +61,20 @@ class Gap(str):
 def streaming_refusal(config: Any, options: Any, family: Any, plan: Any) -> str | None:
     """Why this export cannot stream its weights, before any model is built (None: it may); `plan`: the export's
     quantisation plan (exporter/quantization/plan.py)."""
-    from kvforge.exporter.text_model import text_of
-
     if options.kv_cache is not None:
         return f"--kv-cache {options.kv_cache} calibrates its scales by running the model"
     if plan.quantize is not None and plan.method == "hqq":
         return f"--quant-method {plan.method} runs ONNX Runtime's whole-model quantiser"
-    if text_of(config) is not None:
-        return "a multimodal checkpoint's text model is loaded from renamed tensors"
     # A patch that only changes the model's code (its family says so) runs on the fake weights too.
     if family.patch is not None and not family.patch_keeps_weights:
         return f"{config.model_type}'s export adapter rewrites weights from their values"
     return None
 
 
-def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any) -> tuple[EmptyModel | None, str | None]:
-    """The model with fake parameters and real buffers, and the checkpoint tensor of each initializer;
+def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any,
+                model_class: Any = None) -> tuple[EmptyModel | None, str | None]:
+    """The model (of `model_class`, default the causal-LM class transformers maps the config to) with fake parameters
+    and real buffers, and the checkpoint tensor of each initializer;
     or None and why it cannot stream (a parameter the checkpoint does not hold by its name and shape: a Gap,
     experts that the MoE preparation rebuilds from their values). A checkpoint tensor that no parameter or buffer
     reads, once all were found, is refused (InputError naming it)."""
@@ -88,7 +86,8 @@ def empty_model(config: Any, torch_dtype: Any, checkpoint: Any, family: Any) -> 
     from kvforge.exporter.experts_routing import looped_experts_count
 
     with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers computed for real
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch_dtype)
+        model = (model_class._from_config if model_class is not None else AutoModelForCausalLM.from_config)(
+            config, attn_implementation="eager", dtype=torch_dtype)
     model.tie_weights()  # as from_pretrained does: a tied lm_head is the embedding's parameter
     model.eval()
     if getattr(model, "_can_set_experts_implementation", lambda: False)() or looped_experts_count(model, family):

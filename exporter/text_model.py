@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,42 +158,16 @@ def load_text_model(model_dir: str | Path, dtype: str = "fp32", config: Any = No
         config = text_config_of(AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False))
         if config is None:
             raise InputError(f"{model_dir} is not a multimodal checkpoint (its config.json has no text model)")
-    source = text_of(config) or {}
     config = copy.deepcopy(config)
-    cls = _causal_lm_class(config, source.get("model_type", config.model_type), source.get("architecture", ""))
-    with torch.device("meta"):  # the class's module names, nothing allocated
-        skeleton = cls._from_config(config)
-    backbone = next(name for name, _ in skeleton.named_children() if name != "lm_head")
-    parts = {name for name, _ in getattr(skeleton, backbone).named_children()}
     files = {}
     for file in _weight_files(model_dir):
         with safe_open(str(file), "pt") as handle:
             files.update(dict.fromkeys(handle.keys(), file))
-
-    def ours(name: str, prefix: str) -> bool:
-        return name.startswith(prefix) and name[len(prefix):].split(".")[0] in parts
-
-    prefix = next((p for p in BACKBONE_PREFIXES if any(ours(name, p) for name in files)), None)
+    cls, wanted, prefix, head = text_tensor_names(config, files)
     if prefix is None:
         raise InputError(f"{model_dir}: no text-model tensors under {', '.join(BACKBONE_PREFIXES)} in its safetensors; "
                          "pass a complete Hugging Face checkpoint")
-    # Layers the text model for tokens leaves out (text_of's skipped_layers): the others renumbered.
-    skipped = set(source.get("skipped_layers", ()))
-    kept = [i for i in range(config.num_hidden_layers + len(skipped)) if i not in skipped]
-    renumber = {str(old): str(new) for new, old in enumerate(kept)}
-    wanted = {}
-    for name in files:
-        if ours(name, prefix):
-            rest = name[len(prefix):].split(".")
-            if rest[0] == "layers" and skipped:
-                if rest[1] not in renumber:
-                    continue
-                rest[1] = renumber[rest[1]]
-            wanted[".".join([backbone, *rest])] = name
-    head = next((p for p in HEAD_PREFIXES if f"{p}weight" in files), None)
-    if head is not None:
-        wanted.update({f"lm_head.{name[len(head):]}": name for name in files if name.startswith(head)})
-    config.tie_word_embeddings = head is None  # a checkpoint without lm_head tensors ties it to the embedding
+    config.tie_word_embeddings = not head  # a checkpoint without lm_head tensors ties it to the embedding
     state = {}
     for file in sorted(set(files.values())):
         names = {new: old for new, old in wanted.items() if files[old] == file}
@@ -207,3 +181,43 @@ def load_text_model(model_dir: str | Path, dtype: str = "fp32", config: Any = No
         raise InputError(f"{model_dir}'s text model lacks {len(missing)} tensors ({', '.join(missing[:3])}, ...) "
                          f"under {prefix}; the checkpoint is incomplete or laid out in a way kvforge does not know")
     return model.eval()
+
+
+def text_tensor_names(config: Any, names: Iterable[str]) -> tuple[type, dict[str, str], str | None, bool]:
+    """Where a multimodal checkpoint's text model lies among its tensor `names`: the causal-LM class of `config` (a
+    text_config_of config), {the class's parameter name: the checkpoint's tensor name} (BACKBONE_PREFIXES ->
+    the class's backbone, HEAD_PREFIXES -> `lm_head.`, the layers text_of's skipped_layers leaves out dropped and
+    the others renumbered), the backbone prefix found (None: no text-model tensor) and whether an lm_head is stored
+    (none: tied to the embedding). Nothing is read but the names."""
+    import torch
+
+    names = list(names)
+    source = text_of(config) or {}
+    cls = _causal_lm_class(config, source.get("model_type", config.model_type), source.get("architecture", ""))
+    with torch.device("meta"):  # the class's module names, nothing allocated
+        skeleton = cls._from_config(copy.deepcopy(config))
+    backbone = next(name for name, _ in skeleton.named_children() if name != "lm_head")
+    parts = {name for name, _ in getattr(skeleton, backbone).named_children()}
+
+    def ours(name: str, prefix: str) -> bool:
+        return name.startswith(prefix) and name[len(prefix):].split(".")[0] in parts
+
+    prefix = next((p for p in BACKBONE_PREFIXES if any(ours(name, p) for name in names)), None)
+    if prefix is None:
+        return cls, {}, None, False
+    skipped = set(source.get("skipped_layers", ()))
+    kept = [i for i in range(config.num_hidden_layers + len(skipped)) if i not in skipped]
+    renumber = {str(old): str(new) for new, old in enumerate(kept)}
+    wanted = {}
+    for name in names:
+        if ours(name, prefix):
+            rest = name[len(prefix):].split(".")
+            if rest[0] == "layers" and skipped:
+                if rest[1] not in renumber:
+                    continue
+                rest[1] = renumber[rest[1]]
+            wanted[".".join([backbone, *rest])] = name
+    head = next((p for p in HEAD_PREFIXES if f"{p}weight" in set(names)), None)
+    if head is not None:
+        wanted.update({f"lm_head.{name[len(head):]}": name for name in names if name.startswith(head)})
+    return cls, wanted, prefix, head is not None
