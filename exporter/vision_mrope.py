@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvforge.core.errors import InputError
-from kvforge.models.families.qwen_vl import mrope_record
+from kvforge.models.families.qwen_vl import VIDEO_TYPES, mrope_record
 
 # The processor attributes the runtime reads (besides class, backend, min_pixels and max_pixels).
 FIELDS = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
@@ -85,7 +85,7 @@ def video_processor_record(model_dir: Path, image_record: dict[str, Any], model_
     (the image processor's file), over the class's pixel bounds, with the image processor's other fields."""
     import json
 
-    if model_type not in ("qwen2_vl", "qwen2_5_vl"):
+    if model_type not in VIDEO_TYPES:
         return None
     try:
         from transformers import AutoVideoProcessor

@@ -98,6 +98,11 @@ def mrope_record(config: Any) -> dict[str, Any]:
             "frame_runs": config.model_type.startswith("qwen3")}
 
 
+# The types whose videos the runtime takes (Qwen3-VL's processor writes a timestamp text between frame groups, which
+# the runtime does not write yet: docs/vision.md).
+VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
 def deepstack_layers(config: Any) -> int:
     """How many text layers gain an image token's DeepStack features (Qwen3-VL's; 0 for the others)."""
     return len(getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None) or ())
