@@ -49,11 +49,8 @@ ROPE_DELTAS = "rope_deltas"  # decode only, [B] int64
 # The third graph of a vision-language export, `vision.onnx`: images in, the image tokens' embeddings out.
 VISION = "vision"
 PIXEL_VALUES = "pixel_values"  # [images, channels, height, width] float: preprocessed (runtime/media/)
-# What a tiled family's vision graph may give beside IMAGE_FEATURES, for the runtime's arrangement of the tiles'
-# features (runtime/media/tiling.py): LLaVA-NeXT's image_newline [hidden], the row that ends each row of tiles.
-VISION_EXTRA_OUTPUTS = ("image_newline",)
-# The image processors (transformers' class names) whose pipeline the runtime reproduces without torch
-# (runtime/media/preprocess.py); the exporter refuses a checkpoint with another, or with tiling on.
+VISION_EXTRA_OUTPUTS = ("image_newline",)  # beside IMAGE_FEATURES, for a tiled family's pack (LLaVA-NeXT's row end)
+# The fixed-size image processors whose pipeline the runtime replays without torch (runtime/media/preprocess.py).
 IMAGE_PROCESSORS = ("CLIPImageProcessor", "SiglipImageProcessor", "GotOcr2ImageProcessor", "VideoLlavaImageProcessor",
                     "DeepseekVLImageProcessor", "JanusImageProcessor", "Gemma3ImageProcessor")
 # Speculation's head graph, `draft.onnx` (an EAGLE-3 head or a checkpoint's MTP layer, manifest record "draft"):
@@ -339,8 +336,7 @@ class GraphIO:
     @classmethod
     def vision(cls, tower_inputs: tuple[str, ...] = (), extra_outputs: tuple[str, ...] = ()) -> GraphIO:
         """The vision graph's IO: preprocessed images (or one image's tiles) in, their image tokens' embeddings out
-        ([images * tokens, hidden], image by image); `tower_inputs`: a patch tower's other arrays, `extra_outputs`
-        (of VISION_EXTRA_OUTPUTS) what a tiled family's runtime arranges the features with (the vision record's)."""
+        ([images * tokens, hidden]); a patch tower's other arrays, a tiled family's VISION_EXTRA_OUTPUTS."""
         return cls(VISION, (PIXEL_VALUES, *tower_inputs), (IMAGE_FEATURES, *extra_outputs))
 
     def check(self, inputs: list[str], outputs: list[str], where: str) -> None:
