@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_vision_language import scheduled_turn  # noqa: E402
+from vlm_testing import rgb_image  # noqa: E402
 
 from kvforge.tools.vlm_fixtures import IMAGE_TOKEN_ID, build_tiny_vlm  # noqa: E402
 
@@ -19,12 +20,6 @@ NEW_TOKENS = 32
 TARGETS = ("ort", "onnx")
 pytestmark = pytest.mark.xdist_group("gemma3-vision")  # its exports made once, on one worker
 
-
-def _image(seed: int, height: int, width: int):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8), "RGB")
 
 
 class Gemma3:
@@ -68,7 +63,7 @@ def test_vision_graph_matches_hf_image_features(g3):
 
     encoder = VisionEncoder(g3.folders["ort"], g3.manifests["ort"])
     for seed, (height, width) in enumerate(((70, 90), (120, 60))):
-        image = _image(seed, height, width)
+        image = rgb_image(seed, height, width)
         pixels = g3.hf_inputs("<start_of_image>", [image])["pixel_values"]
         np.testing.assert_allclose(preprocess(image, g3.vision["processor"]), pixels[0].numpy(), atol=1e-6, rtol=0)
         with torch.no_grad():
@@ -83,7 +78,7 @@ def test_vision_graph_matches_hf_image_features(g3):
 def test_images_match_hf_generate_and_logits_at_every_step(g3, target, images):
     from kvforge.runtime.media.image_prompt import expand_images, text_with_images
 
-    pictures = [_image(10 + i, 80 + 20 * i, 100 - 10 * i) for i in range(images)]
+    pictures = [rgb_image(10 + i, 80 + 20 * i, 100 - 10 * i) for i in range(images)]
     prompt = "Describe <start_of_image> in a few words" + (" and compare it with <start_of_image>" if images == 2 else "")
     inputs = g3.hf_inputs(prompt, pictures)
     ids = inputs["input_ids"][0].tolist()
@@ -110,7 +105,7 @@ def test_a_rendered_chat_gets_the_processors_ids(g3):
     from kvforge.runtime.media.image_prompt import expand_images, images_around
 
     text = "<start_of_turn>user\n<start_of_image>What is it?\n\n<start_of_image><end_of_turn>\n<start_of_turn>model\n"
-    pictures = [_image(1, 50, 60), _image(2, 60, 50)]
+    pictures = [rgb_image(1, 50, 60), rgb_image(2, 60, 50)]
     want = g3.processor(text=[text], images=[pictures], add_special_tokens=False)["input_ids"][0]
     encode = images_around(g3.vision, lambda piece: g3.tokenizer(piece, add_special_tokens=False)["input_ids"])
     assert expand_images(encode(text), 2, g3.vision, "chat") == list(want)
@@ -118,7 +113,7 @@ def test_a_rendered_chat_gets_the_processors_ids(g3):
 
 def test_a_batch_of_two_prompts_with_different_images_equals_each_alone(g3):
     gen = g3.gens["ort"]
-    pictures = [_image(5, 64, 128), _image(6, 140, 70)]
+    pictures = [rgb_image(5, 64, 128), rgb_image(6, 140, 70)]
     prompts = ["<start_of_image> What is this?", "Look at it: <start_of_image> and say what it shows, please"]
     batch = gen.generate(prompts, images=[[pictures[0]], [pictures[1]]], max_new_tokens=16, greedy=True,
                          ignore_eos=True)
@@ -146,7 +141,7 @@ def test_chunked_prefill_and_prefix_reuse_keep_image_blocks_whole(g3):
     assert [chunk_end(ids, 0, end, t) for end in range(1, 10)] == [1, 2, 3, 3, 3, 3, 7, 8, 9]
     assert chunk_end(ids, 3, 5, t) == 7 and chunk_end(ids, 0, 5, None) == 5  # a run longer than the call: whole
     assert [prefix_end(ids, n, t) for n in range(9)] == [0, 1, 2, 3, 3, 3, 3, 7, 8]
-    gen, image = g3.gens["ort"], _image(21, 90, 70)
+    gen, image = g3.gens["ort"], rgb_image(21, 90, 70)
     scheduler = Scheduler(gen.export, max_batch=2, max_seq_len=256, prefill_chunk=8).start()
     try:
         for prompt in ("Look: <start_of_image> What is it?", "Look: <start_of_image> What is it? And the colours?"):

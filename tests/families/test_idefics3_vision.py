@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_vision_language import scheduled_turn  # noqa: E402
 from transformers.models.smolvlm.processing_smolvlm import DEFAULT_CHAT_TEMPLATE  # noqa: E402
+from vlm_testing import rgb_image  # noqa: E402
 
 from kvforge.tools.vlm_fixtures import IMAGE_TOKEN_ID, build_tiny_vlm  # noqa: E402
 
@@ -29,12 +30,6 @@ CASES = {"idefics3": ("ort", "onnx"), "smolvlm": ("ort",)}
 SIZES = {(60, 150): (1, 2), (170, 70): (2, 1), (140, 120): (2, 2)}
 pytestmark = pytest.mark.xdist_group("idefics3-vision")  # its exports made once, on one worker
 
-
-def _image(seed: int, height: int, width: int):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8), "RGB")
 
 
 def _processor(family: str, folder) -> object:
@@ -107,7 +102,7 @@ def test_vision_graph_matches_hf_image_features(tiled):
     encoder = TileEncoder(tiled.folders["ort"], tiled.manifests["ort"])
     counts = []
     for seed, ((height, width), grid) in enumerate(SIZES.items()):
-        image = _image(seed, height, width)
+        image = rgb_image(seed, height, width)
         ours = tile_image(image, tiled.vision)
         hf = tiled.hf_inputs("<image>", [[image]])
         assert (ours.rows, ours.cols) == grid
@@ -123,7 +118,7 @@ def test_vision_graph_matches_hf_image_features(tiled):
         counts.append(len(ours.tiles))
     assert counts == [3, 3, 5]
     # Each tile's rows are its own: a change in the second tile moves only its 16 rows.
-    tiles = np.stack(tile_image(_image(0, 60, 150), tiled.vision).tiles)
+    tiles = np.stack(tile_image(rgb_image(0, 60, 150), tiled.vision).tiles)
     changed = tiles.copy()
     changed[1, :, :8, :8] += 1.0
     delta = np.abs(encoder.encode(changed)[0] - encoder.encode(tiles)[0]).max(1)
@@ -134,7 +129,7 @@ def test_vision_graph_matches_hf_image_features(tiled):
 def test_images_match_hf_generate_and_logits_at_every_step(tiled, images):
     """One image, and two of different tile counts (3 and 5): the runtime's prompt is the Processor's, id for id
     (the tile tags and the global image's tokens), its 32 greedy tokens are HF's and its logits HF's within 1e-3."""
-    pictures = [_image(10, 60, 150), _image(11, 140, 120)][:images]
+    pictures = [rgb_image(10, 60, 150), rgb_image(11, 140, 120)][:images]
     prompt = "Describe <image> in a few words" + (" and compare it with <image>" if images == 2 else "")
     inputs = tiled.hf_inputs(prompt, [pictures])
     ids = inputs["input_ids"][0].tolist()
@@ -164,7 +159,7 @@ def test_images_match_hf_generate_and_logits_at_every_step(tiled, images):
 def test_a_chat_with_image_parts_gives_the_processors_ids(tiled):
     """The chat path: image parts in two user turns (one first in its message, one between two text parts) render as
     "<image>", which the runtime expands as the Processor's apply_chat_template does; the answer is HF's."""
-    pictures = [_image(31, 60, 150), _image(32, 140, 120)]
+    pictures = [rgb_image(31, 60, 150), rgb_image(32, 140, 120)]
     messages = [{"role": "user", "content": [{"type": "image", "image": pictures[0]},
                                              {"type": "text", "text": "What is in this picture?"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "A cat on a mat."}]},
@@ -189,7 +184,7 @@ def test_a_chat_with_image_parts_gives_the_processors_ids(tiled):
 
 def test_a_batch_of_two_prompts_with_different_images_equals_each_alone(tiled):
     gen = tiled.gens["ort"]
-    pictures = [_image(5, 64, 160), _image(6, 150, 130)]
+    pictures = [rgb_image(5, 64, 160), rgb_image(6, 150, 130)]
     prompts = ["<image> What is this?", "Look at it: <image> and say what it shows, please"]
     batch = gen.generate(prompts, images=[[pictures[0]], [pictures[1]]], max_new_tokens=16, greedy=True,
                          ignore_eos=True)
@@ -204,7 +199,7 @@ def test_a_second_turn_about_the_same_image_reuses_the_prefix_store(tiled):
     from the prefix store, and its answer equals a fresh Generator run of the whole conversation."""
     from kvforge.runtime.drivers.scheduler import Scheduler
 
-    gen, image = tiled.gens["ort"], _image(21, 140, 120)
+    gen, image = tiled.gens["ort"], rgb_image(21, 140, 120)
     scheduler = Scheduler(gen.export, max_batch=2, max_seq_len=512, prefill_chunk=32).start()
     try:
         first, done = scheduled_turn(scheduler, gen, "Look: <image> What is it?", image)
@@ -237,7 +232,7 @@ def test_bad_input_is_one_line(tiled):
 
     gen = tiled.gens["ort"]
     with pytest.raises(InputError, match=r"marks 1 image place\(s\).*2 image\(s\)"):
-        gen.generate("Only <image> here", images=[_image(1, 60, 150), _image(2, 60, 150)], max_new_tokens=2)
+        gen.generate("Only <image> here", images=[rgb_image(1, 60, 150), rgb_image(2, 60, 150)], max_new_tokens=2)
 
 
 def test_prompt_record_reads_the_processor_and_tokenizer(tmp_path, tiled):

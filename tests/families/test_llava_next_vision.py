@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_vision_language import scheduled_turn  # noqa: E402
+from vlm_testing import rgb_image  # noqa: E402
 
 from kvforge.tools.vlm_fixtures import build_tiny_vlm  # noqa: E402
 
@@ -23,12 +24,6 @@ FAMILIES = ("llava_next", "llava_onevision")
 NEW_TOKENS = 32
 pytestmark = pytest.mark.xdist_group("llava-next-vision")  # each family's export made once, on one worker
 
-
-def _image(seed: int, height: int, width: int):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8), "RGB")
 
 
 def _no_videos(cls: type) -> type:
@@ -101,7 +96,7 @@ def test_vision_graph_and_pack_match_hf_image_features(anyres):
     encoder = TileEncoder(anyres.out, anyres.manifest)
     counts, grids = set(), set()
     for seed, (height, width) in enumerate(((70, 90), (150, 60), (56, 170), (200, 190))):
-        image = _image(seed, height, width)
+        image = rgb_image(seed, height, width)
         inputs = anyres.hf_inputs("<image>", [image])
         ours = tile_image(image, anyres.vision)
         np.testing.assert_array_equal(np.stack(ours.tiles), inputs["pixel_values"][0].numpy())  # the tiles, exactly
@@ -124,7 +119,7 @@ def test_vision_graph_and_pack_match_hf_image_features(anyres):
 
 @pytest.mark.parametrize("images", [1, 2])
 def test_images_match_hf_generate_and_logits_at_every_step(anyres, images):
-    pictures = [_image(10 + i, 80 + 70 * i, 100 - 40 * i) for i in range(images)]
+    pictures = [rgb_image(10 + i, 80 + 70 * i, 100 - 40 * i) for i in range(images)]
     prompt = "Describe <image> in a few words" + (" and compare it with <image>" if images == 2 else "")
     inputs = anyres.hf_inputs(prompt, pictures)
     ids = inputs["input_ids"][0].tolist()
@@ -142,7 +137,7 @@ def test_images_match_hf_generate_and_logits_at_every_step(anyres, images):
 
 def test_the_runtime_writes_the_processors_ids(anyres):
     """The expanded prompt, id for id, is the Processor's; two images of different sizes take different counts."""
-    pictures = [_image(3, 150, 60), _image(4, 60, 70)]
+    pictures = [rgb_image(3, 150, 60), rgb_image(4, 60, 70)]
     prompt = "A <image> and B <image> ?"
     want = anyres.hf_inputs(prompt, pictures)["input_ids"][0].tolist()
     export = anyres.gen.export
@@ -154,7 +149,7 @@ def test_the_runtime_writes_the_processors_ids(anyres):
 
 
 def test_a_batch_of_two_prompts_with_different_images_equals_each_alone(anyres):
-    pictures = [_image(5, 64, 128), _image(6, 140, 70)]
+    pictures = [rgb_image(5, 64, 128), rgb_image(6, 140, 70)]
     prompts = ["<image> What is this?", "Look at it: <image> and say what it shows, please"]
     batch = anyres.gen.generate(prompts, images=[[pictures[0]], [pictures[1]]], max_new_tokens=16, greedy=True,
                                 ignore_eos=True)
@@ -167,7 +162,7 @@ def test_a_batch_of_two_prompts_with_different_images_equals_each_alone(anyres):
 def test_a_second_turn_about_the_same_image_reuses_the_cache(anyres):
     from kvforge.runtime.drivers.scheduler import Scheduler
 
-    image = _image(21, 90, 170)
+    image = rgb_image(21, 90, 170)
     scheduler = Scheduler(anyres.gen.export, max_batch=2, max_seq_len=512, prefill_chunk=16).start()
     try:
         first, done = scheduled_turn(scheduler, anyres.gen, "Look: <image> What is it?", image)
@@ -188,7 +183,7 @@ def test_an_image_among_several_is_not_its_prefix_alone(anyres):
         pytest.skip("LLaVA-NeXT tiles an image the same way whatever the prompt holds")
     from kvforge.runtime.drivers.scheduler import Scheduler
 
-    pictures = [_image(31, 150, 90), _image(32, 70, 60)]
+    pictures = [rgb_image(31, 150, 90), rgb_image(32, 70, 60)]
     scheduler = Scheduler(anyres.gen.export, max_batch=2, max_seq_len=512, prefill_chunk=16).start()
     try:
         _, done = _turn(scheduler, anyres.gen, "Look: <image> What is it?", pictures[:1])

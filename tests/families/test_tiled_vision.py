@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_vision_language import scheduled_turn  # noqa: E402
+from vlm_testing import rgb_image  # noqa: E402
 
 from kvforge.tools.vlm_fixtures import TINY_VLMS, build_tiny_vlm  # noqa: E402
 
@@ -23,12 +24,6 @@ pytestmark = pytest.mark.xdist_group("tiled-vision")  # each family's export mad
 # Where each family's prompts mark an image (its Processor's placeholder; kvforge's prompt placeholder is "<image>").
 HF_PLACEHOLDER = {"internvl": "<IMG_CONTEXT>", "aya_vision": "<image>"}
 
-
-def _image(seed: int, height: int, width: int):
-    from PIL import Image
-
-    rng = np.random.RandomState(seed)
-    return Image.fromarray((rng.rand(height, width, 3) * 255).astype(np.uint8), "RGB")
 
 
 def _no_videos(cls: type) -> type:
@@ -90,7 +85,7 @@ def test_vision_graph_matches_hf_image_features_over_each_images_tiles(tiled):
     encoder = TileEncoder(tiled.out, tiled.manifest)
     counts = set()
     for seed, (height, width) in enumerate(((70, 90), (150, 60), (56, 170))):
-        image = _image(seed, height, width)
+        image = rgb_image(seed, height, width)
         pixels = tiled.hf_inputs("<image>", [image])["pixel_values"]
         ours = tile_image(image, tiled.vision)
         np.testing.assert_array_equal(np.stack(ours.tiles), pixels.numpy())  # the processor's tiles, exactly
@@ -106,7 +101,7 @@ def test_vision_graph_matches_hf_image_features_over_each_images_tiles(tiled):
 
 @pytest.mark.parametrize("images", [1, 2])
 def test_images_match_hf_generate_and_logits_at_every_step(tiled, images):
-    pictures = [_image(10 + i, 80 + 60 * i, 100 - 30 * i) for i in range(images)]
+    pictures = [rgb_image(10 + i, 80 + 60 * i, 100 - 30 * i) for i in range(images)]
     prompt = "Describe <image> in a few words" + (" and compare it with <image>" if images == 2 else "")
     inputs = tiled.hf_inputs(prompt, pictures)
     ids = inputs["input_ids"][0].tolist()
@@ -123,7 +118,7 @@ def test_images_match_hf_generate_and_logits_at_every_step(tiled, images):
 
 def test_the_runtime_writes_the_processors_ids(tiled):
     """The expanded prompt, id for id, is the Processor's (tile markers, thumbnails and all)."""
-    pictures = [_image(3, 150, 60), _image(4, 56, 56)]
+    pictures = [rgb_image(3, 150, 60), rgb_image(4, 56, 56)]
     prompt = "A <image> and B <image> ?"
     want = tiled.hf_inputs(prompt, pictures)["input_ids"][0].tolist()
     export = tiled.gen.export
@@ -133,7 +128,7 @@ def test_the_runtime_writes_the_processors_ids(tiled):
 
 
 def test_a_batch_of_two_prompts_with_different_images_equals_each_alone(tiled):
-    pictures = [_image(5, 64, 128), _image(6, 140, 70)]
+    pictures = [rgb_image(5, 64, 128), rgb_image(6, 140, 70)]
     prompts = ["<image> What is this?", "Look at it: <image> and say what it shows, please"]
     batch = tiled.gen.generate(prompts, images=[[pictures[0]], [pictures[1]]], max_new_tokens=16, greedy=True,
                                ignore_eos=True)
@@ -146,7 +141,7 @@ def test_a_batch_of_two_prompts_with_different_images_equals_each_alone(tiled):
 def test_a_second_turn_about_the_same_image_reuses_the_cache(tiled):
     from kvforge.runtime.drivers.scheduler import Scheduler
 
-    image = _image(21, 90, 170)
+    image = rgb_image(21, 90, 170)
     scheduler = Scheduler(tiled.gen.export, max_batch=2, max_seq_len=512, prefill_chunk=16).start()
     try:
         first, done = scheduled_turn(scheduler, tiled.gen, "Look: <image> What is it?", image)
