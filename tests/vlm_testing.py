@@ -23,3 +23,30 @@ def no_videos(cls: type) -> type:
             return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
 
     return NoVideos
+
+
+def tiny_vlm_export(tmp_path_factory: Any, family: str) -> Any:
+    """A folder holding `hf/` (the family's tiny seeded checkpoint, kvforge/tools/vlm_fixtures.py) and `export/` (its
+    fp32 `ort` export), made once per test run and shared by the xdist workers: read-only (copy before editing)."""
+    from shared_exports import made_once, shared_folder
+
+    def make(out: Any) -> None:
+        from kvforge.exporter.export import export_model
+        from kvforge.tools.vlm_fixtures import build_tiny_vlm
+
+        out.mkdir()
+        build_tiny_vlm(family, out / "hf")
+        export_model(out / "hf", out / "export", target="ort")
+
+    return made_once(shared_folder(tmp_path_factory, "tiny-vlm"), family, make)
+
+
+def load_tiny_vlm(hf_dir: Any) -> Any:
+    """The tiny checkpoint's Hugging Face model (its ForConditionalGeneration class, eager attention, eval mode), as
+    build_tiny_vlm returned it."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    cls = getattr(transformers, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES[config.model_type])
+    return cls.from_pretrained(hf_dir, attn_implementation="eager").eval()

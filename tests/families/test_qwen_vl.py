@@ -16,8 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_vision_language import _image, scheduled_turn  # noqa: E402
-
-from kvforge.tools.vlm_fixtures import build_tiny_vlm  # noqa: E402
+from vlm_testing import load_tiny_vlm, tiny_vlm_export  # noqa: E402
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 NEW_TOKENS = 32
@@ -29,16 +28,17 @@ IMAGES = ((3, 60, 90), (4, 130, 70))
 class QwenExport:
     """A family's tiny checkpoint, its fp32 export (ort), the HF model and processor, and a Generator over it."""
 
-    def __init__(self, family: str, root: Path) -> None:
+    def __init__(self, family: str, shared: Path) -> None:
+        import json
+
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        from kvforge.exporter.export import export_model
         from kvforge.runtime import Generator
 
-        self.family, self.hf_dir, self.out = family, root / family, root / f"{family}.export"
-        self.model = build_tiny_vlm(family, self.hf_dir)
+        self.family, self.hf_dir, self.out = family, shared / "hf", shared / "export"
+        self.model = load_tiny_vlm(self.hf_dir)
         self.config = self.model.config
-        self.manifest = export_model(self.hf_dir, self.out)
+        self.manifest = json.loads((self.out / "kvforge.json").read_text())
         self.processor = AutoImageProcessor.from_pretrained(self.hf_dir, backend="pil")
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
         self.gen = Generator(self.out)
@@ -74,7 +74,7 @@ class QwenExport:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def qwen(request, tmp_path_factory) -> QwenExport:
-    return QwenExport(request.param, tmp_path_factory.mktemp("qwen-vl"))
+    return QwenExport(request.param, tiny_vlm_export(tmp_path_factory, request.param))
 
 
 def _images(*which: int) -> list:

@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_vision_language import _image  # noqa: E402
+from vlm_testing import tiny_vlm_export  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("qwen-vl-draft")  # the target and its draft exported once, on one worker
 # Images of different sizes and aspect ratios: grids (1, 4, 6), (1, 10, 6) and (1, 6, 6) at the fixture's bounds.
@@ -25,22 +26,19 @@ NEW = 24
 class Pair:
     """The tiny Qwen2.5-VL checkpoint's whole export (the target) and its --text-only export (the draft)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, shared: Path, root: Path) -> None:
         from kvforge.exporter.export import export_model
         from kvforge.runtime import Generator
-        from kvforge.tools.vlm_fixtures import build_tiny_vlm
 
-        build_tiny_vlm("qwen2_5_vl", root / "hf")
-        self.target, self.draft = root / "target", root / "draft"
-        export_model(root / "hf", self.target)
-        export_model(root / "hf", self.draft, text_only=True)
+        self.target, self.draft = shared / "export", root / "draft"
+        export_model(shared / "hf", self.draft, text_only=True)
         self.plain = Generator(self.target)
         self.gen = Generator(self.target, draft=self.draft)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> Pair:
-    return Pair(tmp_path_factory.mktemp("qwen-vl-draft"))
+    return Pair(tiny_vlm_export(tmp_path_factory, "qwen2_5_vl"), tmp_path_factory.mktemp("qwen-vl-draft"))
 
 
 def _images(*which: int) -> list:

@@ -5,8 +5,6 @@ logits at every step; a batch of two prompts; a second turn from the prefix stor
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
@@ -14,9 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_vision_language import scheduled_turn  # noqa: E402
-from vlm_testing import rgb_image  # noqa: E402
+from vlm_testing import load_tiny_vlm, no_videos, rgb_image, tiny_vlm_export  # noqa: E402
 
-from kvforge.tools.vlm_fixtures import TINY_VLMS, build_tiny_vlm  # noqa: E402
+from kvforge.tools.vlm_fixtures import TINY_VLMS  # noqa: E402
 
 FAMILIES = ("internvl", "aya_vision")
 NEW_TOKENS = 32
@@ -25,28 +23,19 @@ pytestmark = pytest.mark.xdist_group("tiled-vision")  # each family's export mad
 HF_PLACEHOLDER = {"internvl": "<IMG_CONTEXT>", "aya_vision": "<image>"}
 
 
-
-def _no_videos(cls: type) -> type:
-    """`cls` taking no video processor (transformers' video processors need torchvision, not installed here)."""
-    class NoVideos(cls):
-        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
-            return None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
-
-    return NoVideos
-
-
 class Tiled:
     """A family's tiny checkpoint, its fp32 `ort` export, HF's model and Processor, and a Generator."""
 
-    def __init__(self, family: str, root) -> None:
+    def __init__(self, family: str, shared) -> None:
+        import json
+
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        from kvforge.exporter.export import export_model
         from kvforge.runtime import Generator
 
-        self.family, self.hf_dir, self.out = family, root / family, root / f"{family}.export"
-        self.model = build_tiny_vlm(family, self.hf_dir)
-        self.manifest = export_model(self.hf_dir, self.out, target="ort")
+        self.family, self.hf_dir, self.out = family, shared / "hf", shared / "export"
+        self.model = load_tiny_vlm(self.hf_dir)
+        self.manifest = json.loads((self.out / "kvforge.json").read_text())
         self.vision = self.manifest["vision"]
         settings = TINY_VLMS[family].get("settings", {})
         image_processor = AutoImageProcessor.from_pretrained(self.hf_dir, backend="pil")
@@ -54,7 +43,7 @@ class Tiled:
             names = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
                      "video_token": "<unused0>"}  # a video token the Processor reads (videos are not tested here)
             self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, extra_special_tokens=names)
-            self.processor = _no_videos(transformers.InternVLProcessor)(
+            self.processor = no_videos(transformers.InternVLProcessor)(
                 image_processor=image_processor, tokenizer=self.tokenizer, **settings)
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir)
@@ -74,7 +63,7 @@ class Tiled:
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiled(request, tmp_path_factory) -> Tiled:
-    return Tiled(request.param, tmp_path_factory.mktemp("tiled"))
+    return Tiled(request.param, tiny_vlm_export(tmp_path_factory, request.param))
 
 
 def test_vision_graph_matches_hf_image_features_over_each_images_tiles(tiled):

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from serving import serving, with_template
 from shared_exports import made_once, shared_folder
+from vlm_testing import tiny_vlm_export
 
 # A template that writes user and assistant turns and drops system messages (as many released templates drop what
 # they do not know): an image part in a system message gets no place.
@@ -25,13 +26,8 @@ def served_export(tmp_path_factory: Any, family: str) -> Path:
     """`family`'s tiny checkpoint (kvforge/tools/vlm_fixtures.py) exported whole (ort, fp32) with TEMPLATE, made once
     per test run."""
     def make(out: Path) -> None:
-        from kvforge.exporter.export import export_model
-        from kvforge.tools.vlm_fixtures import build_tiny_vlm
-
         out.mkdir()
-        build_tiny_vlm(family, out / "hf")
-        export_model(out / "hf", out / "export", target="ort")
-        with_template(out / "export", out / "served", TEMPLATE)
+        with_template(tiny_vlm_export(tmp_path_factory, family) / "export", out / "served", TEMPLATE)
 
     return made_once(shared_folder(tmp_path_factory, "vlm-served"), family, make) / "served"
 
