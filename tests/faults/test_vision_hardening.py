@@ -149,10 +149,10 @@ def test_a_requests_images_are_decoded_one_at_a_time(generator, monkeypatch) -> 
         decoded.append(weakref.ref(loaded.image))
         return loaded
 
-    def encoding(self, loaded):
+    def encoding(self, loaded, *rest):
         gc.collect()
         alive.append(sum(ref() is not None for ref in decoded))
-        return features(self, loaded)
+        return features(self, loaded, *rest)
 
     monkeypatch.setattr(images_module, "load_image", loading)
     monkeypatch.setattr(images_module.Images, "_features", encoding)
