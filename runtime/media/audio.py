@@ -78,9 +78,8 @@ def load_audio(source: Path | str | bytes) -> tuple[np.ndarray, int]:
 
 
 def _rate(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise InputError(f"{what} sample rate must be a positive integer, got {value!r}")
-    if not float(value).is_integer() or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not float(value).is_integer() or value <= 0:
         raise InputError(f"{what} sample rate must be a positive integer, got {value!r}")
     return int(value)
 
