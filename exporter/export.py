@@ -79,6 +79,12 @@ def export_model(
     options = quantization.with_checkpoint_bits(options, layout, model_dir)
     target = options.resolve()
     check_model_path(model_dir)  # a typo, a file or a Hub id: said at once, before torch loads
+    from kvforge.exporter.encoder_decoder import export_encoder_decoder, peek_family
+
+    seq2seq = peek_family(model_dir)  # an encoder-decoder: its own three graphs (exporter/encoder_decoder.py)
+    if seq2seq is not None:
+        return export_encoder_decoder(Path(model_dir).resolve(), Path(out_dir).absolute(), options, target, seq2seq,
+                                      progress or (lambda _msg: None))
     _refuse_images(model_dir, options, target)  # from config.json alone, before anything loads
     say = progress or (lambda _msg: None)
     out_dir = Path(out_dir).absolute()

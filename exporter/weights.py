@@ -35,6 +35,11 @@ HASHED_BYTES = 64 << 20
 def _sharing_key(tensor: ir.TensorProtocol) -> str:
     if tensor.nbytes <= HASHED_BYTES and not isinstance(tensor, ir.LazyTensor):
         return f"{tensor.dtype}:{tuple(tensor.shape)}:{hashlib.sha256(tensor.tobytes()).hexdigest()}"
+    raw = getattr(tensor, "raw", None)
+    if hasattr(raw, "data_ptr") and hasattr(raw, "stride"):
+        # A model parameter that separately traced graphs (an encoder-decoder's encoder and decoder) each wrap: the
+        # same memory, the same tensor.
+        return f"torch:{raw.data_ptr()}:{tuple(raw.stride())}:{tensor.dtype}:{tuple(tensor.shape)}"
     return f"id:{id(tensor)}"
 
 

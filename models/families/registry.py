@@ -147,10 +147,11 @@ def family_for(config: Any, registry: Mapping[str, Family] | None = None) -> Fam
     supported = f"{len(registry)} decoder-only model types, listed in docs/models.md"
     family = registry.get(model_type) if isinstance(model_type, str) else None
     if family is None and getattr(config, "is_encoder_decoder", False):
+        from kvforge.models.encoder_decoders import ENCODER_DECODERS
+
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is an encoder-decoder model, out of kvforge's scope: it exports decoder-only "
-            f"causal language models (prefill and decode of one stack); see docs/models.md for the {len(registry)} "
-            "it takes")
+            f"model_type {model_type!r} is an encoder-decoder model kvforge does not export yet: of those it exports "
+            f"{', '.join(ENCODER_DECODERS)}; see docs/models.md for them and the {len(registry)} decoder-only types")
     if family is None:
         named = f" ({', '.join(map(str, architectures))})" if architectures else ""
         claimed: dict[str, str] = {}

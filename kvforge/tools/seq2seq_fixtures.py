@@ -1,0 +1,61 @@
+"""Tiny seeded encoder-decoder checkpoints for tests and examples: each family's released config with its sizes shrunk
+(its activation, norms, embedding scale, position kind and special ids kept, remapped into a 96-token vocabulary).
+The weights are random: the text is noise; they exist so the export can be checked against transformers without a hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+VOCAB = 96
+_SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+              encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0,
+              activation_dropout=0.0, init_std=0.2)
+
+# The released configs' settings that shape the computation (sizes aside), by fixture name.
+FIXTURES: dict[str, dict[str, Any]] = {
+    # facebook/bart-large-cnn: post-norm, learned positions (offset 2), embedding layernorm, GELU
+    "bart": dict(model_type="bart", activation_function="gelu", scale_embedding=False, max_position_embeddings=64,
+                 pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=0,
+                 forced_eos_token_id=2),
+    # facebook/mbart-large-50: pre-norm with final layernorms, scaled embeddings
+    "mbart": dict(model_type="mbart", activation_function="gelu", scale_embedding=True, max_position_embeddings=64,
+                  pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2),
+    # Helsinki-NLP/opus-mt-en-de: sinusoidal positions, SiLU, scaled and shared embeddings, pad starts decoding
+    "marian": dict(model_type="marian", activation_function="swish", scale_embedding=True, max_position_embeddings=64,
+                   static_position_embeddings=True, share_encoder_decoder_embeddings=True, pad_token_id=VOCAB - 1,
+                   eos_token_id=0, decoder_start_token_id=VOCAB - 1, forced_eos_token_id=0),
+    # google/pegasus-xsum: pre-norm, sinusoidal positions, ReLU
+    "pegasus": dict(model_type="pegasus", activation_function="relu", scale_embedding=True, max_position_embeddings=64,
+                    pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, forced_eos_token_id=1),
+    # openai/whisper-tiny: 80 mel bins, learned decoder positions, GELU; its special ids remapped to the top
+    "whisper": dict(model_type="whisper", activation_function="gelu", num_mel_bins=80, max_source_positions=1500,
+                    max_target_positions=48, pad_token_id=VOCAB - 3, bos_token_id=VOCAB - 3, eos_token_id=VOCAB - 3,
+                    decoder_start_token_id=VOCAB - 2, suppress_tokens=[], begin_suppress_tokens=[VOCAB - 3]),
+    # openai/whisper-large-v3: 128 mel bins
+    "whisper-large-v3": dict(model_type="whisper", activation_function="gelu", num_mel_bins=128,
+                             max_source_positions=1500, max_target_positions=48, pad_token_id=VOCAB - 3,
+                             bos_token_id=VOCAB - 3, eos_token_id=VOCAB - 3, decoder_start_token_id=VOCAB - 2,
+                             suppress_tokens=[], begin_suppress_tokens=[VOCAB - 3]),
+}
+
+
+def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
+    """Write fixture `name` (FIXTURES) as a Hugging Face folder (config.json, model.safetensors,
+    generation_config.json; Whisper's also preprocessor_config.json) at `folder`."""
+    import torch
+    import transformers
+
+    settings = dict(FIXTURES[name])
+    model_type = settings.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **_SIZES, **settings)
+    torch.manual_seed(seed)
+    auto = transformers.AutoModelForSpeechSeq2Seq if model_type == "whisper" else transformers.AutoModelForSeq2SeqLM
+    model = auto.from_config(config).eval()
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    if model_type == "whisper":
+        # The released feature extractor's settings: 30 s windows of 3000 frames, two per encoder position.
+        transformers.WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(folder)
+    return folder

@@ -1,0 +1,164 @@
+"""Encoder-decoder exports (issue 57): the three graphs of each family's tiny seeded checkpoint against transformers.
+
+fp32 tolerances: encoder states and cross keys / values within 1e-4 of HF's; 32 greedy tokens identical to HF
+`generate` (no logit processors) with the logits within 1e-3 at every step; a batch of inputs of different lengths
+gives each row its own tokens alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from seq2seq_testing import Graphs, encoder_inputs, hf_greedy, hf_model, seq2seq_export
+
+from kvforge.core.encoder_contract import ENCODER, EncoderRecord, decoder_io, encoder_io
+from kvforge.core.errors import InputError, ManifestError, UnsupportedModelError
+
+torch = pytest.importorskip("torch")
+
+STEPS = 32
+# Every family on `ort`; one of each encoder input on `onnx` (the same wrapper, another lowering).
+CASES = [("bart", "ort"), ("mbart", "ort"), ("marian", "ort"), ("pegasus", "ort"), ("whisper", "ort"),
+         ("whisper-large-v3", "ort"), ("bart", "onnx"), ("whisper", "onnx")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def case(request, tmp_path_factory):
+    fixture, target = request.param
+    folder = seq2seq_export(tmp_path_factory, fixture, target)
+    model = hf_model(folder / "hf")
+    feeds, keywords, lens = encoder_inputs(model)
+    graphs = Graphs(folder / "export")
+    return dict(folder=folder, model=model, feeds=feeds, keywords=keywords, lens=lens, graphs=graphs,
+                encoded=graphs.encode(feeds))
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_encoder_states_and_cross_keys_equal_hf(case):
+    model, encoded, lens = case["model"], case["encoded"], case["lens"]
+    with torch.no_grad():
+        states = model.get_encoder()(**case["keywords"]).last_hidden_state
+        record = case["graphs"].manifest["encoder"]
+        batch, length = states.shape[:2]
+        for row, real in enumerate(lens):
+            assert np.abs(encoded[0][row, :real] - states[row, :real].numpy()).max() < 1e-4
+        for layer, block in enumerate(model.get_decoder().layers):
+            for k, projection in enumerate((block.encoder_attn.k_proj, block.encoder_attn.v_proj)):
+                expected = projection(states).view(batch, length, record["num_heads"], record["head_dim"])
+                expected = expected.transpose(1, 2).numpy()
+                got = encoded[1 + 2 * layer + k]
+                for row, real in enumerate(lens):
+                    assert np.abs(got[row, :, :real] - expected[row, :, :real]).max() < 1e-4, (layer, k, row)
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_greedy_tokens_equal_hf_generate_and_each_row_alone(case):
+    graphs, encoded, lens = case["graphs"], case["encoded"], case["lens"]
+    rows = list(range(len(lens)))
+    tokens, logits = graphs.greedy(encoded, lens, rows, STEPS)
+    expected_tokens, expected_logits = hf_greedy(case["model"], case["keywords"], STEPS)
+    np.testing.assert_array_equal(tokens, expected_tokens)
+    assert np.abs(logits - expected_logits).max() < 1e-3
+    for row in rows:
+        alone, _ = graphs.greedy(encoded, lens, [row], STEPS)
+        np.testing.assert_array_equal(alone[0], tokens[row])
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_the_encoder_length_and_the_cross_keys_matter(case):
+    """Controls: the decoder must read each row's encoder length and its cross keys (else it could pass the above
+    with a broken mask or a constant cross attention)."""
+    graphs, encoded, lens = case["graphs"], case["encoded"], case["lens"]
+    _, logits = graphs.greedy(encoded, lens, [0], 2)
+    _, shorter = graphs.greedy(encoded, lens, [0], 2, lens_shift=-2)
+    assert np.abs(logits - shorter).max() > 1e-3
+    scrambled = [encoded[0]] + [np.flip(value, axis=2).copy() for value in encoded[1:]]
+    _, flipped = graphs.greedy(scrambled, [value.shape[2] for value in encoded[1:2]] * len(lens), [0], 2)
+    _, full = graphs.greedy(encoded, [value.shape[2] for value in encoded[1:2]] * len(lens), [0], 2)
+    assert np.abs(full - flipped).max() < 1e-4  # attention over the same keys in another order: the same
+    zeroed = [encoded[0]] + [np.zeros_like(value) for value in encoded[1:]]
+    _, none = graphs.greedy(zeroed, lens, [0], 2)
+    assert np.abs(logits - none).max() > 1e-3
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_manifest_and_graph_io_follow_the_contract(case):
+    manifest = case["graphs"].manifest
+    record = EncoderRecord.from_manifest(manifest["encoder"])
+    layers = manifest["kv_cache"]["num_layers"]
+    graphs = manifest["graphs"]
+    assert sorted(graphs) == sorted([ENCODER, "prefill", "decode"])
+    names = encoder_io(record.input, layers)
+    assert [spec["name"] for spec in graphs[ENCODER]["inputs"]] == list(names.inputs)
+    assert [spec["name"] for spec in graphs[ENCODER]["outputs"]] == list(names.outputs)
+    from kvforge.core.contract import KVLayout
+
+    layout = KVLayout.from_manifest(manifest)
+    for phase in ("prefill", "decode"):
+        assert [spec["name"] for spec in graphs[phase]["inputs"]] == list(decoder_io(phase, layout).inputs)
+        assert [spec["name"] for spec in graphs[phase]["outputs"]] == list(decoder_io(phase, layout).outputs)
+    # one fused node per attention: the encoder's and the decoder's cross attention one each per layer
+    cross = "com.microsoft.MultiHeadAttention" if manifest["target"] == "ort" else "Attention"
+    assert graphs[ENCODER]["attention"] == {cross: case["model"].config.encoder_layers}
+    # the decoder's: self attention (the cache's op) and cross attention, one each per layer
+    expected = {cross: 2 * layers} if cross == "Attention" else {cross: layers,
+                                                                 "com.microsoft.GroupQueryAttention": layers}
+    assert graphs["decode"]["attention"] == expected
+    # A weight both the encoder and the decoder read (BART's shared embeddings) is written once: the same bytes
+    import onnx
+
+    places = {}
+    for name in ("encoder", "prefill"):
+        graph = onnx.load(str(case["folder"] / "export" / f"{name}.onnx"), load_external_data=False).graph
+        places[name] = {t.name: tuple((e.key, e.value) for e in t.external_data) for t in graph.initializer
+                        if t.external_data}
+    both = set(places["encoder"]) & set(places["prefill"])
+    assert all(places["encoder"][name] == places["prefill"][name] for name in both)
+
+
+def test_trt_and_unsupported_options_are_refused_in_one_line(tmp_path_factory, tmp_path):
+    from kvforge.exporter.export import export_model
+
+    hf = seq2seq_export(tmp_path_factory, "bart") / "hf"
+    with pytest.raises(UnsupportedModelError, match=r"^bart: an encoder-decoder model, and --target trt has no "
+                                                    r"cross-attention kernel; export with --target ort or"):
+        export_model(hf, tmp_path / "trt", target="trt")
+    with pytest.raises(InputError, match=r"^bart: --quantize is not supported for encoder-decoder models yet"):
+        export_model(hf, tmp_path / "int4", quantize="int4")
+    assert not (tmp_path / "trt").exists() and not (tmp_path / "int4").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(input="audio"), r"encoder\.input is 'audio'"),
+    (dict(num_heads=0), r"encoder\.num_heads is 0"),
+    (dict(decoder_start_token_id="2"), r"encoder\.decoder_start_token_id is '2'"),
+    (dict(input="features", features=None), r"encoder\.features is missing"),
+])
+def test_a_wrong_encoder_record_is_named(change, message):
+    record = dict(input="ids", num_heads=4, head_dim=8, max_length=64, hidden=32, decoder_start_token_id=2)
+    record.update(change)
+    with pytest.raises(ManifestError, match=message):
+        EncoderRecord.from_manifest(record)
+
+
+def test_cross_attention_reference_masks_each_row_to_its_length():
+    from kvforge.plugins.cross_op import reference
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 8, generator=generator)
+    key, value = torch.randn(2, 2, 5, 4, generator=generator), torch.randn(2, 2, 5, 4, generator=generator)
+    out = reference(q, key, value, torch.tensor([5, 2], dtype=torch.int32), 2, 0.5)
+    for row, real in enumerate((5, 2)):
+        query = q[row].view(3, 2, 4).transpose(0, 1)
+        weights = torch.softmax(query @ key[row, :, :real].transpose(-1, -2) * 0.5, -1)
+        expected = (weights @ value[row, :, :real]).transpose(0, 1).reshape(3, 8)
+        assert torch.allclose(out[row], expected, atol=1e-6)
+
+
+def test_an_encoder_decoder_manifest_names_its_three_graphs(tmp_path_factory):
+    folder = seq2seq_export(tmp_path_factory, "marian") / "export"
+    manifest = json.loads((folder / "kvforge.json").read_text())
+    assert {name: graph["file"] for name, graph in manifest["graphs"].items()} == {
+        "encoder": "encoder.onnx", "prefill": "prefill.onnx", "decode": "decode.onnx"}
