@@ -52,8 +52,8 @@ def decoder_positions(model: Any, rows: Any) -> Any:
 @dataclass(frozen=True)
 class EncoderDecoderFamily:
     """What exporting one encoder-decoder type needs. `input`: "ids" or "features"; `auto`: the transformers Auto
-    class that loads it; `scaled_positions`: whether the decoder's position embeddings come out of `embed_positions`
-    as they are (all of the shared layout)."""
+    class that loads it; `roles`, `cross`, `logits`, `positions`: where its attention modules, cross projections,
+    LM head and decoder positions are (the shared layout's functions above by default)."""
 
     model_type: str
     input: str

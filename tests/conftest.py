@@ -6,6 +6,7 @@ the helper modules several folders import (fake_backend, serving, head_exports, 
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,17 @@ from shared_exports import CHAT_TEMPLATE
 from shared_exports import made_once as _made_once
 from shared_exports import shared_folder as _shared_folder
 from weight_hashes import install as _record_weight_hashes
+
+# Several xdist workers share the machine's cores: each runs torch and ONNX Runtime on one thread (KVFORGE_TEST_THREADS
+# says otherwise; "auto" keeps the libraries' defaults), set before torch is imported. Oversubscribed cores (each
+# worker's pools as wide as the machine, ONNX Runtime's spinning) run slower than one thread each.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = os.environ.get("KVFORGE_TEST_THREADS", "1")
+if _WORKERS > 1 and _THREADS != "auto":
+    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
+    os.environ.setdefault("KVFORGE_THREADS", _THREADS)
+    if "torch" in sys.modules:  # imported already (by a plugin): its pool is sized; size it again
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # A few tests import another folder's test module for its helpers (test_device_path's simulated device, the
 # documentation blocks of test_readme_examples): every layer folder is importable by module name, whichever

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.core.contract import PHASES, GraphIO, KVLayout, OpIdentity
+from kvforge.core.contract import GraphIO, KVLayout, OpIdentity
 from kvforge.core.errors import ManifestError
 
 ENCODER = "encoder"  # the graph's name: encoder.onnx
@@ -107,8 +107,17 @@ CROSS_OUTPUTS = ("out",)  # [B, S, H*D]
 CROSS_ATTRIBUTES = {"num_heads": int, "scale": float}
 
 
-def check_phases(graphs: Mapping[str, Any]) -> None:
-    """The graph names an encoder-decoder export holds: the encoder and both decoder phases."""
-    expected = {ENCODER, *PHASES}
-    if set(graphs) != expected:
-        raise ManifestError(f"an encoder-decoder export holds the graphs {sorted(expected)}, not {sorted(graphs)}")
+def check_encoder_manifest(manifest: Mapping[str, Any], path: Any, layout: KVLayout) -> EncoderRecord:
+    """An encoder-decoder manifest's `encoder` record and encoder graph (kvforge/core/manifest.py checks the decoder's
+    graphs against decoder_io): a ManifestError names the first thing that is wrong."""
+    record = EncoderRecord.from_manifest(manifest["encoder"])
+    graph = manifest["graphs"].get(ENCODER)
+    if not isinstance(graph, Mapping) or graph.get("file") not in manifest["files"]:
+        raise ManifestError(f"{path}: an encoder-decoder export lists no verified {ENCODER!r} graph; re-run the export")
+
+    def names(kind: str) -> list[Any]:
+        entries = graph.get(kind)
+        return [entry.get("name") for entry in entries if isinstance(entry, Mapping)] if isinstance(entries, list) else []
+
+    encoder_io(record.input, layout.num_layers).check(names("inputs"), names("outputs"), str(path))
+    return record

@@ -62,6 +62,7 @@ from kvforge.core.contract import (
     check_token_ids,
     parse_cache_name,
 )
+from kvforge.core.encoder_contract import check_encoder_manifest, decoder_io
 from kvforge.core.errors import ManifestError
 from kvforge.core.external_data import MalformedGraph, external_data_locations
 from kvforge.core.vision_manifest import check_vision_manifest
@@ -221,10 +222,14 @@ def _validate(manifest: Any, path: Path) -> None:
             entries = graph.get(kind)
             if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
                 raise ManifestError(f"{path}: graphs.{phase}.{kind} must be a list of {{'name': ...}}; re-run the export")
-        GraphIO.of_manifest(phase, layout, manifest).check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
+        expected = decoder_io(phase, layout) if manifest.get("encoder") is not None else \
+            GraphIO.of_manifest(phase, layout, manifest)  # an encoder-decoder's decoder takes the cross keys too
+        expected.check(io_names(graph, "inputs"), io_names(graph, "outputs"), str(path))
         _check_declared_shapes(manifest, phase, layout, path)
     if manifest.get("vision") is not None:
         check_vision_manifest(manifest, path, spec.vocab_size)
+    if manifest.get("encoder") is not None:
+        check_encoder_manifest(manifest, path, layout)
     if manifest.get("draft") is not None:  # a speculation head (kvforge/core/draft_manifest.py)
         from kvforge.core.draft_manifest import check_draft
 

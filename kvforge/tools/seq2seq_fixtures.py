@@ -32,18 +32,29 @@ FIXTURES: dict[str, dict[str, Any]] = {
     # openai/whisper-tiny: 80 mel bins, learned decoder positions, GELU; its special ids remapped to the top
     "whisper": dict(model_type="whisper", activation_function="gelu", num_mel_bins=80, max_source_positions=1500,
                     max_target_positions=48, pad_token_id=VOCAB - 3, bos_token_id=VOCAB - 3, eos_token_id=VOCAB - 3,
-                    decoder_start_token_id=VOCAB - 2, suppress_tokens=[], begin_suppress_tokens=[VOCAB - 3]),
+                    decoder_start_token_id=VOCAB - 2),
     # openai/whisper-large-v3: 128 mel bins
     "whisper-large-v3": dict(model_type="whisper", activation_function="gelu", num_mel_bins=128,
                              max_source_positions=1500, max_target_positions=48, pad_token_id=VOCAB - 3,
                              bos_token_id=VOCAB - 3, eos_token_id=VOCAB - 3, decoder_start_token_id=VOCAB - 2,
-                             suppress_tokens=[], begin_suppress_tokens=[VOCAB - 3]),
+                             ),
+}
+
+
+# The released generation configs' rules a greedy decoder reads (lengths shrunk), by fixture name; all ask for beams.
+GENERATION: dict[str, dict[str, Any]] = {
+    "bart": dict(forced_bos_token_id=0, forced_eos_token_id=2, min_length=6, no_repeat_ngram_size=3, num_beams=4),
+    "mbart": dict(forced_eos_token_id=2, num_beams=5),
+    "marian": dict(bad_words_ids=[[VOCAB - 1]], forced_eos_token_id=0, num_beams=4),
+    "pegasus": dict(forced_eos_token_id=1, num_beams=8),
+    "whisper": dict(suppress_tokens=[1, 2, 7, 11], begin_suppress_tokens=[5, VOCAB - 3]),
+    "whisper-large-v3": dict(suppress_tokens=[1, 2, 7, 11], begin_suppress_tokens=[5, VOCAB - 3]),
 }
 
 
 def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
-    """Write fixture `name` (FIXTURES) as a Hugging Face folder (config.json, model.safetensors,
-    generation_config.json; Whisper's also preprocessor_config.json) at `folder`."""
+    """Write fixture `name` (FIXTURES, its generation rules GENERATION) as a Hugging Face folder (config.json,
+    model.safetensors, generation_config.json; Whisper's also preprocessor_config.json) at `folder`."""
     import torch
     import transformers
 
@@ -54,6 +65,8 @@ def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
     auto = transformers.AutoModelForSpeechSeq2Seq if model_type == "whisper" else transformers.AutoModelForSeq2SeqLM
     model = auto.from_config(config).eval()
     folder = Path(folder)
+    for field, value in GENERATION[name].items():
+        setattr(model.generation_config, field, value)
     model.save_pretrained(folder)
     if model_type == "whisper":
         # The released feature extractor's settings: 30 s windows of 3000 frames, two per encoder position.

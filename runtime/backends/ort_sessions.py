@@ -4,6 +4,7 @@ checks that each session's IO is what the manifest says. runtime/backends/ort_ba
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,21 @@ def providers_for(device: str, device_id: int = 0) -> list[Any]:
 
 
 
+THREADS_ENV = "KVFORGE_THREADS"
+
+
+def default_threads() -> int | None:
+    """The intra-op threads of a session opened without `threads`: KVFORGE_THREADS where set (a process sharing its
+    cores with others, as each of several test workers or replicas on one machine), else ONNX Runtime's own (one per
+    physical core)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise InputError(f"{THREADS_ENV}={value!r}: expected a positive number of threads, or unset")
+    return int(value)
+
+
 def open_session(folder: Path, manifest: dict[str, Any], phase: str, providers: list[Any], *, device: str,
                  threads: int | None, spinning: bool, sessions: str,
                  custom_ops_library: str | None = None) -> ort.InferenceSession:
@@ -64,6 +80,7 @@ def open_session(folder: Path, manifest: dict[str, Any], phase: str, providers: 
     options = ort.SessionOptions()
     if custom_ops_library is not None:
         options.register_custom_ops_library(custom_ops_library)
+    threads = threads if threads is not None else default_threads()
     if threads is not None:
         options.intra_op_num_threads = threads
     if not spinning:

@@ -13,12 +13,13 @@ import onnxruntime as ort
 from kvforge.core.contract import IMAGE_FEATURES, PIXEL_VALUES, VISION, GraphIO
 from kvforge.core.errors import ManifestError
 from kvforge.core.manifest import read_graph
-from kvforge.runtime.backends.ort_sessions import feature_dtype
+from kvforge.runtime.backends.ort_sessions import default_threads, feature_dtype
 
 
 def _session(folder: Path, manifest: dict[str, Any], threads: int | None) -> ort.InferenceSession:
     """vision.onnx on ONNX Runtime CPU, from the bytes the manifest checks, its weights from the shared file."""
     options = ort.SessionOptions()
+    threads = threads if threads is not None else default_threads()
     if threads is not None:
         options.intra_op_num_threads = threads
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
