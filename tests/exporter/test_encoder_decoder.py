@@ -127,7 +127,10 @@ def test_trt_and_unsupported_options_are_refused_in_one_line(tmp_path_factory, t
         export_model(hf, tmp_path / "trt", target="trt")
     with pytest.raises(InputError, match=r"^bart: --quantize is not supported for encoder-decoder models yet"):
         export_model(hf, tmp_path / "int4", quantize="int4")
-    assert not (tmp_path / "trt").exists() and not (tmp_path / "int4").exists()
+    with pytest.raises(InputError, match=r"^bart: --dtype fp16 is not supported for encoder-decoder models yet; "
+                                         r"export fp32"):
+        export_model(hf, tmp_path / "fp16", dtype="fp16")
+    assert not any((tmp_path / name).exists() for name in ("trt", "int4", "fp16"))
 
 
 @pytest.mark.parametrize("change, message", [

@@ -102,3 +102,24 @@ def test_kvforge_threads_sets_the_sessions_threads(monkeypatch):
         monkeypatch.setenv(THREADS_ENV, wrong)
         with pytest.raises(InputError, match=rf"^KVFORGE_THREADS='{wrong}': expected a positive number of threads"):
             default_threads()
+
+
+def test_kvforge_generate_reads_sources_into_the_encoder(tmp_path_factory):
+    import json
+
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+    from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
+
+    export = seq2seq_export(tmp_path_factory, "marian") / "export"
+    result = CliRunner().invoke(main, ["generate", str(export), "--prompt-ids", "5,6,7,0", "--prompt-ids", "9,0",
+                                       "--max-new-tokens", "12", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    generator = Seq2SeqGenerator(export, threads=1)
+    assert payload["tokens"] == generator.generate_ids(generator.encode_ids([[5, 6, 7, 0], [9, 0]]), 12)
+    assert payload["source_tokens"] == [4, 2] and len(payload["finish_reason"]) == 2
+    refused = CliRunner().invoke(main, ["generate", str(export), "--prompt-ids", "5,0", "--stream"])
+    assert refused.exit_code == 2
+    assert "is an encoder-decoder export: --stream is not supported for it yet" in refused.output

@@ -1,0 +1,66 @@
+"""`kvforge generate` on an encoder-decoder export (kvforge/core/encoder_contract.py): each --prompt (or --prompt-ids)
+is a source the encoder reads once, and the decoder writes its answer (runtime/drivers/seq2seq.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvforge.cli.common import emit_json, sampling_keywords
+from kvforge.core.errors import InputError
+
+# generate's options that mean nothing for an encoder-decoder (no chat template, images, drafts or engines yet).
+_REFUSED = {"chat_text": "--chat", "system_text": "--system", "images": "--image", "videos": "--video",
+            "speculate": "--speculate", "draft": "--draft", "engine_dir": "--engine-dir", "capacity": "--capacity"}
+
+
+def is_encoder_decoder(export_dir: Path) -> bool:
+    """Whether `export_dir`'s manifest has an encoder record (read as JSON; load_manifest checks it after)."""
+    try:
+        return json.loads((Path(export_dir) / "kvforge.json").read_text()).get("encoder") is not None
+    except (OSError, ValueError, AttributeError):
+        return False  # the decoder-only path says what is wrong with the folder
+
+
+def generate_seq2seq(export_dir: Path, batch: list[Any], options: dict[str, Any], as_json: bool) -> None:
+    """Generate for each source of `batch` (texts, or token id lists) and print (or emit as JSON) the answers."""
+    from kvforge.runtime.controls.sampling import SamplingConfig
+    from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
+
+    named = [flag for key, flag in _REFUSED.items() if options.get(key)]
+    if named or options.get("backend") not in (None, "ort-cpu") or options.get("stream"):
+        named += [f"--backend {options['backend']}"] if options.get("backend") not in (None, "ort-cpu") else []
+        named += ["--stream"] if options.get("stream") else []
+        raise InputError(f"{export_dir} is an encoder-decoder export: {', '.join(named)} is not supported for it yet; "
+                         "give the source texts with --prompt (or --prompt-ids)")
+    generator = Seq2SeqGenerator(export_dir, threads=options.get("threads"))
+    texts = isinstance(batch[0], str)
+    sources = [generator.tokenizer().encode(text) for text in batch] if texts else batch
+    started = time.perf_counter()
+    encoded = generator.encode_ids(sources)
+    encoded_at = time.perf_counter()
+    given = {key: value for key, value in sampling_keywords(options).items() if value is not None and key != "greedy"}
+    # Greedy unless a sampling setting is given (the checkpoint's sampling defaults are not read yet).
+    sampling = SamplingConfig(greedy=bool(options["greedy"]) or not given, **given)
+    tokens = generator.generate_ids(encoded, options["max_new_tokens"], sampling=sampling)
+    done = time.perf_counter()
+    eos = set(generator.rules.eos)
+    text = [generator.tokenizer().decode([t for t in row if t not in eos]) for row in tokens] if texts else None
+    generated = sum(map(len, tokens))
+    payload = {"tokens": tokens, "text": text, "source_tokens": [len(s) for s in sources],
+               "finish_reason": ["stop" if row[-1] in eos and len(row) < options["max_new_tokens"] else "length"
+                                 for row in tokens],
+               "encode_ms": round((encoded_at - started) * 1e3, 3), "decode_ms": round((done - encoded_at) * 1e3, 3),
+               "decode_tokens_per_s": round(generated / max(done - encoded_at, 1e-9), 2), "backend": "ort-cpu"}
+    if as_json:
+        emit_json(payload)
+        return
+    for i, row in enumerate(tokens):
+        prefix = f"[{i}] " if len(tokens) > 1 else ""
+        click.echo(prefix + (text[i] if text is not None else ",".join(map(str, row))))
+    click.echo(f"encode {payload['encode_ms']:.1f} ms, decode {payload['decode_tokens_per_s']:.1f} tokens/s, "
+               f"{generated} tokens generated", err=True)
