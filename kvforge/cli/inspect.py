@@ -21,7 +21,7 @@ def describe(export_dir: str | Path, verify: bool = False) -> dict[str, Any]:
     """The manifest's view of an export folder, checked as a loader checks it; `verify` re-hashes
     every file (weights and engines included), so `verified` says whether that was done."""
     manifest = load_manifest(export_dir, verify_hashes=verify)
-    extra = [name for name in (VISION, DRAFT) if manifest.get(name) is not None]
+    extra = [name for name in (VISION, DRAFT, "encoder") if manifest.get(name) is not None]
     for phase in (*PHASES, *extra):  # as a backend reads them: the files their external data comes from must be listed
         read_graph(export_dir, manifest, phase)
     graphs = {}
@@ -89,8 +89,13 @@ def quantization_lines(manifest: dict[str, Any]) -> list[str]:
 
 
 def proposer_line(info: dict[str, Any]) -> str:
-    """inspect's line for the export's speculation head."""
-    head = info.get("proposer")
+    """inspect's line for the export's speculation head (an encoder-decoder's: what its encoder takes)."""
+    head, encoder = info.get("proposer"), info["manifest"].get("encoder")
+    if encoder is not None:
+        takes = ("log-mel features, {feature_size} bins x {nb_max_frames} frames".format(**encoder["features"])
+                 if encoder["input"] == "features" else f"token ids, up to {encoder['max_length']}")
+        return (f"  encoder-decoder: the encoder takes {takes}; cross keys/values {encoder['num_heads']} heads x "
+                f"{encoder['head_dim']}; decoding starts at token {encoder['decoder_start_token_id']}")
     if head is None:
         return "  speculation head: none (prompt lookup and --draft exports still speculate)"
     if head["kind"] == "eagle3":

@@ -165,3 +165,30 @@ def test_an_encoder_decoder_manifest_names_its_three_graphs(tmp_path_factory):
     manifest = json.loads((folder / "kvforge.json").read_text())
     assert {name: graph["file"] for name, graph in manifest["graphs"].items()} == {
         "encoder": "encoder.onnx", "prefill": "prefill.onnx", "decode": "decode.onnx"}
+
+
+def test_inspect_names_the_encoder_and_a_damaged_encoder_record_is_refused(tmp_path_factory, tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+    from kvforge.core.manifest import load_manifest
+
+    export = seq2seq_export(tmp_path_factory, "whisper") / "export"
+    shown = CliRunner().invoke(main, ["inspect", str(export)])
+    assert shown.exit_code == 0, shown.output
+    assert "encoder: encoder.onnx" in shown.output
+    assert ("encoder-decoder: the encoder takes log-mel features, 80 bins x 3000 frames; cross keys/values 4 heads x 8; "
+            "decoding starts at token 94") in shown.output
+    copy = tmp_path / "copy"
+    shutil.copytree(export, copy)
+    manifest = json.loads((copy / "kvforge.json").read_text())
+    manifest["graphs"]["encoder"]["outputs"] = manifest["graphs"]["encoder"]["outputs"][:-1]
+    (copy / "kvforge.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"the encoder graph IO does not follow the KV cache contract"):
+        load_manifest(copy)
+    del manifest["graphs"]["encoder"]
+    (copy / "kvforge.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"an encoder-decoder export lists no verified 'encoder' graph"):
+        load_manifest(copy)
