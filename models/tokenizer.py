@@ -21,19 +21,21 @@ Hello, world! How are you today? I am fine, thank you. def main(): return 42
 """
 
 
-def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """Byte-level BPE with <s> prepended to every encoding (as Llama-style tokenizers do)."""
+def build_tokenizer(vocab_size: int = 512, specials: tuple[str, ...] | None = None) -> Tokenizer:
+    """Byte-level BPE with <s> prepended to every encoding (as Llama-style tokenizers do). `specials=()`: no special
+    tokens and nothing prepended (a tokenizer whose special tokens the caller adds after the text ones: Whisper's)."""
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS if specials is None else list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
-    )
+    if specials is None:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+        )
     return tokenizer

@@ -442,6 +442,10 @@ def doctor(as_json: bool) -> None:
 
 for _command in (cli_run.generate, cli_chat.chat, cli_run.parity, cli_run.bench, cli_run.serve):
     main.add_command(_command)
+
+from kvforge.cli.seq2seq import transcribe as _transcribe  # noqa: E402  (after the group)
+
+main.add_command(_transcribe)
 cli_help.finish(main)
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import click
 SECTIONS = {
     "Start": ("demo", "recipes", "doctor"),
     "Make": ("export", "parity", "build"),
-    "Run": ("generate", "chat", "serve", "bench"),
+    "Run": ("generate", "chat", "transcribe", "serve", "bench"),
     "Look": ("inspect",),
 }
 SUMMARIES = {
@@ -22,6 +22,7 @@ SUMMARIES = {
     "build": "Build TensorRT engines from an export.",
     "generate": "Generate from an export.",
     "chat": "Chat with an export in the terminal.",
+    "transcribe": "Transcribe audio files with a Whisper export.",
     "serve": "Serve an export over an OpenAI-compatible API.",
     "bench": "Time an export against its peers.",
     "inspect": "Show what an export or its engines hold.",
@@ -39,6 +40,7 @@ EXAMPLES = {
     "generate": [f"kvforge generate {DEMO} --prompt 'Once upon a time' --max-new-tokens 32",
                  f"kvforge generate {DEMO} --chat 'What is the capital of France?' --greedy"],
     "chat": [f"kvforge chat {DEMO} --system 'Be brief.'"],
+    "transcribe": ["kvforge transcribe WHISPER_EXPORT speech.wav --language en --json"],
     "serve": [f"kvforge serve {DEMO} --port 8000 --max-batch 4"],
     "bench": [f"kvforge bench {DEMO} --compare hf --repeat 3"],
     "inspect": [f"kvforge inspect {DEMO} --verify"],

@@ -64,3 +64,38 @@ def generate_seq2seq(export_dir: Path, batch: list[Any], options: dict[str, Any]
         click.echo(prefix + (text[i] if text is not None else ",".join(map(str, row))))
     click.echo(f"encode {payload['encode_ms']:.1f} ms, decode {payload['decode_tokens_per_s']:.1f} tokens/s, "
                f"{generated} tokens generated", err=True)
+
+
+@click.command()
+@click.argument("export_dir", type=click.Path(path_type=Path))
+@click.argument("audio", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--language", default=None, help="The spoken language's code (en, de, ...); default: detected from the "
+              "first 30 s.")
+@click.option("--task", type=click.Choice(["transcribe", "translate"]), default="transcribe", show_default=True,
+              help="translate: the speech's text in English.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int, help="Most tokens per 30 s window.")
+@click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's choice).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (text, language, each window's "
+              "start, text and tokens).")
+def transcribe(export_dir: Path, audio: tuple[Path, ...], language: str | None, task: str, max_new_tokens: int,
+               threads: int | None, as_json: bool) -> None:
+    """Transcribe audio files (WAV, FLAC) with a Whisper export, 30 s window by window."""
+    from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
+    from kvforge.runtime.drivers.transcribe import Transcriber
+
+    for path in audio:  # every file checked before the model loads
+        if not path.is_file():
+            raise InputError(f"{path} is not a file; pass WAV or FLAC audio files")
+    transcriber = Transcriber(Seq2SeqGenerator(export_dir, threads=threads))
+    results = []
+    for path in audio:
+        started = time.perf_counter()
+        found = transcriber.transcribe(path, language=language, task=task, max_new_tokens=max_new_tokens)
+        results.append({"file": str(path), "text": found.text, "language": found.language, "windows": found.windows,
+                        "seconds": round(time.perf_counter() - started, 3)})
+    if as_json:
+        emit_json({"results": results})
+        return
+    for result in results:
+        prefix = f"{result['file']}: " if len(results) > 1 else ""
+        click.echo(prefix + result["text"])

@@ -9,6 +9,16 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 96
+# Whisper's fixtures: Whisper's id layout with a shrunk text vocabulary (256 bytes + merges), then its special tokens
+# in its order: <|endoftext|>, <|startoftranscript|>, the languages, the tasks, ..., <|notimestamps|>, and the 1501
+# timestamps <|0.00|> ... <|30.00|>.
+WHISPER_TEXT = 300
+WHISPER_LANGUAGES = ("en", "de", "fr")
+WHISPER_SPECIALS = ("<|endoftext|>", "<|startoftranscript|>", *(f"<|{code}|>" for code in WHISPER_LANGUAGES),
+                    "<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>",
+                    "<|notimestamps|>")
+WHISPER_VOCAB = WHISPER_TEXT + len(WHISPER_SPECIALS) + 1501
+_EOT, _SOT = WHISPER_TEXT, WHISPER_TEXT + 1
 _SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
               encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0,
               activation_dropout=0.0, init_std=0.2)
@@ -29,15 +39,14 @@ FIXTURES: dict[str, dict[str, Any]] = {
     # google/pegasus-xsum: pre-norm, sinusoidal positions, ReLU
     "pegasus": dict(model_type="pegasus", activation_function="relu", scale_embedding=True, max_position_embeddings=64,
                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, forced_eos_token_id=1),
-    # openai/whisper-tiny: 80 mel bins, learned decoder positions, GELU; its special ids remapped to the top
+    # openai/whisper-tiny: 80 mel bins, learned decoder positions, GELU
     "whisper": dict(model_type="whisper", activation_function="gelu", num_mel_bins=80, max_source_positions=1500,
-                    max_target_positions=48, pad_token_id=VOCAB - 3, bos_token_id=VOCAB - 3, eos_token_id=VOCAB - 3,
-                    decoder_start_token_id=VOCAB - 2),
+                    max_target_positions=48, vocab_size=WHISPER_VOCAB, pad_token_id=_EOT, bos_token_id=_EOT,
+                    eos_token_id=_EOT, decoder_start_token_id=_SOT),
     # openai/whisper-large-v3: 128 mel bins
     "whisper-large-v3": dict(model_type="whisper", activation_function="gelu", num_mel_bins=128,
-                             max_source_positions=1500, max_target_positions=48, pad_token_id=VOCAB - 3,
-                             bos_token_id=VOCAB - 3, eos_token_id=VOCAB - 3, decoder_start_token_id=VOCAB - 2,
-                             ),
+                             max_source_positions=1500, max_target_positions=48, vocab_size=WHISPER_VOCAB,
+                             pad_token_id=_EOT, bos_token_id=_EOT, eos_token_id=_EOT, decoder_start_token_id=_SOT),
 }
 
 
@@ -47,9 +56,34 @@ GENERATION: dict[str, dict[str, Any]] = {
     "mbart": dict(forced_eos_token_id=2, num_beams=5),
     "marian": dict(bad_words_ids=[[VOCAB - 1]], forced_eos_token_id=0, num_beams=4),
     "pegasus": dict(forced_eos_token_id=1, num_beams=8),
-    "whisper": dict(suppress_tokens=[1, 2, 7, 11], begin_suppress_tokens=[5, VOCAB - 3]),
-    "whisper-large-v3": dict(suppress_tokens=[1, 2, 7, 11], begin_suppress_tokens=[5, VOCAB - 3]),
+    "whisper": {},  # whisper_generation(): its task tokens too
+    "whisper-large-v3": {},
 }
+
+
+def whisper_generation() -> dict[str, Any]:
+    """The released Whisper generation config's fields, for the fixture's vocabulary layout."""
+    special = {token: WHISPER_TEXT + i for i, token in enumerate(WHISPER_SPECIALS)}
+    return dict(suppress_tokens=[1, 2, 7, 11, 64], begin_suppress_tokens=[220, _EOT], is_multilingual=True,
+                lang_to_id={f"<|{code}|>": special[f"<|{code}|>"] for code in WHISPER_LANGUAGES},
+                task_to_id={"translate": special["<|translate|>"], "transcribe": special["<|transcribe|>"]},
+                no_timestamps_token_id=special["<|notimestamps|>"], prev_sot_token_id=special["<|startofprev|>"],
+                max_initial_timestamp_index=50, return_timestamps=False)
+
+
+def whisper_tokenizer() -> Any:
+    """A byte-level BPE tokenizer (tokenizers) of WHISPER_TEXT tokens, with Whisper's special and timestamp tokens
+    after them, at the ids the fixture's model and generation config use."""
+    from tokenizers import AddedToken
+
+    from kvforge.models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(WHISPER_TEXT, specials=())
+    timestamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in (*WHISPER_SPECIALS, *timestamps)])
+    assert tokenizer.get_vocab_size() == WHISPER_VOCAB and tokenizer.token_to_id("<|notimestamps|>") == \
+        WHISPER_TEXT + len(WHISPER_SPECIALS) - 1
+    return tokenizer
 
 
 def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
@@ -60,15 +94,19 @@ def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
 
     settings = dict(FIXTURES[name])
     model_type = settings.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, **_SIZES, **settings)
+    config = transformers.AutoConfig.for_model(model_type, **{**_SIZES, **settings})
     torch.manual_seed(seed)
     auto = transformers.AutoModelForSpeechSeq2Seq if model_type == "whisper" else transformers.AutoModelForSeq2SeqLM
     model = auto.from_config(config).eval()
     folder = Path(folder)
-    for field, value in GENERATION[name].items():
+    rules = {**GENERATION[name], **(whisper_generation() if model_type == "whisper" else {})}
+    for field, value in rules.items():
         setattr(model.generation_config, field, value)
+    # A generation config of its own (as released), not one transformers derives again from config.json at load.
+    model.generation_config._from_model_config = False
     model.save_pretrained(folder)
     if model_type == "whisper":
         # The released feature extractor's settings: 30 s windows of 3000 frames, two per encoder position.
         transformers.WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(folder)
+        whisper_tokenizer().save(str(folder / "tokenizer.json"))
     return folder

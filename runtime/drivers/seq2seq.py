@@ -188,6 +188,11 @@ class Seq2SeqGenerator:
             logits = run.decode(picked)
         return tokens
 
+    def next_logits(self, encoded: Encoded, prompt: Sequence[int]) -> np.ndarray:
+        """The logits [B, V] after the decoder reads `prompt` (Whisper's language detection reads them)."""
+        return _DecoderRun(self, encoded, len(encoded.lens), len(prompt)).prefill(
+            np.array([list(prompt)] * len(encoded.lens), np.int64))
+
     def generate(self, texts: Sequence[str], max_new_tokens: int = MAX_NEW_TOKENS,
                  sampling: SamplingConfig | None = None) -> list[str]:
         """Texts in, texts out through the export's tokenizer (tokenizer.json), special tokens dropped."""
