@@ -1,5 +1,6 @@
 """The `kvforge` command line: demo | export | recipes | build | inspect | doctor here; generate | parity | bench | serve
-in kvforge/cli/run.py; chat in kvforge/cli/chat.py; what they share in kvforge/cli/common.py.
+in kvforge/cli/run.py; chat in kvforge/cli/chat.py; transcribe in kvforge/cli/seq2seq.py; what they share in
+kvforge/cli/common.py.
 
 Errors print one line to stderr and exit non-zero (2 for bad input, 1 for a failed parity gate,
 130 for Ctrl-C); `--debug` shows the traceback. Output cut short by its reader (`| head`) ends
@@ -18,6 +19,7 @@ import click
 from kvforge.cli import chat as cli_chat
 from kvforge.cli import help as cli_help
 from kvforge.cli import run as cli_run
+from kvforge.cli import seq2seq as cli_seq2seq
 from kvforge.cli.common import (  # noqa: F401  (dequantised_hint, export_kind, human_bytes: part of kvforge.cli's API)
     checkpoint_bits,
     command_progress,
@@ -440,12 +442,8 @@ def doctor(as_json: bool) -> None:
         click.echo(format_report(report))
 
 
-for _command in (cli_run.generate, cli_chat.chat, cli_run.parity, cli_run.bench, cli_run.serve):
+for _command in (cli_run.generate, cli_chat.chat, cli_seq2seq.transcribe, cli_run.parity, cli_run.bench, cli_run.serve):
     main.add_command(_command)
-
-from kvforge.cli.seq2seq import transcribe as _transcribe  # noqa: E402  (after the group)
-
-main.add_command(_transcribe)
 cli_help.finish(main)
 
 if __name__ == "__main__":
