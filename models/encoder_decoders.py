@@ -49,6 +49,12 @@ def decoder_positions(model: Any, rows: Any) -> Any:
     return table.weight[rows + getattr(table, "offset", 0)]
 
 
+def m2m100_positions(model: Any, rows: Any) -> Any:
+    """M2M100's (NLLB's) sinusoidal table counts positions from its padding index (a decoder never reads padding)."""
+    table = model.get_decoder().embed_positions
+    return table.weights[rows + table.padding_idx + 1].to(table.weights.dtype)
+
+
 @dataclass(frozen=True)
 class EncoderDecoderFamily:
     """What exporting one encoder-decoder type needs. `input`: "ids" or "features"; `auto`: the transformers Auto
@@ -83,6 +89,8 @@ ENCODER_DECODERS: dict[str, EncoderDecoderFamily] = {
         EncoderDecoderFamily("mbart", "ids", note="mBART (translation; the target language's token starts decoding)"),
         EncoderDecoderFamily("marian", "ids", note="Marian / OPUS-MT (translation)"),
         EncoderDecoderFamily("pegasus", "ids", note="Pegasus (summarisation)"),
+        EncoderDecoderFamily("m2m_100", "ids", positions=m2m100_positions,
+                             note="M2M100 and NLLB (translation; the target language's token is forced first)"),
         EncoderDecoderFamily("whisper", "features", auto="AutoModelForSpeechSeq2Seq",
                              note="Whisper (speech recognition and translation)"),
     )

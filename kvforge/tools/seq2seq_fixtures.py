@@ -39,6 +39,10 @@ FIXTURES: dict[str, dict[str, Any]] = {
     # google/pegasus-xsum: pre-norm, sinusoidal positions, ReLU
     "pegasus": dict(model_type="pegasus", activation_function="relu", scale_embedding=True, max_position_embeddings=64,
                     pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, forced_eos_token_id=1),
+    # facebook/m2m100_418M (and NLLB's dense models): sinusoidal positions from the padding index, ReLU, scaled
+    "m2m100": dict(model_type="m2m_100", activation_function="relu", scale_embedding=True, max_position_embeddings=64,
+                   init_std=0.5,  # (its scaled embeddings drown 0.2: greedy text would repeat one token)
+                   pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2),
     # openai/whisper-tiny: 80 mel bins, learned decoder positions, GELU
     "whisper": dict(model_type="whisper", activation_function="gelu", num_mel_bins=80, max_source_positions=1500,
                     max_target_positions=48, vocab_size=WHISPER_VOCAB, pad_token_id=_EOT, bos_token_id=_EOT,
@@ -56,6 +60,7 @@ GENERATION: dict[str, dict[str, Any]] = {
     "mbart": dict(forced_eos_token_id=2, num_beams=5),
     "marian": dict(bad_words_ids=[[VOCAB - 1]], forced_eos_token_id=0, num_beams=4),
     "pegasus": dict(forced_eos_token_id=1, num_beams=8),
+    "m2m100": dict(forced_bos_token_id=90, num_beams=5),  # the target language's token (the caller's choice)
     "whisper": {},  # whisper_generation(): its task tokens too
     "whisper-large-v3": {},
 }

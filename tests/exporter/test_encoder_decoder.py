@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 
 STEPS = 32
 # Every family on `ort`; one of each encoder input on `onnx` (the same wrapper, another lowering).
-CASES = [("bart", "ort"), ("mbart", "ort"), ("marian", "ort"), ("pegasus", "ort"), ("whisper", "ort"),
+CASES = [("bart", "ort"), ("mbart", "ort"), ("marian", "ort"), ("pegasus", "ort"), ("m2m100", "ort"), ("whisper", "ort"),
          ("whisper-large-v3", "ort"), ("bart", "onnx"), ("whisper", "onnx")]
 
 

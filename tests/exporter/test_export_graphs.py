@@ -155,7 +155,7 @@ def test_unsupported_architecture_says_where_the_supported_ones_are(tmp_path) ->
     assert not (tmp_path / "out").exists()
     T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=100).save_pretrained(tmp_path / "t5")
     with pytest.raises(UnsupportedModelError, match=r"^model_type 't5' is an encoder-decoder model kvforge does not "
-                       r"export yet: of those it exports bart, mbart, marian, pegasus, whisper; see docs/models.md"):
+                       r"export yet: of those it exports bart, mbart, marian, pegasus, m2m_100, whisper; see docs/models.md"):
         export_model(tmp_path / "t5", tmp_path / "out")
 
 
