@@ -338,6 +338,10 @@ def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
               help="Require 'Authorization: Bearer KEY' on every path but /health and /metrics (default: none).")
 @click.option("--max-body-bytes", default=2 << 20, show_default=True, type=click.IntRange(1024),
               help="Largest request body; bigger ones get HTTP 413 and are never parsed.")
+@click.option("--max-audio-bytes", default=25 << 20, show_default=True, type=click.IntRange(1024),
+              help="A speech export: the largest audio upload (bigger: HTTP 400 naming the limit).")
+@click.option("--max-audio-seconds", default=1800.0, show_default=True, type=click.FloatRange(1),
+              help="A speech export: the longest audio (longer: HTTP 400 naming the limit).")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
               help="Also answer requests whose Host header is NAME (repeatable; '*': any). By default only the "
                    "bound address and loopback names are answered, against DNS rebinding.")
@@ -358,7 +362,8 @@ def _batch_sizes(text: str | None) -> tuple[int, ...] | None:
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(1), help="With --ray: replicas.")
 @click.option("--ray-address", default=None, help="With --ray: a running cluster to join (default: start a local one).")
 def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: int | None, prefill_chunk: int,
-          max_queue: int, api_key: str | None, max_body_bytes: int, allow_hosts: tuple[str, ...],
+          max_queue: int, api_key: str | None, max_body_bytes: int, max_audio_bytes: int, max_audio_seconds: float,
+          allow_hosts: tuple[str, ...],
           backend: str | None, engine_dir: Path | None, threads: int | None, no_spin: bool, log_format: str,
           chat_template: str | None, special_tokens_in_content: bool, use_ray: bool, replicas: int,
           ray_address: str | None, speculate: str | None, draft: Path | None, draft_len: int,
@@ -376,7 +381,8 @@ def serve(export_dir: Path, host: str, port: int, max_batch: int, max_seq_len: i
                    api_key=api_key, threads=threads, spinning=not no_spin, max_body_bytes=max_body_bytes,
                    chat_template=chat_template, backend=backend, engine_dir=engine_dir,
                    special_tokens_in_content=special_tokens_in_content, speculate=speculate, draft=draft,
-                   draft_len=draft_len, adaptive_draft=adaptive_draft)
+                   draft_len=draft_len, adaptive_draft=adaptive_draft, max_audio_bytes=max_audio_bytes,
+                   max_audio_seconds=max_audio_seconds)
     where = serving_where(use_ray, replicas) + speculating(speculate, draft_len, adaptive_draft)
 
     def ready(url: str | None = None) -> None:  # said once the app is built, so a bad export fails with one line only

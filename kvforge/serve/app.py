@@ -69,7 +69,8 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                template_seconds: float | None = None, chat_template: str | Path | None = None,
                backend: str | None = None, engine_dir: str | Path | None = None,
                special_tokens_in_content: bool = False, speculate: str | None = None,
-               draft: str | Path | None = None, draft_len: int = 6, adaptive_draft: bool = True):
+               draft: str | Path | None = None, draft_len: int = 6, adaptive_draft: bool = True,
+               max_audio_bytes: int = 25 << 20, max_audio_seconds: float = 1800.0):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps): the export's
     LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it
     (kvforge/serve/handlers.py), the Guard middleware and the metrics.
@@ -80,8 +81,18 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
     clients only; by default it stays text). `speculate`, `draft_len`: the speculation of requests that name
     none; `draft`: the draft export of method draft; `adaptive_draft`: draft lengths follow acceptance
-    (kvforge/serve/speculation.py)."""
+    (kvforge/serve/speculation.py). An encoder-decoder export gets kvforge/serve/speech.py's app instead (the
+    options of continuous batching and speculation do not apply to it); `max_audio_bytes`, `max_audio_seconds`: its
+    upload limits."""
     _require()
+    from kvforge.cli.seq2seq import is_encoder_decoder
+
+    if is_encoder_decoder(export_dir):  # encoder-decoders: their own endpoints (kvforge/serve/speech.py)
+        from kvforge.serve.speech import create_seq2seq_app
+
+        return create_seq2seq_app(export_dir, api_key=api_key, model_name=model_name, threads=threads,
+                                  allowed_hosts=allowed_hosts, max_audio_bytes=max_audio_bytes,
+                                  max_audio_seconds=max_audio_seconds)
     from fastapi import FastAPI
     from fastapi.responses import Response
 

@@ -127,8 +127,11 @@ class Guard:
     OPEN_PATHS = ("/health", "/metrics")  # answered without the key (probes, scrapers)
 
     def __init__(self, app: Any, api_key: str | None, allowed_hosts: frozenset[str] | None, max_body_bytes: int,
-                 on_refuse: Callable[[str, int, str], None] | None = None) -> None:
+                 on_refuse: Callable[[str, int, str], None] | None = None,
+                 form_paths: frozenset[str] = frozenset()) -> None:
+        """`form_paths`: the POST paths that take `multipart/form-data` (file uploads) instead of JSON."""
         self.app = app
+        self.form_paths = form_paths
         self.on_refuse = on_refuse
         self.expected = api_key.encode() if api_key is not None else None
         self.allowed_hosts = allowed_hosts
@@ -200,7 +203,12 @@ class Guard:
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         ctype = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-        if ctype != "application/json":
+        if scope["path"] in self.form_paths:
+            if ctype != "multipart/form-data":
+                shown = ctype or "no content type"
+                return await refuse(ApiError(415, f"send the file as 'multipart/form-data' (got {shown!r})",
+                                             code="unsupported_media_type"))
+        elif ctype != "application/json":
             return await refuse(ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
                                               f"{ctype or 'no content type'!r})", code="unsupported_media_type"))
         too_big = ApiError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes "

@@ -65,8 +65,10 @@ class Transcriber:
         return codes[int(np.argmax([logits[self.languages[code]] for code in codes]))]
 
     def transcribe(self, audio: str | Path | bytes | np.ndarray, rate: int | None = None, language: str | None = None,
-                   task: str = "transcribe", max_new_tokens: int = MAX_NEW_TOKENS) -> Transcription:
-        """`audio`: a file (path or bytes, WAV/FLAC) or samples (mono float, at `rate`)."""
+                   task: str = "transcribe", max_new_tokens: int = MAX_NEW_TOKENS,
+                   sampling: Any = None) -> Transcription:
+        """`audio`: a file (path or bytes, WAV/FLAC) or samples (mono float, at `rate`); `sampling`: a SamplingConfig
+        (default greedy)."""
         from kvforge.runtime.media.audio import load_audio, resample, windows
 
         if isinstance(audio, np.ndarray):
@@ -82,7 +84,7 @@ class Transcriber:
             language = self.detect_language(encoded)
         prompt = self.prompt(language, task)
         limit = self.generator.layout.max_capacity - len(prompt)
-        tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt)
+        tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling)
         tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
         found = [{"start": start, "tokens": row, "text": tokenizer.decode([t for t in row if t not in eos]).strip()}
                  for (start, _), row in zip(parts, tokens, strict=True)]

@@ -1,0 +1,116 @@
+"""`kvforge serve` of an encoder-decoder export (kvforge/serve/speech.py): OpenAI's audio endpoints through the
+`openai` client on a real socket, concurrent requests, and each bad upload a 400 naming it with the server still
+serving."""
+
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from seq2seq_testing import seq2seq_export
+from serving import serving
+
+pytest.importorskip("fastapi")
+soundfile = pytest.importorskip("soundfile")
+pytest.importorskip("multipart")
+
+RATE = 16000
+
+
+def _wav(seconds: float, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * RATE)) / RATE
+    samples = (0.1 * np.sin(2 * np.pi * (150 + 40 * seed) * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, samples, RATE, format="WAV", subtype="FLOAT")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory):
+    from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
+    from kvforge.runtime.drivers.transcribe import Transcriber
+    from kvforge.serve.app import create_app
+
+    export = seq2seq_export(tmp_path_factory, "whisper") / "export"
+    app = create_app(export, threads=1, model_name="whisper-tiny")
+    app.state.handlers.max_audio_bytes = 400_000  # small limits, to test them without big uploads
+    app.state.handlers.max_audio_seconds = 10
+    with serving(app) as base:
+        yield dict(base=base, alone=Transcriber(Seq2SeqGenerator(export, threads=1)))
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_the_openai_client_transcribes_what_the_transcriber_gives(speech):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{speech['base']}/v1", api_key="unused")
+    data = _wav(4.0, 1)
+    expected = speech["alone"].transcribe(data, language="en")
+    got = client.audio.transcriptions.create(model="whisper-tiny", file=("a.wav", data, "audio/wav"), language="en",
+                                             response_format="verbose_json")
+    assert got.text == expected.text and got.language == "en"
+    assert [s.model_dump()["tokens"] for s in got.segments] == [w["tokens"] for w in expected.windows]
+    translated = client.audio.translations.create(model="whisper-tiny", file=("a.wav", data, "audio/wav"),
+                                                  response_format="text")
+    assert translated.strip() == speech["alone"].transcribe(data, task="translate").text
+    srt = client.audio.transcriptions.create(model="whisper-tiny", file=("a.wav", data, "audio/wav"), language="en",
+                                             response_format="srt")
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:04,000\n")
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_16_concurrent_transcriptions_equal_each_alone(speech):
+    import httpx
+
+    clips = [_wav(1.0 + (i % 4) * 0.5, i) for i in range(16)]
+    alone = [speech["alone"].transcribe(clip, language="en").windows[0]["tokens"] for clip in clips]
+
+    def ask(clip: bytes) -> list[int]:
+        response = httpx.post(f"{speech['base']}/v1/audio/transcriptions", timeout=120,
+                              files={"file": ("a.wav", clip, "audio/wav")},
+                              data={"language": "en", "response_format": "verbose_json"})
+        assert response.status_code == 200, response.text
+        return response.json()["segments"][0]["tokens"]
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(ask, clips)) == alone
+
+
+@pytest.mark.xdist_group("seq2seq")
+@pytest.mark.parametrize("upload, status, message", [
+    (b"RIFF\x00\x00garbage" * 20, 400, "the uploaded file is not audio this server reads: audio bytes (260 bytes) "
+                                      "could not be decoded"),
+    (b"", 400, "the uploaded file is empty"),
+    (b"\x00" * 500_000, 400, "the uploaded file is 500000 bytes, over this server's limit of 400000 bytes"),
+    ("long", 400, "the audio is 12.0 s long, over this server's limit of 10 s"),
+])
+def test_a_bad_upload_is_a_400_that_names_it_and_the_server_goes_on(speech, upload, status, message):
+    import httpx
+
+    data = upload
+    if upload == "long":  # a 12 s clip in 16-bit samples, under the byte limit
+        samples = np.zeros(12 * RATE, np.float32)
+        out = io.BytesIO()
+        soundfile.write(out, samples, RATE, format="WAV", subtype="PCM_16")
+        data = out.getvalue()
+    response = httpx.post(f"{speech['base']}/v1/audio/transcriptions", files={"file": ("a.wav", data, "audio/wav")},
+                          timeout=60)
+    assert response.status_code == status
+    assert response.json()["error"]["message"].startswith(message)
+    assert httpx.get(f"{speech['base']}/health").json()["status"] == "ok"
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_a_wrong_content_type_and_a_text_endpoint_are_refused(speech):
+    import httpx
+
+    wrong = httpx.post(f"{speech['base']}/v1/audio/transcriptions", json={"file": "x"})
+    assert wrong.status_code == 415 and "send the file as 'multipart/form-data'" in wrong.json()["error"]["message"]
+    text = httpx.post(f"{speech['base']}/v1/completions", json={"model": "whisper-tiny", "prompt": "hi"})
+    assert text.status_code == 404 and "is a speech model" in text.json()["error"]["message"]
+    words = httpx.post(f"{speech['base']}/v1/audio/transcriptions", files={"file": ("a.wav", _wav(1.0, 2))},
+                       data={"timestamp_granularities[]": "word"})
+    assert words.status_code == 400 and "only 'segment' is supported" in words.json()["error"]["message"]
