@@ -72,27 +72,20 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                draft: str | Path | None = None, draft_len: int = 6, adaptive_draft: bool = True,
                max_audio_bytes: int = 25 << 20, max_audio_seconds: float = 1800.0):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps): the export's
-    LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it
-    (kvforge/serve/handlers.py), the Guard middleware and the metrics.
-    `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
+    LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it (kvforge/serve/handlers.py),
+    the Guard middleware and the metrics. `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
     `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
     `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
     (or a built-in name, runtime/text/chat.py's BUILTIN_TEMPLATES) used instead of the export's;
     `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
     clients only; by default it stays text). `speculate`, `draft_len`: the speculation of requests that name
     none; `draft`: the draft export of method draft; `adaptive_draft`: draft lengths follow acceptance
-    (kvforge/serve/speculation.py). An encoder-decoder export gets kvforge/serve/speech.py's app instead (the
-    options of continuous batching and speculation do not apply to it); `max_audio_bytes`, `max_audio_seconds`: its
-    upload limits."""
+    (kvforge/serve/speculation.py). An encoder-decoder export: kvforge/serve/speech.py's app, with its upload limits."""
     _require()
-    from kvforge.cli.seq2seq import is_encoder_decoder
-
-    if is_encoder_decoder(export_dir):  # encoder-decoders: their own endpoints (kvforge/serve/speech.py)
-        from kvforge.serve.speech import create_seq2seq_app
-
-        return create_seq2seq_app(export_dir, api_key=api_key, model_name=model_name, threads=threads,
-                                  allowed_hosts=allowed_hosts, max_audio_bytes=max_audio_bytes,
-                                  max_audio_seconds=max_audio_seconds)
+    if (seq2seq := _encoder_decoder_app(export_dir, api_key=api_key, model_name=model_name, threads=threads,
+                                        allowed_hosts=allowed_hosts, max_audio_bytes=max_audio_bytes,
+                                        max_audio_seconds=max_audio_seconds)) is not None:
+        return seq2seq
     from fastapi import FastAPI
     from fastapi.responses import Response
 
@@ -153,6 +146,17 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _encoder_decoder_app(export_dir: str | Path, **options: Any) -> Any:
+    """An encoder-decoder export's app (kvforge/serve/speech.py), or None for any other export."""
+    from kvforge.cli.seq2seq import is_encoder_decoder
+
+    if not is_encoder_decoder(export_dir):
+        return None
+    from kvforge.serve.speech import create_seq2seq_app
+
+    return create_seq2seq_app(export_dir, **options)
 
 
 def _generation_routes(handlers: Any) -> Any:

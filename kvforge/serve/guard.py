@@ -147,6 +147,17 @@ class Guard:
                 return True
         return False
 
+    def _wrong_type(self, path: str, headers: dict[str, bytes]) -> ApiError | None:
+        """A POST's content type where it is not the path's: JSON, or a file upload on `form_paths`."""
+        ctype = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        shown = ctype or "no content type"
+        if path in self.form_paths:
+            return None if ctype == "multipart/form-data" else ApiError(
+                415, f"send the file as 'multipart/form-data' (got {shown!r})", code="unsupported_media_type")
+        return None if ctype == "application/json" else ApiError(
+            415, f"send the body as JSON with 'Content-Type: application/json' (got {shown!r})",
+            code="unsupported_media_type")
+
     @staticmethod
     async def _drain(receive: Callable, size: int) -> bool:
         """Read and drop the rest of an oversize body (up to DRAIN_BYTES, for at most 5 s), so that
@@ -202,15 +213,9 @@ class Guard:
                                              kind="authentication_error", code="invalid_api_key"))
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        ctype = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-        if scope["path"] in self.form_paths:
-            if ctype != "multipart/form-data":
-                shown = ctype or "no content type"
-                return await refuse(ApiError(415, f"send the file as 'multipart/form-data' (got {shown!r})",
-                                             code="unsupported_media_type"))
-        elif ctype != "application/json":
-            return await refuse(ApiError(415, f"send the body as JSON with 'Content-Type: application/json' (got "
-                                              f"{ctype or 'no content type'!r})", code="unsupported_media_type"))
+        wrong_type = self._wrong_type(scope["path"], headers)
+        if wrong_type is not None:
+            return await refuse(wrong_type)
         too_big = ApiError(413, f"the request body is over this server's limit of {self.max_body_bytes} bytes "
                                 "(kvforge serve --max-body-bytes); send a shorter prompt", code="request_too_large")
         length = headers.get("content-length")
