@@ -72,22 +72,22 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
                draft: str | Path | None = None, draft_len: int = 6, adaptive_draft: bool = True,
                max_audio_bytes: int = 25 << 20, max_audio_seconds: float = 1800.0):
     """The FastAPI app serving one export (also what the Ray Serve deployment wraps): the export's
-    LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it (kvforge/serve/handlers.py),
-    the Guard middleware and the metrics. `spinning=False`: ONNX Runtime's threads sleep while they wait (a CPU shared with other busy processes);
-    `allowed_hosts`: Host names answered (None: any; `kvforge serve` passes allowed_hosts_for());
-    `template_seconds`: the time one chat-template rendering may take; `chat_template`: a Jinja file
-    (or a built-in name, runtime/text/chat.py's BUILTIN_TEMPLATES) used instead of the export's;
-    `special_tokens_in_content`: special-token text in chat messages becomes control tokens (trusted
-    clients only; by default it stays text). `speculate`, `draft_len`: the speculation of requests that name
-    none; `draft`: the draft export of method draft; `adaptive_draft`: draft lengths follow acceptance
-    (kvforge/serve/speculation.py). An encoder-decoder export: kvforge/serve/speech.py's app, with its upload limits."""
+    LoadedExport in a GenerationService (runtime/service.py), the OpenAI handlers over it
+    (kvforge/serve/handlers.py), the Guard middleware and the metrics. `spinning=False`: ONNX Runtime's
+    threads sleep while they wait (a CPU shared with other busy processes); `allowed_hosts`: Host names
+    answered (None: any; `kvforge serve` passes allowed_hosts_for()); `template_seconds`: the time one chat-
+    template rendering may take; `chat_template`: a Jinja file (or a built-in name, runtime/text/chat.py's
+    BUILTIN_TEMPLATES) used instead of the export's; `special_tokens_in_content`: special-token text in chat
+    messages becomes control tokens (trusted clients only; by default it stays text). `speculate`,
+    `draft_len`: the speculation of requests that name none; `draft`: the draft export of method draft;
+    `adaptive_draft`: draft lengths follow acceptance (kvforge/serve/speculation.py). An encoder-decoder
+    export: kvforge/serve/speech.py's app, with its upload limits."""
     _require()
     if (seq2seq := _encoder_decoder_app(export_dir, api_key=api_key, model_name=model_name, threads=threads,
                                         allowed_hosts=allowed_hosts, max_audio_bytes=max_audio_bytes,
                                         max_audio_seconds=max_audio_seconds)) is not None:
         return seq2seq
     from fastapi import FastAPI
-    from fastapi.responses import Response
 
     from kvforge.runtime import LoadedExport
     from kvforge.runtime.drivers.speculation_checks import target_options
@@ -131,6 +131,14 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     _answer_errors_as_json(app)
     app.include_router(_generation_routes(handlers))
 
+    _info_routes(app, handlers, metrics)
+    return app
+
+
+def _info_routes(app: Any, handlers: Any, metrics: Any) -> None:
+    """GET /v1/models, /health and /metrics."""
+    from fastapi.responses import Response
+
     @app.get("/v1/models")
     async def models():
         return handlers.models()
@@ -144,8 +152,6 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
         # Off the event loop: the gauges take the scheduler's lock, and /health must not wait for it.
         body, content_type = await asyncio.get_running_loop().run_in_executor(None, metrics.exposition)
         return Response(body, media_type=content_type)
-
-    return app
 
 
 def _encoder_decoder_app(export_dir: str | Path, **options: Any) -> Any:
