@@ -38,7 +38,10 @@ def refuse_options(family: EncoderDecoderFamily, options: ExportOptions, target:
     if target.name not in ("ort", "onnx"):
         raise UnsupportedModelError(f"{family.model_type}: an encoder-decoder model, and --target {target.name} has no "
                                     "cross-attention kernel; export with --target ort or --target onnx")
-    unsupported = {"--quantize": options.quantize, "--kv-cache": options.kv_cache,
+    if options.quant_method not in (None, "rtn"):
+        raise InputError(f"{family.model_type}: --quant-method {options.quant_method} is not supported for "
+                         "encoder-decoder models yet; int4/int8 weights are rounded (rtn)")
+    unsupported = {"--kv-cache": options.kv_cache,
                    "--eagle": getattr(options, "eagle", None), "--text-only": options.text_only or None}
     named = [flag for flag, value in unsupported.items() if value]
     if named:
@@ -90,8 +93,9 @@ def export_encoder_decoder(model_dir: Path, out_dir: Path, options: ExportOption
     with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged:
         assert staged.path is not None
         try:
-            graphs = make_graphs(model, family, layout, target, options, say, clock)
-            manifest = _write(staged.path, model, family, layout, graphs, target, options, model_dir, say, clock,
+            graphs, quantization = make_graphs(model, family, layout, target, options, say, clock)
+            manifest = _write(staged.path, model, family, layout, graphs, quantization, target, options, model_dir, say,
+                              clock,
                               started)
             staged.publish()
         except KvforgeError:
@@ -103,8 +107,9 @@ def export_encoder_decoder(model_dir: Path, out_dir: Path, options: ExportOption
 
 
 def make_graphs(model: Any, family: EncoderDecoderFamily, layout: KVLayout, target: ExportTarget,
-                options: ExportOptions, say: Callable[[str], None], clock: dict[str, float]) -> dict[str, Any]:
-    """encoder, prefill and decode, lowered for `target`, in memory."""
+                options: ExportOptions, say: Callable[[str], None],
+                clock: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """encoder, prefill and decode, lowered for `target`, in memory; the weight quantisation's record (or None)."""
     import torch
 
     from kvforge.exporter.lowering import lower
@@ -119,9 +124,21 @@ def make_graphs(model: Any, family: EncoderDecoderFamily, layout: KVLayout, targ
     encoder = trace_encoder(model, family, torch_dtype)
     prefill = trace_decoder(model, family, layout, torch_dtype)
     clock["trace"] = time.perf_counter() - mark
+    quantization = None
     for graph in (encoder, prefill):
         optimize_graph(graph)
-        fuse_graph(graph, target, dtype=options.dtype, merge_pairs=options.merge_pairs)
+        fuse_graph(graph, target, quantized=options.quantize is not None, dtype=options.dtype,
+                   merge_pairs=options.merge_pairs)
+    if options.quantize is not None:  # every weight matrix rounded block-wise (MatMulNBits), as decoder-only
+        from kvforge.exporter.quantization.matmuls import quantize_model
+
+        encoder, encoder_record = quantize_model(encoder, options.quantize, options.block_size,
+                                                 model.config.vocab_size, options.accuracy_level, options.lm_head_bits)
+        prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, model.config.vocab_size,
+                                               options.accuracy_level, options.lm_head_bits)
+        quantization["encoder_matmuls_quantized"] = encoder_record["matmuls_quantized"]
+        say(f"quantised {quantization['matmuls_quantized']} decoder and {encoder_record['matmuls_quantized']} "
+            f"encoder weight matrices to {options.quantize}")
     graphs = {ENCODER: encoder, "prefill": prefill, "decode": derive_decode_graph(prefill)}
     for name, graph in graphs.items():
         say(f"lowering {name} attention for target {target.name}")
@@ -132,7 +149,7 @@ def make_graphs(model: Any, family: EncoderDecoderFamily, layout: KVLayout, targ
         lower(graph, target, None, attends=name != ENCODER)
         graph.ir_version = 10  # onnxruntime refuses IR versions newer than it knows
     clock["optimize_and_lower"] = time.perf_counter() - mark - clock["trace"]
-    return graphs
+    return graphs, quantization
 
 
 def encoder_record(model: Any, family: EncoderDecoderFamily, model_dir: Path) -> EncoderRecord:
@@ -152,8 +169,8 @@ def encoder_record(model: Any, family: EncoderDecoderFamily, model_dir: Path) ->
 
 
 def _write(staging: Path, model: Any, family: EncoderDecoderFamily, layout: KVLayout, graphs: dict[str, Any],
-           target: ExportTarget, options: ExportOptions, model_dir: Path, say: Callable[[str], None],
-           clock: dict[str, float], started: float) -> dict[str, Any]:
+           quantization: dict[str, Any] | None, target: ExportTarget, options: ExportOptions, model_dir: Path,
+           say: Callable[[str], None], clock: dict[str, float], started: float) -> dict[str, Any]:
     from kvforge.exporter.weights import save_with_shared_weights
 
     say(f"writing graphs and the shared weights file {WEIGHTS_NAME}")
@@ -166,6 +183,8 @@ def _write(staging: Path, model: Any, family: EncoderDecoderFamily, layout: KVLa
     clock["total"] = time.perf_counter() - started
     extra = {"encoder": encoder_record(model, family, model_dir).to_manifest(),
              "export_seconds": {name: round(value, 2) for name, value in clock.items()}}
+    if quantization is not None:
+        extra["quantization"] = {**quantization, "weights_bytes": sizes["weights_bytes"]}
     manifest = export_manifest(model.config, model_dir, target.core, options.dtype, layout, graphs, staging, sizes,
                                None, extra)
     write_manifest(staging, manifest)
