@@ -84,7 +84,8 @@ def generate(export_dir: Path, stream: bool, as_json: bool, **options: Any) -> N
     for option in ("chat_text", "system_text"):  # (--prompt texts are checked with the prompts)
         check_utf8(f"--{option.removesuffix('_text')}", options[option])
     batch = list(options["prompts"]) or [parse_ids(ids) for ids in options["prompt_ids"]]  # checked before loading
-    from kvforge.cli.seq2seq import generate_seq2seq, is_encoder_decoder
+    from kvforge.cli.seq2seq import generate_seq2seq
+    from kvforge.core.encoder_contract import is_encoder_decoder
 
     if is_encoder_decoder(export_dir):  # the sources go to the encoder (kvforge/cli/seq2seq.py)
         return generate_seq2seq(export_dir, batch, {**options, "stream": stream}, as_json)

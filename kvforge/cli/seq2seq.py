@@ -3,7 +3,6 @@ is a source the encoder reads once, and the decoder writes its answer (runtime/d
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,14 +15,6 @@ from kvforge.core.errors import InputError
 # generate's options that mean nothing for an encoder-decoder (no chat template, images, drafts or engines yet).
 _REFUSED = {"chat_text": "--chat", "system_text": "--system", "images": "--image", "videos": "--video",
             "speculate": "--speculate", "draft": "--draft", "engine_dir": "--engine-dir", "capacity": "--capacity"}
-
-
-def is_encoder_decoder(export_dir: Path) -> bool:
-    """Whether `export_dir`'s manifest has an encoder record (read as JSON; load_manifest checks it after)."""
-    try:
-        return json.loads((Path(export_dir) / "kvforge.json").read_text()).get("encoder") is not None
-    except (OSError, ValueError, AttributeError):
-        return False  # the decoder-only path says what is wrong with the folder
 
 
 def generate_seq2seq(export_dir: Path, batch: list[Any], options: dict[str, Any], as_json: bool) -> None:

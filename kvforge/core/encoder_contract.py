@@ -16,8 +16,10 @@ CROSS_ATTRIBUTES, in this order everywhere (the torch op, its reference, the ONN
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvforge.core.contract import GraphIO, KVLayout, OpIdentity
@@ -121,3 +123,12 @@ def check_encoder_manifest(manifest: Mapping[str, Any], path: Any, layout: KVLay
 
     encoder_io(record.input, layout.num_layers).check(names("inputs"), names("outputs"), str(path))
     return record
+
+
+def is_encoder_decoder(export_dir: Path) -> bool:
+    """Whether `export_dir`'s manifest has an encoder record (read as JSON; load_manifest checks it after)."""
+    try:
+        # kvforge.json: core/manifest.py's MANIFEST_NAME (that module imports this one)
+        return json.loads((Path(export_dir) / "kvforge.json").read_text()).get("encoder") is not None
+    except (OSError, ValueError, AttributeError):
+        return False  # the decoder-only path says what is wrong with the folder

@@ -48,6 +48,7 @@ from kvforge.serve.guard import (  # noqa: F401  (re-exported: kvforge.serve.app
     ApiError,
     Guard,
     allowed_hosts_for,
+    answer_errors_as_json,
     check_api_key,
 )
 
@@ -128,7 +129,7 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, on_refuse=guard_refused,
                        allowed_hosts=None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts))
 
-    _answer_errors_as_json(app)
+    answer_errors_as_json(app)
     app.include_router(_generation_routes(handlers))
 
     _info_routes(app, handlers, metrics)
@@ -156,7 +157,7 @@ def _info_routes(app: Any, handlers: Any, metrics: Any) -> None:
 
 def _encoder_decoder_app(export_dir: str | Path, **options: Any) -> Any:
     """An encoder-decoder export's app (kvforge/serve/speech.py), or None for any other export."""
-    from kvforge.cli.seq2seq import is_encoder_decoder
+    from kvforge.core.encoder_contract import is_encoder_decoder
 
     if not is_encoder_decoder(export_dir):
         return None
@@ -231,37 +232,6 @@ def _generation_routes(handlers: Any) -> Any:
         return await handlers.serve(request, body)
 
     return router
-
-
-def _answer_errors_as_json(app: Any) -> None:
-    """Every error in OpenAI's JSON shape: ours (ApiError), routing's (404 / 405), and a bug's (500)."""
-    from fastapi import Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, err: ApiError):
-        rid = getattr(request.state, "request_id", None)  # the log line's id, for a body that carries none
-        return JSONResponse(err.body(), status_code=err.status, headers={"x-request-id": rid} if rid else None)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, err: RequestValidationError):  # a route's own are api_error's
-        first = err.errors()[0] if err.errors() else {}
-        param = next((str(p) for p in first.get("loc", ()) if p != "body"), None)
-        error = ApiError(400, f"{param or 'the request'}: {first.get('msg', 'invalid')}", param=param)
-        return JSONResponse(error.body(), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, err: HTTPException):
-        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ApiError(err.status_code, str(err.detail), kind=kind).body(), status_code=err.status_code,
-                            headers=getattr(err, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, err: Exception):  # a bug: still JSON, never a plain-text page
-        message = f"internal error: {type(err).__name__}: {err}"[:500]
-        return JSONResponse(ApiError(500, message, kind="server_error").body(), status_code=500)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

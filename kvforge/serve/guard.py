@@ -1,6 +1,7 @@
 """What every request to `kvforge serve` passes before its route (kvforge/serve/app.py): the ASGI guard
-(body size, Host, Content-Type, API key), the OpenAI-shaped error, the decoding of a body (JSON, an
-object, valid Unicode text) and the limits of the loaded export. The parameters themselves are
+(body size, Host, Content-Type, API key), the OpenAI-shaped error and the handlers that answer every failure in
+its shape (answer_errors_as_json), the decoding of a body (JSON, an object, valid Unicode text) and the limits of the
+loaded export. The parameters themselves are
 validated once, by the pydantic models of kvforge/serve/protocol.py."""
 
 import contextlib
@@ -303,3 +304,32 @@ def allowed_hosts_for(host: str, extra: Iterable[str] = ()) -> frozenset[str]:
     return frozenset(names)
 
 
+def answer_errors_as_json(app: Any) -> None:
+    """Every error in OpenAI's JSON shape: ours (ApiError), routing's (404 / 405), and a bug's (500)."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, err: ApiError):
+        rid = getattr(request.state, "request_id", None)  # the log line's id, for a body that carries none
+        return JSONResponse(err.body(), status_code=err.status, headers={"x-request-id": rid} if rid else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, err: RequestValidationError):  # a route's own are api_error's
+        first = err.errors()[0] if err.errors() else {}
+        param = next((str(p) for p in first.get("loc", ()) if p != "body"), None)
+        error = ApiError(400, f"{param or 'the request'}: {first.get('msg', 'invalid')}", param=param)
+        return JSONResponse(error.body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, err: HTTPException):
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(err.status_code, str(err.detail), kind=kind).body(), status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, err: Exception):  # a bug: still JSON, never a plain-text page
+        message = f"internal error: {type(err).__name__}: {err}"[:500]
+        return JSONResponse(ApiError(500, message, kind="server_error").body(), status_code=500)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from kvforge.core.errors import InputError, KvforgeError
-from kvforge.serve.guard import ApiError, Guard
+from kvforge.serve.guard import ApiError, Guard, answer_errors_as_json
 
 AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
@@ -139,7 +139,6 @@ def create_seq2seq_app(export_dir: str | Path, *, api_key: str | None = None, mo
     from fastapi import FastAPI, File, Form, Request, UploadFile
     from fastapi.responses import JSONResponse, PlainTextResponse
 
-    from kvforge.serve.app import _answer_errors_as_json
 
     name = model_name or Path(export_dir).resolve().name
     handlers = SpeechHandlers(export_dir, name, threads, max_audio_bytes, max_audio_seconds)
@@ -150,7 +149,7 @@ def create_seq2seq_app(export_dir: str | Path, *, api_key: str | None = None, mo
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=2 * max_audio_bytes + (1 << 16),
                        allowed_hosts=None if allowed_hosts is None else frozenset(h.lower() for h in allowed_hosts),
                        form_paths=frozenset(AUDIO_PATHS))
-    _answer_errors_as_json(app)
+    answer_errors_as_json(app)
 
     async def answer(task: str, file: UploadFile, model: str | None, language: str | None, response_format: str,
                      temperature: float, granularities: list[str] | None) -> Any:
