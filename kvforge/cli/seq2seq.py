@@ -65,11 +65,13 @@ def generate_seq2seq(export_dir: Path, batch: list[Any], options: dict[str, Any]
 @click.option("--task", type=click.Choice(["transcribe", "translate"]), default="transcribe", show_default=True,
               help="translate: the speech's text in English.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int, help="Most tokens per 30 s window.")
+@click.option("--timestamps", is_flag=True, help="Decode Whisper's timestamps too: timed segments (printed as "
+              "[start --> end] lines; with --json, each window's segments).")
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's choice).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (text, language, each window's "
               "start, text and tokens).")
 def transcribe(export_dir: Path, audio: tuple[Path, ...], language: str | None, task: str, max_new_tokens: int,
-               threads: int | None, as_json: bool) -> None:
+               timestamps: bool, threads: int | None, as_json: bool) -> None:
     """Transcribe audio files (WAV, FLAC) with a Whisper export, 30 s window by window."""
     from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
     from kvforge.runtime.drivers.transcribe import Transcriber
@@ -81,7 +83,8 @@ def transcribe(export_dir: Path, audio: tuple[Path, ...], language: str | None, 
     results = []
     for path in audio:
         started = time.perf_counter()
-        found = transcriber.transcribe(path, language=language, task=task, max_new_tokens=max_new_tokens)
+        found = transcriber.transcribe(path, language=language, task=task, max_new_tokens=max_new_tokens,
+                                       timestamps=timestamps)
         results.append({"file": str(path), "text": found.text, "language": found.language, "windows": found.windows,
                         "seconds": round(time.perf_counter() - started, 3)})
     if as_json:
@@ -89,4 +92,8 @@ def transcribe(export_dir: Path, audio: tuple[Path, ...], language: str | None, 
         return
     for result in results:
         prefix = f"{result['file']}: " if len(results) > 1 else ""
-        click.echo(prefix + result["text"])
+        if not timestamps:
+            click.echo(prefix + result["text"])
+            continue
+        for segment in (s for window in result["windows"] for s in window["segments"]):
+            click.echo(f"{prefix}[{segment['start']:.2f} --> {segment['end']:.2f}] {segment['text']}")

@@ -2,7 +2,8 @@
 
 A Whisper export answers OpenAI's POST /v1/audio/transcriptions and /v1/audio/translations (a multipart upload:
 `file`, `model`, `language`, `response_format` json | text | verbose_json | srt | vtt, `temperature`,
-`timestamp_granularities[]` segment); a text encoder-decoder (BART, Marian, ...) answers POST /v1/completions with the
+`timestamp_granularities[]` segment: verbose_json, srt and vtt are decoded with Whisper's timestamps, their
+segments timed by them); a text encoder-decoder (BART, Marian, ...) answers POST /v1/completions with the
 source text as `prompt`. GET /v1/models and /health as for decoder-only exports; errors OpenAI-shaped.
 
 Limits, each a 400 naming it: an empty file, an upload over `max_audio_bytes` (a body far beyond it is cut off by the
@@ -92,10 +93,12 @@ class SpeechHandlers:
                                 f"{self.max_audio_seconds:g} s (kvforge serve --max-audio-seconds)", param="file",
                            code="audio_too_long")
         sampling = SamplingConfig() if temperature == 0 else SamplingConfig(greedy=False, temperature=temperature)
+        timed = response_format in ("verbose_json", "srt", "vtt")  # segments: decoded with Whisper's timestamps
         with self.lock:
-            found = self.transcriber.transcribe(samples, rate=rate, language=language, task=task, sampling=sampling)
-        segments = [{"id": i, "start": w["start"], "end": min(w["start"] + 30.0, duration), "text": w["text"],
-                     "tokens": w["tokens"]} for i, w in enumerate(found.windows)]
+            found = self.transcriber.transcribe(samples, rate=rate, language=language, task=task, sampling=sampling,
+                                                timestamps=timed)
+        segments = [{"id": i, **segment} for i, segment in
+                    enumerate(s for w in found.windows for s in w.get("segments", ()))]
         if response_format == "text":
             return found.text + "\n", "text/plain"
         if response_format in ("srt", "vtt"):

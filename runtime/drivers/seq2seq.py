@@ -66,6 +66,7 @@ class DecodingRules:
     begin_suppress: tuple[int, ...] = ()
     min_length: int = 0  # no end token before the decoder's sequence (its start token counted) is this long
     no_repeat_ngram: int = 0
+    timestamps: Any = None  # Whisper's timestamp rules (runtime/drivers/timestamps.py), after the others
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> DecodingRules:
@@ -96,6 +97,8 @@ class DecodingRules:
         if self.no_repeat_ngram:
             for row, tokens in enumerate(history):
                 logits[row, _repeats(tokens, self.no_repeat_ngram)] = lowest
+        if self.timestamps is not None:
+            logits = self.timestamps.apply(logits, step, history)
         forced = self.forced_bos if step == 0 else self.forced_eos if last else None
         if forced is not None:  # after the others, as HF's processors run
             logits[:] = lowest

@@ -4,7 +4,8 @@ features (runtime/media/log_mel.py) through the encoder once, its text decoded a
 `generate` writes it. The language is detected from the first window where it is not given (the most likely language
 token after <|startoftranscript|>, as transformers' `detect_language`).
 
-Timestamps are not produced yet: each window's text is its own, joined in order.
+With timestamps, each window's timed segments (runtime/drivers/timestamps.py); the windows are plain 30 s cuts (the
+long-form decoding that moves each cut to the window's last timestamp is not done yet).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from kvforge.core.errors import InputError, ManifestError
 from kvforge.runtime.drivers.seq2seq import MAX_NEW_TOKENS, Seq2SeqGenerator
+from kvforge.runtime.drivers.timestamps import TimestampRules, segments
 
 TASKS = ("transcribe", "translate")
 
@@ -47,16 +49,17 @@ class Transcriber:
             raise ManifestError(f"{generator.folder}: its generation config names no <|notimestamps|> token; re-export "
                                 "from a Whisper checkpoint folder with its generation_config.json")
 
-    def prompt(self, language: str | None, task: str) -> list[int]:
-        """The decoder's first tokens: start, language and task (a multilingual model), no timestamps."""
+    def prompt(self, language: str | None, task: str, timestamps: bool = False) -> list[int]:
+        """The decoder's first tokens: start, language and task (a multilingual model), and <|notimestamps|> unless
+        `timestamps`."""
         if task not in TASKS:
             raise InputError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
-        start = self.generator.record.decoder_start_token_id
+        start, last = self.generator.record.decoder_start_token_id, [] if timestamps else [self.no_timestamps]
         if not self.languages:  # an English-only checkpoint: no language or task tokens
-            return [start, self.no_timestamps]
+            return [start, *last]
         if language not in self.languages:
             raise InputError(f"language {language!r} is not one this model knows: {', '.join(sorted(self.languages))}")
-        return [start, self.languages[language], self.tasks[task], self.no_timestamps]
+        return [start, self.languages[language], self.tasks[task], *last]
 
     def detect_language(self, encoded: Any) -> str:
         """The most likely language token after the start token, on the first row of `encoded`."""
@@ -66,9 +69,10 @@ class Transcriber:
 
     def transcribe(self, audio: str | Path | bytes | np.ndarray, rate: int | None = None, language: str | None = None,
                    task: str = "transcribe", max_new_tokens: int = MAX_NEW_TOKENS,
-                   sampling: Any = None) -> Transcription:
+                   sampling: Any = None, timestamps: bool = False) -> Transcription:
         """`audio`: a file (path or bytes, WAV/FLAC) or samples (mono float, at `rate`); `sampling`: a SamplingConfig
-        (default greedy)."""
+        (default greedy); `timestamps`: decode Whisper's timestamp tokens too, each window's timed segments in its
+        "segments" (runtime/drivers/timestamps.py)."""
         from kvforge.runtime.media.audio import load_audio, resample, windows
 
         if isinstance(audio, np.ndarray):
@@ -82,10 +86,27 @@ class Transcriber:
         encoded = self.generator.encode_features(self.features.batch([clip for _, clip in parts]))
         if language is None and self.languages:
             language = self.detect_language(encoded)
-        prompt = self.prompt(language, task)
+        prompt = self.prompt(language, task, timestamps)
         limit = self.generator.layout.max_capacity - len(prompt)
-        tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling)
+        rules = self._rules(len(prompt)) if timestamps else None
+        tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
+                                             rules=rules)
         tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
-        found = [{"start": start, "tokens": row, "text": tokenizer.decode([t for t in row if t not in eos]).strip()}
-                 for (start, _), row in zip(parts, tokens, strict=True)]
+        text_of = [[t for t in row if t not in eos and t <= self.no_timestamps] for row in tokens]
+        found = [{"start": start, "tokens": row, "text": tokenizer.decode(text).strip()}
+                 for (start, _), row, text in zip(parts, tokens, text_of, strict=True)]
+        if timestamps:
+            end = next(iter(eos), -1)
+            for window in found:
+                window["segments"] = segments(window["tokens"], self.no_timestamps + 1, window["start"], end,
+                                              tokenizer.decode)
         return Transcription(" ".join(w["text"] for w in found if w["text"]), language, found)
+
+    def _rules(self, begin: int) -> Any:
+        """The export's decoding rules with Whisper's timestamp rules after them."""
+        import dataclasses
+
+        generation = self.generator.manifest.get("generation") or {}
+        eos = self.generator.rules.eos[0] if self.generator.rules.eos else generation.get("bos_token_id")
+        stamps = TimestampRules(self.no_timestamps, eos, begin, generation.get("max_initial_timestamp_index"))
+        return dataclasses.replace(self.generator.rules, timestamps=stamps)

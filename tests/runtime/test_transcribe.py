@@ -41,16 +41,20 @@ def whisper(tmp_path_factory):
                 extractor=WhisperFeatureExtractor.from_pretrained(folder / "hf"))
 
 
-def _reference(whisper, samples: np.ndarray, prompt: list[int]) -> list[list[int]]:
+def _reference(whisper, samples: np.ndarray, prompt: list[int], timestamps: bool = False) -> list[list[int]]:
     from transformers import GenerationMixin
+    from transformers.generation.logits_process import LogitsProcessorList, WhisperTimeStampLogitsProcessor
 
     rows = []
     for start in range(0, samples.size, 30 * RATE):
         features = whisper["extractor"](samples[start: start + 30 * RATE], sampling_rate=RATE,
                                         return_tensors="pt").input_features
         with torch.no_grad():
+            processors = LogitsProcessorList([WhisperTimeStampLogitsProcessor(
+                whisper["model"].generation_config, begin_index=len(prompt))] if timestamps else [])
             out = GenerationMixin.generate(whisper["model"], input_features=features, max_new_tokens=TOKENS,
-                                           decoder_input_ids=torch.tensor([prompt]), do_sample=False, num_beams=1)
+                                           decoder_input_ids=torch.tensor([prompt]), do_sample=False, num_beams=1,
+                                           logits_processor=processors)
         row = out[0, len(prompt):].tolist()
         eos = whisper["model"].generation_config.eos_token_id
         rows.append(row[: row.index(eos) + 1] if eos in row else row)
@@ -72,6 +76,21 @@ def test_each_window_equals_transformers_after_the_task_prompt(whisper, tmp_path
     assert [w["tokens"] for w in found.windows] == _reference(whisper, samples, prompt)
     translated = transcriber.transcribe(path, language="de", task="translate", max_new_tokens=TOKENS)
     assert [w["tokens"] for w in translated.windows] == _reference(whisper, samples, transcriber.prompt("de", "translate"))
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_with_timestamps_each_window_equals_transformers_with_its_timestamp_processor(whisper):
+    samples = _clip(40.0)
+    transcriber = whisper["transcriber"]
+    found = transcriber.transcribe(samples, rate=RATE, language="en", max_new_tokens=TOKENS, timestamps=True)
+    prompt = transcriber.prompt("en", "transcribe", timestamps=True)
+    assert prompt[-1] != transcriber.no_timestamps and len(prompt) == 3
+    assert [w["tokens"] for w in found.windows] == _reference(whisper, samples, prompt, timestamps=True)
+    first = transcriber.no_timestamps + 1
+    assert all(w["tokens"][0] >= first for w in found.windows)  # the rules open with a timestamp
+    for window in found.windows:  # each segment inside its window, in order
+        times = [t for s in window["segments"] for t in (s["start"], s["end"])]
+        assert times == sorted(times) and window["start"] <= times[0] <= window["start"] + 30
 
 
 @pytest.mark.xdist_group("seq2seq")
