@@ -93,7 +93,7 @@ def export_encoder_decoder(model_dir: Path, out_dir: Path, options: ExportOption
     with StagedFolder(out_dir, MANIFEST_NAME, sources=[model_dir], say=say, force=options.force) as staged:
         assert staged.path is not None
         try:
-            graphs, quantization = make_graphs(model, family, layout, target, options, say, clock)
+            graphs, quantization = make_graphs(model, family, layout, target, options, model_dir, say, clock)
             manifest = _write(staged.path, model, family, layout, graphs, quantization, target, options, model_dir, say,
                               clock,
                               started)
@@ -107,7 +107,7 @@ def export_encoder_decoder(model_dir: Path, out_dir: Path, options: ExportOption
 
 
 def make_graphs(model: Any, family: EncoderDecoderFamily, layout: KVLayout, target: ExportTarget,
-                options: ExportOptions, say: Callable[[str], None],
+                options: ExportOptions, model_dir: Path, say: Callable[[str], None],
                 clock: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """encoder, prefill and decode, lowered for `target`, in memory; the weight quantisation's record (or None)."""
     import torch
@@ -130,13 +130,14 @@ def make_graphs(model: Any, family: EncoderDecoderFamily, layout: KVLayout, targ
         fuse_graph(graph, target, quantized=options.quantize is not None, dtype=options.dtype,
                    merge_pairs=options.merge_pairs)
     if options.quantize is not None:  # every weight matrix rounded block-wise (MatMulNBits), as decoder-only
-        from kvforge.exporter.quantization.matmuls import quantize_model
+        from kvforge.exporter.checkpoint import open_checkpoint
+        from kvforge.exporter.quantization import plan as quantization_plan
 
-        encoder, encoder_record = quantize_model(encoder, options.quantize, options.block_size,
-                                                 model.config.vocab_size, options.accuracy_level, options.lm_head_bits)
-        prefill, quantization = quantize_model(prefill, options.quantize, options.block_size, model.config.vocab_size,
-                                               options.accuracy_level, options.lm_head_bits)
-        quantization["encoder_matmuls_quantized"] = encoder_record["matmuls_quantized"]
+        source = quantization_plan.classify(open_checkpoint(model_dir), None, None)
+        plan = quantization_plan.QuantPlan.resolve(options, source)  # its defaults (an 8-bit lm_head), with why
+        encoder, encoder_record = plan.apply_to_graph(encoder, model.config.vocab_size)
+        prefill, quantization = plan.apply_to_graph(prefill, model.config.vocab_size)
+        quantization.update(plan.record(), encoder_matmuls_quantized=encoder_record["matmuls_quantized"])
         say(f"quantised {quantization['matmuls_quantized']} decoder and {encoder_record['matmuls_quantized']} "
             f"encoder weight matrices to {options.quantize}")
     graphs = {ENCODER: encoder, "prefill": prefill, "decode": derive_decode_graph(prefill)}

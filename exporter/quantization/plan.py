@@ -206,6 +206,14 @@ class QuantPlan:
 
         return apply_plan(self, prefill, model, work, layout, lap)
 
+    def apply_to_graph(self, graph: Any, vocab_size: int) -> tuple[Any, dict[str, Any]]:
+        """Another graph's weight matrices rounded as planned (an encoder-decoder's encoder and decoder:
+        exporter/encoder_decoder.py): the graph and its record."""
+        from kvforge.exporter.quantization.matmuls import quantize_model
+
+        return quantize_model(graph, self.quantize, self.block_size, vocab_size, self.accuracy_level,
+                              self.lm_head_bits)
+
     def apply_to_draft(self, draft: Any, record: dict[str, Any]) -> None:
         """draft.onnx's lm_head as MatMulNBits where --draft-lm-head-bits asks (draft_lm_head.py); `record`: the
         manifest's draft record, which says so."""
