@@ -35,3 +35,14 @@ def made_once(root: Path, name: str, make: Callable[[Path], object]) -> Path:
 # The chat template the shared chat_export carries (tests/conftest.py), which tests render against.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+# CI runs the tests not marked slow (README's test command); where a test repeats one check over every family, these
+# representatives stay in that tier (plain attention with GQA, a softcapped and windowed one, q/k norms) and the others
+# are marked slow: the full suite (`-m "slow or not slow"`) runs them all.
+CI_FAMILIES = ("llama-tiny", "gemma2-tiny", "qwen3-tiny")
+
+
+def every_family(recipes: list[str], keep: tuple[str, ...] = CI_FAMILIES) -> list[object]:
+    """`recipes` as parameters, each one not in `keep` marked slow."""
+    return [pytest.param(recipe, marks=() if recipe in keep else pytest.mark.slow) for recipe in recipes]

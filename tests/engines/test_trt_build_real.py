@@ -19,6 +19,8 @@ from click.testing import CliRunner
 pytest.importorskip("torch")
 pytest.importorskip("tensorrt_rtx", reason="needs TensorRT for RTX: pip install -e '.[trt-rtx]'")
 
+from shared_exports import every_family  # noqa: E402
+
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.engine_plan import ENGINES_MANIFEST, resolve_build_options  # noqa: E402
 from kvforge.core.manifest import load_manifest  # noqa: E402
@@ -66,7 +68,7 @@ def _check_record(record: dict, folder, single: bool, dtype: str, report) -> Non
     assert on_disk == record
 
 
-@pytest.mark.parametrize("recipe", FAMILY_RECIPES)
+@pytest.mark.parametrize("recipe", every_family(FAMILY_RECIPES))
 def test_every_family_builds_real_engines_in_fp16(recipe, exported, engine_report) -> None:
     folder = exported(recipe, "onnx", "fp16")
     layers = load_manifest(folder)["kv_cache"]["num_layers"]
@@ -82,7 +84,7 @@ def test_every_family_builds_real_engines_in_fp16(recipe, exported, engine_repor
     _check_record(record, folder, single=False, dtype="fp16", report=engine_report)
 
 
-@pytest.mark.parametrize("recipe", FAMILY_RECIPES)
+@pytest.mark.parametrize("recipe", every_family(FAMILY_RECIPES))
 def test_every_family_builds_in_fp32_decomposing_where_needed(recipe, exported, engine_report) -> None:
     folder = exported(recipe, "onnx", "fp32")
     record = build_engines(folder, max_batch=2, max_seq_len=MAX_SEQ_LEN, force=True)

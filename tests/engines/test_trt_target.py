@@ -19,6 +19,8 @@ pytest.importorskip("torch")
 pytest.importorskip("onnxruntime_extensions")
 onnx = pytest.importorskip("onnx")
 
+from shared_exports import every_family  # noqa: E402
+
 from kvforge.cli import main  # noqa: E402
 from kvforge.core.contract import PLUGIN  # noqa: E402
 from kvforge.core.errors import BackendUnavailableError, InputError, UnsupportedModelError  # noqa: E402
@@ -78,7 +80,7 @@ def test_the_plugin_node_replaces_attention_once_per_layer(exported) -> None:
         assert list(nodes[0].input)[3:5] == ["past_key.0", "past_value.0"]
 
 
-@pytest.mark.parametrize("recipe", FAMILY_RECIPES)
+@pytest.mark.parametrize("recipe", every_family(FAMILY_RECIPES))
 def test_family_through_the_numpy_reference_matches_hf(recipe, hf_folder, exported, monkeypatch) -> None:
     calls = _implementations(monkeypatch)
     report = run_parity(hf_folder(recipe), exported(recipe, "trt"), new_tokens=32, atol=ATOL_FP32,

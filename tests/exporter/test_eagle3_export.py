@@ -43,7 +43,9 @@ def models(eagle_export):
             for recipe in sorted({case[0] for case in CASES})}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=["-".join(case) for case in CASES])
+# The `onnx` cases repeat the `ort` ones through the other lowering: in the full suite, not CI's tier.
+@pytest.fixture(scope="module", params=[pytest.param(case, marks=pytest.mark.slow) if case[2] == "onnx" else case
+                                        for case in CASES], ids=["-".join(case) for case in CASES])
 def case(request, eagle_export, models):
     """(export folder, HF model, head): the target exported with its head (conftest's eagle_export)."""
     from kvforge.models.eagle3 import read_eagle3_head

@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import soak_server  # noqa: E402
 import soak_speculation  # noqa: E402
 
+pytestmark = pytest.mark.slow  # soaks: long runs by nature
+
 REDUCED = argparse.Namespace(requests=96, clients=32, warmup=8, seed=0, only_bad=None, export=None)
 
 

@@ -69,6 +69,7 @@ def test_a_draft_that_cannot_draft_for_the_target_is_refused(exported, draft_exp
         _check_tokens("--draft d", (vocab, {0: "<unk>"}), (vocab, {0: "<pad>"}))
 
 
+@pytest.mark.slow  # the real model exported three ways (test_real_model's tier)
 def test_the_real_models_int4_export_drafts_for_its_fp32_and_fp16_exports(real, tmp_path) -> None:
     # Self-speculation by quantisation on the real SmolLM2-135M-Instruct: kvforge's default int4 export (HQQ,
     # 8-bit lm_head) drafts; greedy answers equal plain greedy decoding's, and most drafts are kept.
