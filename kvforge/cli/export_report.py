@@ -25,9 +25,11 @@ def print_export_summary(manifest: dict[str, Any], out_dir: Path, quantize: str 
                 if quantize is not None else f"KV cache {kv_cache} (per-channel scales)")
         if quantize is not None and kv_cache is not None:
             what += f", KV cache {kv_cache}"
+        perplexity = (f", perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
+                      f"({100 * acc['perplexity_relative_increase']:+.2f}%)" if "perplexity" in acc else
+                      " (the decoder's, teacher-forced)")  # an encoder-decoder's check has no perplexity
         click.echo(f"{what}; vs the fp32 model: max logit error {acc['max_abs_logit_err']}, greedy agreement "
-                   f"{acc['greedy_agreement']}, perplexity {acc['perplexity']} vs {acc['reference_perplexity']} "
-                   f"({100 * acc['perplexity_relative_increase']:+.2f}%)")
+                   f"{acc['greedy_agreement']}{perplexity}")
         if acc.get("note"):  # the prompts' answers part from the fp32 model's although the figures look close
             click.echo(f"note: {acc['note']}")
     hint = dequantised_hint(manifest)

@@ -85,8 +85,15 @@ def quantization_accuracy(out_dir: Path, record: dict[str, Any], check: bool | N
         return {"skipped": f"the fp32 reference model takes {4 * parameters / 1e9:.1f} GB and {free / 1e9:.1f} GB is free; "
                            "--accuracy-check measures it anyway, `kvforge parity` measures it later"}
     progress("measuring what quantisation costs against the fp32 model (logits, greedy tokens, perplexity)")
-    accuracy = measure_quantized(out_dir)
-    broken = {k: accuracy[k] for k in FIGURES if not np.isfinite(accuracy[k])}
+    if load_manifest(out_dir).get("encoder") is not None:  # an encoder-decoder: its decoder's logits
+        from kvforge.core.manifest import record_section
+        from kvforge.tools.seq2seq_accuracy import measure_seq2seq_quantized
+
+        accuracy = measure_seq2seq_quantized(out_dir)
+        record_section(out_dir, "quantization", {**record, "accuracy": accuracy})
+    else:
+        accuracy = measure_quantized(out_dir)
+    broken = {k: accuracy[k] for k in FIGURES if k in accuracy and not np.isfinite(accuracy[k])}
     if broken:  # NaN or Inf logits: the export answers garbage, so it is not kept
         import shutil
 

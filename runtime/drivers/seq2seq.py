@@ -196,6 +196,13 @@ class Seq2SeqGenerator:
         return _DecoderRun(self, encoded, len(encoded.lens), len(prompt)).prefill(
             np.array([list(prompt)] * len(encoded.lens), np.int64))
 
+    def teacher_forced_logits(self, encoded: Encoded, sequences: np.ndarray) -> np.ndarray:
+        """The logits [B, S, V] at every position of decoder sequences [B, S] (start token first) read in one
+        prefill: what a check of the decoder against a reference reads."""
+        sequences = np.asarray(sequences, np.int64)
+        run = _DecoderRun(self, encoded, sequences.shape[0], sequences.shape[1])
+        return run.prefill_all(sequences)
+
     def generate(self, texts: Sequence[str], max_new_tokens: int = MAX_NEW_TOKENS,
                  sampling: SamplingConfig | None = None) -> list[str]:
         """Texts in, texts out through the export's tokenizer (tokenizer.json), special tokens dropped."""
@@ -255,6 +262,16 @@ class _DecoderRun:
         self.sessions["prefill"].run_with_iobinding(binding)
         self.past_lens += prompt.shape[1]
         return self.logits.copy()
+
+    def prefill_all(self, sequences: np.ndarray) -> np.ndarray:
+        batch, length = sequences.shape
+        out = np.zeros((batch, length, self.vocab), np.float32)
+        binding = self.bindings["prefill"]
+        binding.bind_cpu_input(INPUT_IDS, sequences)
+        binding.bind_cpu_input(LOGITS_INDEX, np.tile(np.arange(length, dtype=np.int64), (batch, 1)))
+        binding.bind_output(LOGITS, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self.sessions["prefill"].run_with_iobinding(binding)
+        return out
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         self.ids[:, 0] = tokens

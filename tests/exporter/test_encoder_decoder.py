@@ -218,3 +218,23 @@ def test_quantised_weights_in_the_encoder_and_the_decoder(tmp_path_factory, bits
     assert np.isfinite(got).all()
     if within is not None:
         assert np.abs(got - expected).max() < within * np.abs(expected).max()
+
+
+def test_the_export_commands_accuracy_check_reads_the_decoders_logits(tmp_path_factory):
+    """`kvforge export --quantize` measures an encoder-decoder on its decoder's logits (no perplexity): the measure
+    itself gives ~0 and full agreement on the fp32 export, and is recorded for a quantised one."""
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+    from kvforge.tools.seq2seq_accuracy import measure_seq2seq_quantized
+
+    folder = seq2seq_export(tmp_path_factory, "whisper")
+    exact = measure_seq2seq_quantized(folder / "export", folder / "hf")
+    steps = int(exact["greedy_agreement"].split("/")[1])
+    assert exact["max_abs_logit_err"] < 1e-3 and exact["greedy_agreement"] == f"{steps}/{steps}"
+    out = tmp_path_factory.mktemp("int8") / "export"
+    result = CliRunner().invoke(main, ["export", str(folder / "hf"), "-o", str(out), "--quantize", "int8", "--json"])
+    assert result.exit_code == 0, result.output
+    accuracy = json.loads(result.stdout)["manifest"]["quantization"]["accuracy"]
+    assert np.isfinite(accuracy["max_abs_logit_err"]) and accuracy["steps"] == exact["steps"]
+    assert json.loads((out / "kvforge.json").read_text())["quantization"]["accuracy"] == accuracy
