@@ -212,6 +212,12 @@ def parity(model_dir: Path, export_dir: Path, new_tokens: int, prompts: tuple[st
     export takes it); exit 1 beyond tolerance."""
     require_export_extra("parity")
     model_dir = model_source(model_dir, revision)
+    from kvforge.core.encoder_contract import is_encoder_decoder
+
+    if is_encoder_decoder(export_dir):  # the decoder's logits on its greedy path (kvforge/tools/seq2seq_accuracy.py)
+        from kvforge.tools.seq2seq_accuracy import seq2seq_parity
+
+        return seq2seq_parity(model_dir, export_dir, atol, as_json, emit_json, click.echo)
     from kvforge.tools.parity import run_parity
 
     progress = command_progress(as_json)

@@ -59,5 +59,30 @@ def measure_seq2seq_quantized(folder: str | Path, model_dir: str | Path | None =
     theirs[..., eos] = ours[..., eos] = 0  # the end tokens were suppressed on the export's path
     agree = int((theirs.argmax(-1) == path[:, 1:]).sum())
     return {"reference": "fp32 model (Hugging Face eager), teacher-forced on the export's greedy path",
-            "max_abs_logit_err": round(float(np.abs(ours - theirs).max()), 4),
+            "max_abs_logit_err": float(f"{float(np.abs(ours - theirs).max()):.3g}"),
             "greedy_agreement": f"{agree}/{path[:, 1:].size}", "sources": len(tokens), "steps": steps}
+
+
+PARITY_ATOL = 1e-3  # fp32: the tests' tolerance for an fp32 export against Hugging Face eager
+
+
+def seq2seq_parity(model_dir: str | Path, export_dir: str | Path, atol: float | None, as_json: bool, emit: Any,
+                   echo: Any) -> None:
+    """`kvforge parity` of an encoder-decoder export: measure_seq2seq_quantized's figures against `atol` (default
+    PARITY_ATOL) and full greedy agreement; a ParityError (exit 1) beyond them."""
+    from kvforge.core.errors import ParityError
+
+    atol = PARITY_ATOL if atol is None else atol
+    figures = measure_seq2seq_quantized(export_dir, model_dir)
+    agreed, steps = map(int, figures["greedy_agreement"].split("/"))
+    passed = figures["max_abs_logit_err"] <= atol and agreed == steps
+    report = {**figures, "atol": atol, "passed": passed}
+    if as_json:
+        emit(report)
+    else:
+        echo(f"{Path(export_dir).name} vs {Path(model_dir).name}: max logit error {figures['max_abs_logit_err']} "
+             f"(atol {atol}), greedy agreement {figures['greedy_agreement']} over {figures['sources']} sources "
+             f"({figures['reference']}): {'PASS' if passed else 'FAIL'}")
+    if not passed:
+        raise ParityError(f"the export is beyond tolerance: max logit error {figures['max_abs_logit_err']} (atol {atol}), "
+                          f"greedy agreement {figures['greedy_agreement']}")

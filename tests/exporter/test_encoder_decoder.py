@@ -238,3 +238,18 @@ def test_the_export_commands_accuracy_check_reads_the_decoders_logits(tmp_path_f
     accuracy = json.loads(result.stdout)["manifest"]["quantization"]["accuracy"]
     assert np.isfinite(accuracy["max_abs_logit_err"]) and accuracy["steps"] == exact["steps"]
     assert json.loads((out / "kvforge.json").read_text())["quantization"]["accuracy"] == accuracy
+
+
+def test_kvforge_parity_gates_an_encoder_decoder_export(tmp_path_factory):
+    from click.testing import CliRunner
+
+    from kvforge.cli import main
+
+    marian = seq2seq_export(tmp_path_factory, "marian")
+    passed = CliRunner().invoke(main, ["parity", str(marian / "hf"), str(marian / "export"), "--json"])
+    assert passed.exit_code == 0, passed.output
+    report = json.loads(passed.stdout)
+    assert report["passed"] and report["max_abs_logit_err"] < 1e-3 and report["atol"] == 1e-3
+    other = seq2seq_export(tmp_path_factory, "mbart") / "hf"  # another checkpoint of the same sizes: must fail
+    failed = CliRunner().invoke(main, ["parity", str(other), str(marian / "export")])
+    assert failed.exit_code == 1 and "the export is beyond tolerance: max logit error" in failed.output
