@@ -121,8 +121,7 @@ def test_import_plugins_stays_light() -> None:
 
 
 PTX_ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90"]
-# bf16's first compile costs a minute of a CI worker: the CI tier compiles fp16 only, the full suite both.
-PTX_DTYPES = ["float16", pytest.param("bfloat16", marks=pytest.mark.slow)]
+PTX_DTYPES = ["float16", "bfloat16"]
 PTX_HEAD_DIMS = [64, 128, 256]
 
 
