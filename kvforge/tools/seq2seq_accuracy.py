@@ -32,7 +32,7 @@ def _sources(generator: Any, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     mask = np.zeros_like(ids)
     for row, source in enumerate(sources):
         ids[row, : len(source)], mask[row, : len(source)] = source, 1
-    return generator.encode_ids(sources), {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+    return generator.encode_ids(sources), dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
 
 
 def measure_seq2seq_quantized(folder: str | Path, model_dir: str | Path | None = None) -> dict[str, Any]:
