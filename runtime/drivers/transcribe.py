@@ -21,6 +21,7 @@ from kvforge.runtime.drivers.seq2seq import MAX_NEW_TOKENS, Seq2SeqGenerator
 from kvforge.runtime.drivers.timestamps import TimestampRules, segments
 
 TASKS = ("transcribe", "translate")
+WINDOWS_PER_RUN = 4  # 30 s windows through the encoder and decoder together
 
 
 @dataclass
@@ -83,14 +84,19 @@ class Transcriber:
             samples, rate = load_audio(audio)
         samples = resample(samples, rate, self.features.sampling_rate)
         parts = windows(samples, self.features.sampling_rate, self.features.n_samples / self.features.sampling_rate)
-        encoded = self.generator.encode_features(self.features.batch([clip for _, clip in parts]))
-        if language is None and self.languages:
-            language = self.detect_language(encoded)
-        prompt = self.prompt(language, task, timestamps)
-        limit = self.generator.layout.max_capacity - len(prompt)
-        rules = self._rules(len(prompt)) if timestamps else None
-        tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
-                                             rules=rules)
+        tokens: list[list[int]] = []
+        # A few windows a run: each window's cross keys and values are the encoder's whole output for it (~0.5 GB in
+        # fp32 for large-v3), so a long recording is not encoded at once.
+        for first in range(0, len(parts), WINDOWS_PER_RUN):
+            clips = [clip for _, clip in parts[first: first + WINDOWS_PER_RUN]]
+            encoded = self.generator.encode_features(self.features.batch(clips))
+            if language is None and self.languages:
+                language = self.detect_language(encoded)  # from the first window
+            prompt = self.prompt(language, task, timestamps)
+            limit = self.generator.layout.max_capacity - len(prompt)
+            rules = self._rules(len(prompt)) if timestamps else None
+            tokens += self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt,
+                                                  sampling=sampling, rules=rules)
         tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
         text_of = [[t for t in row if t not in eos and t <= self.no_timestamps] for row in tokens]
         found = [{"start": start, "tokens": row, "text": tokenizer.decode(text).strip()}

@@ -135,3 +135,15 @@ def test_wrong_requests_are_refused_in_one_line(whisper, tmp_path_factory):
     text = Seq2SeqGenerator(seq2seq_export(tmp_path_factory, "marian") / "export", threads=1)
     with pytest.raises(InputError, match=r"is not a speech model's export \(its encoder takes token ids\)"):
         Transcriber(text)
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_windows_run_a_few_at_a_time_with_the_same_result(whisper, monkeypatch):
+    from kvforge.runtime.drivers import transcribe
+
+    samples = _clip(65.0)  # three windows
+    together = whisper["transcriber"].transcribe(samples, rate=RATE, max_new_tokens=TOKENS)
+    monkeypatch.setattr(transcribe, "WINDOWS_PER_RUN", 1)
+    one_by_one = whisper["transcriber"].transcribe(samples, rate=RATE, max_new_tokens=TOKENS)
+    assert len(together.windows) == 3 and one_by_one.windows == together.windows
+    assert one_by_one.language == together.language
