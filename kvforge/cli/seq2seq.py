@@ -39,12 +39,10 @@ def generate_seq2seq(export_dir: Path, batch: list[Any], options: dict[str, Any]
     sampling = SamplingConfig(greedy=bool(options["greedy"]) or not given, **given)
     tokens = generator.generate_ids(encoded, options["max_new_tokens"], sampling=sampling)
     done = time.perf_counter()
-    eos = set(generator.rules.eos)
-    text = [generator.tokenizer().decode([t for t in row if t not in eos]) for row in tokens] if texts else None
+    text = [generator.text(row) for row in tokens] if texts else None
     generated = sum(map(len, tokens))
     payload = {"tokens": tokens, "text": text, "source_tokens": [len(s) for s in sources],
-               "finish_reason": ["stop" if row[-1] in eos and len(row) < options["max_new_tokens"] else "length"
-                                 for row in tokens],
+               "finish_reason": [generator.finish_reason(row, options["max_new_tokens"]) for row in tokens],
                "encode_ms": round((encoded_at - started) * 1e3, 3), "decode_ms": round((done - encoded_at) * 1e3, 3),
                "decode_tokens_per_s": round(generated / max(done - encoded_at, 1e-9), 2), "backend": "ort-cpu"}
     if as_json:

@@ -121,12 +121,12 @@ class SpeechHandlers:
         max_tokens = body.get("max_tokens", 64)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
-        tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
+        tokenizer = self.generator.tokenizer()
         with self.lock:
             sources = [tokenizer.encode(text) for text in prompts]
             tokens = self.generator.generate_ids(self.generator.encode_ids(sources), max_tokens)
-        choices = [{"index": i, "text": tokenizer.decode([t for t in row if t not in eos]), "logprobs": None,
-                    "finish_reason": "stop" if row[-1] in eos and len(row) < max_tokens else "length"}
+        choices = [{"index": i, "text": self.generator.text(row), "logprobs": None,
+                    "finish_reason": self.generator.finish_reason(row, max_tokens)}
                    for i, row in enumerate(tokens)]
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,

@@ -209,7 +209,15 @@ class Seq2SeqGenerator:
         tokenizer = self.tokenizer()
         outputs = self.generate_ids(self.encode_ids([tokenizer.encode(text) for text in texts]), max_new_tokens,
                                     sampling=sampling)
-        return [tokenizer.decode([t for t in ids if t not in self.rules.eos]) for ids in outputs]
+        return [self.text(ids) for ids in outputs]
+
+    def text(self, tokens: Sequence[int]) -> str:
+        """A generated row's text through the export's tokenizer, its end token left out."""
+        return self.tokenizer().decode([t for t in tokens if t not in self.rules.eos])
+
+    def finish_reason(self, tokens: Sequence[int], max_new_tokens: int) -> str:
+        """"stop" for a row that ended at an end token before its limit, else "length" (OpenAI's names)."""
+        return "stop" if tokens and tokens[-1] in self.rules.eos and len(tokens) < max_new_tokens else "length"
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
