@@ -162,11 +162,8 @@ def encoder_record(model: Any, family: EncoderDecoderFamily, model_dir: Path) ->
         features = json.loads(settings.read_text()) if settings.is_file() else {}
         features = {**features, "feature_size": config.num_mel_bins,
                     "nb_max_frames": 2 * config.max_source_positions}
-    start = config.decoder_start_token_id
-    return EncoderRecord(input=family.input, num_heads=heads, head_dim=head_dim,
-                         max_length=config.max_source_positions if family.input == "features"
-                         else config.max_position_embeddings, hidden=config.d_model,
-                         decoder_start_token_id=int(start), features=features)
+    return EncoderRecord(input=family.input, num_heads=heads, head_dim=head_dim, max_length=family.max_source(config),
+                         hidden=config.d_model, decoder_start_token_id=family.start_token(model), features=features)
 
 
 def _write(staging: Path, model: Any, family: EncoderDecoderFamily, layout: KVLayout, graphs: dict[str, Any],

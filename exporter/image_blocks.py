@@ -60,7 +60,8 @@ def drop_block_ids(graph: ir.Graph) -> None:
     for node in graph:
         if block_ids_input(node) is None:
             continue
-        inputs = list(node.inputs)[:_BLOCK_SLOT]
+        node.replace_input_with(_BLOCK_SLOT, None)  # later optional inputs (attention_bias) keep their slots
+        inputs = list(node.inputs)
         while len(inputs) > len(ATTENTION_INPUTS) and inputs[-1] is None:
             inputs.pop()
         node.resize_inputs(len(inputs))

@@ -11,6 +11,8 @@ module by its part (models/encoder_decoders.py `roles`):
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,7 +32,8 @@ class _Seq2SeqState:
 
 
 def seq2seq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs: Any) -> Any:
+                      attention_mask: torch.Tensor | None, scaling: float | None = None,
+                      position_bias: torch.Tensor | None = None, **kwargs: Any) -> Any:
     state = _TRACING.get("state")
     if state is None:
         raise RuntimeError("kvforge encoder-decoder attention called outside an export wrapper")
@@ -40,11 +43,13 @@ def seq2seq_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if role is None:
         raise RuntimeError(f"attention module {type(module).__name__} has no part in the family's layout")
     if role == "cross":
+        # (T5 hands its cross attention a zero bias; the decoder's self attention gets the family's, over the cache.)
         key, value = state.cross[layer]
+        position_bias = None
     batch, heads, seq, head_dim = query.shape
     scale = float(scaling if scaling is not None else head_dim ** -0.5)
     out = torch.ops.kvforge.cross_attention(query.transpose(1, 2).reshape(batch, seq, heads * head_dim),
-                                            key, value, state.encoder_lens, heads, scale)
+                                            key, value, state.encoder_lens, position_bias, heads, scale)
     return out.view(batch, seq, heads, head_dim), None
 
 
@@ -77,6 +82,23 @@ class _Routed:
 def _configs(model: torch.nn.Module) -> list[Any]:
     """Every config the model's modules read their attention implementation from (T5's stacks hold copies)."""
     return [module.config for module in model.modules() if hasattr(module, "config")] + [model.config]
+
+
+@contextlib.contextmanager
+def _per_row_positions(model: torch.nn.Module, family: Any, rows: torch.Tensor) -> Iterator[None]:
+    """While open: the decoder's positions table gives the rows' own positions `rows` [B, S] (past_lens[b] + t), not
+    HF's one offset per batch. A family without a table (family.positions None: T5) is left as it is."""
+    if family.positions is None:
+        yield
+        return
+    table = model.get_decoder().embed_positions
+    positions = family.positions(model, rows)
+    saved_forward = table.forward
+    table.forward = lambda *_args, **_kwargs: positions
+    try:
+        yield
+    finally:
+        table.forward = saved_forward
 
 
 class EncoderWrapper(torch.nn.Module):
@@ -133,15 +155,11 @@ class DecoderWrapper(torch.nn.Module):
         # the graph's), so only its shape matters.
         key = cross[0][0]
         stand_in = key.new_zeros(key.shape[0], key.shape[2], self.model.config.d_model)
-        table = decoder.embed_positions
-        positions = self.family.positions(self.model, rows)
-        saved_forward = table.forward
-        table.forward = lambda *_args, **_kwargs: positions  # per-row positions, not HF's one offset per batch
-        try:
-            with _Routed(self.model, _Seq2SeqState(self.family.roles(self.model), encoder_lens, cross), cache):
-                hidden = decoder(input_ids=input_ids, encoder_hidden_states=stand_in, use_cache=False).last_hidden_state
-        finally:
-            table.forward = saved_forward
+        if self.family.self_bias is not None:  # T5: a relative bias over the cache, not a positions table
+            cache.attention_bias = self.family.self_bias(self.model, rows, past[0][0].shape[2])
+        with _per_row_positions(self.model, self.family, rows), \
+                _Routed(self.model, _Seq2SeqState(self.family.roles(self.model), encoder_lens, cross), cache):
+            hidden = decoder(input_ids=input_ids, encoder_hidden_states=stand_in, use_cache=False).last_hidden_state
         if logits_index is None:
             selected = hidden[:, -1, :]
         else:

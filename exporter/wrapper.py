@@ -36,6 +36,7 @@ class _CacheState:
         self.past_lens = past_lens
         self.present: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(past)
         self.block_ids: torch.Tensor | None = None  # image blocks seen both ways (exporter/image_blocks.py)
+        self.attention_bias: torch.Tensor | None = None  # [B, H, S, C] added to the scores (T5's relative bias)
 
 
 def kvforge_attention(
@@ -79,6 +80,7 @@ def kvforge_attention(
         # ALiBi slopes [H] fp32, set on the module by its family module (models/families/alibi.py: BLOOM, MPT).
         getattr(module, "alibi_slopes", None),
         state.block_ids,
+        state.attention_bias,  # [B, H, S, C] from the family (T5's relative bias over the cache), or None
         *attrs.as_dict().values(),  # the op's attribute parameters, in AttentionAttrs' field order
     )
     state.present[layer] = (present_key, present_value)

@@ -12,17 +12,26 @@ import onnx
 import torch
 from onnxscript import values as osv
 
-from kvforge.core.encoder_contract import CROSS_ATTRIBUTES, CROSS_INPUTS, CROSS_OP, CROSS_OUTPUTS
+from kvforge.core.encoder_contract import (
+    CROSS_ATTRIBUTES,
+    CROSS_INPUTS,
+    CROSS_OP,
+    CROSS_OPTIONAL_INPUTS,
+    CROSS_OUTPUTS,
+)
 
 
 def reference(q: torch.Tensor, cross_key: torch.Tensor, cross_value: torch.Tensor, encoder_lens: torch.Tensor,
-              num_heads: int, scale: float) -> torch.Tensor:
-    """Attention of q [B, S, H*D] over the first encoder_lens[b] keys of K/V [B, H, T, D]; no causal mask. Scores
-    in fp32; a row with no keys (length 0) gives zeros."""
+              attention_bias: torch.Tensor | None, num_heads: int, scale: float) -> torch.Tensor:
+    """Attention of q [B, S, H*D] over the first encoder_lens[b] keys of K/V [B, H, T, D], `attention_bias`
+    [B|1, H, S, T] (or None) added to the scores; no causal mask. Scores in fp32; a row with no keys (length 0) gives
+    zeros."""
     batch, seq, _ = q.shape
     head_dim = cross_key.shape[-1]
     query = q.view(batch, seq, num_heads, head_dim).transpose(1, 2).float()
     scores = torch.matmul(query, cross_key.float().transpose(-1, -2)) * scale  # [B, H, S, T]
+    if attention_bias is not None:
+        scores = scores + attention_bias.float()
     keep = torch.arange(cross_key.shape[2], device=q.device)[None, :] < encoder_lens.to(torch.int64)[:, None]
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     weights = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
@@ -34,7 +43,7 @@ cross_attention = torch.library.custom_op("kvforge::cross_attention", mutates_ar
 
 
 @cross_attention.register_fake
-def _(q, cross_key, cross_value, encoder_lens, num_heads, scale):
+def _(q, cross_key, cross_value, encoder_lens, attention_bias, num_heads, scale):
     return torch.empty_like(q)
 
 
@@ -48,7 +57,9 @@ def _register_schema() -> None:
     param = onnx.defs.OpSchema.FormalParameter
     schema = onnx.defs.OpSchema(
         CROSS_OP.op_type, CROSS_OP.domain, CROSS_OP.version,
-        inputs=[param(name, "I" if name == "encoder_lens" else "T") for name in CROSS_INPUTS],
+        inputs=[param(name, "I" if name == "encoder_lens" else "T") for name in CROSS_INPUTS]
+        + [param(name, "T", param_option=onnx.defs.OpSchema.FormalParameterOption.Optional)
+           for name in CROSS_OPTIONAL_INPUTS],
         outputs=[param(name, "T") for name in CROSS_OUTPUTS],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "activations"),
                           ("I", ["tensor(int32)"], "encoder length per row")],
@@ -62,9 +73,9 @@ _register_schema()
 _opset = osv.Opset(CROSS_OP.domain, CROSS_OP.version)
 
 
-def onnx_translation(q, cross_key, cross_value, encoder_lens, num_heads, scale):
-    return getattr(_opset, CROSS_OP.op_type)(q, cross_key, cross_value, encoder_lens, num_heads=num_heads,
-                                             scale=scale)
+def onnx_translation(q, cross_key, cross_value, encoder_lens, attention_bias, num_heads, scale):
+    inputs = [q, cross_key, cross_value, encoder_lens] + ([attention_bias] if attention_bias is not None else [])
+    return getattr(_opset, CROSS_OP.op_type)(*inputs, num_heads=num_heads, scale=scale)
 
 
 CUSTOM_TRANSLATION_TABLE = {torch.ops.kvforge.cross_attention.default: onnx_translation}

@@ -28,6 +28,7 @@ def kv_cache_attention_(
     sinks: np.ndarray | None = None,
     alibi_slopes: np.ndarray | None = None,
     block_ids: np.ndarray | None = None,
+    attention_bias: np.ndarray | None = None,
 ) -> np.ndarray:
     """Append k/v at past_lens[b] + t into the caches (in place) and return the attention output
     [B, S, H*D] in q's dtype. Scores and softmax in float64 (an oracle, not a fast path). The optional
@@ -55,6 +56,8 @@ def kv_cache_attention_(
     if alibi_slopes is not None:
         distance = (cache_pos[None, None, :] - positions[:, :, None]).astype(np.float64)  # [B, S, C]
         scores = scores + alibi_slopes.astype(np.float64).reshape(1, num_heads, 1, 1) * distance[:, None]
+    if attention_bias is not None:
+        scores = scores + attention_bias.astype(np.float64)
     allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
     if block_ids is not None:
         offset = cache_pos[None, :] - past_lens.astype(np.int64)[:, None]  # [B, C]: the new token at c, if any

@@ -7,6 +7,7 @@ Inputs (kvforge.core.contract.ATTENTION_INPUTS of the canonical node, kvforge.co
   sinks [H], optional (ATTENTION_OPTIONAL_INPUTS)    (a per-head logit that joins each softmax)
   alibi_slopes [H] fp32, optional                    (ALiBi: score += slope_h * (key_pos - query_pos))
   block_ids [B, S] int64, optional                   (0: a causal token; k > 0: image block k, seen both ways)
+  attention_bias [B or 1, H, S, C], optional         (added to the scores at cache positions 0 .. C-1: T5's bias)
 Attributes: kvforge.core.contract.AttentionAttrs (H = num_heads, Hkv = kv_num_heads, scale, softcap, window).
 Outputs: out [B, S, H*D], present_key, present_value [B, Hkv, C, D].
 New rows are written at positions past_lens[b] + t; token t of row b attends cache positions
@@ -37,6 +38,7 @@ def kv_cache_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     block_ids: torch.Tensor | None = None,
+    attention_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_heads, kv_num_heads = attrs.num_heads, attrs.kv_num_heads
     softcap, sliding_window = attrs.softcap, attrs.sliding_window
@@ -64,6 +66,8 @@ def kv_cache_attention(
         # bias stays small at long positions and matches what the lowerings add.
         distance = (cache_pos[None, None, :] - positions[:, :, None]).float()  # [B, S, C]
         scores = scores + alibi_slopes.float().reshape(1, num_heads, 1, 1) * distance[:, None]
+    if attention_bias is not None:
+        scores = scores + attention_bias.float()
     allowed = cache_pos[None, None, :] <= positions[:, :, None]  # [B, S, C]
     if block_ids is not None:
         allowed = allowed | same_block(block_ids, past_lens, capacity)

@@ -36,6 +36,7 @@ def _kv_cache_attention(
     sinks: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
     block_ids: torch.Tensor | None,
+    attention_bias: torch.Tensor | None,
     num_heads: int,
     kv_num_heads: int,
     scale: float,
@@ -43,7 +44,8 @@ def _kv_cache_attention(
     sliding_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
-    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks, alibi_slopes, block_ids)
+    return reference.kv_cache_attention(q, k, v, past_key, past_value, past_lens, attrs, sinks, alibi_slopes, block_ids,
+                                        attention_bias)
 
 
 check_attention_parameters(_kv_cache_attention, attention_parameters(sinks=True))
@@ -94,11 +96,11 @@ _register_schema()
 _opset = osv.Opset(CANONICAL_OP.domain, CANONICAL_OP.version)
 
 
-def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, alibi_slopes, block_ids, num_heads, kv_num_heads,
-                     scale, softcap, sliding_window):
+def onnx_translation(q, k, v, past_key, past_value, past_lens, sinks, alibi_slopes, block_ids, attention_bias,
+                     num_heads, kv_num_heads, scale, softcap, sliding_window):
     attrs = AttentionAttrs(num_heads, kv_num_heads, scale, softcap, sliding_window)
     node = getattr(_opset, CANONICAL_OP.op_type)
-    optional = [sinks, alibi_slopes, block_ids]
+    optional = [sinks, alibi_slopes, block_ids, attention_bias]
     while optional and optional[-1] is None:  # trailing absent inputs are left off; a middle one stays empty
         optional.pop()
     inputs = [q, k, v, past_key, past_value, past_lens, *optional]

@@ -34,6 +34,12 @@ def seq2seq_export(tmp_path_factory: Any, fixture: str, target: str = "ort") -> 
     return made_once(root, f"{fixture}-{target}", make)
 
 
+def family_of(model: Any) -> Any:
+    from kvforge.models.encoder_decoders import encoder_decoder_family
+
+    return encoder_decoder_family(model.config.model_type)
+
+
 def hf_model(folder: Path) -> Any:
     import transformers
 
@@ -54,7 +60,7 @@ def encoder_inputs(model: Any, seed: int = 1) -> tuple[dict[str, np.ndarray], di
         features = torch.randn(2, config.num_mel_bins, 2 * config.max_source_positions, generator=generator)
         return {"input_features": features.numpy()}, {"input_features": features}, [config.max_source_positions] * 2
     longest = max(SOURCE_LENS)
-    specials = {config.pad_token_id, config.eos_token_id, config.decoder_start_token_id}
+    specials = {config.pad_token_id, config.eos_token_id, family_of(model).start_token(model)}
     ordinary = torch.tensor([t for t in range(config.vocab_size) if t not in specials])
     ids = ordinary[torch.randint(0, len(ordinary), (len(SOURCE_LENS), longest), generator=generator)]
     for row, length in enumerate(SOURCE_LENS):
@@ -77,7 +83,7 @@ def hf_greedy(model: Any, keywords: dict[str, Any], steps: int) -> tuple[np.ndar
             model, **keywords, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, num_beams=1,
             eos_token_id=None, forced_eos_token_id=None, forced_bos_token_id=None, no_repeat_ngram_size=0,
             suppress_tokens=None, begin_suppress_tokens=None, output_logits=True, return_dict_in_generate=True,
-            decoder_start_token_id=model.config.decoder_start_token_id)
+            decoder_start_token_id=family_of(model).start_token(model))
     return out.sequences[:, 1:].numpy(), torch.stack(out.logits, 1).float().numpy()
 
 

@@ -95,11 +95,22 @@ class ExportTarget:
             self.refuse_probed(self, config, family, dtype, layout, sinks)
 
 
-def alibi_input(node: ir.Node) -> ir.Value | None:
-    """The canonical node's optional `alibi_slopes` input ([H] fp32, kvforge.core.contract), None when absent."""
-    index = len(ATTENTION_INPUTS) + ATTENTION_OPTIONAL_INPUTS.index("alibi_slopes")
+def optional_input(node: ir.Node, name: str) -> ir.Value | None:
+    """The canonical node's optional input `name` (kvforge.core.contract.ATTENTION_OPTIONAL_INPUTS), None when absent."""
+    index = len(ATTENTION_INPUTS) + ATTENTION_OPTIONAL_INPUTS.index(name)
     inputs = list(node.inputs)
     return inputs[index] if len(inputs) > index else None
+
+
+def alibi_input(node: ir.Node) -> ir.Value | None:
+    """The canonical node's optional `alibi_slopes` input ([H] fp32), None when absent."""
+    return optional_input(node, "alibi_slopes")
+
+
+def bias_input(node: ir.Node) -> ir.Value | None:
+    """The canonical node's optional `attention_bias` input ([B or 1, H, S, C], added to the scores), None when
+    absent."""
+    return optional_input(node, "attention_bias")
 
 
 def alibi_bias(tape: ir.tape.Tape, slopes: ir.Value, query_pos: ir.Value, key_pos: ir.Value, heads: int,

@@ -33,23 +33,27 @@ def lower_cross_attention(graph: ir.Graph, target: str) -> int:
     nodes = cross_nodes(graph)
     for node in nodes:
         attrs = node_attributes(node)
-        q, key, value, lens = node.inputs
+        q, key, value, lens, *optional = node.inputs
+        bias = optional[0] if optional else None
         tape = ir.tape.Tape()
         if target == "ort":
             graph.opset_imports.setdefault(MS_DOMAIN, 1)
             lowest = float(np.finfo(np.float32).min)
-            out = tape.op("MultiHeadAttention", [q, key, value, None, lens], domain=MS_DOMAIN,
-                          attributes={"num_heads": attrs["num_heads"], "scale": attrs["scale"],
-                                      "mask_filter_value": lowest, "unidirectional": 0})
+            # MultiHeadAttention's inputs: query, key, value, bias (of the projections), key_padding_mask,
+            # attention_bias [B|1, H, S, T].
+            out = tape.op("MultiHeadAttention", [q, key, value, None, lens, *([bias] if bias is not None else [])],
+                          domain=MS_DOMAIN, attributes={"num_heads": attrs["num_heads"], "scale": attrs["scale"],
+                                                        "mask_filter_value": lowest, "unidirectional": 0})
         else:
-            out = _standard_attention(tape, q, key, value, lens, attrs["num_heads"], attrs["scale"])
+            out = _standard_attention(tape, q, key, value, lens, bias, attrs["num_heads"], attrs["scale"])
         replace_node(graph, node, tape, [out])
     return len(nodes)
 
 
 def _standard_attention(tape: ir.tape.Tape, q: ir.Value, key: ir.Value, value: ir.Value, lens: ir.Value,
-                        heads: int, scale: float) -> ir.Value:
-    """ONNX Attention of q [B, S, H*D] over K/V [B, H, T, D] masked to each row's length; out [B, S, H*D]."""
+                        bias: ir.Value | None, heads: int, scale: float) -> ir.Value:
+    """ONNX Attention of q [B, S, H*D] over K/V [B, H, T, D] masked to each row's length (with `bias` [B|1, H, S, T]
+    added where the mask allows: an additive mask); out [B, S, H*D]."""
     split = constant(tape, np.array([0, 0, heads, -1], np.int64))
     query = tape.op("Transpose", [tape.op("Reshape", [q, split])], attributes={"perm": [0, 2, 1, 3]})
     # keep[b, t] = t < lens[b], made [B, 1, S, T]
@@ -71,6 +75,8 @@ def _standard_attention(tape: ir.tape.Tape, q: ir.Value, key: ir.Value, value: i
                                                          constant(tape, np.array([3], np.int64))])],
                             attributes={"axis": 0})
     mask = tape.op("Expand", [keep, batch_one_seq])
+    if bias is not None:
+        mask = tape.op("Where", [mask, bias, constant(tape, np.array(np.finfo(np.float32).min, np.float32))])
     out = tape.op("Attention", [query, key, value, mask], attributes={"scale": scale})
     merged = constant(tape, np.array([0, 0, -1], np.int64))
     return tape.op("Reshape", [tape.op("Transpose", [out], attributes={"perm": [0, 2, 1, 3]}), merged])

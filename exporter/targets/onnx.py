@@ -10,7 +10,7 @@ from kvforge.core.errors import ExportError
 from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, constant, node_attributes, replace_node
 from kvforge.exporter.image_blocks import block_ids_input, same_block_mask
-from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
+from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, bias_input, shared_key
 
 
 def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = None, kv_scales: object = None) -> None:
@@ -62,6 +62,11 @@ def lower_to_onnx(graph: ir.Graph, canonical: list[ir.Node], rotary: object = No
                 alibi_masks[key] = tape.op("Where", [mask, bias, constant(tape, np.array(np.finfo(np_dtype).min,
                                                                                          np_dtype), None)])
             mask = alibi_masks[key]
+        if bias_input(node) is not None:
+            if sinks is not None:
+                raise ExportError(f"attention node {node.name} has both sinks and an attention bias, which the "
+                                  "`onnx` target does not combine")
+            mask = _biased_mask(tape, bias_input(node), mask, attended, q.dtype, alibi_masks, window, slopes)
         if sinks is not None:
             if attrs["softcap"] > 0:
                 raise ExportError(f"attention node {node.name} has both sinks and a softcap; the `onnx` target's "
@@ -109,6 +114,23 @@ def _positions(shared: ir.tape.Tape, first: ir.Node) -> tuple[ir.Value, ir.Value
     causal = shared.op("Or", [causal, same_block_mask(shared, block_ids, past_lens, cache_pos)])
     return write_index, query_pos, cache_pos, causal, shared.op("Unsqueeze", [capacity, constant(shared, np.array(
         [0], np.int64), None)])
+
+
+def _biased_mask(tape: ir.tape.Tape, bias: ir.Value, mask: ir.Value, attended: ir.Value | None,
+                 dtype: ir.DataType | None, shared: dict, window: int, slopes: ir.Value | None) -> ir.Value:
+    """The node's `attention_bias` [B|1, H, S, C] on Attention's additive mask: the bias where `mask` allows, the
+    lowest finite value elsewhere (over the attended positions only, with image blocks); one per window and bias."""
+    if slopes is not None:
+        raise ExportError("an attention node has both ALiBi slopes and an attention bias, which the `onnx` target "
+                          "does not combine")
+    key = (window, id(bias))
+    if key not in shared:
+        np_dtype = dtype.numpy() if dtype is not None else np.float32
+        if attended is not None:
+            bias = tape.op("Slice", [bias, constant(tape, np.array([0], np.int64), None), attended,
+                                     constant(tape, np.array([3], np.int64), None)])
+        shared[key] = tape.op("Where", [mask, bias, constant(tape, np.array(np.finfo(np_dtype).min, np_dtype), None)])
+    return shared[key]
 
 
 def _with_sink_column(tape: ir.tape.Tape, present_key: ir.Value, present_value: ir.Value, mask: ir.Value,

@@ -18,7 +18,7 @@ from kvforge.exporter.graph_edit import (
     replace_node,
     split_output,
 )
-from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, shared_key
+from kvforge.exporter.targets.base import ExportTarget, alibi_bias, alibi_input, bias_input, shared_key
 from kvforge.exporter.targets.block_attention import lower_image_blocks
 
 # The head sizes GroupQueryAttention applies RoPE itself for (do_rotary=1).
@@ -71,11 +71,7 @@ def lower_to_ort(graph: ir.Graph, canonical: list[ir.Node], rotary: tuple[np.nda
                 raise ExportError(f"attention node {node.name} does not read a graph cache input; cannot quantise its cache")
             scales = [constant(tape, scale, None) for scale in kv_scales[cache_name[2]]]
             quant = {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
-        slopes, bias = alibi_input(node), None
-        if slopes is not None and alibi_positions is not None:
-            if shared_key(slopes) not in biases:
-                biases[shared_key(slopes)] = alibi_bias(tape, slopes, *alibi_positions, attrs["num_heads"], q.dtype)
-            bias = biases[shared_key(slopes)]
+        bias = _attention_bias(tape, node, attrs["num_heads"], q.dtype, alibi_positions, total_len, biases)
         # GQA's optional inputs: cos_cache, sin_cache, position_ids, attention_bias, head_sink, k_scale, v_scale.
         extra = [*rotary_inputs, None, bias, sinks, *scales]
         while extra and extra[-1] is None:
@@ -148,6 +144,30 @@ def _alibi_positions(graph: ir.Graph, first: ir.Node, shared: ir.tape.Tape,
     query_pos = shared.op("Unsqueeze", [positions, constant(shared, np.array([1, 3], np.int64), "kvforge_alibi_axes13")])
     total = shared.op("Reshape", [shared.op("Cast", [total_len], attributes={"to": ir.DataType.INT64}), scalar])
     return query_pos, shared.op("Range", [zero, total, one])
+
+
+def _attention_bias(tape: ir.tape.Tape, node: ir.Node, heads: int, dtype: ir.DataType | None,
+                    alibi_positions: tuple[ir.Value, ir.Value] | None, total_len: ir.Value,
+                    shared: dict[object, ir.Value]) -> ir.Value | None:
+    """GQA's attention_bias for the node, whose last dim is total_sequence_length (the capacity in decode.onnx, the
+    longest row after this call in prefill): ALiBi's from the slopes, or the first total_len columns of the node's
+    `attention_bias` [B|1, H, S, C]; each shared by the layers that read the same slopes or bias."""
+    slopes, bias = alibi_input(node), bias_input(node)
+    if slopes is not None and bias is not None:
+        raise ExportError(f"attention node {node.name} has both ALiBi slopes and an attention bias, which the `ort` "
+                          "target does not combine")
+    if slopes is not None and alibi_positions is not None:
+        if shared_key(slopes) not in shared:
+            shared[shared_key(slopes)] = alibi_bias(tape, slopes, *alibi_positions, heads, dtype)
+        return shared[shared_key(slopes)]
+    if bias is None:
+        return None
+    if id(bias) not in shared:
+        ends = tape.op("Cast", [tape.op("Reshape", [total_len, constant(tape, np.array([1], np.int64), None)])],
+                       attributes={"to": ir.DataType.INT64})
+        shared[id(bias)] = tape.op("Slice", [bias, constant(tape, np.array([0], np.int64), None), ends,
+                                             constant(tape, np.array([3], np.int64), None)])
+    return shared[id(bias)]
 
 
 def _operands(tape: ir.tape.Tape, q: ir.Value, k: ir.Value, v: ir.Value,

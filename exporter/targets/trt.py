@@ -15,7 +15,7 @@ from kvforge.core.errors import UnsupportedModelError
 from kvforge.core.targets import TARGETS
 from kvforge.exporter.graph_edit import attention_inputs, node_attributes, replace_node
 from kvforge.exporter.image_blocks import block_ids_input
-from kvforge.exporter.targets.base import ExportTarget, alibi_input
+from kvforge.exporter.targets.base import ExportTarget, alibi_input, bias_input
 from kvforge.models.config_values import config_value
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two the Triton kernel compiles for
@@ -32,6 +32,9 @@ def lower_to_trt(graph: ir.Graph, canonical: list[ir.Node], rotary: object = Non
                                         "implement; use --target ort or --target onnx")
         if alibi_input(node) is not None:
             raise UnsupportedModelError("the model's attention uses ALiBi position biases, which kvforge's TensorRT "
+                                        "kernel does not implement; use --target ort or --target onnx")
+        if bias_input(node) is not None:
+            raise UnsupportedModelError("the model's attention adds a position bias (T5's), which kvforge's TensorRT "
                                         "kernel does not implement; use --target ort or --target onnx")
         if block_ids_input(node) is not None:
             raise UnsupportedModelError("the model's image tokens attend both ways, which kvforge's TensorRT kernel "

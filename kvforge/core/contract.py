@@ -360,7 +360,8 @@ ATTENTION_OUTPUTS = ("out", "present_key", "present_value")
 # ALiBi (BLOOM, MPT), the score of query position i for key position j gains slope_h * (j - i); the `trt`
 # target refuses it the same way. `block_ids` [B, S] int64 (prefill; Gemma 3's images): 0 a causal token, k > 0 image
 # block k, whose tokens also see its later ones (exporter/image_blocks.py; the runtime never splits a block).
-ATTENTION_OPTIONAL_INPUTS = ("sinks", "alibi_slopes", "block_ids")
+# `attention_bias` [B or 1, H, S, C]: added to the scores at each cache position (T5's relative bias; `trt` refuses).
+ATTENTION_OPTIONAL_INPUTS = ("sinks", "alibi_slopes", "block_ids", "attention_bias")
 
 
 @dataclass(frozen=True)

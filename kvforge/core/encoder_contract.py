@@ -9,9 +9,10 @@ An encoder-decoder export holds three graphs over one weights file:
   (kvforge/core/contract.py), plus ENCODER_LENS and the cross keys and values as inputs only: the
   runtime binds them once per row, and they are never outputs.
 
-The cross-attention op (CROSS_OP): out = softmax(q K^T * scale + mask) V over the first encoder_lens[b] keys
-of row b, no causal mask and no cache of its own. Its inputs and attributes are CROSS_INPUTS and
-CROSS_ATTRIBUTES, in this order everywhere (the torch op, its reference, the ONNX node, the lowerings).
+The cross-attention op (CROSS_OP): out = softmax(q K^T * scale + bias + mask) V over the first encoder_lens[b] keys
+of row b, no causal mask and no cache of its own. Its inputs and attributes are CROSS_INPUTS (then the optional
+CROSS_OPTIONAL_INPUTS) and CROSS_ATTRIBUTES, in this order everywhere (the torch op, its reference, the ONNX node,
+the lowerings).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class EncoderRecord:
 # -- the cross-attention op -----------------------------------------------------------------------
 CROSS_OP = OpIdentity(domain="kvforge", op_type="CrossAttention", version=1)
 CROSS_INPUTS = ("q", "cross_key", "cross_value", "encoder_lens")  # q [B, S, H*D]; K/V [B, H, T, D]; lens [B] int32
+CROSS_OPTIONAL_INPUTS = ("attention_bias",)  # [B or 1, H, S, T] added to the scores (T5's encoder: relative bias)
 CROSS_OUTPUTS = ("out",)  # [B, S, H*D]
 CROSS_ATTRIBUTES = {"num_heads": int, "scale": float}
 

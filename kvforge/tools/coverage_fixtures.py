@@ -31,7 +31,10 @@ PROMPTS = ("Once upon a time", "The quick brown fox jumps over the lazy dog. Att
            "def main(): return 42")
 
 ENCODER_ONLY = "encoder-only (bidirectional) model with a decoder head; kvforge exports causal decoders"
-ENCODER_DECODER = "decoder of an encoder-decoder model (cross-attention); kvforge exports decoder-only models"
+ENCODER_DECODER = "decoder of an encoder-decoder model (cross-attention) kvforge does not export"
+# Encoder-decoders kvforge exports whole (models/encoder_decoders.py); their decoder alone (...ForCausalLM) is not a
+# decoder-only model.
+EXPORTED_WHOLE = "the decoder alone of an encoder-decoder kvforge exports whole: docs/encoder-decoder.md"
 NON_TEXT = "needs non-text inputs (images, audio) next to the tokens"
 
 # Types that are not attention decoders, by why. Everything else is in scope: it passes, or it is
@@ -42,10 +45,9 @@ OUT_OF_SCOPE: dict[str, str] = {
         "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
         "xmod", "xlm", "modernbert-decoder",
     ), ENCODER_ONLY),
-    **dict.fromkeys((
-        "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
-        "prophetnet", "trocr", "whisper", "moshi", "speech_to_text_2",
-    ), ENCODER_DECODER),
+    **dict.fromkeys(("bigbird_pegasus", "mvp", "prophetnet", "trocr", "moshi", "speech_to_text_2"), ENCODER_DECODER),
+    **dict.fromkeys(("bart", "blenderbot", "blenderbot-small", "marian", "mbart", "pegasus", "plbart", "whisper"),
+                    EXPORTED_WHOLE),
     **dict.fromkeys(("fuyu", "got_ocr2", "musicgen", "musicgen_melody"), NON_TEXT),
 }
 

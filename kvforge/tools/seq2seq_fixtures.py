@@ -22,6 +22,10 @@ _EOT, _SOT = WHISPER_TEXT, WHISPER_TEXT + 1
 _SIZES = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
               encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, dropout=0.0, attention_dropout=0.0,
               activation_dropout=0.0, init_std=0.2)
+# T5's names for its sizes; heads of d_kv, whose product need not be d_model (Flan-T5-small: 6 x 64 against 512).
+_T5_SIZES = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=VOCAB,
+                 dropout_rate=0.0)
+_T5_IDS = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 
 # The released configs' settings that shape the computation (sizes aside), by fixture name.
 FIXTURES: dict[str, dict[str, Any]] = {
@@ -43,6 +47,22 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "m2m100": dict(model_type="m2m_100", activation_function="relu", scale_embedding=True, max_position_embeddings=64,
                    init_std=0.5,  # (its scaled embeddings drown 0.2: greedy text would repeat one token)
                    pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2),
+    # facebook/blenderbot-400M-distill, facebook/blenderbot_small-90M, uclanlp/plbart-base: BART's
+    # layout with their own norms, positions and ids (transformers' defaults for each are the released base's)
+    "blenderbot": dict(model_type="blenderbot", max_position_embeddings=64),
+    "blenderbot-small": dict(model_type="blenderbot-small", max_position_embeddings=64),
+    "plbart": dict(model_type="plbart", max_position_embeddings=64),
+    # google-t5/t5-small: ReLU, tied embeddings (the decoder's output scaled by d_model^-0.5), 32 relative buckets
+    # reaching 128 positions (one table per stack, in its first block)
+    "t5": dict(model_type="t5", feed_forward_proj="relu", tie_word_embeddings=True, relative_attention_num_buckets=32,
+               relative_attention_max_distance=128, **_T5_IDS),
+    # google/flan-t5-small: gated GELU, untied head (no scaling), 6 heads of 64 against d_model 512 (here 3 x 8 : 32)
+    "flan-t5": dict(model_type="t5", feed_forward_proj="gated-gelu", tie_word_embeddings=False, num_heads=3,
+                    relative_attention_num_buckets=32, relative_attention_max_distance=128, **_T5_IDS),
+    # google/mt5-small: gated GELU, 8 layers each side (transformers 5.24's generate cannot run unequal counts: its
+    # cache is sized by the encoder's)
+    "mt5": dict(model_type="mt5", feed_forward_proj="gated-gelu",
+                relative_attention_num_buckets=32, relative_attention_max_distance=128, **_T5_IDS),
     # openai/whisper-tiny: 80 mel bins, learned decoder positions, GELU
     "whisper": dict(model_type="whisper", activation_function="gelu", num_mel_bins=80, max_source_positions=1500,
                     max_target_positions=48, vocab_size=WHISPER_VOCAB, pad_token_id=_EOT, bos_token_id=_EOT,
@@ -61,6 +81,9 @@ GENERATION: dict[str, dict[str, Any]] = {
     "marian": dict(bad_words_ids=[[VOCAB - 1]], forced_eos_token_id=0, num_beams=4),
     "pegasus": dict(forced_eos_token_id=1, num_beams=8),
     "m2m100": dict(forced_bos_token_id=90, num_beams=5),  # the target language's token (the caller's choice)
+    "blenderbot": {}, "blenderbot-small": {}, "plbart": {},
+    "t5": dict(decoder_start_token_id=0), "flan-t5": dict(decoder_start_token_id=0),
+    "mt5": dict(decoder_start_token_id=0),
     "whisper": {},  # whisper_generation(): its task tokens too
     "whisper-large-v3": {},
 }
@@ -99,7 +122,8 @@ def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
 
     settings = dict(FIXTURES[name])
     model_type = settings.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, **{**_SIZES, **settings})
+    sizes = _T5_SIZES if model_type in ("t5", "mt5") else _SIZES
+    config = transformers.AutoConfig.for_model(model_type, **{**sizes, **settings})
     torch.manual_seed(seed)
     auto = transformers.AutoModelForSpeechSeq2Seq if model_type == "whisper" else transformers.AutoModelForSeq2SeqLM
     model = auto.from_config(config).eval()

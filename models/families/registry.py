@@ -151,7 +151,7 @@ def family_for(config: Any, registry: Mapping[str, Family] | None = None) -> Fam
 
         raise UnsupportedModelError(
             f"model_type {model_type!r} is an encoder-decoder model kvforge does not export yet: of those it exports "
-            f"{', '.join(ENCODER_DECODERS)}; see docs/models.md for them and the {len(registry)} decoder-only types")
+            f"{', '.join(ENCODER_DECODERS)}; see docs/encoder-decoder.md")
     if family is None:
         named = f" ({', '.join(map(str, architectures))})" if architectures else ""
         claimed: dict[str, str] = {}

@@ -213,7 +213,8 @@ def test_an_attention_op_out_of_contract_order_is_refused() -> None:
     with pytest.raises(RuntimeError, match=r"swapped takes .*'past_value', 'past_key'.* contract is"):
         contract.check_attention_parameters(swapped, contract.attention_parameters(spelled=False))
     spelled = contract.attention_parameters(sinks=True)
-    assert spelled == contract.ATTENTION_INPUTS + ("sinks", "alibi_slopes", "block_ids") + contract.AttentionAttrs.names()
+    optional = ("sinks", "alibi_slopes", "block_ids", "attention_bias")
+    assert spelled == contract.ATTENTION_INPUTS + optional + contract.AttentionAttrs.names()
 
 
 # Inside the runtime, by role folder (runtime/<role>/): what each may import of the runtime besides itself. The

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from seq2seq_testing import Graphs, encoder_inputs, hf_greedy, hf_model, seq2seq_export
+from seq2seq_testing import Graphs, encoder_inputs, family_of, hf_greedy, hf_model, seq2seq_export
 
 from kvforge.core.encoder_contract import ENCODER, EncoderRecord, decoder_io, encoder_io
 from kvforge.core.errors import InputError, ManifestError, UnsupportedModelError
@@ -21,7 +21,9 @@ torch = pytest.importorskip("torch")
 STEPS = 32
 # Every family on `ort`; one of each encoder input on `onnx` (the same wrapper, another lowering).
 CASES = [("bart", "ort"), ("mbart", "ort"), ("marian", "ort"), ("pegasus", "ort"), ("m2m100", "ort"), ("whisper", "ort"),
-         ("whisper-large-v3", "ort"), ("bart", "onnx"), ("whisper", "onnx")]
+         ("whisper-large-v3", "ort"), ("blenderbot", "ort"), ("blenderbot-small", "ort"), ("plbart", "ort"),
+         ("t5", "ort"), ("flan-t5", "ort"), ("mt5", "ort"), ("bart", "onnx"),
+         ("whisper", "onnx"), ("t5", "onnx")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{t}" for f, t in CASES])
@@ -44,8 +46,8 @@ def test_encoder_states_and_cross_keys_equal_hf(case):
         batch, length = states.shape[:2]
         for row, real in enumerate(lens):
             assert np.abs(encoded[0][row, :real] - states[row, :real].numpy()).max() < 1e-4
-        for layer, block in enumerate(model.get_decoder().layers):
-            for k, projection in enumerate((block.encoder_attn.k_proj, block.encoder_attn.v_proj)):
+        for layer, projections in enumerate(family_of(model).cross(model)):
+            for k, projection in enumerate(projections):
                 expected = projection(states).view(batch, length, record["num_heads"], record["head_dim"])
                 expected = expected.transpose(1, 2).numpy()
                 got = encoded[1 + 2 * layer + k]
@@ -101,7 +103,8 @@ def test_manifest_and_graph_io_follow_the_contract(case):
         assert [spec["name"] for spec in graphs[phase]["outputs"]] == list(decoder_io(phase, layout).outputs)
     # one fused node per attention: the encoder's and the decoder's cross attention one each per layer
     cross = "com.microsoft.MultiHeadAttention" if manifest["target"] == "ort" else "Attention"
-    assert graphs[ENCODER]["attention"] == {cross: case["model"].config.encoder_layers}
+    model = case["model"]
+    assert graphs[ENCODER]["attention"] == {cross: family_of(model).encoder_layers(model.config)}
     # the decoder's: self attention (the cache's op) and cross attention, one each per layer
     expected = {cross: 2 * layers} if cross == "Attention" else {cross: layers,
                                                                  "com.microsoft.GroupQueryAttention": layers}
@@ -154,12 +157,16 @@ def test_cross_attention_reference_masks_each_row_to_its_length():
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 3, 8, generator=generator)
     key, value = torch.randn(2, 2, 5, 4, generator=generator), torch.randn(2, 2, 5, 4, generator=generator)
-    out = reference(q, key, value, torch.tensor([5, 2], dtype=torch.int32), 2, 0.5)
-    for row, real in enumerate((5, 2)):
-        query = q[row].view(3, 2, 4).transpose(0, 1)
-        weights = torch.softmax(query @ key[row, :, :real].transpose(-1, -2) * 0.5, -1)
-        expected = (weights @ value[row, :, :real]).transpose(0, 1).reshape(3, 8)
-        assert torch.allclose(out[row], expected, atol=1e-6)
+    bias = torch.randn(1, 2, 3, 5, generator=generator)
+    lens = torch.tensor([5, 2], dtype=torch.int32)
+    for added in (None, bias):
+        out = reference(q, key, value, lens, added, 2, 0.5)
+        for row, real in enumerate((5, 2)):
+            query = q[row].view(3, 2, 4).transpose(0, 1)
+            scores = query @ key[row, :, :real].transpose(-1, -2) * 0.5
+            weights = torch.softmax(scores + (added[0, :, :, :real] if added is not None else 0), -1)
+            expected = (weights @ value[row, :, :real]).transpose(0, 1).reshape(3, 8)
+            assert torch.allclose(out[row], expected, atol=1e-6)
 
 
 def test_an_encoder_decoder_manifest_names_its_three_graphs(tmp_path_factory):
@@ -240,16 +247,17 @@ def test_the_export_commands_accuracy_check_reads_the_decoders_logits(tmp_path_f
     assert json.loads((out / "kvforge.json").read_text())["quantization"]["accuracy"] == accuracy
 
 
-def test_kvforge_parity_gates_an_encoder_decoder_export(tmp_path_factory):
+@pytest.mark.parametrize("fixture, other", [("marian", "mbart"), ("t5", "flan-t5"), ("mt5", "flan-t5")])
+def test_kvforge_parity_gates_an_encoder_decoder_export(tmp_path_factory, fixture, other):
     from click.testing import CliRunner
 
     from kvforge.cli import main
 
-    marian = seq2seq_export(tmp_path_factory, "marian")
-    passed = CliRunner().invoke(main, ["parity", str(marian / "hf"), str(marian / "export"), "--json"])
+    made = seq2seq_export(tmp_path_factory, fixture)
+    passed = CliRunner().invoke(main, ["parity", str(made / "hf"), str(made / "export"), "--json"])
     assert passed.exit_code == 0, passed.output
     report = json.loads(passed.stdout)
     assert report["passed"] and report["max_abs_logit_err"] < 1e-3 and report["atol"] == 1e-3
-    other = seq2seq_export(tmp_path_factory, "mbart") / "hf"  # another checkpoint of the same sizes: must fail
-    failed = CliRunner().invoke(main, ["parity", str(other), str(marian / "export")])
+    other = seq2seq_export(tmp_path_factory, other) / "hf"  # another checkpoint (same vocabulary): must fail
+    failed = CliRunner().invoke(main, ["parity", str(other), str(made / "export")])
     assert failed.exit_code == 1 and "the export is beyond tolerance: max logit error" in failed.output

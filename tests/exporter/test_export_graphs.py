@@ -141,7 +141,7 @@ def test_chunked_prefill_equals_one_prefill(target: str, exported) -> None:
 
 
 def test_unsupported_architecture_says_where_the_supported_ones_are(tmp_path) -> None:
-    from transformers import DiffLlamaConfig, T5Config
+    from transformers import DiffLlamaConfig, UMT5Config
 
     from kvforge.models.families import families
 
@@ -153,10 +153,11 @@ def test_unsupported_architecture_says_where_the_supported_ones_are(tmp_path) ->
                        r"listed in docs/models.md$"):
         export_model(tmp_path / "diff", tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=100).save_pretrained(tmp_path / "t5")
-    with pytest.raises(UnsupportedModelError, match=r"^model_type 't5' is an encoder-decoder model kvforge does not "
-                       r"export yet: of those it exports bart, mbart, marian, pegasus, m2m_100, whisper; see docs/models.md"):
-        export_model(tmp_path / "t5", tmp_path / "out")
+    UMT5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16, vocab_size=100).save_pretrained(tmp_path / "u")
+    with pytest.raises(UnsupportedModelError, match=r"^model_type 'umt5' is an encoder-decoder model kvforge does not "
+                       r"export yet: of those it exports bart, mbart, marian, pegasus, m2m_100, blenderbot, "
+                       r"blenderbot-small, plbart, whisper, t5, mt5; see docs/encoder-decoder.md$"):
+        export_model(tmp_path / "u", tmp_path / "out")
 
 
 def test_missing_and_non_hf_folders(tmp_path) -> None:

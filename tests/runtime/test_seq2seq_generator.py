@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from seq2seq_testing import encoder_inputs, hf_model, seq2seq_export
+from seq2seq_testing import encoder_inputs, family_of, hf_model, seq2seq_export
 
 from kvforge.core.errors import InputError
 
@@ -20,7 +20,7 @@ def _hf_generate(model, keywords, steps):
 
     with torch.no_grad():  # the generic generate: Whisper's own adds its task rules (runtime/media tests them)
         out = GenerationMixin.generate(model, **keywords, max_new_tokens=steps, do_sample=False, num_beams=1)
-    assert out[:, 0].tolist() == [model.config.decoder_start_token_id] * out.shape[0]
+    assert out[:, 0].tolist() == [family_of(model).start_token(model)] * out.shape[0]
     eos, rows = model.generation_config.eos_token_id, []
     for row in out[:, 1:].tolist():  # after the start token; the padding after an end token dropped
         ends = [i for i, t in enumerate(row) if t == eos]
@@ -28,7 +28,7 @@ def _hf_generate(model, keywords, steps):
     return rows
 
 
-@pytest.fixture(scope="module", params=["bart", "marian", "whisper"])
+@pytest.fixture(scope="module", params=["bart", "marian", "t5", "whisper"])
 def made(request, tmp_path_factory):
     from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
 
