@@ -84,3 +84,37 @@ def segments(tokens: Sequence[int], first: int, offset: float, eos: int, decode:
         begin = start if start is not None else (found[-1]["end"] if found else offset)
         found.append({"start": round(begin, 2), "end": round(begin, 2), "text": decode(text).strip(), "tokens": text})
     return found
+
+
+def long_form_segments(seq: Sequence[int], first: int, offset: float, window_frames: int, stride: int,
+                       decode: Any) -> tuple[list[dict[str, Any]], int]:
+    """One long-form window's segments and how many feature frames the next window starts after, as transformers'
+    Whisper `generate` cuts them (its `_retrieve_segment`). `seq`: the window's tokens after the prompt, its end token
+    dropped; `offset`: the window's start in seconds; `window_frames`: the frames it held (3000, fewer at the end);
+    `stride`: feature frames per timestamp step (2).
+
+    Each pair of adjacent timestamps closes a segment. A window whose last segment ends with a lone timestamp ("no
+    speech after it") is consumed whole; otherwise the text after the last pair is dropped and the next window starts
+    at that pair's time, so a word cut by the window's end is decoded again whole. A window with no pair is one
+    segment ending at its last timestamp (or the window's end)."""
+    stamps = [token >= first for token in seq]
+    single_ending = stamps[-2:] == [False, True]
+    cuts = [i + 1 for i in range(len(stamps) - 1) if stamps[i] and stamps[i + 1]]
+
+    def segment(tokens: Sequence[int], start: float, end: float) -> dict[str, Any]:
+        text = [token for token in tokens if token < first]
+        return {"start": round(start, 2), "end": round(end, 2), "text": decode(text).strip(), "tokens": text}
+
+    if not cuts:
+        last = [token for token in seq if token >= first]
+        end_step = last[-1] - first if last and last[-1] != first else window_frames // stride
+        return [segment(seq, offset, offset + end_step * TIME_STEP)], window_frames
+    cuts = [*cuts, len(seq)] if single_ending else [*cuts[:-1], cuts[-1] + 1]
+    found, begin = [], 0
+    for index, cut in enumerate(cuts):
+        tokens = seq[begin:cut]
+        closing = tokens[-1] if index < len(cuts) - 1 or single_ending else tokens[-2]
+        found.append(segment(tokens, offset + (tokens[0] - first) * TIME_STEP, offset + (closing - first) * TIME_STEP))
+        begin = cut
+    advance = window_frames if single_ending else (seq[begin - 2] - first) * stride
+    return found, advance

@@ -4,8 +4,11 @@ features (runtime/media/log_mel.py) through the encoder once, its text decoded a
 `generate` writes it. The language is detected from the first window where it is not given (the most likely language
 token after <|startoftranscript|>, as transformers' `detect_language`).
 
-With timestamps, each window's timed segments (runtime/drivers/timestamps.py); the windows are plain 30 s cuts (the
-long-form decoding that moves each cut to the window's last timestamp is not done yet).
+With timestamps, each window's timed segments (runtime/drivers/timestamps.py). A recording longer than one window is
+decoded long-form, as transformers' Whisper `generate` (and so its pipeline) does: features of the whole recording,
+then window after window, each decoded with timestamps and the next one starting at the last timestamp pair the
+window closed (runtime/drivers/timestamps.py `long_form_segments`), so a word cut by a window's end is decoded again
+whole in the next. Windows then depend on each other: they run one at a time.
 """
 
 from __future__ import annotations
@@ -18,10 +21,9 @@ import numpy as np
 
 from kvforge.core.errors import InputError, ManifestError
 from kvforge.runtime.drivers.seq2seq import MAX_NEW_TOKENS, Seq2SeqGenerator
-from kvforge.runtime.drivers.timestamps import TimestampRules, segments
+from kvforge.runtime.drivers.timestamps import TimestampRules, long_form_segments, segments
 
 TASKS = ("transcribe", "translate")
-WINDOWS_PER_RUN = 4  # 30 s windows through the encoder and decoder together
 
 
 @dataclass
@@ -72,9 +74,10 @@ class Transcriber:
                    task: str = "transcribe", max_new_tokens: int = MAX_NEW_TOKENS,
                    sampling: Any = None, timestamps: bool = False) -> Transcription:
         """`audio`: a file (path or bytes, WAV/FLAC) or samples (mono float, at `rate`); `sampling`: a SamplingConfig
-        (default greedy); `timestamps`: decode Whisper's timestamp tokens too, each window's timed segments in its
-        "segments" (runtime/drivers/timestamps.py)."""
-        from kvforge.runtime.media.audio import load_audio, resample, windows
+        (default greedy); `timestamps`: each window's timed segments in its "segments" (runtime/drivers/timestamps.py).
+        Up to 30 s: one window, decoded after the task prompt (with timestamps only when asked); longer: long-form
+        (`_long_form`)."""
+        from kvforge.runtime.media.audio import load_audio, resample
 
         if isinstance(audio, np.ndarray):
             if rate is None:
@@ -83,29 +86,52 @@ class Transcriber:
         else:
             samples, rate = load_audio(audio)
         samples = resample(samples, rate, self.features.sampling_rate)
-        parts = windows(samples, self.features.sampling_rate, self.features.n_samples / self.features.sampling_rate)
-        tokens: list[list[int]] = []
-        # A few windows a run: each window's cross keys and values are the encoder's whole output for it (~0.5 GB in
-        # fp32 for large-v3), so a long recording is not encoded at once.
-        for first in range(0, len(parts), WINDOWS_PER_RUN):
-            clips = [clip for _, clip in parts[first: first + WINDOWS_PER_RUN]]
-            encoded = self.generator.encode_features(self.features.batch(clips))
+        if samples.size > self.features.n_samples:
+            return self._long_form(samples, language, task, max_new_tokens, sampling, timestamps)
+        encoded = self.generator.encode_features(self.features.batch([samples]))  # one window, padded to 30 s
+        if language is None and self.languages:
+            language = self.detect_language(encoded)
+        prompt = self.prompt(language, task, timestamps)
+        limit = self.generator.layout.max_capacity - len(prompt)
+        rules = self._rules(len(prompt)) if timestamps else None
+        [tokens] = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
+                                               rules=rules)
+        tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
+        text = tokenizer.decode([t for t in tokens if t not in eos and t <= self.no_timestamps]).strip()
+        window = {"start": 0.0, "tokens": tokens, "text": text}
+        if timestamps:
+            window["segments"] = segments(tokens, self.no_timestamps + 1, 0.0, next(iter(eos), -1), tokenizer.decode)
+        return Transcription(text, language, [window])
+
+    def _long_form(self, samples: np.ndarray, language: str | None, task: str, max_new_tokens: int, sampling: Any,
+                   timestamps: bool) -> Transcription:
+        """Window after window over the whole recording's features, each starting where the last one's segments end
+        (see the module's docstring); the windows' text is their segments' (timestamps are decoded either way)."""
+        features = self.features.whole(samples)
+        frames, window = features.shape[1], self.features.nb_max_frames
+        stride = window // self.generator.record.max_length  # feature frames per encoder position (2)
+        frame_time = self.features.hop_length / self.features.sampling_rate
+        tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
+        found, seek = [], 0
+        while seek < frames:
+            held = min(frames - seek, window)
+            clip = np.zeros((1, features.shape[0], window), np.float32)  # the last window padded with zeros
+            clip[0, :, :held] = features[:, seek: seek + held]
+            encoded = self.generator.encode_features(clip)
             if language is None and self.languages:
                 language = self.detect_language(encoded)  # from the first window
-            prompt = self.prompt(language, task, timestamps)
+            prompt = self.prompt(language, task, timestamps=True)
             limit = self.generator.layout.max_capacity - len(prompt)
-            rules = self._rules(len(prompt)) if timestamps else None
-            tokens += self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt,
-                                                  sampling=sampling, rules=rules)
-        tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
-        text_of = [[t for t in row if t not in eos and t <= self.no_timestamps] for row in tokens]
-        found = [{"start": start, "tokens": row, "text": tokenizer.decode(text).strip()}
-                 for (start, _), row, text in zip(parts, tokens, text_of, strict=True)]
-        if timestamps:
-            end = next(iter(eos), -1)
-            for window in found:
-                window["segments"] = segments(window["tokens"], self.no_timestamps + 1, window["start"], end,
-                                              tokenizer.decode)
+            tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
+                                                 rules=self._rules(len(prompt)))[0]
+            if tokens and tokens[-1] in eos:
+                tokens = tokens[:-1]
+            start = seek * frame_time
+            parts, advance = long_form_segments(tokens, self.no_timestamps + 1, start, held, stride, tokenizer.decode)
+            window_record = {"start": round(start, 2), "tokens": tokens,
+                             "text": " ".join(part["text"] for part in parts if part["text"])}
+            found.append({**window_record, "segments": parts} if timestamps else window_record)
+            seek += advance if advance > 0 else held  # (a window closed only at <|0.00|> would repeat for ever)
         return Transcription(" ".join(w["text"] for w in found if w["text"]), language, found)
 
     def _rules(self, begin: int) -> Any:

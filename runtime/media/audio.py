@@ -1,7 +1,7 @@
 """Speech input without torch: an audio file read to mono float32 samples (soundfile), resampled to the model's rate
-as transformers' speech-recognition pipeline resamples (torchaudio's windowed-sinc resampler, made here with numpy),
-and long audio cut into 30 s windows with their start offsets. Whisper's log-mel features of a window are in
-log_mel.py (WhisperFeatures, re-exported here).
+as transformers' speech-recognition pipeline resamples (torchaudio's windowed-sinc resampler, made here with numpy).
+Whisper's log-mel features (of a 30 s window, or of a whole recording for long-form decoding) are in log_mel.py
+(WhisperFeatures, re-exported here).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from kvforge.core.errors import InputError
 from kvforge.runtime.media.log_mel import WhisperFeatures
 
-__all__ = ["WhisperFeatures", "load_audio", "resample", "windows"]
+__all__ = ["WhisperFeatures", "load_audio", "resample"]
 
 WHISPER_RATE = 16000
 # Filter sizes above this (output phases x taps) come from rate pairs with a tiny common factor (44101 -> 16000 needs
@@ -142,21 +142,3 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int = WHISPER_RATE) -
     for start in range(0, rows.shape[0], _ROWS_PER_STEP):
         out[start: start + _ROWS_PER_STEP] = rows[start: start + _ROWS_PER_STEP] @ kernel.T
     return out.reshape(-1)[: math.ceil(target * length / source)].astype(np.float32)
-
-
-def windows(samples: np.ndarray, rate: int = WHISPER_RATE, seconds: float = 30.0) -> list[tuple[float, np.ndarray]]:
-    """Consecutive `seconds`-long windows of the samples, in order, each with its start offset in seconds (to make
-    a window's timestamps absolute): no overlap, the last window shorter, none for no samples. A plain cut: the
-    long-form decoding will later move each cut to the window's last timestamp token (words across a cut are
-    otherwise split)."""
-    samples = np.asarray(samples)
-    if samples.ndim != 1:
-        raise InputError(f"windows takes one channel of samples (1-D), got shape {samples.shape}")
-    rate = _rate(rate, "the audio's")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-            or not (seconds > 0 and math.isfinite(seconds)):
-        raise InputError(f"window length must be a positive number of seconds, got {seconds!r}")
-    step = round(seconds * rate)
-    if step < 1:
-        raise InputError(f"a {seconds} s window at {rate} Hz holds no samples")
-    return [(start / rate, samples[start: start + step]) for start in range(0, samples.size, step)]

@@ -137,14 +137,7 @@ class WhisperFeatures:
 
     def fit(self, clip: np.ndarray) -> np.ndarray:
         """The clip as float32, padded with padding_value or cut to n_samples (transformers' pad step)."""
-        samples = np.asarray(clip)
-        if samples.ndim != 1:
-            raise InputError(f"an audio clip must be one channel of samples (1-D), got shape {samples.shape}")
-        if samples.dtype.kind not in "fiu":
-            raise InputError(f"audio samples must be numbers, got dtype {samples.dtype}")
-        samples = samples.astype(np.float32)[: self.n_samples]
-        if not np.isfinite(samples).all():
-            raise InputError("audio clip has non-finite samples (NaN or infinity)")
+        samples = _checked(np.asarray(clip)[: self.n_samples])
         fitted = np.full(self.n_samples, self.padding_value, dtype=np.float32)
         fitted[: samples.size] = samples
         return fitted
@@ -159,7 +152,20 @@ class WhisperFeatures:
 
     def features(self, clip: np.ndarray) -> np.ndarray:
         """[feature_size, nb_max_frames] float32 input_features of one clip at sampling_rate."""
-        mel = self.filters.T @ self.power_spectrum(self.fit(clip))
+        return self._log_mel(self.fit(clip))
+
+    def whole(self, samples: np.ndarray) -> np.ndarray:
+        """[feature_size, len(samples) // hop_length] float32 features of a whole recording, as the extractor makes
+        them for long-form decoding (truncation=False, padding="longest"): nothing padded or cut, and the floor set by
+        the whole recording's maximum. A 30 s window is then a slice of these frames."""
+        samples = _checked(samples)
+        if samples.size <= self.n_fft // 2:
+            raise InputError(f"a recording of {samples.size} samples is too short for Whisper's features (more than "
+                             f"{self.n_fft // 2} needed)")
+        return self._log_mel(samples)
+
+    def _log_mel(self, fitted: np.ndarray) -> np.ndarray:
+        mel = self.filters.T @ self.power_spectrum(fitted)
         log_mel = np.log10(np.maximum(mel, LOG_FLOOR))
         log_mel = np.maximum(log_mel, log_mel.max() - DYNAMIC_RANGE)
         return ((log_mel + 4.0) / 4.0).astype(np.float32)
@@ -172,3 +178,16 @@ class WhisperFeatures:
         if len(clips) == 0:
             raise InputError("batch() needs at least one audio clip")
         return np.stack([self.features(clip) for clip in clips])
+
+
+def _checked(clip: np.ndarray) -> np.ndarray:
+    """One channel of finite numbers, as float32."""
+    samples = np.asarray(clip)
+    if samples.ndim != 1:
+        raise InputError(f"an audio clip must be one channel of samples (1-D), got shape {samples.shape}")
+    if samples.dtype.kind not in "fiu":
+        raise InputError(f"audio samples must be numbers, got dtype {samples.dtype}")
+    samples = samples.astype(np.float32)
+    if not np.isfinite(samples).all():
+        raise InputError("audio clip has non-finite samples (NaN or infinity)")
+    return samples

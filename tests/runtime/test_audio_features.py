@@ -19,7 +19,7 @@ import soundfile  # a test dependency: these tests write the clips they read (on
 from test_runtime_standalone import imported_forbidden
 
 from kvforge.core.errors import InputError
-from kvforge.runtime.media.audio import WhisperFeatures, load_audio, resample, windows
+from kvforge.runtime.media.audio import WhisperFeatures, load_audio, resample
 
 NUMPY_TOLERANCE = 1e-6  # transformers' float64 numpy path: the same algorithm
 # transformers' torch path: torch.stft (MKL) in float32 is off by up to 1.3e-4 where a mel bin is ~70 dB below its
@@ -104,6 +104,24 @@ def test_padding_and_truncation_follow_transformers() -> None:
     np.testing.assert_array_equal(features.features(long), features.features(long[:480000]))
     padded = WhisperFeatures(padding_value=0.25).fit(clip)
     assert (padded[5:] == 0.25).all()
+
+
+@pytest.mark.parametrize("seconds", [31.0, 45.01, 95.0])
+def test_a_whole_recordings_features_equal_the_extractors_long_form_call(seconds: float) -> None:
+    """Long-form decoding's features (transformers' pipeline: truncation=False, padding="longest"): every frame of
+    the recording, its floor set by the whole recording's maximum; a window is a slice of them."""
+    rng = np.random.default_rng(int(seconds))
+    samples = (0.2 * rng.standard_normal(int(seconds * 16000))).astype(np.float32)
+    samples[: 16000 * 5] *= 4  # a louder start: its maximum sets the floor of the quieter rest
+    for feature_size in (80, 128):
+        expected = _extractor(feature_size)(samples, sampling_rate=16000, truncation=False, padding="longest",
+                                            return_tensors="np", return_attention_mask=True)
+        got = WhisperFeatures(feature_size=feature_size).whole(samples)
+        assert got.shape == expected.input_features[0].shape == (feature_size, int(seconds * 16000) // 160)
+        assert got.shape[1] == int(expected.attention_mask.sum())
+        assert float(np.abs(got - expected.input_features[0]).max()) < TORCH_TOLERANCE
+    with pytest.raises(InputError, match="too short for Whisper's features"):
+        WhisperFeatures().whole(np.zeros(100, np.float32))
 
 
 def test_batch_and_settings_from_preprocessor_config(clips_16k: list[np.ndarray]) -> None:
@@ -191,18 +209,6 @@ def test_bad_resample_input() -> None:
         resample(np.zeros(100), 44100.5)
     with pytest.raises(InputError, match="share too small a factor"):
         resample(np.zeros(100), 44101)
-
-
-def test_windows_of_a_long_clip() -> None:
-    samples = np.random.default_rng(2).standard_normal(95 * 16000).astype(np.float32)
-    cut = windows(samples)
-    assert [offset for offset, _ in cut] == [0.0, 30.0, 60.0, 90.0]
-    assert [window.size for _, window in cut] == [480000, 480000, 480000, 80000]
-    np.testing.assert_array_equal(np.concatenate([window for _, window in cut]), samples)
-    assert [offset for offset, _ in windows(np.zeros(60 * 8000), rate=8000)] == [0.0, 30.0]
-    assert windows(np.zeros(0)) == []
-    with pytest.raises(InputError, match="positive number of seconds"):
-        windows(samples, seconds=0)
 
 
 def test_bad_audio_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
