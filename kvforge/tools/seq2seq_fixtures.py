@@ -54,8 +54,10 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "plbart": dict(model_type="plbart", max_position_embeddings=64),
     # google-t5/t5-small: ReLU, tied embeddings (the decoder's output scaled by d_model^-0.5), 32 relative buckets
     # reaching 128 positions (one table per stack, in its first block)
+    # (this one with a tokenizer.json: T5_TEXT byte-level tokens, its specials first, "</s>" after every source)
     "t5": dict(model_type="t5", feed_forward_proj="relu", tie_word_embeddings=True, relative_attention_num_buckets=32,
-               relative_attention_max_distance=128, **_T5_IDS),
+               relative_attention_max_distance=128, vocab_size=300, **_T5_IDS,
+               initializer_factor=1.5),  # (at T5's own 1.0 its greedy text repeats one token from the first step)
     # google/flan-t5-small: gated GELU, untied head (no scaling), 6 heads of 64 against d_model 512 (here 3 x 8 : 32)
     "flan-t5": dict(model_type="t5", feed_forward_proj="gated-gelu", tie_word_embeddings=False, num_heads=3,
                     relative_attention_num_buckets=32, relative_attention_max_distance=128, **_T5_IDS),
@@ -114,6 +116,22 @@ def whisper_tokenizer() -> Any:
     return tokenizer
 
 
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
+
+
+def t5_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer (tokenizers) with T5's special tokens at its ids and its post-processor: every
+    encoding ends with </s>, as T5's own tokenizer writes a source."""
+    from tokenizers import processors
+
+    from kvforge.models.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(vocab_size, specials=T5_SPECIALS)
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    assert [tokenizer.token_to_id(token) for token in T5_SPECIALS] == [0, 1, 2]
+    return tokenizer
+
+
 def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
     """Write fixture `name` (FIXTURES, its generation rules GENERATION) as a Hugging Face folder (config.json,
     model.safetensors, generation_config.json; Whisper's also preprocessor_config.json) at `folder`."""
@@ -138,4 +156,6 @@ def build_tiny_seq2seq(name: str, folder: str | Path, seed: int = 0) -> Path:
         # The released feature extractor's settings: 30 s windows of 3000 frames, two per encoder position.
         transformers.WhisperFeatureExtractor(feature_size=config.num_mel_bins).save_pretrained(folder)
         whisper_tokenizer().save(str(folder / "tokenizer.json"))
+    if name == "t5":
+        t5_tokenizer(config.vocab_size).save(str(folder / "tokenizer.json"))
     return folder

@@ -123,3 +123,29 @@ def test_kvforge_generate_reads_sources_into_the_encoder(tmp_path_factory):
     refused = CliRunner().invoke(main, ["generate", str(export), "--prompt-ids", "5,0", "--stream"])
     assert refused.exit_code == 2
     assert "is an encoder-decoder export: --stream is not supported for it yet" in refused.output
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_kvforge_generate_reads_a_source_text_through_the_exports_tokenizer(tmp_path_factory):
+    """The tiny T5 ships a tokenizer.json (T5's specials, </s> after every source): `kvforge generate --prompt` gives
+    transformers' `generate` on the same tokenizer's ids, decoded by it."""
+    import json
+
+    from click.testing import CliRunner
+    from transformers import PreTrainedTokenizerFast
+
+    from kvforge.cli import main
+
+    folder = seq2seq_export(tmp_path_factory, "t5")
+    model = hf_model(folder / "hf")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "hf" / "tokenizer.json"))
+    texts = ["translate English to German: the house is small", "summarize: a cat sat"]
+    result = CliRunner().invoke(main, ["generate", str(folder / "export"), *[a for t in texts for a in ("--prompt", t)],
+                                       "--max-new-tokens", "12", "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    for text, tokens, decoded in zip(texts, shown["tokens"], shown["text"], strict=True):
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        assert ids[0, -1].item() == 1  # </s> closes the source, as T5's tokenizer writes it
+        expected = _hf_generate(model, {"input_ids": ids}, 12)[0]
+        assert tokens == expected and decoded == tokenizer.decode(expected, skip_special_tokens=True)

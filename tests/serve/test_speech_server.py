@@ -119,3 +119,28 @@ def test_a_wrong_content_type_and_a_text_endpoint_are_refused(speech):
     words = httpx.post(f"{speech['base']}/v1/audio/transcriptions", files={"file": ("a.wav", _wav(1.0, 2))},
                        data={"timestamp_granularities[]": "word"})
     assert words.status_code == 400 and "only 'segment' is supported" in words.json()["error"]["message"]
+
+
+@pytest.mark.xdist_group("seq2seq")
+def test_a_text_encoder_decoder_answers_completions_with_the_generators_text(tmp_path_factory):
+    """The tiny T5 (with its tokenizer.json) behind `kvforge serve`: the openai client's completions, one prompt and
+    a list of them, give what the Seq2SeqGenerator gives for the same source texts; the audio endpoints are a 404."""
+    import httpx
+    from openai import OpenAI
+
+    from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
+    from kvforge.serve.app import create_app
+
+    export = seq2seq_export(tmp_path_factory, "t5") / "export"
+    alone = Seq2SeqGenerator(export, threads=1)
+    sources = ["summarize: the cat sat on the mat", "translate English to German: good morning"]
+    with serving(create_app(export, threads=1, model_name="t5-tiny")) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none")
+        one = client.completions.create(model="t5-tiny", prompt=sources[0], max_tokens=10)
+        both = client.completions.create(model="t5-tiny", prompt=sources, max_tokens=10)
+        audio = httpx.post(f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", _wav(1.0, 1))})
+    expected = alone.generate(sources, max_new_tokens=10)
+    assert one.choices[0].text == expected[0]
+    assert [choice.text for choice in both.choices] == expected
+    assert both.usage.prompt_tokens == sum(len(alone.tokenizer().encode(s)) for s in sources)
+    assert audio.status_code == 404 and "is a text model" in audio.json()["error"]["message"]
