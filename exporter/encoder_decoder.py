@@ -47,9 +47,13 @@ def refuse_options(family: EncoderDecoderFamily, options: ExportOptions, target:
     if named:
         raise InputError(f"{family.model_type}: {', '.join(named)} is not supported for encoder-decoder models yet; "
                          "export without it")
-    if options.dtype != "fp32":  # BART's fp16 layers clamp on a data-dependent test that torch.export refuses
-        raise InputError(f"{family.model_type}: --dtype {options.dtype} is not supported for encoder-decoder models "
-                         "yet; export fp32")
+    if options.dtype == "fp16" and not family.fp16:
+        raise InputError(f"{family.model_type}: --dtype fp16 is not supported: its layers clamp an fp16 overflow only "
+                         "when one happened (transformers tests `torch.isfinite(...).all()`), a data-dependent branch "
+                         "torch.export cannot trace; export fp32")
+    if options.dtype == "bf16":
+        raise InputError(f"{family.model_type}: --dtype bf16 is not supported for encoder-decoder models yet; export "
+                         "fp32 or fp16")
 
 
 def load_encoder_decoder(model_dir: Path, family: EncoderDecoderFamily, dtype: str) -> Any:

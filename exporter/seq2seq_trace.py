@@ -48,7 +48,7 @@ def trace_encoder(model: Any, family: Any, torch_dtype: Any) -> Any:
         shapes = ({0: batch, 1: Dim("encoder_seq")}, {0: batch})
     else:  # Whisper's encoder takes exactly its window's frames: two per position
         frames = 2 * config.max_source_positions
-        args = (torch.zeros(_BATCH, config.num_mel_bins, frames, dtype=torch_dtype),)
+        args = (torch.zeros(_BATCH, config.num_mel_bins, frames, dtype=torch.float32),)
         shapes = ({0: batch},)
     names = encoder_io(family.input, family.decoder_layers(config))
     return _export(EncoderWrapper(model, family), args, names, (shapes,))  # forward(*inputs): one tuple

@@ -116,8 +116,8 @@ class EncoderWrapper(torch.nn.Module):
             ids, lens = inputs
             mask = (torch.arange(ids.shape[1])[None, :] < lens.to(torch.int64)[:, None]).to(torch.int64)
             call = dict(input_ids=ids, attention_mask=mask)
-        else:  # Whisper: every row is one 30 s window, all of its frames real
-            call, lens = dict(input_features=inputs[0]), None
+        else:  # Whisper: every row is one 30 s window, all of its frames real; fp32 features in at every dtype
+            call, lens = dict(input_features=inputs[0].to(self.model.dtype)), None
         roles = self.family.roles(self.model)
         if lens is None:
             steps = self.model.config.max_source_positions

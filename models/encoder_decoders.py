@@ -109,6 +109,7 @@ class EncoderDecoderFamily:
     logits: Any = output_logits
     positions: Any = decoder_positions
     self_bias: Any = None
+    fp16: bool = True  # False: its fp16 layers clamp overflow behind a data-dependent test (torch.export refuses it)
     note: str = ""
 
     def heads(self, config: Any) -> tuple[int, int]:
@@ -170,15 +171,15 @@ class T5Family(EncoderDecoderFamily):
 
 ENCODER_DECODERS: dict[str, EncoderDecoderFamily] = {
     family.model_type: family for family in (
-        EncoderDecoderFamily("bart", "ids", note="BART (summarisation, generation)"),
+        EncoderDecoderFamily("bart", "ids", fp16=False, note="BART (summarisation, generation)"),
         EncoderDecoderFamily("mbart", "ids", note="mBART (translation; the target language's token starts decoding)"),
-        EncoderDecoderFamily("marian", "ids", note="Marian / OPUS-MT (translation)"),
+        EncoderDecoderFamily("marian", "ids", fp16=False, note="Marian / OPUS-MT (translation)"),
         EncoderDecoderFamily("pegasus", "ids", note="Pegasus (summarisation)"),
         EncoderDecoderFamily("m2m_100", "ids", positions=m2m100_positions,
                              note="M2M100 and NLLB (translation; the target language's token is forced first)"),
         EncoderDecoderFamily("blenderbot", "ids", note="Blenderbot (dialogue)"),
-        EncoderDecoderFamily("blenderbot-small", "ids", note="Blenderbot small (dialogue)"),
-        EncoderDecoderFamily("plbart", "ids", note="PLBart (code and text)"),
+        EncoderDecoderFamily("blenderbot-small", "ids", fp16=False, note="Blenderbot small (dialogue)"),
+        EncoderDecoderFamily("plbart", "ids", fp16=False, note="PLBart (code and text)"),
         EncoderDecoderFamily("whisper", "features", auto="AutoModelForSpeechSeq2Seq",
                              note="Whisper (speech recognition and translation)"),
         T5Family("t5", "ids", note="T5 and Flan-T5 (text to text; relative position bias)"),

@@ -13,8 +13,8 @@ import numpy as np
 SOURCE_LENS = (11, 4, 7)  # a batch of source texts of different lengths, padded to the longest
 
 
-def seq2seq_export(tmp_path_factory: Any, fixture: str, target: str = "ort") -> Path:
-    """A folder holding `hf/` (kvforge/tools/seq2seq_fixtures.py `fixture`) and `export/` (its fp32 export for
+def seq2seq_export(tmp_path_factory: Any, fixture: str, target: str = "ort", dtype: str = "fp32") -> Path:
+    """A folder holding `hf/` (kvforge/tools/seq2seq_fixtures.py `fixture`) and `export/` (its `dtype` export for
     `target`), made once per test run and shared by the xdist workers: read-only."""
     from shared_exports import made_once, shared_folder
 
@@ -28,10 +28,10 @@ def seq2seq_export(tmp_path_factory: Any, fixture: str, target: str = "ort") -> 
             build_tiny_seq2seq(fixture, root / f"{fixture}-hf.tmp")
             (root / f"{fixture}-hf.tmp").rename(root / f"{fixture}-hf")
         hf.symlink_to(root / f"{fixture}-hf")
-        export_model(hf, out / "export", target=target)
+        export_model(hf, out / "export", target=target, dtype=dtype)
 
     root = shared_folder(tmp_path_factory, "seq2seq")
-    return made_once(root, f"{fixture}-{target}", make)
+    return made_once(root, f"{fixture}-{target}" + ("" if dtype == "fp32" else f"-{dtype}"), make)
 
 
 def family_of(model: Any) -> Any:

@@ -63,16 +63,16 @@ def measure_seq2seq_quantized(folder: str | Path, model_dir: str | Path | None =
             "greedy_agreement": f"{agree}/{path[:, 1:].size}", "sources": len(tokens), "steps": steps}
 
 
-PARITY_ATOL = 1e-3  # fp32: the tests' tolerance for an fp32 export against Hugging Face eager
-
-
 def seq2seq_parity(model_dir: str | Path, export_dir: str | Path, atol: float | None, as_json: bool, emit: Any,
                    echo: Any) -> None:
-    """`kvforge parity` of an encoder-decoder export: measure_seq2seq_quantized's figures against `atol` (default
-    PARITY_ATOL) and full greedy agreement; a ParityError (exit 1) beyond them."""
+    """`kvforge parity` of an encoder-decoder export: measure_seq2seq_quantized's figures against `atol` (default:
+    the decoder-only gate's for the export's dtype, 1e-3 fp32 and 0.15 fp16) and full greedy agreement; a ParityError
+    (exit 1) beyond them."""
     from kvforge.core.errors import ParityError
+    from kvforge.core.manifest import load_manifest
+    from kvforge.tools.parity import DEFAULT_ATOL
 
-    atol = PARITY_ATOL if atol is None else atol
+    atol = DEFAULT_ATOL[load_manifest(Path(export_dir))["dtype"]] if atol is None else atol
     figures = measure_seq2seq_quantized(export_dir, model_dir)
     agreed, steps = map(int, figures["greedy_agreement"].split("/"))
     passed = figures["max_abs_logit_err"] <= atol and agreed == steps
