@@ -84,9 +84,15 @@ def create_app(export_dir: str | Path, *, max_batch: int = 8, max_seq_len: int |
     `adaptive_draft`: draft lengths follow acceptance (kvforge/serve/speculation.py). An encoder-decoder
     export: kvforge/serve/speech.py's app, with its upload limits."""
     _require()
-    if (seq2seq := _encoder_decoder_app(export_dir, api_key=api_key, model_name=model_name, threads=threads,
+    unread = {"--max-seq-len": max_seq_len, "--template-seconds": template_seconds, "--chat-template": chat_template,
+              "--backend": backend if backend not in (None, "ort-cpu") else None, "--engine-dir": engine_dir,
+              "--special-tokens-in-content": special_tokens_in_content or None, "--speculate": speculate,
+              "--draft": draft, "--prefill-chunk": prefill_chunk if prefill_chunk != 128 else None,
+              "--max-body-bytes": max_body_bytes if max_body_bytes != DEFAULT_MAX_BODY_BYTES else None}
+    if (seq2seq := _encoder_decoder_app(export_dir, unread, api_key=api_key, model_name=model_name, threads=threads,
                                         allowed_hosts=allowed_hosts, max_audio_bytes=max_audio_bytes,
-                                        max_audio_seconds=max_audio_seconds)) is not None:
+                                        max_audio_seconds=max_audio_seconds, max_batch=max_batch,
+                                        max_queue=max_queue, spinning=spinning)) is not None:
         return seq2seq
     from fastapi import FastAPI
 
@@ -155,12 +161,17 @@ def _info_routes(app: Any, handlers: Any, metrics: Any) -> None:
         return Response(body, media_type=content_type)
 
 
-def _encoder_decoder_app(export_dir: str | Path, **options: Any) -> Any:
-    """An encoder-decoder export's app (kvforge/serve/speech.py), or None for any other export."""
+def _encoder_decoder_app(export_dir: str | Path, unread: dict[str, Any], **options: Any) -> Any:
+    """An encoder-decoder export's app (kvforge/serve/speech.py), or None for any other export. `unread`: the
+    decoder-only server's settings, by flag: any given is refused in one line (none applies to an encoder-decoder)."""
     from kvforge.core.encoder_contract import is_encoder_decoder
 
     if not is_encoder_decoder(export_dir):
         return None
+    given = [flag for flag, value in unread.items() if value is not None]
+    if given:
+        raise InputError(f"{export_dir} is an encoder-decoder export: {', '.join(given)} does not apply to it "
+                         "(its server batches on ONNX Runtime CPU, without speculation or chat templates)")
     from kvforge.serve.speech import create_seq2seq_app
 
     return create_seq2seq_app(export_dir, **options)

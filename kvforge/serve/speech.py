@@ -8,19 +8,20 @@ source text as `prompt`. GET /v1/models and /health as for decoder-only exports;
 
 Limits, each a 400 naming it: an empty file, an upload over `max_audio_bytes` (a body far beyond it is cut off by the
 Guard with a 413 before it is read), audio longer than `max_audio_seconds`, a file that does not decode (a corrupt
-or unsupported file: libsndfile's reason named). Requests run one at a time on a worker thread (the encoder-decoder
-runtime does not batch yet), so /health keeps answering.
+or unsupported file: libsndfile's reason named). Requests run on worker threads (so /health keeps answering): each
+encodes its own input, and their decoder rows are decoded together by one Seq2SeqBatcher
+(runtime/drivers/seq2seq_batch.py), up to `max_batch` rows at once, rows joining and leaving between steps; beyond
+`max_queue` waiting rows a request is a 429.
 """
 
 import asyncio
 import contextlib
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
-from kvforge.core.errors import InputError, KvforgeError
+from kvforge.core.errors import InputError, KvforgeError, QueueFullError
 from kvforge.serve.guard import ApiError, Guard, answer_errors_as_json
 
 AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
@@ -49,20 +50,21 @@ class SpeechHandlers:
     """The export's generator (and transcriber) behind a lock, and the answers in OpenAI's shapes."""
 
     def __init__(self, export_dir: str | Path, model_name: str, threads: int | None, max_audio_bytes: int,
-                 max_audio_seconds: float) -> None:
+                 max_audio_seconds: float, max_batch: int = 8, max_queue: int = 64, spinning: bool = True) -> None:
         from kvforge.runtime.drivers.seq2seq import Seq2SeqGenerator
+        from kvforge.runtime.drivers.seq2seq_batch import Seq2SeqBatcher
         from kvforge.runtime.drivers.transcribe import Transcriber
 
-        self.generator = Seq2SeqGenerator(export_dir, threads=threads)
+        self.generator = Seq2SeqGenerator(export_dir, threads=threads, spinning=spinning)
+        self.batcher = Seq2SeqBatcher(self.generator, max_rows=max_batch, max_queue=max_queue)
         speech = self.generator.record.input == "features"
-        self.transcriber = Transcriber(self.generator) if speech else None
+        self.transcriber = Transcriber(self.generator, self.batcher) if speech else None
         self.model_name, self.max_audio_bytes, self.max_audio_seconds = model_name, max_audio_bytes, max_audio_seconds
-        self.lock = threading.Lock()
         self.created = int(time.time())
 
-    # The serve loop's hooks (kvforge/serve/app.py serve): nothing runs in the background to stop or cut.
+    # The serve loop's hooks (kvforge/serve/app.py serve): the batcher's thread stops at close.
     def close(self) -> None:
-        pass
+        self.batcher.close()
 
     def cut(self, _message: str) -> None:
         pass
@@ -94,9 +96,8 @@ class SpeechHandlers:
                            code="audio_too_long")
         sampling = SamplingConfig() if temperature == 0 else SamplingConfig(greedy=False, temperature=temperature)
         timed = response_format in ("verbose_json", "srt", "vtt")  # segments: decoded with Whisper's timestamps
-        with self.lock:
-            found = self.transcriber.transcribe(samples, rate=rate, language=language, task=task, sampling=sampling,
-                                                timestamps=timed)
+        found = self.transcriber.transcribe(samples, rate=rate, language=language, task=task, sampling=sampling,
+                                            timestamps=timed)
         segments = [{"id": i, **segment} for i, segment in
                     enumerate(s for w in found.windows for s in w.get("segments", ()))]
         if response_format == "text":
@@ -122,9 +123,8 @@ class SpeechHandlers:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ApiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
         tokenizer = self.generator.tokenizer()
-        with self.lock:
-            sources = [tokenizer.encode(text) for text in prompts]
-            tokens = self.generator.generate_ids(self.generator.encode_ids(sources), max_tokens)
+        sources = [tokenizer.encode(text) for text in prompts]
+        tokens = self.batcher.generate_ids(self.generator.encode_ids(sources), max_tokens)
         choices = [{"index": i, "text": self.generator.text(row), "logprobs": None,
                     "finish_reason": self.generator.finish_reason(row, max_tokens)}
                    for i, row in enumerate(tokens)]
@@ -134,17 +134,35 @@ class SpeechHandlers:
                           "total_tokens": sum(map(len, sources)) + sum(map(len, tokens))}}
 
 
+def _check_audio_request(name: str, model: str | None, response_format: str, temperature: float,
+                         granularities: list[str] | None) -> None:
+    """An audio request's form fields, each wrong one an ApiError naming it."""
+    if model is not None and model != name:
+        raise ApiError(404, f"model {model!r} is not served here; this server serves {name!r}", param="model",
+                       code="model_not_found")
+    if response_format not in RESPONSE_FORMATS:
+        raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got {response_format!r}",
+                       param="response_format")
+    if any(g != "segment" for g in granularities or ()):
+        raise ApiError(400, "timestamp_granularities: only 'segment' is supported (word timestamps are not)",
+                       param="timestamp_granularities[]")
+    if not 0 <= temperature <= 2:
+        raise ApiError(400, f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+
+
 def create_seq2seq_app(export_dir: str | Path, *, api_key: str | None = None, model_name: str | None = None,
                        threads: int | None = None, allowed_hosts: Any = None,
                        max_audio_bytes: int = DEFAULT_MAX_AUDIO_BYTES,
-                       max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS) -> Any:
+                       max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS, max_batch: int = 8,
+                       max_queue: int = 64, spinning: bool = True) -> Any:
     """The FastAPI app of an encoder-decoder export (see the module docstring)."""
     from fastapi import FastAPI, File, Form, Request, UploadFile
     from fastapi.responses import JSONResponse, PlainTextResponse
 
 
     name = model_name or Path(export_dir).resolve().name
-    handlers = SpeechHandlers(export_dir, name, threads, max_audio_bytes, max_audio_seconds)
+    handlers = SpeechHandlers(export_dir, name, threads, max_audio_bytes, max_audio_seconds, max_batch, max_queue,
+                              spinning)
     app = FastAPI(title="kvforge", docs_url=None, redoc_url=None)
     app.state.handlers = app.state.scheduler = handlers  # what serve() closes and cuts
     app.state.renderer = None
@@ -156,21 +174,13 @@ def create_seq2seq_app(export_dir: str | Path, *, api_key: str | None = None, mo
 
     async def answer(task: str, file: UploadFile, model: str | None, language: str | None, response_format: str,
                      temperature: float, granularities: list[str] | None) -> Any:
-        if model is not None and model != name:
-            raise ApiError(404, f"model {model!r} is not served here; this server serves {name!r}",
-                           param="model", code="model_not_found")
-        if response_format not in RESPONSE_FORMATS:
-            raise ApiError(400, f"response_format must be one of {', '.join(RESPONSE_FORMATS)}, got "
-                                f"{response_format!r}", param="response_format")
-        if any(g != "segment" for g in granularities or ()):
-            raise ApiError(400, "timestamp_granularities: only 'segment' is supported (word timestamps are not)",
-                           param="timestamp_granularities[]")
-        if not 0 <= temperature <= 2:
-            raise ApiError(400, f"temperature must be between 0 and 2, got {temperature}", param="temperature")
+        _check_audio_request(name, model, response_format, temperature, granularities)
         data = await file.read(max_audio_bytes + 1)
         try:
             out, media = await asyncio.get_running_loop().run_in_executor(
                 None, handlers.transcribe, data, task, language, response_format, temperature)
+        except QueueFullError as err:
+            raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
         except KvforgeError as err:  # a language the model does not know, ...
             raise ApiError(400, str(err)) from None
         return JSONResponse(out) if media == "application/json" else PlainTextResponse(out, media_type=media)
@@ -199,6 +209,8 @@ def create_seq2seq_app(export_dir: str | Path, *, api_key: str | None = None, mo
                                param="model", code="model_not_found")
         try:
             return await asyncio.get_running_loop().run_in_executor(None, handlers.complete, body)
+        except QueueFullError as err:
+            raise ApiError(429, str(err), kind="rate_limit_error", code="queue_full") from None
         except KvforgeError as err:  # no tokenizer in the export, a source over the encoder's length, ...
             raise ApiError(400, str(err)) from None
 

@@ -54,6 +54,10 @@ class LoadedExport:
         every file, weights included, before loading."""
         self.folder = Path(export_dir)
         self.manifest = load_manifest(self.folder, verify_hashes=verify_hashes)
+        if self.manifest.get("encoder") is not None:
+            raise InputError(f"{self.folder} is an encoder-decoder export: load it with "
+                             "kvforge.runtime.drivers.seq2seq.Seq2SeqGenerator (kvforge generate, transcribe and serve "
+                             "take it as it is)")
         # Resolved once, here, where the manifest is read: the backend, heads and drivers ask this.
         self.target: Target = get_target(self.manifest["target"])
         model = ModelSpec.from_manifest(self.manifest)

@@ -117,7 +117,8 @@ def _repeats(tokens: Sequence[int], n: int) -> list[int]:
 class Seq2SeqGenerator:
     """encode_ids / encode_features, then generate_ids; `generate` for texts with the export's tokenizer."""
 
-    def __init__(self, folder: str | Path, threads: int | None = None) -> None:
+    def __init__(self, folder: str | Path, threads: int | None = None, spinning: bool = True) -> None:
+        """`spinning=False`: ONNX Runtime's threads sleep while they wait (a busy shared CPU)."""
         self.folder = Path(folder)
         self.manifest = load_manifest(self.folder)
         if self.manifest.get("encoder") is None:
@@ -127,7 +128,7 @@ class Seq2SeqGenerator:
         self.rules = DecodingRules.from_manifest(self.manifest)
         self.vocab_size = self.manifest["model"]["vocab_size"]
         self.sessions = {phase: open_session(self.folder, self.manifest, phase, ["CPUExecutionProvider"],
-                                             device="cpu", threads=threads, spinning=True, sessions="separate")
+                                             device="cpu", threads=threads, spinning=spinning, sessions="separate")
                          for phase in (ENCODER, "prefill", "decode")}
         self.cache_dtype = np.dtype(self.layout.dtype)
         self._tokenizer: Any = None

@@ -36,13 +36,15 @@ class Transcription:
 class Transcriber:
     """transcribe(audio) -> Transcription, over a Seq2SeqGenerator of a Whisper export."""
 
-    def __init__(self, generator: Seq2SeqGenerator) -> None:
+    def __init__(self, generator: Seq2SeqGenerator, decoder: Any = None) -> None:
+        """`decoder`: what decodes the windows (its `generate_ids`), the generator itself by default; the server
+        passes its Seq2SeqBatcher (runtime/drivers/seq2seq_batch.py), which decodes them beside other requests'."""
         from kvforge.runtime.media.log_mel import WhisperFeatures
 
         if generator.record.input != "features":
             raise InputError(f"{generator.folder} is not a speech model's export (its encoder takes token ids); "
                              "kvforge transcribe takes a Whisper export")
-        self.generator = generator
+        self.generator, self.decoder = generator, decoder if decoder is not None else generator
         self.features = WhisperFeatures.from_config(generator.record.features)
         generation = generator.manifest.get("generation") or {}
         self.languages = {token.strip("<|>"): token_id for token, token_id in (generation.get("lang_to_id") or {}).items()}
@@ -94,8 +96,8 @@ class Transcriber:
         prompt = self.prompt(language, task, timestamps)
         limit = self.generator.layout.max_capacity - len(prompt)
         rules = self._rules(len(prompt)) if timestamps else None
-        [tokens] = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
-                                               rules=rules)
+        [tokens] = self.decoder.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
+                                             rules=rules)
         tokenizer, eos = self.generator.tokenizer(), set(self.generator.rules.eos)
         text = tokenizer.decode([t for t in tokens if t not in eos and t <= self.no_timestamps]).strip()
         window = {"start": 0.0, "tokens": tokens, "text": text}
@@ -122,8 +124,8 @@ class Transcriber:
                 language = self.detect_language(encoded)  # from the first window
             prompt = self.prompt(language, task, timestamps=True)
             limit = self.generator.layout.max_capacity - len(prompt)
-            tokens = self.generator.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
-                                                 rules=self._rules(len(prompt)))[0]
+            tokens = self.decoder.generate_ids(encoded, min(max_new_tokens, limit), prompt=prompt, sampling=sampling,
+                                               rules=self._rules(len(prompt)))[0]
             if tokens and tokens[-1] in eos:
                 tokens = tokens[:-1]
             start = seek * frame_time

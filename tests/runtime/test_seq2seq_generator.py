@@ -149,3 +149,12 @@ def test_kvforge_generate_reads_a_source_text_through_the_exports_tokenizer(tmp_
         assert ids[0, -1].item() == 1  # </s> closes the source, as T5's tokenizer writes it
         expected = _hf_generate(model, {"input_ids": ids}, 12)[0]
         assert tokens == expected and decoded == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_the_decoder_only_generator_names_the_encoder_decoder_runtime(tmp_path_factory):
+    from kvforge.runtime import Generator
+
+    export = seq2seq_export(tmp_path_factory, "marian") / "export"
+    with pytest.raises(InputError, match=r"is an encoder-decoder export: load it with "
+                                         r"kvforge.runtime.drivers.seq2seq.Seq2SeqGenerator"):
+        Generator(export)

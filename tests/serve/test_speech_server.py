@@ -144,3 +144,15 @@ def test_a_text_encoder_decoder_answers_completions_with_the_generators_text(tmp
     assert [choice.text for choice in both.choices] == expected
     assert both.usage.prompt_tokens == sum(len(alone.tokenizer().encode(s)) for s in sources)
     assert audio.status_code == 404 and "is a text model" in audio.json()["error"]["message"]
+
+
+def test_decoder_only_server_settings_are_refused_in_one_line(tmp_path_factory):
+    from kvforge.core.errors import InputError
+    from kvforge.serve.app import create_app
+
+    export = seq2seq_export(tmp_path_factory, "whisper") / "export"
+    with pytest.raises(InputError, match=r"is an encoder-decoder export: --speculate, --prefill-chunk does not apply "
+                                         r"to it \(its server batches on ONNX Runtime CPU"):
+        create_app(export, speculate="prompt-lookup", prefill_chunk=64)
+    with pytest.raises(InputError, match=r"is an encoder-decoder export: --chat-template does not apply"):
+        create_app(export, chat_template="chatml")
