@@ -73,6 +73,11 @@ FIXTURES: dict[str, dict[str, Any]] = {
     "whisper-large-v3": dict(model_type="whisper", activation_function="gelu", num_mel_bins=128,
                              max_source_positions=1500, max_target_positions=48, vocab_size=WHISPER_VOCAB,
                              pad_token_id=_EOT, bos_token_id=_EOT, eos_token_id=_EOT, decoder_start_token_id=_SOT),
+    # openai/whisper-large-v3-turbo: large-v3's encoder (128 mel bins, 32 layers) with 4 decoder layers (here 3 and 1)
+    "whisper-large-v3-turbo": dict(model_type="whisper", activation_function="gelu", num_mel_bins=128,
+                                   encoder_layers=3, decoder_layers=1, max_source_positions=1500,
+                                   max_target_positions=48, vocab_size=WHISPER_VOCAB, pad_token_id=_EOT,
+                                   bos_token_id=_EOT, eos_token_id=_EOT, decoder_start_token_id=_SOT),
 }
 
 
@@ -87,7 +92,7 @@ GENERATION: dict[str, dict[str, Any]] = {
     "t5": dict(decoder_start_token_id=0), "flan-t5": dict(decoder_start_token_id=0),
     "mt5": dict(decoder_start_token_id=0),
     "whisper": {},  # whisper_generation(): its task tokens too
-    "whisper-large-v3": {},
+    "whisper-large-v3": {}, "whisper-large-v3-turbo": {},
 }
 
 

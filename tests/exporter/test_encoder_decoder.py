@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 STEPS = 32
 # Every family on `ort`; one of each encoder input on `onnx` (the same wrapper, another lowering).
 CASES = [("bart", "ort"), ("mbart", "ort"), ("marian", "ort"), ("pegasus", "ort"), ("m2m100", "ort"), ("whisper", "ort"),
-         ("whisper-large-v3", "ort"), ("blenderbot", "ort"), ("blenderbot-small", "ort"), ("plbart", "ort"),
+         ("whisper-large-v3", "ort"), ("whisper-large-v3-turbo", "ort"), ("blenderbot", "ort"), ("blenderbot-small", "ort"), ("plbart", "ort"),
          ("t5", "ort"), ("flan-t5", "ort"), ("mt5", "ort"), ("bart", "onnx"),
          ("whisper", "onnx"), ("t5", "onnx")]
 
