@@ -279,7 +279,8 @@ def test_the_export_commands_accuracy_check_reads_the_decoders_logits(tmp_path_f
 
 
 @pytest.mark.parametrize("fixture, other", [("marian", "mbart"), ("t5", None), ("mt5", "flan-t5"),
-                                            ("flan-t5", None), ("bart", None), ("whisper", None)])
+                                            ("flan-t5", None), ("bart", None), ("mbart", None), ("whisper", None),
+                                            ("whisper-large-v3", None)])
 def test_kvforge_parity_gates_an_encoder_decoder_export(tmp_path_factory, fixture, other):
     from click.testing import CliRunner
 
