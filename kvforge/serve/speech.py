@@ -114,17 +114,10 @@ class SpeechHandlers:
         if self.transcriber is not None:
             raise ApiError(404, f"{self.model_name} is a speech model: POST /v1/audio/transcriptions",
                            code="no_completions")
-        prompts = body.get("prompt")
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
-            raise ApiError(400, "prompt must be a non-empty string or a list of them (the source texts)",
-                           param="prompt")
-        max_tokens = body.get("max_tokens", 64)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
+        prompts, max_tokens, sampling = completion_settings(body)
         tokenizer = self.generator.tokenizer()
         sources = [tokenizer.encode(text) for text in prompts]
-        tokens = self.batcher.generate_ids(self.generator.encode_ids(sources), max_tokens)
+        tokens = self.batcher.generate_ids(self.generator.encode_ids(sources), max_tokens, sampling=sampling)
         choices = [{"index": i, "text": self.generator.text(row), "logprobs": None,
                     "finish_reason": self.generator.finish_reason(row, max_tokens)}
                    for i, row in enumerate(tokens)]
@@ -132,6 +125,37 @@ class SpeechHandlers:
                 "model": self.model_name, "choices": choices,
                 "usage": {"prompt_tokens": sum(map(len, sources)), "completion_tokens": sum(map(len, tokens)),
                           "total_tokens": sum(map(len, sources)) + sum(map(len, tokens))}}
+
+
+COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+                     "min_p", "seed", "user")
+
+
+def completion_settings(body: dict[str, Any]) -> tuple[list[str], int, Any]:
+    """(the source texts, max_tokens, the SamplingConfig) of a text encoder-decoder's /v1/completions body: greedy
+    unless `temperature` > 0 (then sampled, with top_p / top_k / min_p / seed). A parameter of the decoder-only
+    endpoint this one does not implement (stream, n, stop, logprobs, echo, ...) is a 400 naming it, not ignored."""
+    from kvforge.runtime.controls.sampling import SamplingConfig
+
+    unknown = sorted(key for key, value in body.items() if key not in COMPLETION_FIELDS and value not in (None, False))
+    if unknown:
+        raise ApiError(400, f"{', '.join(unknown)}: not supported for an encoder-decoder export; it takes "
+                            f"{', '.join(COMPLETION_FIELDS)}", param=unknown[0])
+    prompts = body.get("prompt")
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ApiError(400, "prompt must be a non-empty string or a list of them (the source texts)", param="prompt")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", param="max_tokens")
+    temperature = body.get("temperature") or 0
+    given = {key: body[key] for key in ("top_p", "top_k", "min_p", "seed") if body.get(key) is not None}
+    try:
+        sampling = SamplingConfig() if temperature == 0 else SamplingConfig(greedy=False, temperature=temperature,
+                                                                            **given)
+    except InputError as err:
+        raise ApiError(400, str(err)) from None
+    return prompts, max_tokens, sampling
 
 
 def _check_audio_request(name: str, model: str | None, response_format: str, temperature: float,

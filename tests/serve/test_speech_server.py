@@ -139,6 +139,18 @@ def test_a_text_encoder_decoder_answers_completions_with_the_generators_text(tmp
         one = client.completions.create(model="t5-tiny", prompt=sources[0], max_tokens=10)
         both = client.completions.create(model="t5-tiny", prompt=sources, max_tokens=10)
         audio = httpx.post(f"{base}/v1/audio/transcriptions", files={"file": ("a.wav", _wav(1.0, 1))})
+        sampled = client.completions.create(model="t5-tiny", prompt=sources[1], max_tokens=10, temperature=1.3,
+                                            top_p=0.9, seed=5)
+        refused = {key: httpx.post(f"{base}/v1/completions", json={"prompt": "x", key: value}).json()["error"]
+                   for key, value in (("stream", True), ("n", 2), ("stop", ["."]))}
+    from kvforge.runtime.controls.sampling import SamplingConfig
+
+    config = SamplingConfig(greedy=False, temperature=1.3, top_p=0.9, seed=5)
+    assert sampled.choices[0].text == alone.generate(sources[1:], max_new_tokens=10, sampling=config)[0]
+    assert sampled.choices[0].text != alone.generate(sources[1:], max_new_tokens=10)[0]  # sampled, not greedy
+    for key, error in refused.items():
+        assert error["message"].startswith(f"{key}: not supported for an encoder-decoder export; it takes model, "
+                                           "prompt, max_tokens"), error
     expected = alone.generate(sources, max_new_tokens=10)
     assert one.choices[0].text == expected[0]
     assert [choice.text for choice in both.choices] == expected
