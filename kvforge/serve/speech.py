@@ -26,6 +26,7 @@ from kvforge.serve.guard import ApiError, Guard, answer_errors_as_json
 
 AUDIO_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+AUDIO_FIELDS = ("file", "model", "language", "response_format", "temperature", "timestamp_granularities[]")
 DEFAULT_MAX_AUDIO_BYTES = 25 << 20  # OpenAI's own upload limit
 DEFAULT_MAX_AUDIO_SECONDS = 30 * 60
 
@@ -210,11 +211,16 @@ def create_seq2seq_app(export_dir: str | Path, *, api_key: str | None = None, mo
         return JSONResponse(out) if media == "application/json" else PlainTextResponse(out, media_type=media)
 
     def audio_route(task: str) -> Any:
-        async def route(file: Annotated[UploadFile, File()], model: Annotated[str | None, Form()] = None,
+        async def route(request: Request, file: Annotated[UploadFile, File()],
+                        model: Annotated[str | None, Form()] = None,
                         language: Annotated[str | None, Form()] = None, response_format: Annotated[str, Form()] = "json",
                         temperature: Annotated[float, Form()] = 0.0,
                         timestamp_granularities: Annotated[list[str] | None,
                                                            Form(alias="timestamp_granularities[]")] = None):
+            unknown = sorted(set((await request.form()).keys()) - set(AUDIO_FIELDS))
+            if unknown:  # OpenAI's `prompt` (previous text) among them: refused, not ignored
+                raise ApiError(400, f"{', '.join(unknown)}: not supported by this server; it takes "
+                                    f"{', '.join(AUDIO_FIELDS)}", param=unknown[0])
             return await answer(task, file, model, language, response_format, temperature, timestamp_granularities)
 
         return route

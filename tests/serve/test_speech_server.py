@@ -119,6 +119,10 @@ def test_a_wrong_content_type_and_a_text_endpoint_are_refused(speech):
     words = httpx.post(f"{speech['base']}/v1/audio/transcriptions", files={"file": ("a.wav", _wav(1.0, 2))},
                        data={"timestamp_granularities[]": "word"})
     assert words.status_code == 400 and "only 'segment' is supported" in words.json()["error"]["message"]
+    prompted = httpx.post(f"{speech['base']}/v1/audio/transcriptions", files={"file": ("a.wav", _wav(1.0, 2))},
+                          data={"prompt": "Earlier text.", "language": "en"})
+    assert prompted.status_code == 400 and prompted.json()["error"]["message"].startswith(
+        "prompt: not supported by this server; it takes file, model, language")
 
 
 @pytest.mark.xdist_group("seq2seq")
