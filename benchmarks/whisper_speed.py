@@ -4,6 +4,7 @@ optimum's ONNX export), alternating, medians.
     python benchmarks/whisper_speed.py make base /tmp/wb/hf          # the Whisper-base shape, random weights (290 MB)
     kvforge export /tmp/wb/hf -o /tmp/wb/ort
     python benchmarks/whisper_speed.py time /tmp/wb/ort /tmp/wb/hf --rounds 3 --tokens 64
+    python benchmarks/whisper_speed.py batch /tmp/wb/ort --requests 8     # the server's batching: 8 decodes at once
 
     # optimum's side: optimum-onnx needs transformers<4.58, so it exports from a venv of its own (a checkpoint saved
     # by transformers 5.x loads there); the timing itself runs here, through onnxruntime alone
@@ -197,6 +198,49 @@ def time_sides(export: Path, hf_dir: Path, rounds: int, tokens: int, threads: in
     return {**result, "rounds": rounds, "tokens": tokens, "threads": threads}
 
 
+def time_batching(export: Path, requests: int, rounds: int, tokens: int, threads: int) -> dict[str, Any]:
+    """`requests` concurrent decodes of `tokens` tokens (each its own window, encoded beforehand) through the server's
+    Seq2SeqBatcher, with `max_rows` 1 (one at a time) and `requests` (all together), alternating; medians."""
+    import threading
+
+    import numpy as np
+
+    from kvforge.runtime.drivers.seq2seq import DecodingRules, Seq2SeqGenerator
+    from kvforge.runtime.drivers.seq2seq_batch import Seq2SeqBatcher
+
+    generator = Seq2SeqGenerator(export, threads=threads)
+    bins, frames = generator.record.features["feature_size"], generator.record.features["nb_max_frames"]
+    encoded = [generator.encode_features(np.random.default_rng(i).standard_normal((1, bins, frames), np.float32))
+               for i in range(requests)]
+    # the start token and <|notimestamps|>, as `time`'s prompt
+    no_timestamps = (generator.manifest.get("generation") or {})["no_timestamps_token_id"]
+    prompt = [generator.record.decoder_start_token_id, no_timestamps]
+    rules = DecodingRules(suppress=generator.rules.eos)
+    seconds: dict[int, list[float]] = {1: [], requests: []}
+    outputs: dict[int, list[Any]] = {}
+    for _ in range(rounds):
+        for rows in seconds:
+            batcher, out = Seq2SeqBatcher(generator, max_rows=rows), [None] * requests
+
+            def call(i: int, batcher: Any = batcher, out: list[Any] = out) -> None:
+                out[i] = batcher.generate_ids(encoded[i], tokens, prompt=prompt, rules=rules)[0]
+
+            started = time.perf_counter()
+            workers = [threading.Thread(target=call, args=(i,)) for i in range(requests)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            seconds[rows].append(time.perf_counter() - started)
+            batcher.close()
+            outputs[rows] = out
+    alone, together = (statistics.median(seconds[rows]) for rows in seconds)
+    return {"requests": requests, "tokens": tokens, "one_at_a_time_s": round(alone, 3),
+            "batched_s": round(together, 3), "one_at_a_time_tokens_per_s": round(requests * tokens / alone, 1),
+            "batched_tokens_per_s": round(requests * tokens / together, 1), "speedup": round(alone / together, 2),
+            "same_tokens": outputs[1] == outputs[requests], "rounds": rounds, "threads": threads}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -210,9 +254,17 @@ def main() -> None:
     timed.add_argument("--tokens", type=int, default=64)
     timed.add_argument("--threads", type=int, default=2)
     timed.add_argument("--optimum", type=Path, default=None, help="optimum's export of the same checkpoint: a third side")
+    batched = sub.add_parser("batch")
+    batched.add_argument("export", type=Path)
+    batched.add_argument("--requests", type=int, default=8)
+    batched.add_argument("--rounds", type=int, default=3)
+    batched.add_argument("--tokens", type=int, default=64)
+    batched.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.command == "make":
         make(args.shape, args.out)
+    elif args.command == "batch":
+        print(json.dumps(time_batching(args.export, args.requests, args.rounds, args.tokens, args.threads), indent=2))
     else:
         print(json.dumps(time_sides(args.export, args.hf_dir, args.rounds, args.tokens, args.threads, args.optimum),
                          indent=2))
