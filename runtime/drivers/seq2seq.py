@@ -228,6 +228,22 @@ class Seq2SeqGenerator:
         return self._tokenizer
 
 
+def bind_decoder_state(session: Any, past_lens: np.ndarray, lens: np.ndarray, cross: Sequence[np.ndarray],
+                       cache: dict[tuple[str, int], np.ndarray]) -> Any:
+    """An IO binding of a decoder graph over these arrays (views included), without copying them: past_lens, the
+    encoder lengths, the cross keys and values (graph order) as inputs, each self cache buffer as both its past input
+    and its present output (written in place)."""
+    binding = session.io_binding()
+    names = cross_names(len(cross) // 2)
+    for name, array in ((PAST_LENS, past_lens), (ENCODER_LENS, lens), *zip(names, cross, strict=True)):
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+    for (kind, layer), array in cache.items():
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        binding.bind_ortvalue_input(cache_input(kind, layer), value)
+        binding.bind_ortvalue_output(cache_output(kind, layer), value)
+    return binding
+
+
 class _DecoderRun:
     """One batch's decoder state: the self cache bound in place to both graphs, the cross keys and values and the
     encoder lengths bound once, the step's inputs as arrays the bindings wrap."""
@@ -241,22 +257,11 @@ class _DecoderRun:
         shape = (batch, layout.num_kv_heads, capacity, layout.head_dim)
         self.cache = {(kind, layer): np.zeros(shape, generator.cache_dtype)
                       for layer in range(layout.num_layers) for kind in ("key", "value")}
-        values = {key: ort.OrtValue.ortvalue_from_numpy(array) for key, array in self.cache.items()}
         self.cross = [np.ascontiguousarray(value) for value in encoded.cross]
         self.lens = np.ascontiguousarray(encoded.lens, np.int32)
-        # OrtValues over these arrays: a step writes the arrays, nothing is bound again.
-        wrapped = {PAST_LENS: self.past_lens, ENCODER_LENS: self.lens,
-                   **dict(zip(cross_names(layout.num_layers), self.cross, strict=True))}
-        inputs = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in wrapped.items()}
-        self.bindings = {}
-        for phase in ("prefill", "decode"):
-            binding = self.sessions[phase].io_binding()
-            for name, value in inputs.items():
-                binding.bind_ortvalue_input(name, value)
-            for (kind, layer), value in values.items():
-                binding.bind_ortvalue_input(cache_input(kind, layer), value)
-                binding.bind_ortvalue_output(cache_output(kind, layer), value)
-            self.bindings[phase] = binding
+        # Bindings over these arrays: a step writes the arrays, nothing is bound again.
+        self.bindings = {phase: bind_decoder_state(self.sessions[phase], self.past_lens, self.lens, self.cross,
+                                                   self.cache) for phase in ("prefill", "decode")}
         self.step_ids = ort.OrtValue.ortvalue_from_numpy(self.ids)
         self.bindings["decode"].bind_ortvalue_input(INPUT_IDS, self.step_ids)
         self.bindings["decode"].bind_output(LOGITS, "cpu", 0, np.float32, list(self.logits.shape),

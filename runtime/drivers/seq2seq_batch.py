@@ -22,11 +22,16 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from kvforge.core.contract import INPUT_IDS, LOGITS, LOGITS_INDEX, PAST_LENS, cache_input, cache_output
-from kvforge.core.encoder_contract import ENCODER_LENS, cross_names
+from kvforge.core.contract import INPUT_IDS, LOGITS, LOGITS_INDEX
 from kvforge.core.errors import InputError, KvforgeError, QueueFullError
 from kvforge.runtime.controls.sampling import Sampler, SamplingConfig
-from kvforge.runtime.drivers.seq2seq import MAX_NEW_TOKENS, DecodingRules, Encoded, Seq2SeqGenerator
+from kvforge.runtime.drivers.seq2seq import (
+    MAX_NEW_TOKENS,
+    DecodingRules,
+    Encoded,
+    Seq2SeqGenerator,
+    bind_decoder_state,
+)
 
 KINDS = ("key", "value")
 
@@ -58,7 +63,6 @@ class Seq2SeqBatcher:
         self.generator, self.max_rows, self.max_queue = generator, max_rows, max_queue
         layout = generator.layout
         self.capacity = layout.max_capacity
-        self.names = cross_names(layout.num_layers)
         shape = (max_rows, layout.num_kv_heads, self.capacity, layout.head_dim)
         self.cache = {(kind, layer): np.zeros(shape, generator.cache_dtype)
                       for layer in range(layout.num_layers) for kind in KINDS}
@@ -67,6 +71,7 @@ class Seq2SeqBatcher:
         self.past_lens = np.zeros(max_rows, np.int32)
         self.ids = np.zeros((max_rows, 1), np.int64)
         self.logits = np.zeros((max_rows, generator.vocab_size), np.float32)
+        self.bound: dict[tuple[str, int, int], Any] = {}  # IO bindings by (phase, first slot, end slot)
         self.rows: list[_Row] = []  # in flight: row i in slot i
         self.waiting: list[_Row] = []
         self.wake = threading.Condition()
@@ -156,26 +161,26 @@ class Seq2SeqBatcher:
             for old, new in zip(self.cross, wider, strict=False):
                 new[:, :, :width] = old
             self.cross = wider
+            self.bound.clear()  # the bindings held views of the replaced arrays
         for array, value in zip(self.cross, row.cross, strict=True):
             array[slot, :, : row.length] = value[0]
             array[slot, :, row.length:] = 0
         self.lens[slot], self.past_lens[slot] = row.length, 0
 
     def _binding(self, phase: str, rows: slice) -> Any:
-        """A binding of `phase` over the slots `rows`: views of the arrays, so the run writes the caches in place."""
-        def value(array: np.ndarray) -> Any:
-            return ort.OrtValue.ortvalue_from_numpy(array[rows])
-
-        binding = self.generator.sessions[phase].io_binding()
-        binding.bind_ortvalue_input(PAST_LENS, value(self.past_lens))
-        binding.bind_ortvalue_input(ENCODER_LENS, value(self.lens))
-        for name, array in zip(self.names, self.cross, strict=True):
-            binding.bind_ortvalue_input(name, value(array))
-        for (kind, layer), array in self.cache.items():
-            cache = value(array)
-            binding.bind_ortvalue_input(cache_input(kind, layer), cache)
-            binding.bind_ortvalue_output(cache_output(kind, layer), cache)
-        return binding
+        """A binding of `phase` over the slots `rows`: views of the arrays, so the run writes the caches in place;
+        made once per phase and slot range (dropped when the cross arrays are widened, which replaces them)."""
+        key = (phase, rows.start, rows.stop)
+        if key not in self.bound:
+            self.bound[key] = bind_decoder_state(self.generator.sessions[phase], self.past_lens[rows], self.lens[rows],
+                                                 [array[rows] for array in self.cross],
+                                                 {name: array[rows] for name, array in self.cache.items()})
+            if phase == "decode":
+                self.bound[key].bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(self.ids[rows]))
+                self.bound[key].bind_output(LOGITS, "cpu", 0, np.float32, [rows.stop - rows.start,
+                                                                          self.generator.vocab_size],
+                                            self.logits.ctypes.data)
+        return self.bound[key]
 
     def _prefill(self, slot: int) -> np.ndarray:
         row = self.rows[slot]
@@ -189,11 +194,7 @@ class Seq2SeqBatcher:
         return out[:, 0]
 
     def _decode(self, count: int) -> None:
-        binding = self._binding("decode", slice(0, count))
-        binding.bind_ortvalue_input(INPUT_IDS, ort.OrtValue.ortvalue_from_numpy(self.ids[:count]))
-        binding.bind_output(LOGITS, "cpu", 0, np.float32, [count, self.generator.vocab_size],
-                            self.logits.ctypes.data)
-        self.generator.sessions["decode"].run_with_iobinding(binding)
+        self.generator.sessions["decode"].run_with_iobinding(self._binding("decode", slice(0, count)))
         self.past_lens[:count] += 1
 
     def _finish(self, slot: int) -> None:
