@@ -36,24 +36,36 @@ def test_concurrent_rows_of_different_lengths_equal_each_alone(mbart, monkeypatc
     alone = [generator.generate_ids(generator.encode_ids([s]), n)[0] for s, n in zip(sources, limits, strict=True)]
     batcher = Seq2SeqBatcher(generator, max_rows=4)
     widths = []  # the rows of each decode run: batching must happen (else this would pass serialised)
-    decode = batcher._decode
+    decode, step = batcher._decode, batcher._step
     monkeypatch.setattr(batcher, "_decode", lambda count: (widths.append(count), decode(count)))
+    # The decoding thread's first step waits until every request is queued, so that rows must wait for slots and
+    # join while others decode, whatever the machine's timing.
+    first: list[int] = []
+    opened = threading.Event()
+
+    def gated(admitted):
+        if not first:
+            first.append(len(admitted))
+            opened.wait(timeout=60)
+        return step(admitted)
+
+    monkeypatch.setattr(batcher, "_step", gated)
     got: list = [None] * len(sources)
-    start = threading.Barrier(len(sources))
 
     def call(i: int) -> None:
-        encoded = generator.encode_ids([sources[i]])
-        start.wait()
-        time.sleep(0.002 * i)  # arriving one by one, while earlier rows decode
-        got[i] = batcher.generate_ids(encoded, limits[i])[0]
+        got[i] = batcher.generate_ids(generator.encode_ids([sources[i]]), limits[i])[0]
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(sources))]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + 60
+    while (not first or len(batcher.waiting) < len(sources) - first[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    opened.set()
     for thread in threads:
         thread.join()
     assert got == alone
-    assert max(widths) > 1 and min(widths) < max(widths) <= 4
+    assert max(widths) == 4 and min(widths) < 4
     several = batcher.generate_ids(generator.encode_ids(sources[:3]), STEPS)  # one caller, several rows
     assert several == [generator.generate_ids(generator.encode_ids([s]), STEPS)[0] for s in sources[:3]]
     batcher.close()
